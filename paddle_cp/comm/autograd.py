@@ -1,0 +1,70 @@
+"""Differentiable collectives: each forward's backward is its mirror image."""
+from __future__ import annotations
+
+import paddle
+from paddle.autograd import PyLayer
+
+from . import collectives
+
+
+def _all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes, gather_sizes, op):
+    chunks = paddle.split(x, scatter_sizes, axis=scatter_axis)
+    recv_shapes = []
+    for size in gather_sizes:
+        shape = list(chunks[0].shape)
+        shape[scatter_axis] = chunks[mesh_group.index].shape[scatter_axis]
+        shape[gather_axis] = size
+        recv_shapes.append(shape)
+    received = collectives.all_to_all(mesh_group, chunks, op=op, recv_shapes=recv_shapes)
+    return paddle.concat(received, axis=gather_axis)
+
+
+class AllToAll(PyLayer):
+    """Split dim `scatter_axis` over ranks and gather dim `gather_axis` from them.
+
+    `scatter_sizes[j]`: how much of scatter_axis goes to position j;
+    `gather_sizes[j]`: how much of gather_axis arrives from position j.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mesh_group, scatter_axis, gather_axis, scatter_sizes, gather_sizes, op="all_to_all"):
+        ctx.args = (mesh_group, gather_axis, scatter_axis, gather_sizes, scatter_sizes, op)
+        return _all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes, gather_sizes, op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, *ctx.args)
+
+
+def all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes=None, gather_sizes=None, op="all_to_all"):
+    n = mesh_group.size
+    if n == 1:
+        return x
+    scatter_sizes = scatter_sizes or [x.shape[scatter_axis] // n] * n
+    gather_sizes = gather_sizes or [x.shape[gather_axis]] * n
+    return AllToAll.apply(x, mesh_group, scatter_axis, gather_axis, list(scatter_sizes), list(gather_sizes), op)
+
+
+class GatherReplicated(PyLayer):
+    """All-gather along `axis` for a consumer that every rank runs identically.
+
+    Backward keeps this rank's slice of the (replicated) gradient: no reduction,
+    since each rank already holds the whole gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mesh_group, axis, op="all_gather"):
+        ctx.args = (mesh_group, axis, x.shape[axis])
+        return paddle.concat(collectives.all_gather(mesh_group, x, op=op), axis=axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mesh_group, axis, size = ctx.args
+        start = mesh_group.index * size
+        return paddle.slice(grad, [axis], [start], [start + size])
+
+
+def gather_replicated(x, mesh_group, axis, op="all_gather"):
+    if mesh_group.size == 1:
+        return x
+    return GatherReplicated.apply(x, mesh_group, axis, op)

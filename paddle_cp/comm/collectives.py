@@ -1,0 +1,107 @@
+"""Collectives over a MeshGroup, results in mesh order.
+
+Native Paddle collectives where the backend has them; on gloo, all-to-all and
+reduce-scatter are emulated with N-1 rounds of ordered point-to-point
+exchanges, which move exactly the bytes per rank the real operations move.
+"""
+from __future__ import annotations
+
+import paddle
+import paddle.distributed as dist
+
+from . import counters, p2p
+
+
+def _sorted_positions(mesh_group):
+    """Paddle orders a group's ranks by rank id; map that order to mesh order."""
+    by_id = sorted(mesh_group.ranks)
+    return [by_id.index(r) for r in mesh_group.ranks]
+
+
+def all_gather(mesh_group, tensor, op="all_gather"):
+    """List of every position's tensor, in mesh order."""
+    if mesh_group.size == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    counters.record(op, counters.nbytes(tensor) * (mesh_group.size - 1))
+    gathered = []
+    dist.all_gather(gathered, tensor, group=mesh_group.group)
+    return [gathered[i] for i in _sorted_positions(mesh_group)]
+
+
+def all_reduce(mesh_group, tensor, op="all_reduce"):
+    """Sum `tensor` over the group in place (ring cost: 2(N-1)/N of its bytes)."""
+    if mesh_group.size == 1:
+        return tensor
+    n = mesh_group.size
+    counters.record(op, counters.nbytes(tensor) * 2 * (n - 1) // n)
+    dist.all_reduce(tensor, group=mesh_group.group)
+    return tensor
+
+
+def broadcast(mesh_group, tensor, src_index=0, op="broadcast"):
+    if mesh_group.size == 1:
+        return tensor
+    if mesh_group.index == src_index:
+        counters.record(op, counters.nbytes(tensor))
+    dist.broadcast(tensor, src=mesh_group.rank_at(src_index), group=mesh_group.group)
+    return tensor
+
+
+def all_to_all(mesh_group, chunks, op="all_to_all", recv_shapes=None):
+    """Send chunks[j] to position j; return the chunk each position sent here, in mesh order.
+
+    `recv_shapes[j]` is the shape of the chunk position j sends here (default:
+    the shape of chunks[j], right for even splits).
+    """
+    n = mesh_group.size
+    if len(chunks) != n:
+        raise ValueError(f"all_to_all needs one chunk per rank: got {len(chunks)} for {n} ranks")
+    if n == 1:
+        return list(chunks)
+    chunks = [c.contiguous() for c in chunks]
+    me = mesh_group.index
+    if not p2p.uses_native_p2p(chunks[0]):
+        return _all_to_all_rounds(mesh_group, chunks, op, recv_shapes)
+    counters.record(op, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
+    order = _sorted_positions(mesh_group)
+    received = [paddle.empty(recv_shapes[j] if recv_shapes else chunks[j].shape, chunks[j].dtype) for j in range(n)]
+    dist.alltoall(_in_group_order(order, received), _in_group_order(order, chunks), group=mesh_group.group)
+    return received
+
+
+def _in_group_order(order, per_position):
+    """Reorder a per-mesh-position list into Paddle's group-rank order (same objects)."""
+    by_group_rank = [None] * len(order)
+    for position, group_rank in enumerate(order):
+        by_group_rank[group_rank] = per_position[position]
+    return by_group_rank
+
+
+def _all_to_all_rounds(mesh_group, chunks, op, recv_shapes):
+    n, me = mesh_group.size, mesh_group.index
+    received = [None] * n
+    received[me] = chunks[me]
+    for offset in range(1, n):
+        # Round `offset`: send to me+offset, receive from me-offset.
+        src = (me - offset) % n
+        shape = recv_shapes[src] if recv_shapes else None
+        received[src] = p2p.shift(mesh_group, chunks[(me + offset) % n], offset, op, shape).wait()
+    return received
+
+
+def reduce_scatter(mesh_group, chunks, op="reduce_scatter"):
+    """Sum over ranks of chunks[me]: each position gets its own reduced chunk."""
+    n, me = mesh_group.size, mesh_group.index
+    if n == 1:
+        return chunks[0]
+    chunks = [c.contiguous() for c in chunks]
+    if p2p.uses_native_p2p(chunks[0]):
+        counters.record(op, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
+        out = paddle.empty_like(chunks[me])
+        dist.reduce_scatter(out, _in_group_order(_sorted_positions(mesh_group), chunks), group=mesh_group.group)
+        return out
+    total = chunks[me].clone()
+    for offset in range(1, n):
+        total = total + p2p.shift(mesh_group, chunks[(me + offset) % n], offset, op).wait()
+    return total

@@ -1,0 +1,84 @@
+"""Point-to-point exchanges within a MeshGroup.
+
+NCCL posts sends and receives together and returns at once (the caller computes
+while they fly). Gloo has only blocking send/recv, so both sides of each pair
+must be ordered to meet: along every cycle of the shift permutation, even
+positions send first and odd ones receive first.
+"""
+from __future__ import annotations
+
+import math
+
+import paddle
+import paddle.distributed as dist
+
+from . import counters
+
+
+def uses_native_p2p(tensor):
+    """Async NCCL p2p on GPU tensors; ordered blocking gloo p2p on CPU."""
+    return not tensor.place.is_cpu_place()
+
+
+def sends_first(index, size, shift):
+    """Whether position `index` sends before receiving when every rank sends to index+shift."""
+    step = shift % size
+    start = index % math.gcd(size, step)
+    position, at = 0, start
+    while at != index:
+        at = (at + step) % size
+        position += 1
+    return position % 2 == 0
+
+
+class Pending:
+    """A receive in flight; `wait()` returns the received tensor."""
+
+    def __init__(self, buffer, tasks=()):
+        self._buffer, self._tasks = buffer, list(tasks)
+
+    def wait(self):
+        for task in self._tasks:
+            task.wait()
+        self._tasks = []
+        return self._buffer
+
+
+def shift(mesh_group, tensor, offset=1, op="p2p", recv_shape=None):
+    """Send `tensor` to position index+offset and receive from index-offset.
+
+    The received tensor has `tensor`'s dtype and `recv_shape` (default: its
+    shape). Returns a Pending receive. With NCCL the transfer overlaps whatever the caller
+    does before `wait()`; with gloo it has completed on return.
+    """
+    size = mesh_group.size
+    if size == 1 or offset % size == 0:
+        return Pending(tensor)
+    tensor = tensor.contiguous()
+    dst = mesh_group.rank_at(mesh_group.index + offset)
+    src = mesh_group.rank_at(mesh_group.index - offset)
+    buffer = paddle.empty(recv_shape if recv_shape is not None else tensor.shape, tensor.dtype)
+    counters.record(op, counters.nbytes(tensor))
+    group = mesh_group.group
+    if uses_native_p2p(tensor):
+        ops = [dist.P2POp(dist.isend, tensor, dst, group), dist.P2POp(dist.irecv, buffer, src, group)]
+        return Pending(buffer, dist.batch_isend_irecv(ops))
+    if sends_first(mesh_group.index, size, offset):
+        dist.send(tensor, dst=dst, group=group)
+        dist.recv(buffer, src=src, group=group)
+    else:
+        dist.recv(buffer, src=src, group=group)
+        dist.send(tensor, dst=dst, group=group)
+    return Pending(buffer)
+
+
+def pack(tensors):
+    """Flatten several tensors into one buffer, so a step sends one message."""
+    return paddle.concat([t.reshape([-1]) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape([-1])
+
+
+def unpack(buffer, like):
+    """Split a packed buffer back into tensors shaped like `like`."""
+    sizes = [int(t.numel()) for t in like]
+    parts = paddle.split(buffer, sizes) if len(like) > 1 else [buffer]
+    return [p.reshape(t.shape) for p, t in zip(parts, like)]

@@ -1,0 +1,61 @@
+"""Match `parallelize_plan` keys to sublayers exactly as Paddle does, and warn on keys that match nothing."""
+from __future__ import annotations
+
+import difflib
+import re
+import warnings
+
+import paddle
+
+from .plans.base import Plan
+
+ROOT_KEY = ""  # extension: plans keyed "" apply to the model itself (Paddle excludes the root)
+
+
+def _as_list(key, value):
+    plans = value if isinstance(value, (list, tuple)) else [value]
+    for plan in plans:
+        if not isinstance(plan, Plan):
+            raise TypeError(
+                f"plan for {key!r} must be a paddle_cp plan (e.g. paddle_cp.ColWiseParallel()), "
+                f"got {type(plan).__name__}"
+            )
+    return list(plans)
+
+
+def _key_matches(key, name):
+    return key == name or re.fullmatch(key, name) is not None
+
+
+def match_layer(key, name, layer):
+    """Param names the key selects on this layer ([] = whole layer), or None if it does not match."""
+    prefix, _, attr = key.rpartition(".")
+    if prefix and isinstance(getattr(layer, attr, None), paddle.Tensor) and _key_matches(prefix, name):
+        return [attr]
+    return [] if _key_matches(key, name) else None
+
+
+def resolve_plan(model, plan):
+    """[(name, layer, plans, param_names)] in sublayer order, plans in key order."""
+    plan = {key: _as_list(key, value) for key, value in plan.items()}
+    layers = list(model.named_sublayers())
+    if ROOT_KEY in plan:
+        layers.insert(0, (ROOT_KEY, model))
+    matched, used = [], set()
+    for name, layer in layers:
+        for key, plans in plan.items():
+            if key == ROOT_KEY and name != ROOT_KEY:
+                continue
+            params = match_layer(key, name, layer)
+            if params is not None:
+                matched.append((name, layer, plans, params))
+                used.add(key)
+    for key in plan:
+        if key not in used:
+            names = [n for n, _ in layers if n]
+            close = difflib.get_close_matches(key, names, n=3, cutoff=0.4)
+            warnings.warn(
+                f"parallelize_plan key {key!r} matches no sublayer; closest names: {close or names[:3]}",
+                stacklevel=3,
+            )
+    return matched

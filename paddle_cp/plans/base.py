@@ -1,0 +1,18 @@
+"""What every parallel plan is: validated arguments, then `apply(layer, mesh, param_names)`."""
+
+
+class Plan:
+    def apply(self, layer, mesh, param_names=()):
+        raise NotImplementedError
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+def refuse_param_plan(plan, param_names):
+    if param_names:
+        raise ValueError(
+            f"{type(plan).__name__} applies to a whole layer, not to parameter(s) {list(param_names)}: "
+            "key it by the layer's name"
+        )

@@ -1,0 +1,50 @@
+"""What a worker rank records: named measurements, written as JSON for the pytest side to judge."""
+import json
+import os
+import traceback
+
+import numpy as np
+
+
+class Report:
+    def __init__(self):
+        import paddle.distributed as dist
+
+        self.rank = dist.get_rank()
+        self.data = {"rank": self.rank, "errors": {}, "max_abs": {}, "values": {}}
+
+    def diff(self, name, got, want):
+        """Largest absolute difference between two tensors/arrays."""
+        got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
+        want = want.numpy() if hasattr(want, "numpy") else np.asarray(want)
+        if got.shape != want.shape:
+            self.data["max_abs"][name] = float("inf")
+            self.data["values"][name + ".shape"] = [list(got.shape), list(want.shape)]
+            return
+        self.data["max_abs"][name] = max(self.data["max_abs"].get(name, 0.0), float(np.abs(got - want).max()))
+
+    def value(self, name, value):
+        self.data["values"][name] = value
+
+    def expect_error(self, name, fn):
+        """Run fn; record the error type and message (or 'no error')."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the report says what was raised
+            self.data["errors"][name] = [type(exc).__name__, str(exc)]
+        else:
+            self.data["errors"][name] = ["no error", ""]
+
+    def save(self):
+        path = os.path.join(os.environ["PCP_REPORT_DIR"], f"rank{self.rank}.json")
+        with open(path, "w") as f:
+            json.dump(self.data, f)
+
+
+def run(main):
+    report = Report()
+    try:
+        main(report)
+    except Exception:  # noqa: BLE001 - surface the traceback in the report
+        report.value("crash", traceback.format_exc())
+    report.save()
