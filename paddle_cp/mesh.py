@@ -2,9 +2,11 @@
 each mesh slice (made once, in one order, on every rank)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
+import paddle
 import paddle.distributed as dist
 
 _ALIASES = {"sep": ("sep", "cp"), "cp": ("sep", "cp")}
@@ -74,12 +76,15 @@ class MeshGroup:
 
     `ranks` are global ranks in mesh order (the order that defines positions in
     a ring or a sequence layout); `index` is this rank's position among them;
-    `group` is Paddle's Group (None for a one-rank slice).
+    `group` is Paddle's Group (None for the default group, or a one-rank
+    slice); `pairs` holds a two-rank group per peer where gloo's
+    point-to-point traffic needs them (see needs_pair_groups).
     """
 
     ranks: tuple
     index: int
     group: object
+    pairs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def size(self):
@@ -87,6 +92,12 @@ class MeshGroup:
 
     def rank_at(self, index):
         return self.ranks[index % self.size]
+
+    def p2p_group(self, peer_rank):
+        """The group to talk to `peer_rank` over: its pair group if there is one."""
+        if not self.pairs:
+            return self.group
+        return self.pairs[frozenset((self.ranks[self.index], peer_rank))]
 
 
 def _slices(mesh_array, axes):
@@ -97,35 +108,62 @@ def _slices(mesh_array, axes):
     return [tuple(int(r) for r in row) for row in flat]
 
 
-def mesh_group(mesh, dims):
+def mesh_group(mesh, dims, p2p=False):
     """This rank's MeshGroup over mesh dims `dims` (names; missing dims are skipped).
 
     Every rank must call this at the same point: the first call for a (mesh, dims)
-    pair creates the groups of all slices, in one order on every rank.
+    pair creates the groups of all slices, in one order on every rank. `p2p=True`
+    also creates the pair groups gloo needs for point-to-point traffic.
     """
     ensure_initialized()
     names = [find_dim(mesh, d) for d in dims]
     axes = sorted({mesh.dim_names.index(n) for n in names if n is not None})
     key = (tuple(mesh.process_ids), tuple(mesh.shape), tuple(axes))
+    slices = _slices(np.asarray(mesh.mesh), axes)
     if key not in _groups:
-        _groups[key] = _create_groups(np.asarray(mesh.mesh), axes)
-    return _groups[key]
+        _groups[key] = _create_groups(slices)
+    mine = _groups[key]
+    if p2p and needs_pair_groups(mine.size) and not mine.pairs and paddle.get_device() == "cpu":
+        _create_pairs(slices, mine)
+    return mine
 
 
-def _create_groups(mesh_array, axes):
+def needs_pair_groups(size):
+    """Gloo tags point-to-point messages with a per-group counter, so in one group
+    a message only meets its receive when the two ranks alternate along every
+    cycle of the exchange: true for all shifts of a power-of-two ring, false
+    for some shift of any other size. Those get a group per pair of ranks."""
+    return size > 1 and size & (size - 1) != 0
+
+
+def _new_group(ranks):
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        return None  # Paddle's default group: no new gloo rendezvous
+    group = dist.new_group(list(ranks))
+    # gloo's rendezvous mixes up groups created back to back: settle each one.
+    dist.barrier()
+    return group
+
+
+def _create_groups(slices):
     rank = dist.get_rank()
     mine = None
-    for ranks in _slices(mesh_array, axes):
-        group = None
-        if len(ranks) > 1:
-            group = dist.new_group(list(ranks))
-            # gloo's rendezvous mixes up groups created back to back: settle each one.
-            dist.barrier()
+    for ranks in slices:
+        group = _new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             mine = MeshGroup(ranks, ranks.index(rank), group)
     if mine is None:
-        raise ValueError(f"rank {rank} is not in the mesh {mesh_array.tolist()}: the mesh must cover every launched rank")
+        raise ValueError(f"rank {rank} is not in the mesh {slices}: the mesh must cover every launched rank")
     return mine
+
+
+def _create_pairs(slices, mine):
+    me = mine.ranks[mine.index]
+    for ranks in slices:
+        for a, b in itertools.combinations(ranks, 2):
+            group = _new_group((a, b))
+            if me in (a, b):
+                mine.pairs[frozenset((a, b))] = group
 
 
 __all__ = ["set_mesh", "get_mesh", "resolve_mesh", "find_dim", "require_dim", "dim_size", "mesh_group", "MeshGroup"]

@@ -20,7 +20,7 @@ def resolve_group(mesh=None, group=None):
         return mesh_lib.MeshGroup(tuple(group.ranks), group.rank, group)
     mesh = mesh_lib.resolve_mesh(mesh)
     mesh_lib.require_dim(mesh, "sep", "context parallelism")
-    return mesh_lib.mesh_group(mesh, ["sep"])
+    return mesh_lib.mesh_group(mesh, ["sep"], p2p=True)
 
 
 def check_inputs(query, key, value, dropout_p, training):

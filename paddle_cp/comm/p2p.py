@@ -1,9 +1,9 @@
 """Point-to-point exchanges within a MeshGroup.
 
 NCCL posts sends and receives together and returns at once (the caller computes
-while they fly). Gloo has only blocking send/recv, so both sides of each pair
-must be ordered to meet: along every cycle of the shift permutation, even
-positions send first and odd ones receive first.
+while they fly). Gloo has only blocking send/recv, so both sides are ordered to meet: along
+every cycle of the shift permutation, even positions send first and odd ones
+receive first (gloo's per-group message tags are handled in mesh.py).
 """
 from __future__ import annotations
 
@@ -59,16 +59,16 @@ def shift(mesh_group, tensor, offset=1, op="p2p", recv_shape=None):
     src = mesh_group.rank_at(mesh_group.index - offset)
     buffer = paddle.empty(recv_shape if recv_shape is not None else tensor.shape, tensor.dtype)
     counters.record(op, counters.nbytes(tensor))
-    group = mesh_group.group
     if uses_native_p2p(tensor):
+        group = mesh_group.group
         ops = [dist.P2POp(dist.isend, tensor, dst, group), dist.P2POp(dist.irecv, buffer, src, group)]
         return Pending(buffer, dist.batch_isend_irecv(ops))
     if sends_first(mesh_group.index, size, offset):
-        dist.send(tensor, dst=dst, group=group)
-        dist.recv(buffer, src=src, group=group)
+        dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
+        dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
     else:
-        dist.recv(buffer, src=src, group=group)
-        dist.send(tensor, dst=dst, group=group)
+        dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
+        dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
     return Pending(buffer)
 
 

@@ -37,7 +37,7 @@ class PrepareContextParallel(Plan):
     def apply(self, layer, mesh, param_names=()):
         refuse_param_plan(self, param_names)
         mesh_lib.require_dim(mesh, "sep", "PrepareContextParallel")
-        self._group = mesh_lib.mesh_group(mesh, ["sep"])
+        self._group = mesh_lib.mesh_group(mesh, ["sep"], p2p=True)
         self._layout = SequenceLayout(self.backend, self._group.size)
         signature = inspect.signature(layer.forward)
         self._signature = signature if "position_ids" in signature.parameters else None
@@ -88,7 +88,7 @@ class ContextParallel(Plan):
     def apply(self, layer, mesh, param_names=()):
         refuse_param_plan(self, param_names)
         mesh_lib.require_dim(mesh, "sep", "ContextParallel")
-        self._group = mesh_lib.mesh_group(mesh, ["sep"])
+        self._group = mesh_lib.mesh_group(mesh, ["sep"], p2p=True)
         layer.register_forward_pre_hook(self._enter)
         return layer.register_forward_post_hook(self._exit, always_call=True)
 
