@@ -10,13 +10,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
+EXAMPLES = ROOT / "examples"
 
 
 def launch(worker, nproc, *args, timeout=600):
     """Run tests/workers/<worker> on `nproc` gloo ranks; return the per-rank reports (rank order)."""
     with tempfile.TemporaryDirectory(prefix="pcp_launch_") as tmp:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKERS), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKERS), str(EXAMPLES), env.get("PYTHONPATH", "")])
         env["PCP_REPORT_DIR"] = tmp
         env.setdefault("OMP_NUM_THREADS", "1")
         env.pop("CUDA_VISIBLE_DEVICES", None)
