@@ -70,20 +70,22 @@ def ulysses_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, elem=FP32):
     return 2 * (ulysses - 1) * local * sent_heads // ulysses
 
 
-def attention_bytes(backend, batch, seq, heads, kv_heads, head_dim, world, elem=FP32, ulysses=None):
-    """Bytes per rank for `backend` in ('p2p', 'all2all', 'hybrid') over `world` ranks.
+def attention_traffic(batch, seq, heads, kv_heads, head_dim, ring, ulysses, elem=FP32):
+    """(Ulysses bytes, ring bytes) per rank for ring x Ulysses context parallelism.
 
-    Hybrid: Ulysses over `ulysses` ranks on the sequence s/R, then ring over
-    R = world/ulysses on h/ulysses heads (k/v heads repeated first if needed).
+    Ulysses over `ulysses` ranks gathers the sequence s/ring and splits heads;
+    the ring then runs over `ring` groups on the head-split k/v (repeated first
+    when there are fewer k/v heads than Ulysses ranks).
     """
-    if backend == "p2p":
-        return ring_bytes(batch, seq, kv_heads, head_dim, world, elem)
-    if backend == "all2all":
-        return ulysses_bytes(batch, seq, heads, kv_heads, head_dim, world, elem)
-    ring = world // ulysses
     inner = ulysses_bytes(batch, seq // ring, heads, kv_heads, head_dim, ulysses, elem)
     ring_heads = kv_heads_sent(kv_heads, ulysses) // ulysses
-    return inner + ring_bytes(batch, seq, ring_heads, head_dim, ring, elem)
+    return inner, ring_bytes(batch, seq, ring_heads, head_dim, ring, elem)
+
+
+def attention_bytes(backend, batch, seq, heads, kv_heads, head_dim, world, elem=FP32):
+    """Bytes per rank of paddle_cp's `backend` ('p2p' or 'all2all') over `world` ranks."""
+    ring, ulysses = (world, 1) if backend == "p2p" else (1, world)
+    return sum(attention_traffic(batch, seq, heads, kv_heads, head_dim, ring, ulysses, elem))
 
 
 def attention_min_bytes(backend, batch, seq, heads, kv_heads, head_dim, world, elem=FP32):
@@ -108,3 +110,201 @@ def attention_flops(batch, seq, heads, head_dim, causal):
     """Useful forward+backward FLOPs: 4bhs^2d forward (half if causal), backward 2.5x forward."""
     forward = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
     return 3.5 * forward
+
+
+# ---- the whole model --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer (Llama-like: GQA attention, SwiGLU MLP, RMSNorm)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    intermediate: int
+    head_dim: int = 0  # 0: hidden // heads
+    tied_embeddings: bool = False
+
+    def __post_init__(self):
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.heads % self.kv_heads:
+            raise ValueError(f"{self.heads} attention heads are not a multiple of {self.kv_heads} k/v heads")
+
+    @classmethod
+    def from_config(cls, config):
+        """From a PaddleFormers / Hugging Face config.json dict."""
+        heads = config["num_attention_heads"]
+        return cls(
+            layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads, vocab=config["vocab_size"],
+            intermediate=config["intermediate_size"], head_dim=config.get("head_dim") or 0,
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def layer_matmul_params(self):
+        attention = self.hidden * (2 * self.heads + 2 * self.kv_heads) * self.head_dim
+        return attention + 3 * self.hidden * self.intermediate
+
+    @property
+    def matmul_params(self):
+        """Parameters that take part in matmuls (the lm_head, not the embedding lookup)."""
+        return self.layers * self.layer_matmul_params + self.vocab * self.hidden
+
+    @property
+    def params(self):
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        norms = (2 * self.layers + 1) * self.hidden
+        return self.layers * self.layer_matmul_params + embeddings + norms
+
+
+@dataclass(frozen=True)
+class Cluster:
+    devices: int
+    memory: float  # bytes per device
+    flops: float  # achievable FLOP/s per device for this model's matmuls
+    intra_bandwidth: float  # bytes/s per device within a node
+    inter_bandwidth: float  # bytes/s per device across nodes
+    devices_per_node: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees, outermost first: data, ring, Ulysses, tensor (tensor innermost: fastest links)."""
+
+    dp: int
+    ring: int
+    ulysses: int
+    tp: int
+
+    @property
+    def cp(self):
+        return self.ring * self.ulysses
+
+    @property
+    def backend(self):
+        if self.ring > 1 and self.ulysses > 1:
+            return "hybrid"
+        return "all2all" if self.ulysses > 1 else "p2p"
+
+    @property
+    def runnable(self):
+        """paddle_cp runs ring or Ulysses; hybrid is modelled only."""
+        return self.backend != "hybrid"
+
+    @property
+    def name(self):
+        return f"dp{self.dp} ring{self.ring} uly{self.ulysses} tp{self.tp}"
+
+
+def _bandwidth(cluster, stride, size):
+    """A group of `size` ranks `stride` apart stays on one node while it spans no more than a node."""
+    return cluster.intra_bandwidth if stride * size <= cluster.devices_per_node else cluster.inter_bandwidth
+
+
+def _all_reduce_bytes(nbytes, size):
+    return 2 * (size - 1) * nbytes / size
+
+
+def memory(model, layout, seq, batch, elem):
+    """Per-rank bytes: parameter state, activations, logits."""
+    tp = layout.tp
+    tokens = batch * seq // layout.cp
+    params = (model.params - (2 * model.layers + 1) * model.hidden) / tp + (2 * model.layers + 1) * model.hidden
+    heads, kv_heads = model.heads // tp, max(model.kv_heads // tp, 1)
+    held_as = "all2all" if layout.ulysses > 1 else "p2p"
+    attention = attention_held_bytes(held_as, batch, seq, heads, kv_heads, model.head_dim, layout.cp, elem)
+    # norm outputs and residual (hidden each, twice), MLP gate, up and product (intermediate/tp each)
+    rest = tokens * (4 * model.hidden + 3 * model.intermediate // tp) * elem
+    logits = tokens * (model.vocab // tp) * FP32
+    return {
+        "state": ADAM_BYTES_PER_PARAM * params,
+        "activations": model.layers * (attention + rest),
+        "logits": logits,
+    }
+
+
+def step_time(model, layout, cluster, seq, batch, elem, causal=True):
+    """Per-step seconds: compute, then each communication (ring traffic overlaps attention)."""
+    tp, cp = layout.tp, layout.cp
+    tokens = batch * seq // cp
+    heads, kv_heads = model.heads // tp, max(model.kv_heads // tp, 1)
+    dense = 6 * tokens * model.matmul_params / tp
+    attention = model.layers * attention_flops(batch, seq, model.heads, model.head_dim, causal) / (cp * tp)
+    uly, ring = attention_traffic(batch, seq, heads, kv_heads, model.head_dim, layout.ring, layout.ulysses, elem)
+    attention_seconds = attention / cluster.flops
+    ring_seconds = model.layers * ring / _bandwidth(cluster, tp * layout.ulysses, layout.ring)
+    grad_bytes = (model.params / tp) * elem
+    # Megatron tensor parallelism: 2 all-reduces of [tokens, hidden] forward, 2 backward, per layer
+    tp_bytes = model.layers * 4 * _all_reduce_bytes(tokens * model.hidden * elem, tp)
+    return {
+        "compute": dense / cluster.flops + attention_seconds,
+        "tensor_parallel": tp_bytes / _bandwidth(cluster, 1, tp),
+        "ulysses": model.layers * uly / _bandwidth(cluster, tp, layout.ulysses),
+        "ring_exposed": max(0.0, ring_seconds - attention_seconds),
+        "grad_all_reduce": _all_reduce_bytes(grad_bytes, layout.dp * cp) / _bandwidth(cluster, tp, layout.dp * cp),
+    }
+
+
+def layouts(model, devices, seq, max_tp):
+    """Every dp x ring x Ulysses x tp factorisation of `devices` the shapes allow."""
+    for tp, ulysses, ring in itertools.product(_divisors(devices), repeat=3):
+        dp, rest = divmod(devices, tp * ulysses * ring)
+        if rest or tp > max_tp or model.heads % tp or (model.heads // tp) % ulysses:
+            continue
+        kv = max(model.kv_heads // tp, 1)
+        if kv % ulysses and ulysses % kv:
+            continue
+        if seq % (2 * ring * ulysses if ring > 1 else ulysses):
+            continue
+        yield Layout(dp, ring, ulysses, tp)
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True):
+    """One layout's memory, time and throughput (`batch` sequences per data-parallel replica)."""
+    mem = memory(model, layout, seq, batch, elem)
+    time = step_time(model, layout, cluster, seq, batch, elem, causal)
+    total_mem, total_time = sum(mem.values()), sum(time.values())
+    return {
+        "layout": asdict(layout), "name": layout.name, "backend": layout.backend, "runnable": layout.runnable,
+        "memory": mem, "memory_total": total_mem, "fits": total_mem <= cluster.memory,
+        "time": time, "step_time": total_time,
+        "tokens_per_second": layout.dp * batch * seq / total_time,
+    }
+
+
+def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True):
+    """Estimates of every candidate, best first: layouts that fit, by throughput, then the rest by memory."""
+    found = [estimate(model, layout, cluster, seq, batch, elem, causal)
+             for layout in layouts(model, cluster.devices, seq, cluster.devices_per_node)]
+    return sorted(found, key=lambda e: (not e["fits"], -e["tokens_per_second"] if e["fits"] else e["memory_total"]))
+
+
+def parallelize_config(layout, model_prefix="model"):
+    """The YAML-able config (see paddle_cp.config.load_config) that runs `layout`."""
+    if not layout.runnable:
+        raise ValueError(f"{layout.name}: paddle_cp has no hybrid ring x Ulysses backend yet")
+    dims = [(name, size) for name, size in (("dp", layout.dp), ("sep", layout.cp), ("mp", layout.tp)) if size > 1]
+    dims = dims or [("dp", 1)]
+    config = {"mesh": {"shape": [s for _, s in dims], "dim_names": [n for n, _ in dims]},
+              "dp_config": {"sharding_level": 0}}
+    layers = f"{model_prefix}.layers.*"
+    if layout.tp > 1:
+        plan = {f"{layers}.self_attn.{p}_proj": "ColWiseParallel" for p in "qkv"}
+        plan[f"{layers}.self_attn.o_proj"] = "RowWiseParallel"
+        plan.update({f"{layers}.mlp.{p}_proj": "ColWiseParallel" for p in ("gate", "up")})
+        plan[f"{layers}.mlp.down_proj"] = "RowWiseParallel"
+        config["mp_config"] = {"parallelize_plan": plan}
+    if layout.cp > 1:
+        config["cp_config"] = {"parallelize_plan": {
+            model_prefix: {"PrepareContextParallel": {"backend": layout.backend}},
+            f"{layers}.self_attn": [{"ContextParallel": {"backend": layout.backend}}],
+        }}
+    return config
