@@ -1,4 +1,4 @@
-"""Run a worker script under `paddle.distributed.launch` on CPU ranks and collect each rank's JSON report."""
+"""Run scripts under `paddle.distributed.launch` on CPU ranks and collect what they report."""
 from __future__ import annotations
 
 import json
@@ -13,26 +13,39 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 EXAMPLES = ROOT / "examples"
 
 
+def _run(script, nproc, args, tmp, timeout):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKERS), str(EXAMPLES), env.get("PYTHONPATH", "")])
+    env["PCP_REPORT_DIR"] = tmp
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
+           "--log_dir", os.path.join(tmp, "log"), str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    logs = {log.name: log.read_text() for log in sorted(Path(tmp, "log").glob("workerlog.*"))}
+    return proc, logs
+
+
+def _failure(script, nproc, proc, logs):
+    tails = "".join(f"\n----- {name}\n{text[-4000:]}" for name, text in logs.items())
+    return AssertionError(f"launch of {Path(script).name} on {nproc} ranks failed (exit {proc.returncode})"
+                          f"\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}{tails}")
+
+
 def launch(worker, nproc, *args, timeout=600):
-    """Run tests/workers/<worker> on `nproc` gloo ranks; return the per-rank reports (rank order)."""
+    """Run tests/workers/<worker> on `nproc` gloo ranks; return the per-rank JSON reports (rank order)."""
     with tempfile.TemporaryDirectory(prefix="pcp_launch_") as tmp:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKERS), str(EXAMPLES), env.get("PYTHONPATH", "")])
-        env["PCP_REPORT_DIR"] = tmp
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-               "--log_dir", os.path.join(tmp, "log"), str(WORKERS / worker), *map(str, args)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        reports = []
-        for rank in range(nproc):
-            path = Path(tmp) / f"rank{rank}.json"
-            if path.exists():
-                reports.append(json.loads(path.read_text()))
-        if proc.returncode != 0 or len(reports) != nproc:
-            logs = ""
-            for log in sorted(Path(tmp, "log").glob("workerlog.*")):
-                logs += f"\n----- {log.name}\n" + log.read_text()[-4000:]
-            raise AssertionError(f"launch of {worker} on {nproc} ranks failed (exit {proc.returncode})"
-                                 f"\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}{logs}")
-        return reports
+        proc, logs = _run(WORKERS / worker, nproc, args, tmp, timeout)
+        paths = [Path(tmp) / f"rank{rank}.json" for rank in range(nproc)]
+        if proc.returncode != 0 or not all(p.exists() for p in paths):
+            raise _failure(worker, nproc, proc, logs)
+        return [json.loads(p.read_text()) for p in paths]
+
+
+def launch_script(script, nproc, *args, timeout=600):
+    """Run any script on `nproc` gloo ranks; return rank 0's output."""
+    with tempfile.TemporaryDirectory(prefix="pcp_launch_") as tmp:
+        proc, logs = _run(script, nproc, args, tmp, timeout)
+        if proc.returncode != 0:
+            raise _failure(script, nproc, proc, logs)
+        return logs.get("workerlog.0", "")
