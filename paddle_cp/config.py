@@ -12,7 +12,6 @@ of those; names are looked up in paddle_cp.plans when the config is loaded.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 from pathlib import Path
@@ -34,18 +33,20 @@ def load_config(source, world_size=None):
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}: use 'mesh' and {list(CONFIG_KEYS)}")
     mesh = build_mesh(raw.get("mesh"), dist.get_world_size() if world_size is None else world_size)
-    config = {key: raw[key] for key in CONFIG_KEYS if raw.get(key) is not None}
-    for key, section in config.items():
+    config = {}
+    for key in CONFIG_KEYS:
+        section = raw.get(key)
         if isinstance(section, dict) and "parallelize_plan" in section:
-            section["parallelize_plan"] = {
-                name: build_plans(name, spec) for name, spec in (section["parallelize_plan"] or {}).items()
-            }
+            plans = section["parallelize_plan"] or {}
+            section = {**section, "parallelize_plan": {name: build_plans(name, spec) for name, spec in plans.items()}}
+        if section is not None:
+            config[key] = section  # new dicts where plans were built: the caller's stay as they were
     return mesh, config
 
 
 def _read(source):
     if isinstance(source, dict):
-        raw = copy.deepcopy(source)  # the caller's dict stays as it was
+        raw = source
     elif isinstance(source, (str, Path)):
         import yaml
 
@@ -101,7 +102,7 @@ def build_plan(key, spec):
             f"plan for {key!r} must be a name, {{Name: {{argument: value}}}} or a list of those, got {spec!r}"
         )
     cls = getattr(plans_lib, name, None)
-    if not (inspect.isclass(cls) and issubclass(cls, plans_lib.Plan)):
+    if not (inspect.isclass(cls) and issubclass(cls, plans_lib.Plan)) or cls is plans_lib.Plan:
         raise ValueError(f"unknown plan {name!r} for {key!r}: known plans are {known_plans()}")
     accepted = inspect.signature(cls).parameters
     unknown = [arg for arg in kwargs if arg not in accepted]

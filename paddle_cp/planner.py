@@ -186,6 +186,8 @@ class Layout:
 
     @property
     def backend(self):
+        if self.cp == 1:
+            return "none"
         if self.ring > 1 and self.ulysses > 1:
             return "hybrid"
         return "all2all" if self.ulysses > 1 else "p2p"

@@ -1,0 +1,76 @@
+"""load_config: YAML and dicts to (ProcessMesh, parallelize config), and its errors."""
+import pytest
+import yaml
+
+from paddle_cp import planner
+from paddle_cp.config import known_plans, load_config
+from paddle_cp.plans import ContextParallel, PrepareContextParallel
+
+EXAMPLE = {
+    "mesh": {"shape": [2, 2], "dim_names": ["dp", "sep"]},
+    "dp_config": {"sharding_level": 0},
+    "cp_config": {"parallelize_plan": {
+        "model": {"PrepareContextParallel": {"backend": "p2p"}},
+        "model.layers.*.self_attn": [{"ContextParallel": {"backend": "all2all"}}],
+        "model.bare": "ContextParallel",
+    }},
+}
+
+
+def test_yaml_file_round_trip(tmp_path):
+    path = tmp_path / "cp.yaml"
+    path.write_text(yaml.safe_dump(EXAMPLE))
+    mesh, config = load_config(str(path), world_size=4)
+    assert list(mesh.shape) == [2, 2] and list(mesh.dim_names) == ["dp", "sep"]
+    assert list(mesh.process_ids) == [0, 1, 2, 3]
+    assert config["dp_config"] == {"sharding_level": 0}
+    plan = config["cp_config"]["parallelize_plan"]
+    assert isinstance(plan["model"], PrepareContextParallel) and plan["model"].backend == "p2p"
+    (attention,) = plan["model.layers.*.self_attn"]
+    assert isinstance(attention, ContextParallel) and attention.backend == "all2all"
+    assert isinstance(plan["model.bare"], ContextParallel) and plan["model.bare"].backend == "p2p"
+
+
+def test_dict_is_not_mutated_and_plan_objects_pass_through():
+    given = {"mesh": {"shape": [2], "dim_names": ["sep"]},
+             "cp_config": {"parallelize_plan": {"a": "ContextParallel", "b": ContextParallel("all2all")}}}
+    _, config = load_config(given, world_size=2)
+    assert given["cp_config"]["parallelize_plan"]["a"] == "ContextParallel"
+    assert config["cp_config"]["parallelize_plan"]["b"] is given["cp_config"]["parallelize_plan"]["b"]
+
+
+def test_planner_output_loads():
+    layout = planner.Layout(dp=2, ring=1, ulysses=2, tp=1)
+    mesh, config = load_config(yaml.safe_load(yaml.safe_dump(planner.parallelize_config(layout))), world_size=4)
+    assert list(mesh.dim_names) == ["dp", "sep"]
+    assert config["cp_config"]["parallelize_plan"]["model"].backend == "all2all"
+
+
+def _with_plan(spec):
+    return {"mesh": {"shape": [2], "dim_names": ["sep"]}, "cp_config": {"parallelize_plan": {"model": spec}}}
+
+
+@pytest.mark.parametrize("source, error, words", [
+    (_with_plan("NoSuchPlan"), ValueError, ["unknown plan 'NoSuchPlan'", "ContextParallel"]),
+    (_with_plan({"ContextParallel": {"bakend": "p2p"}}), TypeError, ["bakend", "backend"]),
+    (_with_plan({"ContextParallel": "p2p"}), TypeError, ["mapping"]),
+    (_with_plan({"ContextParallel": {}, "PrepareContextParallel": {}}), TypeError, ["a name"]),
+    (_with_plan({"ContextParallel": {"backend": "ring"}}), ValueError, ["p2p"]),
+    (_with_plan("Plan"), ValueError, ["unknown plan"]),
+    ({"mesh": {"shape": [2, 2], "dim_names": ["dp", "sep"]}}, ValueError, ["4 ranks but 2"]),
+    ({"mesh": {"shape": [2], "dim_names": ["dp", "sep"]}}, ValueError, ["dim_names"]),
+    ({"mesh": {"shape": [0], "dim_names": ["sep"]}}, ValueError, ["positive"]),
+    ({"dp_config": {}}, ValueError, ["mesh"]),
+    ({"mesh": {"shape": [2], "dim_names": ["sep"]}, "tp_config": {}}, ValueError, ["tp_config"]),
+    (["mesh"], TypeError, ["path or a dict"]),
+])
+def test_errors(source, error, words):
+    with pytest.raises(error) as raised:
+        load_config(source, world_size=2)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_known_plans_come_from_the_package():
+    assert {"ContextParallel", "PrepareContextParallel"} <= set(known_plans())
+    assert "Plan" not in known_plans()
