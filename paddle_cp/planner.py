@@ -35,6 +35,8 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 
+from . import plans
+
 FP32 = 4
 LSE_BYTES = FP32  # log-sum-exps are kept in fp32 whatever the input dtype
 ADAM_BYTES_PER_PARAM = 16
@@ -194,8 +196,9 @@ class Layout:
 
     @property
     def runnable(self):
-        """paddle_cp runs ring or Ulysses; hybrid is modelled only."""
-        return self.backend != "hybrid"
+        """paddle_cp runs ring or Ulysses (hybrid is modelled only), and tensor
+        parallelism once paddle_cp.plans has its plans."""
+        return self.backend != "hybrid" and (self.tp == 1 or hasattr(plans, "ColWiseParallel"))
 
     @property
     def name(self):
@@ -292,7 +295,8 @@ def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True):
 def parallelize_config(layout, model_prefix="model"):
     """The YAML-able config (see paddle_cp.config.load_config) that runs `layout`."""
     if not layout.runnable:
-        raise ValueError(f"{layout.name}: paddle_cp has no hybrid ring x Ulysses backend yet")
+        raise ValueError(f"{layout.name}: paddle_cp cannot run this layout yet (hybrid ring x Ulysses, "
+                         "or tensor parallelism without its plans)")
     dims = [(name, size) for name, size in (("dp", layout.dp), ("sep", layout.cp), ("mp", layout.tp)) if size > 1]
     dims = dims or [("dp", 1)]
     config = {"mesh": {"shape": [s for _, s in dims], "dim_names": [n for n, _ in dims]},
