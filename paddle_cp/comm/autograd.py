@@ -68,3 +68,71 @@ def gather_replicated(x, mesh_group, axis, op="all_gather"):
     if mesh_group.size == 1:
         return x
     return GatherReplicated.apply(x, mesh_group, axis, op)
+
+
+# Tensor-parallel pairs (Megatron's f/g): a replicated input entering column-split
+# weights, and partial outputs leaving row-split ones.
+
+class CopyToGroup(PyLayer):
+    """Identity forward; backward sums the gradient over the group (each rank's
+    column slice contributed only part of the input's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh_group):
+        ctx.mesh_group = mesh_group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return collectives.all_reduce(ctx.mesh_group, grad.clone(), op="tp_all_reduce")
+
+
+def copy_to_group(x, mesh_group):
+    if mesh_group.size == 1 or x.stop_gradient:
+        return x
+    return CopyToGroup.apply(x, mesh_group)
+
+
+class ReduceFromGroup(PyLayer):
+    """Sum of every rank's partial result forward; the gradient of a sum is the same on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, mesh_group):
+        return collectives.all_reduce(mesh_group, x.clone(), op="tp_all_reduce")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def reduce_from_group(x, mesh_group):
+    if mesh_group.size == 1:
+        return x
+    return ReduceFromGroup.apply(x, mesh_group)
+
+
+class SplitToGroup(PyLayer):
+    """This rank's equal slice of a replicated tensor along `axis`; backward all-gathers
+    the slices' gradients (the mirror of GatherReplicated)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh_group, axis):
+        ctx.args = (mesh_group, axis)
+        size = x.shape[axis] // mesh_group.size
+        start = mesh_group.index * size
+        return paddle.slice(x, [axis], [start], [start + size]).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        mesh_group, axis = ctx.args
+        return paddle.concat(collectives.all_gather(mesh_group, grad, op="all_gather"), axis=axis)
+
+
+def split_to_group(x, mesh_group, axis):
+    n = mesh_group.size
+    if n == 1:
+        return x
+    axis = axis % x.ndim
+    if x.shape[axis] % n:
+        raise ValueError(f"cannot split dim {axis} of size {x.shape[axis]} evenly over {n} ranks")
+    return SplitToGroup.apply(x, mesh_group, axis)
