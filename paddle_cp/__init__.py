@@ -4,14 +4,31 @@ from .comm import bytes_sent, reset_counters
 from .config import load_config
 from .mesh import get_mesh, set_mesh
 from .parallelize import parallelize
-from .plans import ContextParallel, PrepareContextParallel
+from .data import shard_batch, shard_dataloader
+from .plans import (
+    ColWiseParallel,
+    ContextParallel,
+    PrepareContextParallel,
+    PrepareLayerInput,
+    PrepareLayerOutput,
+    RowWiseParallel,
+    SequenceParallelBegin,
+    SequenceParallelDisable,
+    SequenceParallelEnable,
+    SequenceParallelEnd,
+)
 from .sequence import sequence_positions, shard_sequence, unshard_sequence
+from .state_dict import full_state_dict
 
 __version__ = "0.1.0"
 
 __all__ = [
     "parallelize", "set_mesh", "get_mesh",
     "PrepareContextParallel", "ContextParallel",
+    "ColWiseParallel", "RowWiseParallel",
+    "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
+    "PrepareLayerInput", "PrepareLayerOutput",
+    "full_state_dict", "shard_batch", "shard_dataloader",
     "ring_attention", "ulysses_attention",
     "shard_sequence", "unshard_sequence", "sequence_positions",
     "bytes_sent", "reset_counters", "load_config",

@@ -1,14 +1,21 @@
-"""The optimizer `parallelize` returns: reduces gradients over the replica group, then steps.
+"""The optimizer `parallelize` returns: reduces gradients over the right groups, clips, steps.
 
 Rule: every rank takes the mean loss over its own tokens; gradients of
-parameters replicated over `dp` and `sep` are averaged over those ranks. With
+parameters replicated over `dp` and `sep` are averaged over those ranks, so with
 equal token counts per rank this reproduces one card on the global batch.
+Parameters used while the sequence is split over `mp` (sequence parallelism)
+saw only this rank's tokens: their gradients are summed over `mp` first.
+`ClipGradByGlobalNorm` clips by the norm over all shards, every gradient
+counted once (tensor-parallel slices on each `mp` rank, replicated ones on one).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import paddle
 
 from .comm import collectives
+from .mesh import MeshGroup
 
 
 def _coalesced(tensors):
@@ -19,33 +26,118 @@ def _coalesced(tensors):
     return by_dtype.values()
 
 
-def average_gradients(parameters, mesh_group):
+def _reduce_gradients(parameters, mesh_group, op, average):
     if mesh_group.size == 1:
         return
     grads = [p.grad for p in parameters if p.grad is not None]
     for same_dtype in _coalesced(grads):
         flat = paddle.concat([g.reshape([-1]) for g in same_dtype])
-        collectives.all_reduce(mesh_group, flat, op="grad_all_reduce")
-        flat = flat / mesh_group.size
+        collectives.all_reduce(mesh_group, flat, op=op)
+        if average:
+            flat = flat / mesh_group.size
         for grad, part in zip(same_dtype, paddle.split(flat, [int(g.numel()) for g in same_dtype])):
             paddle.assign(part.reshape(grad.shape), grad)
+
+
+def average_gradients(parameters, mesh_group):
+    _reduce_gradients(parameters, mesh_group, "grad_all_reduce", average=True)
+
+
+def optimizer_parameters(optimizer):
+    """The optimizer's parameters, flattening parameter groups."""
+    if getattr(optimizer, "_param_groups", None) and isinstance(optimizer._param_groups[0], dict):
+        return [p for group in optimizer._param_groups for p in group["params"]]
+    return list(optimizer._parameter_list)
+
+
+@dataclass(frozen=True)
+class GradientGroups:
+    """The mesh slices gradients are reduced over. `replicas` is dp x sep; `world` the whole mesh."""
+
+    replicas: MeshGroup
+    dp: MeshGroup
+    sep: MeshGroup
+    mp: MeshGroup
+    world: MeshGroup
 
 
 class ParallelOptimizer:
     """Wraps a Paddle optimizer; everything but `step`/`minimize` goes to it unchanged,
     so parameter groups keep their own learning rate and weight decay."""
 
-    def __init__(self, optimizer, replica_group):
+    def __init__(self, optimizer, groups, sharding=None):
         self._inner = optimizer
-        self._replicas = replica_group
+        self._groups = groups
+        self._sharding = sharding
+        self._params = optimizer_parameters(optimizer)
 
     @property
     def inner(self):
         return self._inner
 
     def step(self):
-        average_gradients(self._inner._parameter_list, self._replicas)
-        self._inner.step()
+        self._reduce_gradients()
+        clips = self._clip_groups()
+        self._clip_by_global_norm(clips)
+        if self._sharding is not None:
+            self._sharding.drop_foreign_gradients()
+        try:
+            for holder, key, _, _ in clips:
+                holder[key] = None  # clipped already, with the norm over all shards
+            self._inner.step()
+        finally:
+            for holder, key, clip, _ in clips:
+                holder[key] = clip
+        if self._sharding is not None:
+            self._sharding.sync_parameters()
+
+    def _reduce_gradients(self):
+        """Sums over ranks commute: at sharding levels 2-3 reduce-scatter over dp first, so
+        the mp and sep reductions after it only touch the gradients this rank owns."""
+        groups, sharding = self._groups, self._sharding
+        scattered = sharding is not None and sharding.level >= 2
+        if scattered:
+            sharding.reduce_scatter_gradients()
+        partial = [p for p in self._params if getattr(p, "pcp_sequence_partial", False)]
+        _reduce_gradients(partial, groups.mp, "grad_sp_all_reduce", average=False)
+        average_gradients(self._params, groups.sep if scattered else groups.replicas)
+
+    def _counted_here(self, param):
+        """Whether this rank adds `param`'s gradient to the global norm (exactly one rank per copy)."""
+        groups = self._groups
+        if getattr(param, "pcp_shard", None) is None and groups.mp.index != 0:
+            return False
+        if self._sharding is not None:
+            return self._sharding.owns(param) and groups.sep.index == 0
+        return groups.replicas.index == 0
+
+    def _clip_groups(self):
+        """(holder, key, clip, params) for every ClipGradByGlobalNorm the inner optimizer would apply.
+        Paddle clips each parameter group by its own norm (its `grad_clip`), so do we."""
+        inner = self._inner
+        groups = inner._param_groups if getattr(inner, "_param_groups", None) and isinstance(
+            inner._param_groups[0], dict) else None
+        if groups is None:
+            pairs = [(_AttrHolder(inner), "_grad_clip", inner._grad_clip, self._params)]
+        else:
+            pairs = [(group, "grad_clip", group.get("grad_clip"), group["params"]) for group in groups]
+        return [pair for pair in pairs if isinstance(pair[2], paddle.nn.ClipGradByGlobalNorm)]
+
+    def _clip_by_global_norm(self, clips):
+        if not clips:
+            return
+        squares = []
+        for _, _, _, params in clips:
+            counted = [paddle.sum(paddle.square(p.grad.astype("float32"))) for p in params
+                       if p.grad is not None and getattr(p, "need_clip", True) and self._counted_here(p)]
+            squares.append(paddle.stack(counted).sum() if counted else paddle.zeros([], "float32"))
+        totals = collectives.all_reduce(self._groups.world, paddle.stack(squares), op="grad_norm_all_reduce")
+        for (_, _, clip, params), total in zip(clips, paddle.sqrt(totals)):
+            max_norm = paddle.full([], clip.clip_norm, "float32")
+            scale = max_norm / paddle.maximum(total, max_norm)
+            for p in params:
+                if p.grad is not None and getattr(p, "need_clip", True):
+                    paddle.assign(p.grad * scale.astype(p.grad.dtype), p.grad)
 
     def minimize(self, loss, startup_program=None, parameters=None, no_grad_set=None):
         loss.backward()
@@ -53,3 +145,16 @@ class ParallelOptimizer:
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+class _AttrHolder:
+    """Lets an optimizer attribute be read and set like a parameter group's dict entry."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getitem__(self, key):
+        return getattr(self._obj, key)
+
+    def __setitem__(self, key, value):
+        setattr(self._obj, key, value)

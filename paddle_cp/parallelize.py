@@ -1,15 +1,19 @@
 """`parallelize(model, optimizer, mesh, config)`: apply the parallelisms in order.
 
-Order: tensor and sequence plans (mp_config) with the context-parallel plans
-(cp_config) merged in after them, then data parallel (dp_config): parameters
-are made identical across replicas and the optimizer reduces gradients.
+Order: every plan is checked (no collective yet); parameters are made identical
+on all ranks; tensor and sequence plans (mp_config) with the context-parallel
+plans (cp_config) merged in after them are applied; then data parallel
+(dp_config): sharding over `dp` and the optimizer that reduces gradients.
 """
 from __future__ import annotations
 
 from . import mesh as mesh_lib
 from .comm import collectives
-from .optimizer import ParallelOptimizer
+from .optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
 from .plan_keys import resolve_plan
+from .plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
+from .plans.tensor_parallel import annotate_plan
+from .sharding import Sharding, check_level
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config")
 
@@ -37,32 +41,54 @@ def _check_config(config):
         raise ValueError(f"unknown parallelize config keys {sorted(unknown)}: use {list(CONFIG_KEYS)}")
     if config.get("pp_config"):
         raise ValueError("pp_config is not supported by paddle_cp yet: drop it, or use Paddle's own parallelize for pipelines")
-    level = (config.get("dp_config") or {}).get("sharding_level", 0)
-    if level != 0:
-        raise ValueError(f"dp_config sharding_level {level} is not supported yet: use sharding_level 0")
+    return check_level(config.get("dp_config"))
 
 
-def broadcast_parameters(model, replica_group):
-    """Start every replica from the first one's parameters, as one card would."""
+def broadcast_parameters(model, mesh_group):
+    """Start every rank from the first one's full parameters, as one card would (before any split)."""
     for param in model.parameters():
-        collectives.broadcast(replica_group, param, 0, op="param_broadcast")
+        collectives.broadcast(mesh_group, param, 0, op="param_broadcast")
+
+
+def _gradient_groups(mesh):
+    """Made in one fixed order on every rank (gloo needs that)."""
+    return GradientGroups(
+        replicas=mesh_lib.mesh_group(mesh, ["dp", "sep"]),
+        dp=mesh_lib.mesh_group(mesh, ["dp"]),
+        sep=mesh_lib.mesh_group(mesh, ["sep"]),
+        mp=mesh_lib.mesh_group(mesh, ["mp"]),
+        world=mesh_lib.mesh_group(mesh, list(mesh.dim_names)),
+    )
 
 
 def parallelize(model, optimizer=None, mesh=None, config=None):
     """Parallelize `model` (in place) and wrap `optimizer`; returns (model, optimizer)."""
     config = dict(config or {})
-    _check_config(config)
+    level = _check_config(config)
     if mesh is not None:
         mesh_lib.set_mesh(mesh)
     if not any(config.get(key) for key in CONFIG_KEYS):
         return model, optimizer
     mesh = mesh_lib.resolve_mesh(mesh)
-    matched = resolve_plan(model, _merged_plan(config))  # validates every plan before any collective
-    for name, layer, plans, params in matched:
+    matched = resolve_plan(model, _merged_plan(config))
+    annotate_plan(model, matched, mesh)
+    for name, layer, plans, params in matched:  # every plan validated before any collective
         for plan in plans:
-            plan.apply(layer, mesh, params)
-    replicas = mesh_lib.mesh_group(mesh, ["dp", "sep"])
-    broadcast_parameters(model, replicas)
+            if hasattr(plan, "check"):
+                plan.check(layer, mesh, params)
+    groups = _gradient_groups(mesh)
+    broadcast_parameters(model, groups.world)
+    applications = [(plan, layer, params) for _, layer, plans, params in matched for plan in plans]
+    applications.sort(key=lambda item: is_sequence_plan(item[0]))  # stable: sequence plans wrap the others
+    for plan, layer, params in applications:
+        plan.apply(layer, mesh, params)
+    if any(is_sequence_plan(plan) for plan, _, _ in applications):
+        watch_partial_gradients(model)
+    sharding = None
+    if level > 0 and optimizer is not None and groups.dp.size > 1:
+        sharding = Sharding(level, optimizer_parameters(optimizer), groups.dp)
+        if level == 3:
+            sharding.release_parameters(model)
     if optimizer is not None:
-        optimizer = ParallelOptimizer(optimizer, replicas)
+        optimizer = ParallelOptimizer(optimizer, groups, sharding)
     return model, optimizer

@@ -1,0 +1,168 @@
+"""dp_config sharding levels over the `dp` mesh dim (ZeRO stages).
+
+Each parameter has one owner among the dp ranks (greedy, by size, so owners
+carry about equal bytes):
+- level 1: only the owner keeps the parameter's optimizer state and steps it;
+  then it broadcasts the new value to the other dp ranks.
+- level 2: also gradients: they are reduce-scattered so each rank receives only
+  the summed gradients of the parameters it owns.
+- level 3: also parameters: non-owners keep an empty placeholder; a forward
+  pre-hook fetches the full value from the owner for the layer's forward, and
+  the layer drops it after (autograd keeps what backward needs until then).
+  Gradients computed on non-owners are stashed and reduce-scattered as at level 2.
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle.autograd import PyLayer
+
+from .comm import collectives
+from .plans.tensor_parallel import set_local_value
+
+LEVELS = (0, 1, 2, 3)
+
+
+def check_level(dp_config):
+    dp_config = dp_config or {}
+    if not isinstance(dp_config, dict):
+        raise TypeError(f"dp_config must be a dict like {{'sharding_level': 1}}, got {type(dp_config).__name__}")
+    unknown = set(dp_config) - {"sharding_level"}
+    if unknown:
+        raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level'")
+    level = dp_config.get("sharding_level", 0)
+    if level not in LEVELS:
+        raise ValueError(f"dp_config sharding_level must be one of {LEVELS}, got {level!r}")
+    return level
+
+
+def _owners(params, size):
+    """Owner position of each parameter: largest first onto the least-loaded rank (same on every rank)."""
+    load, owner = [0] * size, {}
+    for i in sorted(range(len(params)), key=lambda i: (-int(params[i].numel()), i)):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        owner[id(params[i])] = rank
+        load[rank] += int(params[i].numel())
+    return owner
+
+
+class Sharding:
+    """Ownership of parameters over the dp group and the level's reduce/update steps."""
+
+    def __init__(self, level, params, dp_group):
+        self.level, self.group, self.params = level, dp_group, list(params)
+        self.owner = _owners(self.params, dp_group.size)
+        self._stash = {}  # level 3: gradients of parameters this rank does not own
+
+    def owns(self, param):
+        return self.owner[id(param)] == self.group.index
+
+    def reduce_scatter_gradients(self):
+        """Levels 2-3: each owner receives the dp average of its parameters' gradients, in one
+        reduce-scatter per dtype (bucket r holds rank r's parameters, padded to equal length)."""
+        n = self.group.size
+        grads = {id(p): self._grad(p) for p in self.params}
+        by_dtype = {}
+        for p in self.params:
+            by_dtype.setdefault(grads[id(p)].dtype, []).append(p)
+        for dtype, same_dtype in by_dtype.items():
+            buckets = [[p for p in same_dtype if self.owner[id(p)] == r] for r in range(n)]
+            flats = [paddle.concat([grads[id(p)].reshape([-1]) for p in b]) if b else paddle.zeros([0], dtype)
+                     for b in buckets]
+            length = max(int(f.shape[0]) for f in flats)
+            chunks = [paddle.concat([f, paddle.zeros([length - int(f.shape[0])], dtype)]) for f in flats]
+            mine = collectives.reduce_scatter(self.group, chunks, op="grad_reduce_scatter") / n
+            offset = 0
+            for p in buckets[self.group.index]:
+                size = _full_numel(p)
+                if p.grad is not None:  # a parameter no rank used keeps no gradient, as on one card
+                    paddle.assign(mine[offset:offset + size].reshape(p.grad.shape), p.grad)
+                offset += size
+        self._stash.clear()
+        self.drop_foreign_gradients()
+
+    def _grad(self, p):
+        if self.level == 3 and not self.owns(p):
+            return self._stash.get(id(p), paddle.zeros(_full_shape(p), p.dtype))
+        return p.grad if p.grad is not None else paddle.zeros(_full_shape(p), p.dtype)
+
+    def drop_foreign_gradients(self):
+        """Free the gradients of parameters another rank owns: the inner optimizer then skips them
+        (and never creates their state)."""
+        for p in self.params:
+            if not self.owns(p) and p.grad is not None:
+                p.clear_gradient(False)
+
+    def sync_parameters(self):
+        """Levels 1-2: every dp rank gets each parameter's new value from its owner."""
+        if self.level in (1, 2):
+            for p in self.params:
+                collectives.broadcast(self.group, p, self.owner[id(p)], op="param_broadcast")
+
+    # level 3 -----------------------------------------------------------------
+
+    def release_parameters(self, model):
+        """Keep only owned parameters; fetch the others around each layer's forward."""
+        for p in self.params:
+            p.pcp_full_shape = list(p.shape)
+            p.pcp_sharding = self
+            if not self.owns(p):
+                set_local_value(p, np.zeros([0], p.numpy().dtype))
+        for layer in model.sublayers(include_self=True):
+            names = [n for n, p in layer._parameters.items() if p is not None and id(p) in self.owner]
+            if names:
+                self._fetch_around(layer, names)
+
+    def _fetch_around(self, layer, names):
+        def fetch(layer, inputs):
+            for name in names:
+                param = layer._parameters[name]
+                full = FetchParameter.apply(param, self)
+                full.pcp_param = param
+                full.is_distributed = param.is_distributed  # model code reads Parameter attributes
+                layer._parameters[name] = full
+                layer.pcp_fetched = getattr(layer, "pcp_fetched", {})
+                layer.pcp_fetched[name] = param
+
+        def drop(layer, inputs, output):
+            for name, param in layer.pcp_fetched.items():
+                layer._parameters[name] = param
+            layer.pcp_fetched = {}
+
+        # first among the pre-hooks: plans' hooks (e.g. RowWise's bias) see the full values
+        layer.register_forward_pre_hook(fetch, prepend=True)
+        layer.register_forward_post_hook(drop)
+
+    def stash(self, param, grad):
+        key = id(param)
+        self._stash[key] = grad if key not in self._stash else self._stash[key] + grad
+
+
+def _full_shape(p):
+    return getattr(p, "pcp_full_shape", list(p.shape))
+
+
+def _full_numel(p):
+    size = 1
+    for d in _full_shape(p):
+        size *= d
+    return size
+
+
+class FetchParameter(PyLayer):
+    """The full value of a (level-3) parameter from its owner. Backward: the owner keeps
+    its gradient as usual; others stash theirs for the optimizer's reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, param, sharding):
+        ctx.param, ctx.sharding = param, sharding
+        owner = sharding.owner[id(param)]
+        full = param.clone() if sharding.owns(param) else paddle.empty(_full_shape(param), param.dtype)
+        return collectives.broadcast(sharding.group, full, owner, op="param_fetch")
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.sharding.owns(ctx.param):
+            return grad
+        ctx.sharding.stash(ctx.param, grad)
+        return paddle.zeros([0], grad.dtype)

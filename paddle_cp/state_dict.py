@@ -1,0 +1,36 @@
+"""`full_state_dict(model)`: the single-card state dict, on every rank, from local shards.
+
+Collective: every rank of the mesh must call it (in the same order as its other collectives).
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from .comm import collectives
+from .plans.tensor_parallel import shard_of
+
+
+def _unsharded(tensor):
+    """This rank's full-size copy of a dp-sharded (level 3) parameter, else the tensor itself."""
+    sharding = getattr(tensor, "pcp_sharding", None)
+    if sharding is None or sharding.level < 3:
+        return tensor
+    owner = sharding.owner[id(tensor)]
+    full = tensor.clone() if sharding.owns(tensor) else paddle.empty(tensor.pcp_full_shape, tensor.dtype)
+    return collectives.broadcast(sharding.group, full, owner, op="state_dict")
+
+
+def full_value(tensor):
+    """The full numpy value of a parameter or buffer, undoing tensor-parallel and dp sharding."""
+    local = _unsharded(tensor)
+    spec = shard_of(tensor)
+    if spec is None:
+        return local.numpy()
+    shards = collectives.all_gather(spec.group, local, op="state_dict")
+    return spec.assemble([s.numpy() for s in shards])
+
+
+def full_state_dict(model):
+    """{name: numpy array} as the unparallelized model's `state_dict()` would hold."""
+    return {name: np.asarray(full_value(value)) for name, value in model.state_dict().items()}
