@@ -1,0 +1,105 @@
+"""Tensor, sequence, context and data parallel (sharding 0-3) on PaddleFormers models vs one card.
+
+Two 4-rank launches (tests/workers/tensor_parallel.py), each training several
+meshes/configs; the single-card reference is computed in the same worker.
+"""
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import pytest
+
+import paddle_cp as pcp
+from launcher import launch
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    pytest.importorskip("paddleformers")
+    return launch("tensor_parallel.py", 4, "hybrid")
+
+
+@pytest.fixture(scope="module")
+def sharding():
+    pytest.importorskip("paddleformers")
+    return launch("tensor_parallel.py", 4, "sharding")
+
+
+def _check_parity(reports, run):
+    for report in reports:
+        assert "crash" not in report["values"], report["values"].get("crash")
+        assert report["values"][f"{run}.state_keys_match"], run
+        diffs = {k: v for k, v in report["max_abs"].items() if k.startswith(run + ".")}
+        assert diffs, f"no measurements for {run}"
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] < TOLERANCE, (worst, diffs[worst])
+
+
+@pytest.mark.parametrize("run", ["dp2xmp2", "dp2xmp2_sp", "mp2xsep2", "dp2xsep2_l2", "dp2xmp2_fused"])
+def test_hybrid_meshes_match_one_card(hybrid, run):
+    _check_parity(hybrid, run)
+
+
+@pytest.mark.parametrize("run", ["dp4_l0", "dp4_l1", "dp4_l2", "dp4_l3", "dp2xmp2_sp_l3"])
+def test_sharding_levels_match_one_card(sharding, run):
+    _check_parity(sharding, run)
+
+
+def test_sharding_levels_shrink_what_they_shard(sharding):
+    for report in sharding:
+        full = report["values"]["dp4_l0.bytes"]
+        by_level = [report["values"][f"dp4_l{level}.bytes"] for level in range(4)]
+
+        def quarter(value, what):  # greedy ownership by parameter: about 1/dp each
+            return abs(value - full[what] / 4) < 0.1 * full[what] / 4
+
+        assert quarter(by_level[1]["optimizer_state"], "optimizer_state") and by_level[1]["params"] == full["params"]
+        assert quarter(by_level[2]["grads"], "grads") and by_level[2]["params"] == full["params"]
+        assert all(quarter(by_level[3][what], what) for what in ("params", "grads", "optimizer_state"))
+
+
+def _mesh():
+    return dist.ProcessMesh([0, 1], dim_names=["mp"])
+
+
+def test_bad_arguments_raise_before_any_collective():
+    with pytest.raises(TypeError, match="gather_output"):
+        pcp.ColWiseParallel(gather_output="yes")
+    with pytest.raises(TypeError, match="is_input_parallel"):
+        pcp.RowWiseParallel(is_input_parallel=None)
+    with pytest.raises(TypeError, match="need_transpose"):
+        pcp.SequenceParallelBegin(need_transpose=1)
+    with pytest.raises(TypeError, match="callable"):
+        pcp.PrepareLayerInput(3)
+    model = paddle.nn.Sequential(paddle.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="sharding_level"):
+        pcp.parallelize(model, mesh=_mesh(), config={"dp_config": {"sharding_level": 4}})
+    with pytest.raises(ValueError, match="divisible"):
+        pcp.parallelize(paddle.nn.Sequential(paddle.nn.Linear(8, 7)), mesh=_mesh(),
+                        config={"mp_config": {"parallelize_plan": {"0": pcp.ColWiseParallel()}}})
+
+
+def test_fused_qkv_without_head_counts_is_refused():
+    class Attention(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj = paddle.nn.Linear(8, 24)
+
+    model = paddle.nn.Sequential(Attention())
+    with pytest.raises(ValueError, match="q/k/v"):
+        pcp.parallelize(model, mesh=_mesh(),
+                        config={"mp_config": {"parallelize_plan": {"0.qkv_proj": pcp.ColWiseParallel()}}})
+
+
+def test_fused_layout_round_trips():
+    from paddle_cp.mesh import MeshGroup
+    from paddle_cp.plans.tensor_parallel import ParamShard
+
+    full = np.arange(2 * 12).reshape(2, 12)
+    shards = [ParamShard(1, MeshGroup((0, 1), i, None), (8, 2, 2)) for i in range(2)]
+    local = [s.local(full) for s in shards]
+    assert local[0].tolist()[0] == [0, 1, 2, 3, 8, 10]  # q heads 0-1, k half, v half
+    assert (shards[0].assemble(local) == full).all()
+    gathered_rank_major = np.concatenate(local, axis=1)
+    assert (gathered_rank_major[:, shards[0].column_order()] == full).all()
