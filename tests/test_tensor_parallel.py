@@ -92,6 +92,19 @@ def test_fused_qkv_without_head_counts_is_refused():
                         config={"mp_config": {"parallelize_plan": {"0.qkv_proj": pcp.ColWiseParallel()}}})
 
 
+def test_tied_weight_planned_on_one_side_is_refused():
+    class Tied(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.embed = paddle.nn.Embedding(16, 8)
+            self.head = paddle.nn.Linear(16, 8)
+            self.head.weight = self.embed.weight
+
+    with pytest.raises(ValueError, match="shared with head"):
+        pcp.parallelize(Tied(), mesh=_mesh(),
+                        config={"mp_config": {"parallelize_plan": {"embed": pcp.ColWiseParallel()}}})
+
+
 def test_fused_layout_round_trips():
     from paddle_cp.mesh import MeshGroup
     from paddle_cp.plans.tensor_parallel import ParamShard

@@ -297,6 +297,27 @@ def annotate_plan(model, matched, mesh):
             split_parents.add(_parent(name))
     for parent_name in split_parents:
         _localize_head_counts(parent_name, layers.get(parent_name, model), size)
+    _check_shared_weights(model, matched)
+
+
+def _check_shared_weights(model, matched):
+    """A split weight shared with an unplanned layer (tied embeddings) would reach it split."""
+    planned = {id(layer) for _, layer, plans, _ in matched
+               if any(isinstance(p, (ColWiseParallel, RowWiseParallel)) for p in plans)}
+    holders = {}
+    for name, layer in model.named_sublayers(include_self=True):
+        for param in layer._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), []).append((name, layer))
+    for name, layer, plans, _ in matched:
+        weight = getattr(layer, "weight", None)
+        if id(layer) not in planned or not isinstance(weight, paddle.Tensor):
+            continue
+        for other_name, other in holders.get(id(weight), []):
+            if id(other) not in planned:
+                raise ValueError(f"{name}.weight is shared with {other_name or 'the model'}, which has no "
+                                 f"tensor-parallel plan: plan it too (e.g. '{other_name}.weight': "
+                                 "ColWiseParallel()) or untie the weights")
 
 
 def _localize_head_counts(name, layer, size):
