@@ -74,8 +74,7 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
     annotate_plan(model, matched, mesh)
     for name, layer, plans, params in matched:  # every plan validated before any collective
         for plan in plans:
-            if hasattr(plan, "check"):
-                plan.check(layer, mesh, params)
+            plan.check(layer, mesh, params)
     groups = _gradient_groups(mesh)
     broadcast_parameters(model, groups.world)
     applications = [(plan, layer, params) for _, layer, plans, params in matched for plan in plans]

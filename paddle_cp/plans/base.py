@@ -2,6 +2,9 @@
 
 
 class Plan:
+    def check(self, layer, mesh, param_names=()):
+        """Raise on a bad target before parallelize runs any collective."""
+
     def apply(self, layer, mesh, param_names=()):
         raise NotImplementedError
 

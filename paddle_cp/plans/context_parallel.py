@@ -23,7 +23,22 @@ def _sequence_length(args, kwargs):
     return None, None
 
 
-class PrepareContextParallel(Plan):
+class _SepPlan(Plan):
+    """A context-parallel plan: a backend, a whole layer, and the mesh's `sep` slice."""
+
+    def __init__(self, backend="p2p"):
+        self.backend = check_backend(backend)
+
+    def check(self, layer, mesh, param_names=()):
+        refuse_param_plan(self, param_names)
+        mesh_lib.require_dim(mesh, "sep", type(self).__name__)
+
+    def _join_sep_group(self, layer, mesh, param_names):
+        self.check(layer, mesh, param_names)
+        self._group = mesh_lib.mesh_group(mesh, ["sep"], p2p=True)
+
+
+class PrepareContextParallel(_SepPlan):
     """Forward pre-hook on the top model layer: split every [batch, seq, ...] input over `sep`.
 
     `p2p`: rank r keeps chunks r and 2N-1-r of 2N (balanced causal work);
@@ -31,13 +46,8 @@ class PrepareContextParallel(Plan):
     none, it is given the global positions of the local tokens (exact RoPE).
     """
 
-    def __init__(self, backend="p2p"):
-        self.backend = check_backend(backend)
-
     def apply(self, layer, mesh, param_names=()):
-        refuse_param_plan(self, param_names)
-        mesh_lib.require_dim(mesh, "sep", "PrepareContextParallel")
-        self._group = mesh_lib.mesh_group(mesh, ["sep"], p2p=True)
+        self._join_sep_group(layer, mesh, param_names)
         self._layout = SequenceLayout(self.backend, self._group.size)
         signature = inspect.signature(layer.forward)
         self._signature = signature if "position_ids" in signature.parameters else None
@@ -77,18 +87,13 @@ def _context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_
                                       training, scale, plan._group)
 
 
-class ContextParallel(Plan):
+class ContextParallel(_SepPlan):
     """Every `paddle.nn.functional.scaled_dot_product_attention` call made while this
     layer runs becomes context-parallel attention over `sep` (ring for `p2p`,
     Ulysses for `all2all`)."""
 
-    def __init__(self, backend="p2p"):
-        self.backend = check_backend(backend)
-
     def apply(self, layer, mesh, param_names=()):
-        refuse_param_plan(self, param_names)
-        mesh_lib.require_dim(mesh, "sep", "ContextParallel")
-        self._group = mesh_lib.mesh_group(mesh, ["sep"], p2p=True)
+        self._join_sep_group(layer, mesh, param_names)
         layer.register_forward_pre_hook(self._enter)
         return layer.register_forward_post_hook(self._exit, always_call=True)
 
