@@ -18,8 +18,27 @@ from .sharding import Sharding, check_level
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config")
 
 
+def _listed(plans):
+    return list(plans) if isinstance(plans, (list, tuple)) else [plans]
+
+
+def _concatenated(name, mp_plans, cp_plans):
+    mp_plans, cp_plans = _listed(mp_plans), _listed(cp_plans)
+    twice = {type(p).__name__ for p in mp_plans} & {type(p).__name__ for p in cp_plans}
+    if twice:
+        raise ValueError(f"plan key {name!r} is given in both mp_config and cp_config with {sorted(twice)}: "
+                         "give each plan once")
+    return [*mp_plans, *cp_plans]
+
+
 def _merged_plan(config):
-    """mp plans then cp plans, without touching the user's dicts (Paddle mutates them)."""
+    """mp plans then cp plans, without touching the user's dicts (Paddle mutates them).
+
+    A key in both gets both, mp's first. Paddle `.update()`s mp's plan with cp's, so
+    cp's replaces mp's: the sequence-parallel Llama plan's `SequenceParallelDisable`
+    on the attention layer that also gets `ContextParallel` would be dropped and the
+    attention would see the wrong layout.
+    """
     plan = {}
     for key in ("mp_config", "cp_config"):
         section = config.get(key) or {}
@@ -30,7 +49,7 @@ def _merged_plan(config):
             raise ValueError(f"{key} has unknown keys {sorted(unknown)}: it takes only 'parallelize_plan'")
         for name, plans in (section.get("parallelize_plan") or {}).items():
             if name in plan:
-                raise ValueError(f"plan key {name!r} is given in both mp_config and cp_config: give it once")
+                plans = _concatenated(name, plan[name], plans)
             plan[name] = plans
     return plan
 
@@ -78,7 +97,7 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
     groups = _gradient_groups(mesh)
     broadcast_parameters(model, groups.world)
     applications = [(plan, layer, params) for _, layer, plans, params in matched for plan in plans]
-    applications.sort(key=lambda item: is_sequence_plan(item[0]))  # stable: sequence plans wrap the others
+    applications.sort(key=lambda item: item[0].order)  # stable; see Plan.order
     for plan, layer, params in applications:
         plan.apply(layer, mesh, params)
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
