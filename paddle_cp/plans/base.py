@@ -2,6 +2,10 @@
 
 
 class Plan:
+    # parallelize applies a layer's plans by this rank, stably: tensor and context plans (0),
+    # then user hooks (1), which then see whole tensors, then sequence plans (2), which wrap all.
+    order = 0
+
     def check(self, layer, mesh, param_names=()):
         """Raise on a bad target before parallelize runs any collective."""
 

@@ -5,6 +5,12 @@ from .base import Plan, refuse_param_plan
 
 
 class _UserHook(Plan):
+    """Applied after the layer's tensor and context plans, with its pre-hook first and its
+    post-hook last among theirs: like Paddle's hooks on global tensors, it sees the whole
+    input and the summed or gathered output, whatever the order of the plan list."""
+
+    order = 1
+
     def __init__(self, fn):
         if not callable(fn):
             raise TypeError(f"{type(self).__name__} needs a callable fn(process_mesh) returning a hook, "
@@ -26,7 +32,7 @@ class PrepareLayerInput(_UserHook):
     """Register `fn(process_mesh=mesh)` as a forward pre-hook `(layer, inputs) -> inputs or None`."""
 
     def _register(self, layer, hook):
-        return layer.register_forward_pre_hook(hook)
+        return layer.register_forward_pre_hook(hook, prepend=True)
 
 
 class PrepareLayerOutput(_UserHook):

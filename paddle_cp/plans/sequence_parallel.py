@@ -44,6 +44,8 @@ class _SequencePlan(Plan):
     `parallelize` applies it after the layer's other plans, so its post-hooks run last
     (a tensor-parallel split of the hidden dim must not meet a split sequence)."""
 
+    order = 2
+
     def __init__(self, need_transpose=True):
         if not isinstance(need_transpose, bool):
             raise TypeError(f"need_transpose must be a bool, got {type(need_transpose).__name__}")

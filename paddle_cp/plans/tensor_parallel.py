@@ -284,7 +284,8 @@ def annotate_plan(model, matched, mesh):
     attention projections their local head counts (model code that reshapes by
     `num_heads` then sees this rank's heads)."""
     layers = dict(model.named_sublayers())
-    row_parents = {_parent(name) for name, _, plans, _ in matched if any(isinstance(p, RowWiseParallel) for p in plans)}
+    row_parents = {_parent(name) for name, _, plans, _ in matched  # RowWise layers that take split inputs
+                   if any(isinstance(p, RowWiseParallel) and p.is_input_parallel for p in plans)}
     size = mesh_lib.dim_size(mesh, "mp")
     split_parents = set()
     for name, layer, plans, _ in matched:
