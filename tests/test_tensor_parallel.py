@@ -1,4 +1,5 @@
-"""Tensor, sequence, context and data parallel (sharding 0-3) on PaddleFormers models vs one card.
+"""Tensor, sequence, context and data parallel (sharding 0-3) on PaddleFormers models (and a small
+model for the remaining plan variants) vs one card.
 
 Two 4-rank launches (tests/workers/tensor_parallel.py), each training several
 meshes/configs; the single-card reference is computed in the same worker.
@@ -36,9 +37,27 @@ def _check_parity(reports, run):
         assert diffs[worst] < TOLERANCE, (worst, diffs[worst])
 
 
-@pytest.mark.parametrize("run", ["dp2xmp2", "dp2xmp2_sp", "mp2xsep2", "dp2xsep2_l2", "dp2xmp2_fused"])
+@pytest.mark.parametrize("run", ["dp2xmp2", "dp2xmp2_sp", "mp2xsep2", "mp2xsep2_sp", "dp2xsep2_l2",
+                                 "dp2xmp2_fused", "dp2xmp2_variants"])
 def test_hybrid_meshes_match_one_card(hybrid, run):
     _check_parity(hybrid, run)
+
+
+def test_default_adam_epsilon_differs_only_by_rounding(hybrid):
+    """With AdamW's default epsilon (1e-8) one card itself is not reproducible to 1e-5: started
+    from weights one ulp away it ends up to `spread` apart. So: before the first update,
+    loss and gradients within 1e-5; after three updates, no further from one card than that."""
+    run = "dp2xmp2_default_eps"
+    for report in hybrid:
+        assert "crash" not in report["values"], report["values"].get("crash")
+        diffs = {k: v for k, v in report["max_abs"].items() if k.startswith(run + ".")}
+        exact = {k: v for k, v in diffs.items() if k.startswith(run + ".step1.")}
+        assert len(exact) > 10 and max(exact.values()) < TOLERANCE, max(exact.items(), key=lambda kv: kv[1])
+        spread = report["values"][run + ".rounding_spread"]
+        assert spread["state"] > TOLERANCE  # why this run is not held to 1e-5
+        assert diffs[run + ".loss"] <= spread["loss"], (diffs[run + ".loss"], spread)
+        state = {k: v for k, v in diffs.items() if k.startswith(run + ".state.")}
+        assert state and max(state.values()) <= spread["state"], (max(state.values()), spread)
 
 
 @pytest.mark.parametrize("run", ["dp4_l0", "dp4_l1", "dp4_l2", "dp4_l3", "dp2xmp2_sp_l3"])
