@@ -6,18 +6,18 @@ carry about equal bytes):
   then it broadcasts the new value to the other dp ranks.
 - level 2: also gradients: they are reduce-scattered so each rank receives only
   the summed gradients of the parameters it owns.
-- level 3: also parameters: non-owners keep an empty placeholder; a forward
-  pre-hook fetches the full value from the owner for the layer's forward, and
-  the layer drops it after (autograd keeps what backward needs until then).
-  Gradients computed on non-owners are stashed and reduce-scattered as at level 2.
+- level 3: also parameters: non-owners keep an empty placeholder; the full value
+  is fetched from the owner for each layer's forward and again for its backward,
+  and freed after each (parameter_fetch.py). Gradients computed on non-owners are
+  stashed and reduce-scattered as at level 2.
 """
 from __future__ import annotations
 
 import numpy as np
 import paddle
-from paddle.autograd import PyLayer
 
 from .comm import collectives
+from .parameter_fetch import GatheredBytes, fetch_around, full_shape
 from .plans.tensor_parallel import set_local_value
 
 LEVELS = (0, 1, 2, 3)
@@ -53,6 +53,7 @@ class Sharding:
         self.level, self.group, self.params = level, dp_group, list(params)
         self.owner = _owners(self.params, dp_group.size)
         self._stash = {}  # level 3: gradients of parameters this rank does not own
+        self.gathered = GatheredBytes()  # level 3: full copies fetched for use
 
     def owns(self, param):
         return self.owner[id(param)] == self.group.index
@@ -74,7 +75,7 @@ class Sharding:
             mine = collectives.reduce_scatter(self.group, chunks, op="grad_reduce_scatter") / n
             offset = 0
             for p in buckets[self.group.index]:
-                size = _full_numel(p)
+                size = int(np.prod(full_shape(p)))
                 if p.grad is not None:  # a parameter no rank used keeps no gradient, as on one card
                     paddle.assign(mine[offset:offset + size].reshape(p.grad.shape), p.grad)
                 offset += size
@@ -83,8 +84,8 @@ class Sharding:
 
     def _grad(self, p):
         if self.level == 3 and not self.owns(p):
-            return self._stash.get(id(p), paddle.zeros(_full_shape(p), p.dtype))
-        return p.grad if p.grad is not None else paddle.zeros(_full_shape(p), p.dtype)
+            return self._stash.get(id(p), paddle.zeros(full_shape(p), p.dtype))
+        return p.grad if p.grad is not None else paddle.zeros(full_shape(p), p.dtype)
 
     def drop_foreign_gradients(self):
         """Free the gradients of parameters another rank owns: the inner optimizer then skips them
@@ -111,58 +112,8 @@ class Sharding:
         for layer in model.sublayers(include_self=True):
             names = [n for n, p in layer._parameters.items() if p is not None and id(p) in self.owner]
             if names:
-                self._fetch_around(layer, names)
-
-    def _fetch_around(self, layer, names):
-        def fetch(layer, inputs):
-            for name in names:
-                param = layer._parameters[name]
-                full = FetchParameter.apply(param, self)
-                full.pcp_param = param
-                full.is_distributed = param.is_distributed  # model code reads Parameter attributes
-                layer._parameters[name] = full
-                layer.pcp_fetched = getattr(layer, "pcp_fetched", {})
-                layer.pcp_fetched[name] = param
-
-        def drop(layer, inputs, output):
-            for name, param in layer.pcp_fetched.items():
-                layer._parameters[name] = param
-            layer.pcp_fetched = {}
-
-        # first among the pre-hooks: plans' hooks (e.g. RowWise's bias) see the full values
-        layer.register_forward_pre_hook(fetch, prepend=True)
-        layer.register_forward_post_hook(drop)
+                fetch_around(layer, names, self)
 
     def stash(self, param, grad):
         key = id(param)
         self._stash[key] = grad if key not in self._stash else self._stash[key] + grad
-
-
-def _full_shape(p):
-    return getattr(p, "pcp_full_shape", list(p.shape))
-
-
-def _full_numel(p):
-    size = 1
-    for d in _full_shape(p):
-        size *= d
-    return size
-
-
-class FetchParameter(PyLayer):
-    """The full value of a (level-3) parameter from its owner. Backward: the owner keeps
-    its gradient as usual; others stash theirs for the optimizer's reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, param, sharding):
-        ctx.param, ctx.sharding = param, sharding
-        owner = sharding.owner[id(param)]
-        full = param.clone() if sharding.owns(param) else paddle.empty(_full_shape(param), param.dtype)
-        return collectives.broadcast(sharding.group, full, owner, op="param_fetch")
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.sharding.owns(ctx.param):
-            return grad
-        ctx.sharding.stash(ctx.param, grad)
-        return paddle.zeros([0], grad.dtype)

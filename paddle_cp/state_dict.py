@@ -5,9 +5,9 @@ Collective: every rank of the mesh must call it (in the same order as its other 
 from __future__ import annotations
 
 import numpy as np
-import paddle
 
 from .comm import collectives
+from .parameter_fetch import broadcast_full
 from .plans.tensor_parallel import shard_of
 
 
@@ -16,9 +16,7 @@ def _unsharded(tensor):
     sharding = getattr(tensor, "pcp_sharding", None)
     if sharding is None or sharding.level < 3:
         return tensor
-    owner = sharding.owner[id(tensor)]
-    full = tensor.clone() if sharding.owns(tensor) else paddle.empty(tensor.pcp_full_shape, tensor.dtype)
-    return collectives.broadcast(sharding.group, full, owner, op="state_dict")
+    return broadcast_full(tensor, sharding, op="state_dict")
 
 
 def full_value(tensor):

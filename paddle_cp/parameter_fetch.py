@@ -1,0 +1,122 @@
+"""Sharding level 3: a parameter's full value exists only while a layer computes with it.
+
+Forward: a pre-hook fetches the full value of each of the layer's parameters from
+its owner (a broadcast over dp); the post-hook puts the placeholders back and
+frees the fetched copies, although autograd still refers to them. Backward: a
+hook on the layer's output fetches them again, into the same tensors, before the
+layer's gradient nodes run; once a copy's gradient is computed it is freed again.
+So the copies held at any time are those of the layer in flight, not the whole
+model's from forward until backward. A layer whose output is not one Tensor that
+needs a gradient keeps its copies until autograd drops them: no hook would say
+when backward reaches it.
+"""
+from __future__ import annotations
+
+import weakref
+
+import paddle
+from paddle.autograd import PyLayer
+
+from .comm import collectives
+
+
+class GatheredBytes:
+    """Bytes of fetched full copies held by this rank now, and the most held at once."""
+
+    def __init__(self):
+        self.held = self.peak = 0
+
+    def add(self, nbytes):
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+
+def full_shape(param):
+    return getattr(param, "pcp_full_shape", list(param.shape))
+
+
+def full_nbytes(param):
+    numel = 1
+    for d in full_shape(param):
+        numel *= d
+    return numel * param.element_size()
+
+
+def broadcast_full(param, sharding, op="param_fetch"):
+    """A new tensor with the full value of `param`, sent by its owner."""
+    full = param.clone() if sharding.owns(param) else paddle.empty(full_shape(param), param.dtype)
+    return collectives.broadcast(sharding.group, full, sharding.owner[id(param)], op=op)
+
+
+class _Copy:
+    """One fetched full value: the tensor the layer computed with, refilled in place for backward."""
+
+    def __init__(self, param, sharding):
+        self.param, self.sharding = param, sharding
+        self.tensor = FetchParameter.apply(param, sharding, weakref.ref(self))  # weak: no cycle through autograd
+        sharding.gathered.add(full_nbytes(param))
+
+    def free(self):
+        if self.tensor._is_initialized():
+            self.tensor._clear_data()
+            self.sharding.gathered.add(-full_nbytes(self.param))
+
+    def refill(self):
+        broadcast_full(self.param, self.sharding)._share_buffer_to(self.tensor)
+        self.sharding.gathered.add(full_nbytes(self.param))
+
+
+def fetch_around(layer, names, sharding):
+    """Give `layer` the full values of its parameters `names` for its forward (and backward)."""
+    def fetch(layer, inputs):
+        layer.pcp_fetched = {}
+        for name in names:
+            param = layer._parameters[name]
+            copy = _Copy(param, sharding)
+            copy.tensor.pcp_param = param
+            copy.tensor.is_distributed = param.is_distributed  # model code reads Parameter attributes
+            layer._parameters[name] = copy.tensor
+            layer.pcp_fetched[name] = copy
+
+    def drop(layer, inputs, output):
+        copies = list(layer.pcp_fetched.values())
+        for name, copy in layer.pcp_fetched.items():
+            layer._parameters[name] = copy.param
+        layer.pcp_fetched = {}
+        if not isinstance(output, paddle.Tensor):
+            return
+        for copy in copies:
+            copy.free()
+        if not output.stop_gradient:
+            output.register_hook(lambda grad: _refill(copies, grad))
+
+    # first among the pre-hooks: plans' hooks (e.g. RowWise's bias) see the full values
+    layer.register_forward_pre_hook(fetch, prepend=True)
+    layer.register_forward_post_hook(drop)
+
+
+def _refill(copies, grad):
+    for copy in copies:
+        copy.refill()
+    return grad
+
+
+class FetchParameter(PyLayer):
+    """The full value of a (level-3) parameter from its owner. Backward: the owner keeps
+    its gradient as usual; others stash theirs for the optimizer's reduce-scatter; the
+    copy, whose last use this is, is freed."""
+
+    @staticmethod
+    def forward(ctx, param, sharding, copy_ref):
+        ctx.param, ctx.sharding, ctx.copy_ref = param, sharding, copy_ref
+        return broadcast_full(param, sharding)
+
+    @staticmethod
+    def backward(ctx, grad):
+        copy = ctx.copy_ref()
+        if copy is not None:  # kept alive by the output's refill hook until backward is through the layer
+            copy.free()
+        if ctx.sharding.owns(ctx.param):
+            return grad
+        ctx.sharding.stash(ctx.param, grad)
+        return paddle.zeros([0], grad.dtype)
