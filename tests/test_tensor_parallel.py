@@ -78,6 +78,16 @@ def test_sharding_levels_shrink_what_they_shard(sharding):
         assert all(quarter(by_level[3][what], what) for what in ("params", "grads", "optimizer_state"))
 
 
+def test_level3_frees_full_copies_between_forward_and_backward(sharding):
+    """Full copies are fetched per layer and freed after its forward and again after its
+    backward: the most held at once is a few layers' parameters, not one forward's worth."""
+    for report in sharding:
+        for run in ("dp4_l3", "dp2xmp2_sp_l3"):
+            gathered = report["values"][f"{run}.gathered"]
+            assert gathered["held_now"] == 0, gathered
+            assert 0 < gathered["peak"] < gathered["one_forward"] / 4, gathered
+
+
 def _mesh():
     return dist.ProcessMesh([0, 1], dim_names=["mp"])
 

@@ -17,6 +17,7 @@ from report import run
 
 import paddle_cp as pcp
 from paddle_cp.comm import collectives
+from paddle_cp.parameter_fetch import full_nbytes
 from paddle_cp.plans.tensor_parallel import shard_of
 
 BATCH, SEQ, STEPS, CLIP = 4, 16, 3, 0.5
@@ -194,6 +195,13 @@ def local_bytes(model, optimizer):
     return {"params": params, "grads": grads, "optimizer_state": state}
 
 
+def fetched_per_forward(model):
+    """Level 3: bytes of the full copies one forward fetches (each layer's parameters, at full size):
+    what would be held until backward if the copies were not freed after forward."""
+    return sum(full_nbytes(p) for layer in model.sublayers(include_self=True)
+               for p in layer._parameters.values() if p is not None)
+
+
 def train(report, name, dims, plan=None, sp=False, cp=False, level=0, model="llama",
           epsilon=WELL_CONDITIONED_EPSILON):
     model_name, world = model, dist.get_world_size()
@@ -218,6 +226,10 @@ def train(report, name, dims, plan=None, sp=False, cp=False, level=0, model="lla
         optimizer.step()
         if len(losses) == STEPS - 1:
             report.value(f"{name}.bytes", local_bytes(model, optimizer))
+            if level == 3:
+                report.value(f"{name}.gathered", {"peak": optimizer._sharding.gathered.peak,
+                                                  "held_now": optimizer._sharding.gathered.held,
+                                                  "one_forward": fetched_per_forward(model)})
         if not losses and epsilon == DEFAULT_EPSILON:  # before Adam has amplified anything: exact
             for key, grad in full_gradients(model).items():
                 report.diff(f"{name}.step1.grad.{key}", grad, want_grads[key])
