@@ -119,7 +119,23 @@ def mesh_group(mesh, dims, p2p=False):
     names = [find_dim(mesh, d) for d in dims]
     axes = sorted({mesh.dim_names.index(n) for n in names if n is not None})
     key = (tuple(mesh.process_ids), tuple(mesh.shape), tuple(axes))
-    slices = _slices(np.asarray(mesh.mesh), axes)
+    return _slice_group(key, np.asarray(mesh.mesh), axes, p2p)
+
+
+def split_dim_groups(mesh, dim, inner):
+    """(inner, outer) MeshGroups of mesh dim `dim` cut into blocks of `inner` consecutive positions:
+    `inner` varies within a block (position % inner), `outer` across blocks (position // inner)."""
+    ensure_initialized()
+    axis = mesh.dim_names.index(find_dim(mesh, dim))
+    shape = list(mesh.shape)
+    cut = np.asarray(mesh.mesh).reshape(shape[:axis] + [shape[axis] // inner, inner] + shape[axis + 1:])
+    key = (tuple(mesh.process_ids), tuple(mesh.shape), ("split", axis, inner))
+    return (_slice_group(key + ("inner",), cut, [axis + 1], True),
+            _slice_group(key + ("outer",), cut, [axis], True))
+
+
+def _slice_group(key, mesh_array, axes, p2p):
+    slices = _slices(mesh_array, axes)
     if key not in _groups:
         _groups[key] = _create_groups(slices)
     mine = _groups[key]
@@ -166,4 +182,4 @@ def _create_pairs(slices, mine):
                 mine.pairs[frozenset((a, b))] = group
 
 
-__all__ = ["set_mesh", "get_mesh", "resolve_mesh", "find_dim", "require_dim", "dim_size", "mesh_group", "MeshGroup"]
+__all__ = ["set_mesh", "get_mesh", "resolve_mesh", "find_dim", "require_dim", "dim_size", "mesh_group", "split_dim_groups", "MeshGroup"]

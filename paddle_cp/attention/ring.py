@@ -1,120 +1,107 @@
-"""Ring attention (backend `p2p`): q stays, k/v blocks travel the ring.
+"""Ring attention: q stays, every ring member's k/v block comes by (rotation.py).
 
-Causal runs use the balanced layout (layout.py): rank r holds chunks r and
-2N-1-r. At step s > 0 the arriving block comes from rank src = r - s; if
-src < r all local queries see its first half, otherwise only the local second
-half sees it, whole. Either way every rank does the same work each step.
-The backward sends k/v around again and dk/dv travel with them back to their
-owners. The next exchange is issued before computing on the current block.
+Each rank's queries meet member src's keys through a BlockMask built from both
+sides' global positions, so causal balance needs no special schedule: with
+the balanced layout (layout.py) rank r holds chunks r and 2N-1-r, and against
+any other rank's block exactly half of its query-key tiles are visible; the
+kernel skips the rest. The same masks carry documents and dense masks.
+Partial results merge by log-sum-exp; queries that see nothing in a block
+contribute 0 with weight 0.
 """
 from __future__ import annotations
 
+import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
 from ..comm import p2p
+from .kernels import select_kernel
+from .layout import runs
+from .mask import BlockMask
 from .merge import merge
+from .rotation import make_rotation
 
 
-def block_plan(step, index, world, causal, length):
-    """(query rows, key rows, causal) this rank computes at `step`, rows as (start, end)."""
-    every, half = (0, length), length // 2
-    if not causal:
-        return every, every, False
-    if step == 0:
-        return every, every, True
-    source = (index - step) % world
-    if source < index:
-        return every, (0, half), False
-    return (half, length), every, False
+class RingMasks:
+    """BlockMasks of this member's queries against each ring member's keys.
+
+    `positions[i]`: global positions of member i's tokens; `dense`: this
+    member's rows of a dense mask, [b, 1|h, len(positions[index]), seq_len];
+    `cuts`: the layout's chunk starts.
+    """
+
+    def __init__(self, positions, index, causal, documents=None, dense=None, cuts=()):
+        self.positions, self.index, self.cuts = positions, index, cuts
+        self.causal, self.documents, self.dense = causal, documents, dense
+
+    def lengths(self):
+        return [len(p) for p in self.positions]
+
+    def block(self, src):
+        keys = self.positions[src]
+        return BlockMask(self.positions[self.index], keys, self.causal, self.documents, self._columns(keys),
+                         self.cuts)
+
+    def _columns(self, keys):
+        if self.dense is None:
+            return None
+        parts = [self.dense[:, :, :, int(keys[a]):int(keys[b - 1]) + 1] for a, b in runs(keys)]
+        return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=3)
 
 
-def _rows(x, rows, axis=1):
-    start, end = rows
-    return x if (start, end) == (0, x.shape[axis]) else paddle.slice(x, [axis], [start], [end])
+def _shapes(like, length):
+    shape = list(like.shape)
+    shape[1] = length
+    return [shape, shape]
 
 
-def _write_rows(full, part, rows, axis):
-    """`full` with `part` in place of rows [start, end) along `axis`."""
-    start, end = rows
-    if (start, end) == (0, full.shape[axis]):
-        return part
-    pieces = [_rows(full, (0, start), axis)] if start else []
-    pieces.append(part)
-    if end < full.shape[axis]:
-        pieces.append(_rows(full, (end, full.shape[axis]), axis))
-    return paddle.concat(pieces, axis=axis)
+def _unpack(flat, like, length):
+    sizes = [int(np.prod(s)) for s in _shapes(like, length)]
+    parts = paddle.split(flat, sizes)
+    return [p.reshape(s) for p, s in zip(parts, _shapes(like, length))]
 
 
-def _pad_rows(part, rows, length, axis=1):
-    start, end = rows
-    if (start, end) == (0, length):
-        return part
-    shape = list(part.shape)
-    pieces = []
-    if start:
-        shape[axis] = start
-        pieces.append(paddle.zeros(shape, part.dtype))
-    pieces.append(part)
-    if end < length:
-        shape[axis] = length - end
-        pieces.append(paddle.zeros(shape, part.dtype))
-    return paddle.concat(pieces, axis=axis)
+def _numels(k, lengths):
+    per_token = 2 * int(np.prod(k.shape)) // k.shape[1]
+    return [per_token * n for n in lengths]
 
 
-def ring_forward(q, k, v, mesh_group, causal, scale, kernel):
-    world, length = mesh_group.size, q.shape[1]
-    kv = p2p.pack([k, v])
+def ring_forward(q, k, v, group, masks, scale, kernel, rotate):
+    lengths = masks.lengths()
+    rotation = make_rotation(rotate, group, p2p.pack([k, v]), _numels(k, lengths))
     out = lse = None
-    for step in range(world):
-        incoming = p2p.shift(mesh_group, kv, 1, op="ring") if step < world - 1 else None
-        k_block, v_block = p2p.unpack(kv, [k, v])
-        q_rows, k_rows, block_causal = block_plan(step, mesh_group.index, world, causal, length)
-        block_out, block_lse = kernel.forward(
-            _rows(q, q_rows), _rows(k_block, k_rows), _rows(v_block, k_rows), block_causal, scale
-        )
-        if out is None:
-            out, lse = block_out, block_lse
-        else:
-            merged_out, merged_lse = merge(_rows(out, q_rows), _rows(lse, q_rows, 2), block_out, block_lse)
-            out, lse = _write_rows(out, merged_out, q_rows, 1), _write_rows(lse, merged_lse, q_rows, 2)
-        if incoming is not None:
-            kv = incoming.wait()
+    for step in range(group.size):
+        src = (group.index - step) % group.size
+        k_block, v_block = _unpack(rotation.fetch(step), k, lengths[src])
+        mask = masks.block(src)
+        block_out, block_lse = (kernel or select_kernel(q, mask)).forward(q, k_block, v_block, mask, scale)
+        out, lse = merge(out, lse, block_out, block_lse)
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, mesh_group, causal, scale, kernel):
-    world, length = mesh_group.size, q.shape[1]
-    kv = p2p.pack([k, v])
+def ring_backward(dout, q, k, v, out, lse, group, masks, scale, kernel, rotate):
+    lengths = masks.lengths()
+    rotation = make_rotation(rotate, group, p2p.pack([k, v]), _numels(k, lengths))
     dq = None
-    travelling = None  # dk/dv of the block held, on their way back to its owner
-    for step in range(world):
-        incoming = p2p.shift(mesh_group, kv, 1, op="ring") if step < world - 1 else None
-        k_block, v_block = p2p.unpack(kv, [k, v])
-        q_rows, k_rows, block_causal = block_plan(step, mesh_group.index, world, causal, length)
-        dq_block, dk_block, dv_block = kernel.backward(
-            _rows(dout, q_rows), _rows(q, q_rows), _rows(k_block, k_rows), _rows(v_block, k_rows),
-            _rows(out, q_rows), _rows(lse, q_rows, 2), block_causal, scale,
-        )
-        dq_block = _pad_rows(dq_block, q_rows, length)
+    for step in range(group.size):
+        src = (group.index - step) % group.size
+        k_block, v_block = _unpack(rotation.fetch(step), k, lengths[src])
+        mask = masks.block(src)
+        dq_block, dk_block, dv_block = (kernel or select_kernel(q, mask)).backward(
+            dout, q, k_block, v_block, out, lse, mask, scale)
         dq = dq_block if dq is None else dq + dq_block
-        dkv = p2p.pack([_pad_rows(dk_block, k_rows, length), _pad_rows(dv_block, k_rows, length)])
-        if travelling is not None:
-            dkv = dkv + travelling.wait()
-        travelling = p2p.shift(mesh_group, dkv, 1, op="ring")
-        if incoming is not None:
-            kv = incoming.wait()
-    dk, dv = p2p.unpack(travelling.wait(), [k, v])
+        rotation.send_grads(step, p2p.pack([dk_block, dv_block]))
+    dk, dv = _unpack(rotation.own_grads(), k, k.shape[1])
     return dq, dk, dv
 
 
 class RingAttention(PyLayer):
     @staticmethod
-    def forward(ctx, q, k, v, mesh_group, causal, scale, kernel):
-        out, lse = ring_forward(q, k, v, mesh_group, causal, scale, kernel)
+    def forward(ctx, q, k, v, group, masks, scale, kernel, rotate):
+        out, lse = ring_forward(q, k, v, group, masks, scale, kernel, rotate)
         out = out.astype(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (mesh_group, causal, scale, kernel)
+        ctx.args = (group, masks, scale, kernel, rotate)
         return out
 
     @staticmethod
@@ -124,11 +111,6 @@ class RingAttention(PyLayer):
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def ring_attention_local(q, k, v, mesh_group, causal, scale, kernel):
-    """Ring attention over local [b, s_local, h, d] shards in the p2p layout."""
-    if causal and q.shape[1] % 2:
-        raise ValueError(
-            f"causal ring attention needs an even local sequence (two balanced chunks), got {q.shape[1]}: "
-            "split inputs with PrepareContextParallel('p2p') or paddle_cp.shard_sequence(..., backend='p2p')"
-        )
-    return RingAttention.apply(q, k, v, mesh_group, causal, scale, kernel)
+def ring_attention_local(q, k, v, group, masks, scale, kernel=None, rotate="ring"):
+    """Attention of this member's [b, s_i, h, d] q/k/v shards over the ring `group`."""
+    return RingAttention.apply(q, k, v, group, masks, scale, kernel, rotate)

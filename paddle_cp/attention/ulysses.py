@@ -1,25 +1,42 @@
-"""Ulysses attention (backend `all2all`): trade the sequence split for a head split.
+"""Ulysses (all-to-all) over a group of U ranks: trade the sequence split for a head split.
 
-All-to-all [b, s/N, h, d] -> [b, s, h/N, d], full-sequence attention on h/N
-heads, and back. K/V heads fewer than ranks are repeated so every rank has one.
+[b, s_u, h, d] on each rank -> [b, s_group, h_u, d]: every rank gets the whole
+group's sequence for its own heads, computes, and trades back. Head counts
+need not divide: ranks get contiguous head ranges differing by at most one
+k/v head. When there are fewer k/v heads than ranks, each is repeated in place
+(the smallest repeat dividing the GQA group size) so every rank gets one.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import paddle
+
+from ..comm import collectives
 from ..comm.autograd import all_to_all
-from .kernels import local_attention
+from .layout import even_sizes
 
 
-def check_heads(q_heads, kv_heads, world):
-    if q_heads % world:
+@dataclass(frozen=True)
+class HeadSplit:
+    repeat: int  # each k/v head repeated this many times, in place
+    kv_counts: list  # k/v heads (after repeating) per rank
+    group_size: int  # q heads per (repeated) k/v head
+
+    @property
+    def q_counts(self):
+        return [c * self.group_size for c in self.kv_counts]
+
+
+def head_split(q_heads, kv_heads, ranks):
+    if q_heads < ranks:
         raise ValueError(
-            f"Ulysses (backend 'all2all') splits heads over ranks: {q_heads} query heads do not divide over "
-            f"{world} ranks; use a sep degree that divides the head count, or backend='p2p'"
+            f"Ulysses splits heads over ranks: {q_heads} query heads cannot cover {ranks} ranks; "
+            f"use ulysses_degree <= {q_heads} (backend='hybrid') or backend='p2p'"
         )
-    if kv_heads % world and world % kv_heads:
-        raise ValueError(
-            f"Ulysses needs the {kv_heads} key/value heads to divide over {world} ranks, or {world} ranks over them "
-            f"(to repeat each); use a sep degree that divides or is a multiple of {kv_heads}, or backend='p2p'"
-        )
+    group = q_heads // kv_heads
+    repeat = next(t for t in range(1, group + 1) if group % t == 0 and kv_heads * t >= ranks)
+    return HeadSplit(repeat, even_sizes(kv_heads * repeat, ranks), group // repeat)
 
 
 def repeat_kv_heads(x, times):
@@ -30,12 +47,31 @@ def repeat_kv_heads(x, times):
     return x.unsqueeze(3).expand([b, s, h, times, d]).reshape([b, s, h * times, d])
 
 
-def ulysses_attention_local(q, k, v, mesh_group, causal, scale, kernel):
-    world = mesh_group.size
-    check_heads(q.shape[2], k.shape[2], world)
-    if k.shape[2] < world:
-        k = repeat_kv_heads(k, world // k.shape[2])
-        v = repeat_kv_heads(v, world // v.shape[2])
-    q, k, v = (all_to_all(x, mesh_group, scatter_axis=2, gather_axis=1, op="ulysses") for x in (q, k, v))
-    out = local_attention(q, k, v, causal, scale, kernel)
-    return all_to_all(out, mesh_group, scatter_axis=1, gather_axis=2, op="ulysses")
+def scatter_heads(q, k, v, group, split, lengths):
+    """Local [b, s_u, h, d] -> [b, s_group, h_u, d] (`lengths`: s of each group member)."""
+    k, v = repeat_kv_heads(k, split.repeat), repeat_kv_heads(v, split.repeat)
+    q = all_to_all(q, group, 2, 1, split.q_counts, lengths, op="ulysses")
+    k, v = (all_to_all(x, group, 2, 1, split.kv_counts, lengths, op="ulysses") for x in (k, v))
+    return q, k, v
+
+
+def gather_heads(out, group, split, lengths):
+    return all_to_all(out, group, 1, 2, lengths, split.q_counts, op="ulysses")
+
+
+def gather_mask_rows(dense, group, split, lengths, q_heads):
+    """This rank's view of a dense mask after the trade: the group's rows, its heads."""
+    width = max(lengths)
+    as_bytes = dense.dtype == paddle.bool  # gloo gathers no bool tensors
+    rows = dense.astype("uint8") if as_bytes else dense
+    if rows.shape[2] < width:
+        pad = paddle.zeros([*rows.shape[:2], width - rows.shape[2], rows.shape[3]], rows.dtype)
+        rows = paddle.concat([rows, pad], axis=2)
+    parts = collectives.all_gather(group, rows, op="ulysses_mask")
+    rows = paddle.concat([p[:, :, :n] for p, n in zip(parts, lengths)], axis=2)
+    if as_bytes:
+        rows = rows.astype(paddle.bool)
+    if rows.shape[1] == q_heads:
+        start = sum(split.q_counts[: group.index])
+        rows = rows[:, start:start + split.q_counts[group.index]]
+    return rows

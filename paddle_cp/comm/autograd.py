@@ -48,26 +48,34 @@ def all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes=None, gat
 class GatherReplicated(PyLayer):
     """All-gather along `axis` for a consumer that every rank runs identically.
 
-    Backward keeps this rank's slice of the (replicated) gradient: no reduction,
-    since each rank already holds the whole gradient.
+    `sizes[j]`: how much of `axis` position j holds (uneven parts are padded
+    to the largest for the gather, then trimmed). Backward keeps this rank's
+    slice of the (replicated) gradient: no reduction, since each rank already
+    holds the whole gradient.
     """
 
     @staticmethod
-    def forward(ctx, x, mesh_group, axis, op="all_gather"):
-        ctx.args = (mesh_group, axis, x.shape[axis])
-        return paddle.concat(collectives.all_gather(mesh_group, x, op=op), axis=axis)
+    def forward(ctx, x, mesh_group, axis, sizes, op="all_gather"):
+        ctx.args = (axis, sum(sizes[: mesh_group.index]), x.shape[axis])
+        width = max(sizes)
+        if x.shape[axis] < width:
+            pad = list(x.shape)
+            pad[axis] = width - x.shape[axis]
+            x = paddle.concat([x, paddle.zeros(pad, x.dtype)], axis=axis)
+        parts = collectives.all_gather(mesh_group, x, op=op)
+        return paddle.concat([paddle.slice(p, [axis], [0], [n]) for p, n in zip(parts, sizes)], axis=axis)
 
     @staticmethod
     def backward(ctx, grad):
-        mesh_group, axis, size = ctx.args
-        start = mesh_group.index * size
+        axis, start, size = ctx.args
         return paddle.slice(grad, [axis], [start], [start + size])
 
 
-def gather_replicated(x, mesh_group, axis, op="all_gather"):
+def gather_replicated(x, mesh_group, axis, sizes=None, op="all_gather"):
     if mesh_group.size == 1:
         return x
-    return GatherReplicated.apply(x, mesh_group, axis, op)
+    sizes = list(sizes) if sizes is not None else [x.shape[axis]] * mesh_group.size
+    return GatherReplicated.apply(x, mesh_group, axis, sizes, op)
 
 
 # Tensor-parallel pairs (Megatron's f/g): a replicated input entering column-split

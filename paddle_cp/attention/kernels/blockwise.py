@@ -1,15 +1,21 @@
-"""Block attention on any device, fp32, never holding more than one block of scores.
+"""Block attention on any device, fp32, never holding more than one tile of scores.
 
 Layouts: q [b, sq, hq, d], k/v [b, sk, hk, d] with hq a multiple of hk (GQA:
-q head h reads k/v head h // (hq // hk), as Paddle's SDPA). `causal` means
-query i sees key j iff j <= i, with q and k starting at the same position.
-Blocks entirely above the diagonal are skipped.
+q head h reads k/v head h // (hq // hk), as Paddle's SDPA). Which keys a query
+sees comes from a BlockMask (mask.py); tiles it rules out are skipped. A query
+that sees no key gets output 0 and log-sum-exp -inf, so partial results merge.
 """
 from __future__ import annotations
 
 import paddle
 
 FP32 = paddle.float32
+NEG_INF = float("-inf")
+
+
+def _finite(x):
+    """-inf (a row with nothing seen yet) -> 0, so exp(s - x) stays 0 instead of nan."""
+    return paddle.where(paddle.isinf(x), paddle.zeros_like(x), x)
 
 
 class BlockwiseKernel:
@@ -28,102 +34,91 @@ class BlockwiseKernel:
     def _heads_first(x):
         return x.astype(FP32).transpose([0, 2, 1, 3])
 
-    def _blocks(self, length):
-        return [(start, min(start + self.block_size, length)) for start in range(0, length, self.block_size)]
-
-    @staticmethod
-    def _visible(q_range, k_range, causal):
-        """None: all visible; False: none; else a [Bq, Bk] bool mask."""
-        (qs, qe), (ks, ke) = q_range, k_range
-        if not causal or ke - 1 <= qs:
-            return None
-        if ks > qe - 1:
-            return False
-        rows = paddle.arange(qs, qe).unsqueeze(1)
-        cols = paddle.arange(ks, ke).unsqueeze(0)
-        return cols <= rows
+    def _tiles(self, row_runs):
+        return [(start, min(start + self.block_size, end))
+                for a, end in row_runs for start in range(a, end, self.block_size)]
 
     @staticmethod
     def _scores(qb, kb, scale, mask):
-        """qb [b, hk, g, Bq, d], kb [b, hk, Bk, d] -> [b, hk, g, Bq, Bk]."""
+        """qb [b, hk, g, Bq, d], kb [b, hk, Bk, d] -> [b, hk, g, Bq, Bk]; mask [b|1, 1|hq, Bq, Bk]."""
         b, hk, g, bq, d = qb.shape
         s = paddle.matmul(qb.reshape([b, hk, g * bq, d]), kb, transpose_y=True) * scale
         s = s.reshape([b, hk, g, bq, kb.shape[2]])
-        if mask is not None:
-            s = paddle.where(mask, s, paddle.full([], float("-inf"), FP32))
-        return s
+        if mask is None:
+            return s
+        heads = mask.shape[1]
+        mask = mask.unsqueeze(1) if heads == 1 else mask.reshape([mask.shape[0], hk, g, *mask.shape[2:]])
+        if mask.dtype == paddle.bool:
+            return paddle.where(mask, s, paddle.full([], NEG_INF, FP32))
+        return s + mask.astype(FP32)
 
-    def forward(self, q, k, v, causal, scale):
+    def _plan(self, mask, record):
+        """[(q tile, [(k tile, tile mask or None), ...]), ...] for the tiles anyone sees."""
+        k_tiles = self._tiles(mask.k_runs())
+        plan = []
+        for q_tile in self._tiles(mask.q_runs()):
+            seen = []
+            for k_tile in k_tiles:
+                kind = mask.classify(q_tile, k_tile, record)
+                if kind != "none":
+                    seen.append((k_tile, None if kind == "all" else mask.tile(q_tile, k_tile)))
+            plan.append((q_tile, seen))
+        return plan
+
+    def forward(self, q, k, v, mask, scale):
         """-> out [b, sq, hq, d] fp32, lse [b, hq, sq] fp32."""
         b, sq, hq, d = q.shape
         hk = k.shape[2]
         qg, kh, vh = self._grouped(q, hk), self._heads_first(k), self._heads_first(v)
         outs, lses = [], []
-        for q_range in self._blocks(sq):
-            qb = qg[:, :, :, q_range[0]:q_range[1]]
-            m = l = acc = None
-            for k_range in self._blocks(k.shape[1]):
-                mask = self._visible(q_range, k_range, causal)
-                if mask is False:
-                    continue
-                kb, vb = kh[:, :, k_range[0]:k_range[1]], vh[:, :, k_range[0]:k_range[1]]
-                s = self._scores(qb, kb, scale, mask)
-                block_max = s.max(axis=-1, keepdim=True)
-                m_new = block_max if m is None else paddle.maximum(m, block_max)
-                p = paddle.exp(s - m_new)
-                pv = paddle.matmul(p.reshape([b, hk, -1, s.shape[-1]]), vb).reshape(qb.shape)
-                if m is None:
-                    l, acc = p.sum(axis=-1, keepdim=True), pv
-                else:
-                    correction = paddle.exp(m - m_new)
-                    l = l * correction + p.sum(axis=-1, keepdim=True)
-                    acc = acc * correction + pv
+        for (qs, qe), seen in self._plan(mask, record=True):
+            qb = qg[:, :, :, qs:qe]
+            m = paddle.full([b, hk, hq // hk, qe - qs, 1], NEG_INF, FP32)
+            l, acc = paddle.zeros(m.shape, FP32), paddle.zeros(qb.shape, FP32)
+            for (ks, ke), tile_mask in seen:
+                s = self._scores(qb, kh[:, :, ks:ke], scale, tile_mask)
+                m_new = paddle.maximum(m, s.max(axis=-1, keepdim=True))
+                p = paddle.exp(s - _finite(m_new))
+                pv = paddle.matmul(p.reshape([b, hk, -1, ke - ks]), vh[:, :, ks:ke]).reshape(qb.shape)
+                correction = paddle.exp(m - _finite(m_new))
+                l = l * correction + p.sum(axis=-1, keepdim=True)
+                acc = acc * correction + pv
                 m = m_new
-            outs.append(acc / l)
-            lses.append((m + paddle.log(l)).squeeze(-1))
+            # Paddle's CPU exp(-inf) is ~3e-39, not 0: rows that saw nothing are set, not divided.
+            empty = paddle.isinf(m)
+            outs.append(paddle.where(empty, paddle.zeros_like(acc), acc / paddle.where(empty, paddle.ones_like(l), l)))
+            lses.append(paddle.where(empty, m, m + paddle.log(l)).squeeze(-1))
         out = paddle.concat(outs, axis=3).reshape([b, hq, sq, d]).transpose([0, 2, 1, 3])
         lse = paddle.concat(lses, axis=3).reshape([b, hq, sq])
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
         """Gradients (fp32) given the final out and lse of these queries."""
         b, sq, hq, d = q.shape
         hk = k.shape[2]
         g = hq // hk
         qg, kh, vh = self._grouped(q, hk), self._heads_first(k), self._heads_first(v)
         dog = self._grouped(dout, hk)
-        lse_g = lse.astype(FP32).reshape([b, hk, g, sq, 1])
+        lse_g = _finite(lse.astype(FP32)).reshape([b, hk, g, sq, 1])
         delta = (dog * self._grouped(out, hk)).sum(axis=-1, keepdim=True)
-        k_blocks = self._blocks(k.shape[1])
-        dk = [None] * len(k_blocks)
-        dv = [None] * len(k_blocks)
+        dk = paddle.zeros(kh.shape, FP32)
+        dv = paddle.zeros(vh.shape, FP32)
         dqs = []
-        for q_range in self._blocks(sq):
-            qs, qe = q_range
+        for (qs, qe), seen in self._plan(mask, record=False):
             qb, dob = qg[:, :, :, qs:qe], dog[:, :, :, qs:qe]
             lse_b, delta_b = lse_g[:, :, :, qs:qe], delta[:, :, :, qs:qe]
             rows = g * (qe - qs)
-            dq = None
-            for i, k_range in enumerate(k_blocks):
-                mask = self._visible(q_range, k_range, causal)
-                if mask is False:
-                    continue
-                kb, vb = kh[:, :, k_range[0]:k_range[1]], vh[:, :, k_range[0]:k_range[1]]
-                p = paddle.exp(self._scores(qb, kb, scale, mask) - lse_b)
-                bk = p.shape[-1]
-                p2 = p.reshape([b, hk, rows, bk])
+            dq = paddle.zeros(qb.shape, FP32)
+            for (ks, ke), tile_mask in seen:
+                kb, vb = kh[:, :, ks:ke], vh[:, :, ks:ke]
+                p = paddle.exp(self._scores(qb, kb, scale, tile_mask) - lse_b)
+                p2 = p.reshape([b, hk, rows, ke - ks])
                 do2 = dob.reshape([b, hk, rows, d])
-                dv_i = paddle.matmul(p2, do2, transpose_x=True)
                 dp = paddle.matmul(do2, vb, transpose_y=True).reshape(p.shape)
-                ds = (p * (dp - delta_b)).reshape([b, hk, rows, bk]) * scale
-                dq_i = paddle.matmul(ds, kb)
-                dk_i = paddle.matmul(ds, qb.reshape([b, hk, rows, d]), transpose_x=True)
-                dq = dq_i if dq is None else dq + dq_i
-                dk[i] = dk_i if dk[i] is None else dk[i] + dk_i
-                dv[i] = dv_i if dv[i] is None else dv[i] + dv_i
-            dqs.append(dq.reshape([b, hk, g, qe - qs, d]))
+                ds = (p * (dp - delta_b)).reshape([b, hk, rows, ke - ks]) * scale
+                dq = dq + paddle.matmul(ds, kb).reshape(qb.shape)
+                dk[:, :, ks:ke] += paddle.matmul(ds, qb.reshape([b, hk, rows, d]), transpose_x=True)
+                dv[:, :, ks:ke] += paddle.matmul(p2, do2, transpose_x=True)
+            dqs.append(dq)
         dq = paddle.concat(dqs, axis=3).reshape([b, hq, sq, d]).transpose([0, 2, 1, 3])
-        zeros = lambda r: paddle.zeros([b, hk, r[1] - r[0], d], FP32)  # noqa: E731 (keys no query sees)
-        dk = paddle.concat([x if x is not None else zeros(r) for x, r in zip(dk, k_blocks)], axis=2)
-        dv = paddle.concat([x if x is not None else zeros(r) for x, r in zip(dv, k_blocks)], axis=2)
         return dq, dk.transpose([0, 2, 1, 3]), dv.transpose([0, 2, 1, 3])

@@ -1,31 +1,65 @@
 """Paddle's flash-attention op (GPU, fp16/bf16); same interface as BlockwiseKernel.
 
-Not runnable on the CPU machines this project is tested on: only its selection
-logic is tested there (see kernels.select_kernel).
+flash_attn knows only "all keys" and "causal on the diagonal", so the BlockMask
+is cut into runs of consecutive positions and each pair of runs is one call,
+merged by log-sum-exp. Masks needing finer tiles go to the blockwise kernel
+(see `supports`). Not runnable on the CPU machines this project is tested on:
+only its selection logic is tested there (see kernels.select_kernel).
 """
 from __future__ import annotations
 
 import paddle
 from paddle import _C_ops
 
+from ..merge import merge
+
 
 class FlashKernel:
     name = "flash"
 
-    def forward(self, q, k, v, causal, scale):
+    @staticmethod
+    def supports(mask):
+        return all(mask.classify(qr, kr) in ("none", "all", "diagonal") for qr in mask.q_runs() for kr in mask.k_runs())
+
+    @staticmethod
+    def _pairs(mask, record):
+        for qr in mask.q_runs():
+            seen = [(kr, mask.classify(qr, kr, record)) for kr in mask.k_runs()]
+            yield qr, [(kr, kind == "diagonal") for kr, kind in seen if kind != "none"]
+
+    def forward(self, q, k, v, mask, scale):
+        b, _, hq, d = q.shape
         # flash_attn fixes the softmax scale at 1/sqrt(d): fold any other scale into q.
         q = _rescale(q, scale)
-        out, _, lse, _ = _C_ops.flash_attn(q, k, v, None, None, 0.0, causal, False, False, "")
-        return out.astype(paddle.float32), lse.astype(paddle.float32)
+        outs, lses = [], []
+        for (qs, qe), seen in self._pairs(mask, record=True):
+            out = lse = None
+            for (ks, ke), causal in seen:
+                block_out, _, block_lse, _ = _C_ops.flash_attn(
+                    q[:, qs:qe], k[:, ks:ke], v[:, ks:ke], None, None, 0.0, causal, False, False, "")
+                out, lse = merge(out, lse, block_out.astype(paddle.float32), block_lse.astype(paddle.float32))
+            if out is None:  # these queries see no key here
+                out = paddle.zeros([b, qe - qs, hq, d], paddle.float32)
+                lse = paddle.full([b, hq, qe - qs], float("-inf"), paddle.float32)
+            outs.append(out)
+            lses.append(lse)
+        return paddle.concat(outs, axis=1), paddle.concat(lses, axis=2)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
         dtype = q.dtype
         scaled = _rescale(q, scale)
-        dq, dk, dv = _C_ops.flash_attn_grad(
-            scaled, k, v, out.astype(dtype), lse, None, None, dout.astype(dtype), 0.0, causal
-        )
-        dq = _rescale(dq.astype(paddle.float32), scale)
-        return dq, dk.astype(paddle.float32), dv.astype(paddle.float32)
+        dq = paddle.zeros(q.shape, paddle.float32)
+        dk = paddle.zeros(k.shape, paddle.float32)
+        dv = paddle.zeros(v.shape, paddle.float32)
+        for (qs, qe), seen in self._pairs(mask, record=False):
+            for (ks, ke), causal in seen:
+                dq_b, dk_b, dv_b = _C_ops.flash_attn_grad(
+                    scaled[:, qs:qe], k[:, ks:ke], v[:, ks:ke], out[:, qs:qe].astype(dtype), lse[:, :, qs:qe],
+                    None, None, dout[:, qs:qe].astype(dtype), 0.0, causal)
+                dq[:, qs:qe] += dq_b.astype(paddle.float32)
+                dk[:, ks:ke] += dk_b.astype(paddle.float32)
+                dv[:, ks:ke] += dv_b.astype(paddle.float32)
+        return _rescale(dq, scale), dk, dv
 
 
 def _rescale(x, scale):

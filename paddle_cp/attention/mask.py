@@ -1,0 +1,186 @@
+"""Which keys each query sees, tile by tile, from global token positions.
+
+A query at global position i sees the key at position j iff
+    lo[j] <= i < hi[j]                      (causality and documents)
+and the dense mask, if any, allows (i, j). Causal: lo[j] = j. Documents:
+[lo, hi) is clipped to the key's document. Knowing positions (not local
+offsets) is what lets a rank holding chunks r and 2N-1-r, or a ring block from
+another rank, skip exactly the tiles no query sees; the skipped work is counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+from .layout import runs
+
+_work = {"computed": 0, "skipped": 0}
+# Additive masks mark "masked" with -inf or a dtype's min (PaddleFormers): anything this low adds
+# nothing next to a visible key, so a tile of only such values is skipped.
+MASKED_BELOW = -1e30
+
+
+def attention_work(reset=False):
+    """Query-key pairs computed and skipped by attention forwards on this rank (since the last reset)."""
+    done = dict(_work)
+    total = done["computed"] + done["skipped"]
+    done["skipped_fraction"] = done["skipped"] / total if total else 0.0
+    if reset:
+        _work.update(computed=0, skipped=0)
+    return done
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Per token of the global sequence ([batch, seq_len] int64, numpy): the [start, end) of its document.
+
+    `causal_only`: built from Paddle's causal start-row indices, which say where a
+    key stops being seen but not where it starts, so it needs is_causal=True.
+    """
+
+    start: np.ndarray
+    end: np.ndarray
+    causal_only: bool = False
+
+    @classmethod
+    def from_ids(cls, doc_ids):
+        """Documents as runs of equal ids (e.g. [0,0,0,1,1,2,...]) along each row."""
+        ids = _as_rows(doc_ids, "document ids")
+        new = np.ones(ids.shape, bool)
+        new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        return cls._from_starts(new)
+
+    @classmethod
+    def from_position_ids(cls, position_ids):
+        """Documents that start wherever the position ids restart at 0 (packed sequences)."""
+        pos = _as_rows(position_ids, "position ids")
+        new = pos == 0
+        new[:, 0] = True
+        return cls._from_starts(new)
+
+    @classmethod
+    def from_startend_row_indices(cls, indices):
+        """PaddleFormers' causal `attn_mask_startend_row_indices` ([b, 1, s] or [b, 1, s, 1]):
+        key j is seen by rows j <= i < indices[j]."""
+        array = np.asarray(indices.numpy() if isinstance(indices, paddle.Tensor) else indices)
+        if array.ndim == 4 and array.shape[-1] == 1:
+            array = array[..., 0]
+        if array.ndim != 3 or array.shape[1] != 1:
+            raise ValueError(
+                f"attn_mask_startend_row_indices of shape {list(array.shape)} is not supported under context "
+                "parallelism: only the causal form [batch, 1, seq] (or [batch, 1, seq, 1]) is; pass a dense "
+                "[batch, 1, seq, seq] attention_mask for other masks"
+            )
+        end = array[:, 0].astype(np.int64)
+        return cls(np.zeros_like(end), end, causal_only=True)
+
+    @classmethod
+    def _from_starts(cls, new):
+        length = new.shape[1]
+        index = np.broadcast_to(np.arange(length), new.shape)
+        start = np.maximum.accumulate(np.where(new, index, 0), axis=1)
+        last = np.ones(new.shape, bool)
+        last[:, :-1] = new[:, 1:]
+        end = np.minimum.accumulate(np.where(last, index + 1, length)[:, ::-1], axis=1)[:, ::-1]
+        return cls(start.astype(np.int64), np.ascontiguousarray(end, dtype=np.int64))
+
+    @property
+    def seq_len(self):
+        return self.start.shape[1]
+
+    def fraction_visible(self, causal=True):
+        """Fraction of the (causal) query-key pairs that documents leave visible."""
+        keys = np.arange(self.seq_len)
+        lo = keys if causal else self.start
+        seen = np.clip(self.end - lo, 0, None).sum()
+        total = self.seq_len * (self.seq_len + 1) // 2 if causal else self.seq_len ** 2
+        return seen / (total * self.start.shape[0])
+
+
+def _as_rows(values, what):
+    array = np.asarray(values.numpy() if isinstance(values, paddle.Tensor) else values)
+    if array.ndim == 1:
+        array = array[None]
+    if array.ndim != 2:
+        raise ValueError(f"{what} must be [batch, seq_len] (or [seq_len]), got shape {list(array.shape)}")
+    return array
+
+
+class BlockMask:
+    """Visibility between queries at `q_pos` and keys at `k_pos` (global positions).
+
+    `dense`: this pair's slice of a dense mask, [b, 1 or heads, len(q_pos), len(k_pos)],
+    boolean (True = attend) or additive (-inf or a dtype's min = masked).
+    `cuts`: positions where tiles must start (the layout's chunk starts).
+    """
+
+    def __init__(self, q_pos, k_pos, causal, documents=None, dense=None, cuts=()):
+        self.q_pos, self.k_pos = np.asarray(q_pos), np.asarray(k_pos)
+        self.cuts = cuts
+        self.causal, self.dense = causal, dense
+        if documents is not None and documents.causal_only and not causal:
+            raise ValueError("attn_mask_startend_row_indices describe a causal mask: call attention with is_causal=True")
+        far = np.iinfo(np.int64).max
+        if documents is None:
+            self.lo = (self.k_pos if causal else np.zeros_like(self.k_pos))[None]
+            self.hi = np.full((1, len(self.k_pos)), far)
+        else:
+            self.lo = np.broadcast_to(self.k_pos, documents.start[:, self.k_pos].shape) if causal \
+                else documents.start[:, self.k_pos]
+            self.hi = documents.end[:, self.k_pos]
+        self.restricted = causal or documents is not None or dense is not None
+
+    def q_runs(self):
+        return runs(self.q_pos, self.cuts)
+
+    def k_runs(self):
+        return runs(self.k_pos, self.cuts)
+
+    def classify(self, q_range, k_range, record=False):
+        """'none', 'all', 'diagonal' (plain causal, same positions) or 'some' for a tile of
+        consecutive query rows and consecutive key rows."""
+        kind = self._classify(q_range, k_range)
+        if record:
+            area = (q_range[1] - q_range[0]) * (k_range[1] - k_range[0])
+            _work["skipped" if kind == "none" else "computed"] += area
+        return kind
+
+    def _classify(self, q_range, k_range):
+        if not self.restricted:
+            return "all"
+        (qs, qe), (ks, ke) = q_range, k_range
+        first, last = self.q_pos[qs], self.q_pos[qe - 1]
+        lo, hi = self.lo[:, ks:ke], self.hi[:, ks:ke]
+        if not np.any((hi > first) & (lo <= last)):
+            return "none"
+        every = lo.max() <= first and hi.min() > last
+        if self.dense is not None:
+            tile = self._dense_tile(q_range, k_range)
+            seen = tile if tile.dtype == paddle.bool else tile > MASKED_BELOW
+            if not bool(seen.any()):
+                return "none"
+            return "all" if every and bool(seen.all()) else "some"
+        if every:
+            return "all"
+        diagonal = (self.causal and (qe - qs) == (ke - ks)
+                    and first == self.k_pos[ks] and np.all(hi > last))
+        return "diagonal" if diagonal else "some"
+
+    def _dense_tile(self, q_range, k_range):
+        (qs, qe), (ks, ke) = q_range, k_range
+        return self.dense[:, :, qs:qe, ks:ke]
+
+    def tile(self, q_range, k_range):
+        """[b or 1, 1 or heads, Bq, Bk] mask for a tile: boolean, or additive when the dense mask is."""
+        (qs, qe), (ks, ke) = q_range, k_range
+        q = self.q_pos[qs:qe][None, :, None]
+        visible = (self.lo[:, None, ks:ke] <= q) & (q < self.hi[:, None, ks:ke])
+        visible = paddle.to_tensor(visible[:, None])
+        if self.dense is None:
+            return visible
+        tile = self._dense_tile(q_range, k_range)
+        if tile.dtype == paddle.bool:
+            return paddle.logical_and(tile, visible)
+        return paddle.where(visible, tile, paddle.full([], float("-inf"), tile.dtype))

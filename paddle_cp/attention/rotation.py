@@ -1,0 +1,77 @@
+"""How ring attention gets every member's k/v block, and sends k/v gradients home.
+
+`ring` (default): blocks travel one hop per step, the next one in flight while
+the current is computed on; in backward dk/dv travel with them back to their
+owner. Memory: two blocks. `allgather` (PyTorch's set_rotate_method
+"allgather"): one all-gather of all blocks up front, one reduce-scatter of the
+gradients at the end; fewer, larger messages, N blocks held. Same bytes.
+Blocks are packed flat; `numels[i]` is member i's packed size (lengths may differ).
+"""
+from __future__ import annotations
+
+import paddle
+
+from ..comm import collectives, p2p
+
+ROTATIONS = ("ring", "allgather")
+
+
+def check_rotation(rotate):
+    if rotate not in ROTATIONS:
+        raise ValueError(f"unknown k/v rotation {rotate!r}: use one of {list(ROTATIONS)}")
+    return rotate
+
+
+class RingRotation:
+    def __init__(self, group, kv, numels):
+        self.group, self.numels = group, numels
+        self._current, self._next, self._travelling = kv, None, None
+
+    def _source(self, step):
+        return (self.group.index - step) % self.group.size
+
+    def fetch(self, step):
+        """The block of member index-step; the next one is put in flight first."""
+        if step > 0:
+            self._current = self._next.wait()
+        if step < self.group.size - 1:
+            shape = [self.numels[self._source(step + 1)]]
+            self._next = p2p.shift(self.group, self._current, 1, op="ring", recv_shape=shape)
+        return self._current
+
+    def send_grads(self, step, dkv):
+        """Gradient for the block fetched at `step`; it joins the sums travelling to the block's owner."""
+        if self._travelling is not None:
+            dkv = dkv + self._travelling.wait()
+        shape = [self.numels[self._source(step + 1)]]
+        self._travelling = p2p.shift(self.group, dkv, 1, op="ring", recv_shape=shape)
+
+    def own_grads(self):
+        return self._travelling.wait()
+
+
+class AllGatherRotation:
+    def __init__(self, group, kv, numels):
+        self.group, self.numels = group, numels
+        self._width = max(numels)
+        gathered = collectives.all_gather(group, self._padded(kv), op="ring")
+        self._blocks = [block[:n] for block, n in zip(gathered, numels)]
+        self._grads = [None] * group.size
+
+    def _padded(self, flat):
+        missing = self._width - flat.shape[0]
+        return flat if not missing else paddle.concat([flat, paddle.zeros([missing], flat.dtype)])
+
+    def fetch(self, step):
+        return self._blocks[(self.group.index - step) % self.group.size]
+
+    def send_grads(self, step, dkv):
+        self._grads[(self.group.index - step) % self.group.size] = self._padded(dkv)
+
+    def own_grads(self):
+        summed = collectives.reduce_scatter(self.group, self._grads, op="ring")
+        return summed[: self.numels[self.group.index]]
+
+
+def make_rotation(rotate, group, kv, numels):
+    return {"ring": RingRotation, "allgather": AllGatherRotation}[check_rotation(rotate)](group, kv, numels)
