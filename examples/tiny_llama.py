@@ -60,14 +60,14 @@ class Attention(nn.Layer):
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias_attr=False)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias_attr=False)
 
-    def forward(self, hidden, cos, sin):
+    def forward(self, hidden, cos, sin, attention_mask=None):
         b, s = hidden.shape[:2]
         # -1 head counts: the layer keeps working when tensor parallelism splits heads.
         q = self.q_proj(hidden).reshape([b, s, -1, self.head_dim])
         k = self.k_proj(hidden).reshape([b, s, -1, self.head_dim])
         v = self.v_proj(hidden).reshape([b, s, -1, self.head_dim])
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, attention_mask, is_causal=attention_mask is None)
         return self.o_proj(out.reshape([b, s, -1]))
 
 
@@ -90,8 +90,8 @@ class DecoderLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size)
         self.mlp = MLP(config)
 
-    def forward(self, hidden, cos, sin):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+    def forward(self, hidden, cos, sin, attention_mask=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention_mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -103,25 +103,27 @@ class TinyLlamaModel(nn.Layer):
         self.layers = nn.LayerList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size)
 
-    def forward(self, input_ids, position_ids=None):
+    def forward(self, input_ids, position_ids=None, attention_mask=None):
         if position_ids is None:
             position_ids = paddle.arange(input_ids.shape[1]).unsqueeze(0).expand(input_ids.shape)
         cos, sin = self.rotary(position_ids)
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
+            hidden = layer(hidden, cos, sin, attention_mask)
         return self.norm(hidden)
 
 
 class TinyLlamaForCausalLM(nn.Layer):
-    """forward(input_ids, position_ids=None, labels=None) -> (loss, logits); labels already shifted."""
+    """forward(input_ids, position_ids=None, labels=None, attention_mask=None) -> (loss, logits).
+
+    Labels are already shifted; `attention_mask` ([b, 1, s, s], optional) replaces the causal mask."""
 
     def __init__(self, config):
         super().__init__()
         self.model = TinyLlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias_attr=False)
 
-    def forward(self, input_ids, position_ids=None, labels=None):
-        logits = self.lm_head(self.model(input_ids, position_ids=position_ids))
+    def forward(self, input_ids, position_ids=None, labels=None, attention_mask=None):
+        logits = self.lm_head(self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask))
         loss = None if labels is None else F.cross_entropy(logits, labels.unsqueeze(-1)).mean()
         return loss, logits

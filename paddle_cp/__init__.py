@@ -1,10 +1,11 @@
 """paddle_cp: context-parallel training for PaddlePaddle, behind Paddle's `parallelize` API."""
-from .attention import ring_attention, ulysses_attention
+from .attention import attention_work, hybrid_attention, ring_attention, ulysses_attention
 from .comm import bytes_sent, reset_counters
 from .config import load_config
 from .mesh import get_mesh, set_mesh
 from .parallelize import parallelize
 from .data import shard_batch, shard_dataloader
+from .loss import loss_weight
 from .plans import (
     ColWiseParallel,
     ContextParallel,
@@ -28,8 +29,8 @@ __all__ = [
     "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
     "PrepareLayerInput", "PrepareLayerOutput",
-    "full_state_dict", "shard_batch", "shard_dataloader",
-    "ring_attention", "ulysses_attention",
+    "full_state_dict", "shard_batch", "shard_dataloader", "loss_weight",
+    "ring_attention", "ulysses_attention", "hybrid_attention", "attention_work",
     "shard_sequence", "unshard_sequence", "sequence_positions",
     "bytes_sent", "reset_counters", "load_config",
 ]

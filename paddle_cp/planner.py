@@ -255,15 +255,12 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True):
 
 
 def layouts(model, devices, seq, max_tp):
-    """Every dp x ring x Ulysses x tp factorisation of `devices` the shapes allow."""
+    """Every dp x ring x Ulysses x tp factorisation of `devices` that can run."""
     for tp, ulysses, ring in itertools.product(_divisors(devices), repeat=3):
         dp, rest = divmod(devices, tp * ulysses * ring)
-        if rest or tp > max_tp or model.heads % tp or (model.heads // tp) % ulysses:
-            continue
-        kv = max(model.kv_heads // tp, 1)
-        if kv % ulysses and ulysses % kv:
-            continue
-        if seq % (2 * ring * ulysses if ring > 1 else ulysses):
+        # Heads and tokens need not divide (the busiest rank then has one more; the model uses the mean),
+        # but every Ulysses rank needs a head and every context-parallel rank a token.
+        if rest or tp > max_tp or model.heads % tp or model.heads // tp < ulysses or seq < ring * ulysses:
             continue
         yield Layout(dp, ring, ulysses, tp)
 

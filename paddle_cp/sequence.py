@@ -1,36 +1,49 @@
-"""Split a full-sequence tensor the way PrepareContextParallel does, and put it back together."""
+"""Split a full-sequence tensor the way PrepareContextParallel does, and put it back together.
+
+`backend` is a backend name (with `ulysses_degree` for 'hybrid') or a
+PrepareContextParallel plan, whose exact layout is then followed.
+"""
 from __future__ import annotations
 
 import paddle
 
 from .attention import SequenceLayout, resolve_group
 from .comm.autograd import gather_replicated
+from .plans.context_parallel import PrepareContextParallel
 
 
-def _layout(backend, mesh, group):
+def _layout(backend, ulysses_degree, mesh, group):
     group = resolve_group(mesh, group)
-    return SequenceLayout(backend, group.size), group
+    if isinstance(backend, PrepareContextParallel):
+        backend, ulysses_degree = backend.backend, backend.ulysses_degree
+    return SequenceLayout(backend, group.size, ulysses_degree), group
 
 
-def shard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None):
+def shard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None):
     """This rank's part of `x` (full sequence on dim `seq_dim`), in PrepareContextParallel's layout."""
-    layout, group = _layout(backend, mesh, group)
+    layout, group = _layout(backend, ulysses_degree, mesh, group)
+    layout.check_length(x.shape[seq_dim])
     return layout.shard(x, seq_dim, group.index)
 
 
-def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None):
+def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None, seq_len=None):
     """The full tensor, in token order, on every rank; differentiable.
 
-    The consumer is taken to be replicated (every rank computes the same thing
+    `seq_len`: the global length, needed when it does not divide evenly. The
+    consumer is taken to be replicated (every rank computes the same thing
     from the result), so the backward keeps this rank's slice of the gradient.
     """
-    layout, group = _layout(backend, mesh, group)
-    gathered = gather_replicated(x, group, seq_dim)
-    order = layout.restore_order(gathered.shape[seq_dim])
-    return paddle.index_select(gathered, paddle.to_tensor(order), axis=seq_dim)
+    layout, group = _layout(backend, ulysses_degree, mesh, group)
+    seq_len = seq_len or x.shape[seq_dim] * group.size
+    lengths = layout.lengths(seq_len)
+    if lengths[group.index] != x.shape[seq_dim]:
+        raise ValueError(f"this rank holds {x.shape[seq_dim]} tokens, not the {lengths[group.index]} of a "
+                         f"{seq_len}-token sequence: pass seq_len= for sequences that do not divide evenly")
+    gathered = gather_replicated(x, group, seq_dim, lengths)
+    return paddle.index_select(gathered, paddle.to_tensor(layout.restore_order(seq_len)), axis=seq_dim)
 
 
-def sequence_positions(seq_len, backend="p2p", mesh=None, group=None):
+def sequence_positions(seq_len, backend="p2p", mesh=None, group=None, ulysses_degree=None):
     """Global positions of this rank's tokens (int64 [s_local]): position ids for RoPE."""
-    layout, group = _layout(backend, mesh, group)
+    layout, group = _layout(backend, ulysses_degree, mesh, group)
     return paddle.to_tensor(layout.positions(seq_len, group.index), dtype="int64")

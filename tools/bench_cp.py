@@ -18,8 +18,8 @@ For every sequence length and backend it runs forward+backward of attention on
   matmul rate is measured on every rank at the same time (so it sees the same
   contention as the attention) with the kernel's own score product,
   [b*h, 512, d] @ [b*h, d, 512].
-- balance = max / mean over ranks of the score-matrix entries each rank computes:
-  from ring.block_plan for p2p, from the head split for all2all.
+- balance = max / mean over ranks of the visible score-matrix entries each rank
+  computes: from the layout's token positions for p2p, the head split for all2all.
 - bytes_ratio = bytes sent per rank (paddle_cp.bytes_sent(), one forward+backward)
   / the algorithm's minimum (paddle_cp.planner): ring 3(N-1) x bytes(local k, v),
   so the implementation's (3N-2) gives (3N-2)/(3N-3); Ulysses 2 x (N-1)/N x
@@ -271,22 +271,18 @@ def _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs):
 # ---- figures ----------------------------------------------------------------------
 
 def work_per_rank(backend, world, seq, heads, causal):
-    """Score-matrix entries each rank computes (per batch element)."""
-    if backend == "p2p":
-        from paddle_cp.attention.ring import block_plan
+    """Visible score-matrix entries each rank computes (per batch element)."""
+    from paddle_cp.attention.layout import SequenceLayout, even_sizes
 
-        length = seq // world
+    if backend == "p2p":
+        layout = SequenceLayout("p2p", world)
         work = []
         for index in range(world):
-            entries = 0
-            for step in range(world):
-                (qs, qe), (ks, ke), triangle = block_plan(step, index, world, causal, length)
-                rows = qe - qs
-                entries += rows * (rows + 1) // 2 if triangle else rows * (ke - ks)
-            work.append(heads * entries)
+            rows = layout.positions(seq, index)
+            work.append(heads * int((rows + 1).sum() if causal else len(rows) * seq))
         return work
     per_head = seq * (seq + 1) // 2 if causal else seq * seq
-    return [(heads // world + (r < heads % world)) * per_head for r in range(world)]
+    return [count * per_head for count in even_sizes(heads, world)]
 
 
 def summarise(args, backend, seq, single, single_rate, per_rank, rates):

@@ -6,14 +6,16 @@ import inspect
 import paddle
 
 from .. import mesh as mesh_lib
-from ..attention import SequenceLayout, check_backend, context_parallel_attention
+from ..attention import Documents, SequenceLayout, check_backend, check_rotation, context, resolve_groups, ulysses_size
+from ..attention.api import context_parallel_attention
 from .base import Plan, refuse_param_plan
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
+_STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed-document input
 
 
 def _sequence_length(args, kwargs):
-    """Length of the full sequence: dim 1 of input_ids / inputs_embeds, else of the first 2-D+ tensor."""
+    """(batch, length) of the full sequence: dim 1 of input_ids / inputs_embeds, else of the first 2-D+ tensor."""
     for key in _SEQUENCE_KEYS:
         if isinstance(kwargs.get(key), paddle.Tensor):
             return kwargs[key].shape[0], kwargs[key].shape[1]
@@ -24,56 +26,102 @@ def _sequence_length(args, kwargs):
 
 
 class _SepPlan(Plan):
-    """A context-parallel plan: a backend, a whole layer, and the mesh's `sep` slice."""
+    """A context-parallel plan: a backend (with its Ulysses degree), a whole layer, the mesh's `sep` slice."""
 
-    def __init__(self, backend="p2p"):
+    def __init__(self, backend="p2p", ulysses_degree=None):
         self.backend = check_backend(backend)
+        self.ulysses_degree = ulysses_degree
+        ulysses_size(backend, 0, ulysses_degree)  # degree given iff hybrid
 
     def check(self, layer, mesh, param_names=()):
         refuse_param_plan(self, param_names)
         mesh_lib.require_dim(mesh, "sep", type(self).__name__)
+        ulysses_size(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
 
     def _join_sep_group(self, layer, mesh, param_names):
         self.check(layer, mesh, param_names)
-        self._group = mesh_lib.mesh_group(mesh, ["sep"], p2p=True)
+        sep = mesh_lib.dim_size(mesh, "sep")
+        self._layout = SequenceLayout(self.backend, sep, self.ulysses_degree)
+        self._groups = resolve_groups(self._layout, mesh)
 
 
 class PrepareContextParallel(_SepPlan):
     """Forward pre-hook on the top model layer: split every [batch, seq, ...] input over `sep`.
 
     `p2p`: rank r keeps chunks r and 2N-1-r of 2N (balanced causal work);
-    `all2all`: contiguous chunks. If the layer takes `position_ids` and gets
-    none, it is given the global positions of the local tokens (exact RoPE).
+    `all2all`: contiguous chunks; `hybrid`: the p2p layout over groups of
+    `ulysses_degree` ranks, contiguous within a group. Any length >= N splits,
+    as evenly as it can. Dense [batch, 1|h, seq, seq] masks keep their rows
+    of this rank's queries. If the layer takes `position_ids` and gets none,
+    it is given the global positions of the local tokens (exact RoPE).
+
+    `documents`: packed sequences, attention confined to each document:
+    "position_ids" (documents start where the given position ids restart at 0)
+    or the name of an extra input holding per-token document ids [batch, seq]
+    (taken out before the layer runs). PaddleFormers' causal
+    `attn_mask_startend_row_indices` is understood the same way.
     """
+
+    def __init__(self, backend="p2p", ulysses_degree=None, documents=None):
+        super().__init__(backend, ulysses_degree)
+        if documents is not None and not isinstance(documents, str):
+            raise TypeError(f"documents must be 'position_ids' or an input name, got {documents!r}")
+        self.documents = documents
 
     def apply(self, layer, mesh, param_names=()):
         self._join_sep_group(layer, mesh, param_names)
-        self._layout = SequenceLayout(self.backend, self._group.size)
-        signature = inspect.signature(layer.forward)
-        self._signature = signature if "position_ids" in signature.parameters else None
-        return layer.register_forward_pre_hook(self._split_inputs, with_kwargs=True)
+        self._signature = inspect.signature(layer.forward)
+        layer.register_forward_pre_hook(self._split_inputs, with_kwargs=True)
+        return layer.register_forward_post_hook(self._forget_batch, always_call=True)
+
+    def layout(self, world=None):
+        """This plan's SequenceLayout (over `world` ranks before apply)."""
+        return self._layout if world is None else SequenceLayout(self.backend, world, self.ulysses_degree)
+
+    def _documents(self, kwargs, bound):
+        if self.documents == "position_ids":
+            positions = bound.get("position_ids")
+            if positions is None:
+                raise ValueError("PrepareContextParallel(documents='position_ids') needs position_ids in the call")
+            return Documents.from_position_ids(positions)
+        if self.documents is not None:
+            if self.documents not in kwargs:
+                raise ValueError(f"PrepareContextParallel(documents={self.documents!r}) needs that keyword in the call")
+            return Documents.from_ids(kwargs.pop(self.documents))
+        if bound.get(_STARTEND) is not None:
+            return Documents.from_startend_row_indices(bound[_STARTEND])
+        return None
 
     def _split_inputs(self, layer, args, kwargs):
         batch, seq_len = _sequence_length(args, kwargs)
         if seq_len is None:
             return None
         self._layout.check_length(seq_len, what="input sequence")
-        index = self._group.index
+        kwargs = dict(kwargs)
+        extra = self.documents if self.documents != "position_ids" else None  # an input the layer does not take
+        bound = self._signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k != extra})
+        documents = self._documents(kwargs, bound.arguments)
+        if _STARTEND in bound.arguments:
+            bound.arguments[_STARTEND] = None  # the attention applies it, from `documents`
+        index = self._groups.sep.index
 
         def split(value):
-            if isinstance(value, paddle.Tensor) and value.ndim >= 2 and value.shape[1] == seq_len:
-                return self._layout.shard(value, 1, index)
-            return value
+            if not isinstance(value, paddle.Tensor) or value.ndim < 2:
+                return value
+            if value.ndim == 4 and value.shape[2] == value.shape[3] == seq_len:
+                return self._layout.shard(value, 2, index)  # a dense mask: this rank's query rows
+            return self._layout.shard(value, 1, index) if value.shape[1] == seq_len else value
 
-        args = tuple(split(a) for a in args)
-        kwargs = {k: split(v) for k, v in kwargs.items()}
-        if self._signature is not None:
-            bound = self._signature.bind_partial(*args, **kwargs)
-            if bound.arguments.get("position_ids") is None:
-                positions = paddle.to_tensor(self._layout.positions(seq_len, index), dtype="int64")
-                bound.arguments["position_ids"] = positions.unsqueeze(0).expand([batch, positions.shape[0]])
-                args, kwargs = bound.args, bound.kwargs
-        return args, kwargs
+        for name, value in bound.arguments.items():
+            bound.arguments[name] = split(value)
+        if "position_ids" in self._signature.parameters and bound.arguments.get("position_ids") is None:
+            positions = paddle.to_tensor(self._layout.positions(seq_len, index), dtype="int64")
+            bound.arguments["position_ids"] = positions.unsqueeze(0).expand([batch, positions.shape[0]])
+        context.publish(context.SequenceInfo(self._layout, seq_len, documents))
+        return bound.args, bound.kwargs
+
+    def _forget_batch(self, layer, inputs, outputs):
+        context.retract()
 
 
 _original_sdpa = None
@@ -83,14 +131,29 @@ _active = []  # ContextParallel plans whose layer is running, innermost last
 def _context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True,
                            backend=None, scale=None, enable_gqa=True, name=None):
     plan = _active[-1]
-    return context_parallel_attention(plan.backend, query, key, value, attn_mask, dropout_p, is_causal,
-                                      training, scale, plan._group)
+    info = context.current()
+    seq_len = documents = None
+    if info is not None:
+        if (info.layout.backend, info.layout.ulysses) != (plan._layout.backend, plan._layout.ulysses):
+            raise ValueError(
+                f"inputs were split by PrepareContextParallel(backend={info.layout.backend!r}, ulysses_degree="
+                f"{info.layout.ulysses}) but ContextParallel uses backend={plan.backend!r}, ulysses_degree="
+                f"{plan._layout.ulysses}: give both plans the same backend and ulysses_degree"
+            )
+        seq_len, documents = info.seq_len, info.documents
+    return context_parallel_attention(plan._layout, plan._groups, query, key, value, attn_mask, dropout_p,
+                                      is_causal, training, scale, seq_len, documents, plan.rotate)
 
 
 class ContextParallel(_SepPlan):
     """Every `paddle.nn.functional.scaled_dot_product_attention` call made while this
     layer runs becomes context-parallel attention over `sep` (ring for `p2p`,
-    Ulysses for `all2all`)."""
+    Ulysses for `all2all`, both for `hybrid`). `rotate`: how ring k/v blocks
+    move, 'ring' (one hop per step) or 'allgather' (all at once)."""
+
+    def __init__(self, backend="p2p", ulysses_degree=None, rotate="ring"):
+        super().__init__(backend, ulysses_degree)
+        self.rotate = check_rotation(rotate)
 
     def apply(self, layer, mesh, param_names=()):
         self._join_sep_group(layer, mesh, param_names)
