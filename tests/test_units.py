@@ -8,10 +8,11 @@ import paddle.nn.functional as F
 import pytest
 
 import paddle_cp as pcp
-from paddle_cp.attention.kernels import BlockwiseKernel, choose_kernel_name, local_attention
+from paddle_cp.attention.kernels import BlockwiseKernel, FlashKernel, choose_kernel_name, local_attention
 from paddle_cp.attention.layout import SequenceLayout
+from paddle_cp.attention.mask import BlockMask, Documents
 from paddle_cp.attention.merge import merge
-from paddle_cp.attention.ring import block_plan
+from paddle_cp.attention.ulysses import head_split
 from paddle_cp.comm.p2p import sends_first
 from paddle_cp.mesh import needs_pair_groups
 from paddle_cp.plan_keys import resolve_plan
@@ -24,25 +25,82 @@ def test_p2p_layout_is_paddles_balanced_split():
     assert SequenceLayout("all2all", 2).positions(8, 1).tolist() == [4, 5, 6, 7]
 
 
-@pytest.mark.parametrize("backend,world", [("p2p", 3), ("all2all", 4), ("p2p", 1)])
-def test_shard_then_restore_is_identity(backend, world):
-    layout = SequenceLayout(backend, world)
-    x = paddle.arange(2 * 24).reshape([2, 24])
+LAYOUTS = [("p2p", 3, None), ("all2all", 4, None), ("p2p", 1, None), ("hybrid", 4, 2), ("hybrid", 6, 3)]
+
+
+@pytest.mark.parametrize("backend,world,degree", LAYOUTS)
+@pytest.mark.parametrize("length", [24, 25, 31])
+def test_shard_then_restore_is_identity(backend, world, degree, length):
+    layout = SequenceLayout(backend, world, degree)
+    x = paddle.arange(2 * length).reshape([2, length])
     parts = paddle.concat([layout.shard(x, 1, r) for r in range(world)], axis=1)
-    restored = paddle.index_select(parts, paddle.to_tensor(layout.restore_order(24)), axis=1)
+    restored = paddle.index_select(parts, paddle.to_tensor(layout.restore_order(length)), axis=1)
     assert (restored.numpy() == x.numpy()).all()
+
+
+@pytest.mark.parametrize("backend,world,degree", LAYOUTS)
+def test_any_length_splits_within_one_token(backend, world, degree):
+    layout = SequenceLayout(backend, world, degree)
+    for length in range(world, 4 * world + 3):
+        lengths = layout.lengths(length)
+        assert sum(lengths) == length and max(lengths) - min(lengths) <= 1 and min(lengths) >= 1
+    with pytest.raises(ValueError, match="at least one token"):
+        layout.check_length(world - 1)
+
+
+def _ring_work(world, length, rank):
+    """Query-key pairs rank `rank` computes at each ring step of a causal p2p run."""
+    layout = SequenceLayout("p2p", world)
+    mine = layout.positions(length, rank)
+    work = []
+    for step in range(world):
+        mask = BlockMask(mine, layout.positions(length, (rank - step) % world), causal=True)
+        work.append(sum((q[1] - q[0]) * (k[1] - k[0]) for q in mask.q_runs() for k in mask.k_runs()
+                        if mask.classify(q, k) != "none"))
+    return work
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
 def test_balanced_ring_gives_every_rank_equal_work(world):
-    length = 4
-    for step in range(1, world):
-        work = set()
-        for rank in range(world):
-            (qs, qe), (ks, ke), causal = block_plan(step, rank, world, True, length)
-            assert not causal
-            work.add((qe - qs) * (ke - ks))
-        assert work == {length * length // 2}
+    length = 4 * world
+    per_rank = [_ring_work(world, length, rank) for rank in range(world)]
+    for step in range(1, world):  # half of the other rank's block, whichever rank is asking
+        assert {work[step] for work in per_rank} == {(length // world) ** 2 // 2}
+
+
+def test_heads_that_do_not_divide_split_within_one_kv_head():
+    assert head_split(8, 2, 4) == head_split(8, 2, 4)
+    split = head_split(8, 2, 4)  # fewer k/v heads than ranks: each repeated twice
+    assert (split.repeat, split.kv_counts, split.q_counts) == (2, [1, 1, 1, 1], [2, 2, 2, 2])
+    split = head_split(5, 5, 2)
+    assert (split.repeat, split.q_counts) == (1, [3, 2])
+    split = head_split(6, 2, 4)  # GQA group 3: repeat 3 to reach 4 ranks
+    assert (split.repeat, split.kv_counts, split.q_counts) == (3, [2, 2, 1, 1], [2, 2, 1, 1])
+    with pytest.raises(ValueError, match="ulysses_degree <= 3"):
+        head_split(3, 1, 4)
+
+
+def test_documents_from_ids_positions_and_row_indices_agree():
+    ids = np.array([[0, 0, 0, 1, 1, 2, 2, 2]])
+    positions = np.array([[0, 1, 2, 0, 1, 0, 1, 2]])
+    by_ids, by_positions = Documents.from_ids(ids), Documents.from_position_ids(positions)
+    assert by_ids.start.tolist() == by_positions.start.tolist() == [[0, 0, 0, 3, 3, 5, 5, 5]]
+    assert by_ids.end.tolist() == by_positions.end.tolist() == [[3, 3, 3, 5, 5, 8, 8, 8]]
+    rows = Documents.from_startend_row_indices(paddle.to_tensor(by_ids.end[:, None]))
+    assert rows.end.tolist() == by_ids.end.tolist() and rows.causal_only
+    with pytest.raises(ValueError, match="causal form"):
+        Documents.from_startend_row_indices(np.zeros([1, 1, 8, 2]))
+
+
+def test_masks_skip_tiles_no_query_sees():
+    docs = Documents.from_ids(np.array([[0] * 4 + [1] * 4]))
+    mask = BlockMask(np.arange(4, 8), np.arange(0, 4), causal=True, documents=docs)
+    assert mask.classify((0, 4), (0, 4)) == "none"  # later document's queries, earlier document's keys
+    causal = BlockMask(np.arange(4, 8), np.arange(0, 4), causal=True)
+    assert causal.classify((0, 4), (0, 4)) == "all"
+    assert BlockMask(np.arange(8), np.arange(8), causal=True).classify((0, 8), (0, 8)) == "diagonal"
+    assert FlashKernel.supports(causal) and not FlashKernel.supports(
+        BlockMask(np.arange(8), np.arange(8), causal=True, documents=docs))
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 8])
@@ -80,12 +138,20 @@ def test_merge_equals_attention_over_both_blocks():
     paddle.seed(1)
     kernel = BlockwiseKernel()
     q, k, v = paddle.randn([1, 5, 2, 4]), paddle.randn([1, 10, 2, 4]), paddle.randn([1, 10, 2, 4])
-    whole, whole_lse = kernel.forward(q, k, v, False, 0.5)
-    first = kernel.forward(q, k[:, :4], v[:, :4], False, 0.5)
-    second = kernel.forward(q, k[:, 4:], v[:, 4:], False, 0.5)
-    out, lse = merge(*first, *second)
+
+    def attend(keys):
+        mask = BlockMask(np.arange(5, 10), keys, causal=True)
+        return kernel.forward(q, k[:, keys[0]:keys[-1] + 1], v[:, keys[0]:keys[-1] + 1], mask, 0.5)
+
+    whole, whole_lse = attend(np.arange(10))
+    out, lse = merge(*attend(np.arange(4)), *attend(np.arange(4, 10)))
     np.testing.assert_allclose(out.numpy(), whole.numpy(), atol=1e-6)
     np.testing.assert_allclose(lse.numpy(), whole_lse.numpy(), atol=1e-6)
+    # queries 5..7 see none of keys 8, 9: output 0, log-sum-exp -inf, and merging keeps the other part exact
+    late_out, late_lse = attend(np.arange(8, 10))
+    assert np.isneginf(late_lse.numpy()[:, :, :3]).all() and not late_out.numpy()[:, :3].any()
+    out, lse = merge(*attend(np.arange(8)), late_out, late_lse)
+    np.testing.assert_allclose(out.numpy(), whole.numpy(), atol=1e-6)
 
 
 def test_kernel_dispatch_rule():
@@ -94,6 +160,7 @@ def test_kernel_dispatch_rule():
     assert choose_kernel_name(True, paddle.float32, True) == "blockwise"
     assert choose_kernel_name(True, paddle.bfloat16, False) == "blockwise"
     assert choose_kernel_name(False, paddle.bfloat16, True) == "blockwise"
+    assert choose_kernel_name(True, paddle.bfloat16, True, mask_fits_flash=False) == "blockwise"
 
 
 class Block(paddle.nn.Layer):

@@ -2,8 +2,11 @@
 
 Every rank computes the single-process reference from the same seed, runs the
 context-parallel version on its shard, gathers the output and compares output
-and q/k/v gradients.
+and q/k/v gradients. Cases cover every backend, sequence lengths that do not
+divide, head counts that do not divide, documents, dense masks (boolean and
+additive), both k/v rotations and a non-default scale.
 """
+import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
@@ -11,95 +14,182 @@ from report import run
 
 import paddle_cp as pcp
 
-CASES = [  # (backend, causal, batch, seq_per_2N_chunk, q_heads, kv_heads, head_dim)
-    ("p2p", True, 2, 3, 4, 2, 8),
-    ("p2p", False, 1, 2, 4, 4, 16),
-    ("p2p", True, 1, 5, 4, 1, 8),
-    ("all2all", True, 2, 3, 0, 0, 8),
-    ("all2all", False, 1, 2, 0, 0, 16),
-]
+HEAD_DIM = 8
 
 
-def check_case(report, mesh, world, backend, causal, batch, chunk, q_heads, kv_heads, head_dim):
-    # Ulysses needs heads divisible by N: use 2N query heads and N k/v heads (GQA) or 1 when N = 1.
-    if backend == "all2all":
-        q_heads, kv_heads = 2 * world, max(world // 2, 1) if world % 2 == 0 else world
-    seq = 2 * world * chunk
+def cases(world):
+    """(name, backend, ulysses_degree, causal, batch, seq, q_heads, kv_heads, mask, rotate, scale)."""
+    n = world
+    table = [
+        ("p2p.causal.even", "p2p", None, True, 2, 6 * n, 4, 2, None, "ring", None),
+        ("p2p.causal.uneven.allgather", "p2p", None, True, 1, 6 * n + 1, 4, 2, None, "allgather", None),
+        ("p2p.full.uneven.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, None, "ring", 0.3),
+        ("p2p.causal.docs", "p2p", None, True, 2, 5 * n + 2, 4, 1, "docs", "ring", None),
+        ("p2p.docs.allgather", "p2p", None, True, 1, 5 * n + 3, 2, 2, "docs", "allgather", None),
+        ("p2p.bool_mask", "p2p", None, False, 2, 4 * n + 1, 4, 2, "bool", "ring", None),
+        ("p2p.additive_mask", "p2p", None, False, 1, 4 * n + 2, 2, 1, "additive", "ring", None),
+        ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, None, "ring", None),
+        ("all2all.full.even", "all2all", None, False, 1, 4 * n, 2 * n, n, None, "ring", None),
+        ("all2all.docs.uneven_heads", "all2all", None, True, 2, 4 * n + 3, n + 1, n + 1, "docs", "ring", None),
+        ("all2all.head_mask", "all2all", None, False, 1, 3 * n + 2, n + 1, 1, "head_bool", "ring", None),
+    ]
+    if n == 4:
+        table += [
+            ("hybrid.causal.uneven_heads", "hybrid", 2, True, 2, 29, 3, 1, None, "ring", None),
+            ("hybrid.docs.allgather", "hybrid", 2, True, 1, 30, 4, 2, "docs", "allgather", None),
+            ("hybrid.additive_mask", "hybrid", 2, False, 1, 27, 2, 2, "additive", "ring", None),
+        ]
+    return table
+
+
+def documents(batch, seq, rng):
+    """Per-token document ids: 2-4 documents of random lengths per row."""
+    ids = np.zeros([batch, seq], dtype="int64")
+    for row in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, seq), size=rng.randint(1, 4), replace=False))
+        ids[row] = np.searchsorted(cuts, np.arange(seq), side="right")
+    return ids
+
+
+def dense_mask(kind, batch, seq, heads, rng):
+    """A [b, 1|h, s, s] mask every query row of which sees at least its own key."""
+    seen = rng.rand(batch, heads if kind == "head_bool" else 1, seq, seq) < 0.6
+    seen |= np.eye(seq, dtype=bool)
+    if kind == "additive":
+        return paddle.to_tensor(np.where(seen, 0.0, np.finfo(np.float32).min).astype("float32"))
+    return paddle.to_tensor(seen)
+
+
+def check_case(report, mesh, case):
+    name, backend, degree, causal, batch, seq, q_heads, kv_heads, mask_kind, rotate, scale = case
     paddle.seed(1234)
-    q = paddle.randn([batch, seq, q_heads, head_dim])
-    k = paddle.randn([batch, seq, kv_heads, head_dim])
-    v = paddle.randn([batch, seq, kv_heads, head_dim])
-    grad_out = paddle.randn([batch, seq, q_heads, head_dim])
+    rng = np.random.RandomState(5)
+    q = paddle.randn([batch, seq, q_heads, HEAD_DIM])
+    k = paddle.randn([batch, seq, kv_heads, HEAD_DIM])
+    v = paddle.randn([batch, seq, kv_heads, HEAD_DIM])
+    grad_out = paddle.randn([batch, seq, q_heads, HEAD_DIM])
+    doc_ids = documents(batch, seq, rng) if mask_kind == "docs" else None
+    mask = dense_mask(mask_kind, batch, seq, q_heads, rng) if mask_kind not in (None, "docs") else None
+
     full = [t.detach() for t in (q, k, v)]
     for t in full:
         t.stop_gradient = False
-    ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+    if doc_ids is not None:  # the single card's way to say it: a causal block-diagonal mask
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]
+        ref_mask = paddle.to_tensor((same & np.tri(seq, dtype=bool))[:, None])
+        ref = F.scaled_dot_product_attention(*full, attn_mask=ref_mask, scale=scale)
+    else:
+        ref = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=causal, scale=scale)
     ref_grads = paddle.grad([ref], full, [grad_out])
 
-    local = [pcp.shard_sequence(t, backend=backend, mesh=mesh).detach() for t in (q, k, v)]
+    layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
+    local = [pcp.shard_sequence(t, **layout).detach() for t in (q, k, v)]
     for t in local:
         t.stop_gradient = False
-    attention = pcp.ring_attention if backend == "p2p" else pcp.ulysses_attention
-    out = attention(*local, is_causal=causal, mesh=mesh)
-    full_out = pcp.unshard_sequence(out, backend=backend, mesh=mesh)
+    local_mask = None if mask is None else pcp.shard_sequence(mask, seq_dim=2, **layout)
+    attention = {"p2p": pcp.ring_attention, "all2all": pcp.ulysses_attention, "hybrid": pcp.hybrid_attention}[backend]
+    extra = {"ulysses_degree": degree} if degree else {}
+    out = attention(*local, attn_mask=local_mask, is_causal=causal, scale=scale, mesh=mesh, seq_len=seq,
+                    doc_ids=doc_ids, rotate=rotate, **extra)
+    full_out = pcp.unshard_sequence(out, seq_len=seq, **layout)
     grads = paddle.grad([full_out], local, [grad_out])
-    name = f"{backend}.{'causal' if causal else 'full'}.b{batch}s{seq}h{q_heads}/{kv_heads}"
     report.diff(name + ".out", full_out, ref)
     for label, got, want in zip("qkv", grads, ref_grads):
-        report.diff(f"{name}.d{label}", got, pcp.shard_sequence(want, backend=backend, mesh=mesh))
+        report.diff(f"{name}.d{label}", got, pcp.shard_sequence(want, **layout))
+
+
+def check_skipped_work(report, mesh, world):
+    """Causal attention on a batch of 8 packed 256-token documents: query-key pairs computed and skipped
+    (the kernel's tiles are 512 keys wide, so a tile is skipped only when no query sees any key in it)."""
+    seq, doc = 2048, 256
+    doc_ids = np.repeat(np.arange(seq // doc), doc)[None].repeat(2, axis=0)
+    q = pcp.shard_sequence(paddle.randn([2, seq, 1, HEAD_DIM]), mesh=mesh)
+    pcp.attention_work(reset=True)
+    pcp.ring_attention(q, q, q, is_causal=True, mesh=mesh, doc_ids=doc_ids)
+    report.value("packed.work", pcp.attention_work(reset=True))
+    report.value("packed.masked_fraction", 1 - (seq // doc) * (doc * (doc + 1) // 2) / seq ** 2)
+    pcp.ring_attention(q, q, q, is_causal=True, mesh=mesh, seq_len=seq)
+    report.value("causal.work", pcp.attention_work(reset=True))
 
 
 def check_sdpa_layer(report, mesh, world):
-    """Paddle's documented pattern: ContextParallel on a layer that calls F.scaled_dot_product_attention."""
+    """Paddle's documented pattern: ContextParallel on a layer that calls F.scaled_dot_product_attention;
+    PrepareContextParallel splits the inputs (any length), masks and documents of the top layer."""
 
     class SDPALayer(paddle.nn.Layer):
-        def forward(self, q, k, v):
-            return paddle.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        def forward(self, q, k, v, mask):
+            return paddle.nn.functional.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None)
 
     class Outer(paddle.nn.Layer):
         def __init__(self):
             super().__init__()
             self.sdpa = SDPALayer()
 
-        def forward(self, q, k, v):
-            return self.sdpa(q, k, v)
+        def forward(self, q, k, v, mask=None):
+            return self.sdpa(q, k, v, mask)
 
-    for backend in ("p2p", "all2all"):
-        paddle.seed(7)
-        seq = 4 * world
-        q, k, v = (paddle.randn([2, seq, 2 * world, 8]) for _ in range(3))
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        model = Outer()
-        plan = {"": pcp.PrepareContextParallel(backend), "sdpa": pcp.ContextParallel(backend)}
-        model, _ = pcp.parallelize(model, mesh=mesh, config={"cp_config": {"parallelize_plan": plan}})
-        out = model(q, k, v)
-        report.diff(f"layer.{backend}.out", pcp.unshard_sequence(out, backend=backend, mesh=mesh), ref)
+    layouts = [("p2p", None), ("all2all", None)] + ([("hybrid", 2)] if world == 4 else [])
+    for backend, degree in layouts:
+        for docs in (False, True):
+            paddle.seed(7)
+            seq = 4 * world + 1
+            q, k, v = (paddle.randn([2, seq, 2 * world, 8]) for _ in range(3))
+            doc_ids = documents(2, seq, np.random.RandomState(3))
+            if docs:
+                same = doc_ids[:, :, None] == doc_ids[:, None, :]
+                ref = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=paddle.to_tensor((same & np.tri(seq, dtype=bool))[:, None]))
+            else:
+                ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            prepare = pcp.PrepareContextParallel(backend, degree, documents="doc_ids" if docs else None)
+            plan = {"": prepare, "sdpa": pcp.ContextParallel(backend, degree)}
+            model, _ = pcp.parallelize(Outer(), mesh=mesh, config={"cp_config": {"parallelize_plan": plan}})
+            out = model(q, k, v, doc_ids=paddle.to_tensor(doc_ids)) if docs else model(q, k, v)
+            name = f"layer.{backend}{'.docs' if docs else ''}"
+            report.diff(name + ".out", pcp.unshard_sequence(out, backend=prepare, mesh=mesh, seq_len=seq), ref)
+            if not docs:  # a dense mask given to the top layer reaches the attention as this rank's rows
+                mask = dense_mask("bool", 2, seq, 2 * world, np.random.RandomState(4))
+                ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                out = pcp.unshard_sequence(model(q, k, v, mask), backend=prepare, mesh=mesh, seq_len=seq)
+                report.diff(f"layer.{backend}.dense.out", out, ref)
         report.value(f"layer.{backend}.sdpa_restored",
                      paddle.nn.functional.scaled_dot_product_attention is F.scaled_dot_product_attention)
+    mismatched = {"": pcp.PrepareContextParallel("p2p"), "sdpa": pcp.ContextParallel("all2all")}
+    model, _ = pcp.parallelize(Outer(), mesh=mesh, config={"cp_config": {"parallelize_plan": mismatched}})
+    x = paddle.randn([1, 2 * world, 2 * world, 8])
+    report.expect_error("mismatched_plans", lambda: model(x, x, x))
 
 
 def check_errors(report, mesh, world):
     x = paddle.randn([1, 2 * world, 2 * world, 8])
     report.expect_error("unknown_backend", lambda: pcp.PrepareContextParallel("ring"))
     report.expect_error("context_backend", lambda: pcp.ContextParallel("alltoall"))
+    report.expect_error("hybrid_without_degree", lambda: pcp.ContextParallel("hybrid"))
+    report.expect_error("degree_without_hybrid", lambda: pcp.PrepareContextParallel("p2p", ulysses_degree=2))
+    report.expect_error("unknown_rotation", lambda: pcp.ContextParallel("p2p", rotate="shuffle"))
     no_sep = dist.ProcessMesh(list(range(world)), dim_names=["dp"])
     report.expect_error("mesh_without_sep", lambda: pcp.ring_attention(x, x, x, mesh=no_sep))
-    odd = paddle.randn([1, 2 * world + 1, 2, 8])
-    report.expect_error("p2p_length", lambda: pcp.shard_sequence(odd, mesh=mesh))
     report.expect_error("dropout", lambda: pcp.ring_attention(x, x, x, dropout_p=0.1, mesh=mesh))
     report.expect_error("shapes", lambda: pcp.ring_attention(x, x[:, :, :1, :4], x, mesh=mesh))
+    report.expect_error("mask_shape", lambda: pcp.ring_attention(
+        x, x, x, attn_mask=paddle.ones([1, 1, 2 * world, 2 * world + 1], "bool"), mesh=mesh))
     if world > 1:
-        heads = paddle.randn([1, 2 * world, world + 1, 8])
-        report.expect_error("ulysses_heads", lambda: pcp.ulysses_attention(heads, heads, heads, mesh=mesh))
-        ragged = paddle.randn([1, world + 1, 2, 8])
-        report.expect_error("all2all_length", lambda: pcp.shard_sequence(ragged, backend="all2all", mesh=mesh))
+        short = paddle.randn([1, world - 1, 2, 8])
+        report.expect_error("short_sequence", lambda: pcp.shard_sequence(short, mesh=mesh))
+        few_heads = paddle.randn([1, 2, world - 1, 8])
+        report.expect_error("ulysses_heads", lambda: pcp.ulysses_attention(few_heads, few_heads, few_heads, mesh=mesh))
+        # a length that gives every rank 2 more tokens than it holds: all ranks refuse, none waits
+        report.expect_error("wrong_seq_len", lambda: pcp.ring_attention(x, x, x, mesh=mesh, seq_len=2 * world * world + 2 * world))
+    if world == 4:
+        report.expect_error("degree_not_dividing", lambda: pcp.hybrid_attention(x, x, x, mesh=mesh, ulysses_degree=3))
 
 
 def main(report):
     world = dist.get_world_size()
     mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
-    for case in CASES:
-        check_case(report, mesh, world, *case)
+    for case in cases(world):
+        check_case(report, mesh, case)
+    check_skipped_work(report, mesh, world)
     check_sdpa_layer(report, mesh, world)
     check_errors(report, mesh, world)
     report.value("bytes", pcp.bytes_sent())

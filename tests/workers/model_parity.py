@@ -1,9 +1,13 @@
 """Three AdamW steps of a Llama under parallelize(cp_config) vs one process on the same batch.
 
-argv: model sources (tiny and/or paddleformers). Both plan styles are exercised:
-the project's tiny model puts PrepareContextParallel on the root (key "", it
-splits labels too); PaddleFormers' Llama puts it on `model`, as Paddle's docs
-do, and its labels are split by hand with pcp.shard_sequence.
+argv: model sources (tiny and/or paddleformers). Runs cover every backend,
+lengths that do not divide (losses weighted by pcp.loss_weight), both k/v
+rotations, and packed documents given as restarting position ids or as a
+dense [b, 1, s, s] mask. The single card sees packed documents as a dense
+causal block-diagonal mask. Plan styles: the tiny model puts
+PrepareContextParallel on the root (key "", it splits labels too);
+PaddleFormers' Llama puts it on `model`, as Paddle's docs do, and its labels
+are split by hand with pcp.shard_sequence.
 """
 import sys
 
@@ -18,6 +22,19 @@ import paddle_cp as pcp
 STEPS = 3
 
 
+def runs(world):
+    """(backend, ulysses_degree, uneven, packed, rotate); packed: None, 'position_ids' or 'dense'."""
+    table = [
+        ("p2p", None, False, None, "ring"),
+        ("all2all", None, False, None, "ring"),
+        ("p2p", None, True, "position_ids", "allgather"),
+        ("all2all", None, True, "dense", "ring"),
+    ]
+    if world == 4:
+        table.append(("hybrid", 2, True, "position_ids", "ring"))
+    return table
+
+
 def adamw(model):
     # AdamW divides each gradient by its own magnitude (+ epsilon): an element
     # whose gradient is ~1e-8 would turn fp32 rounding into a whole-lr step.
@@ -25,20 +42,31 @@ def adamw(model):
     return paddle.optimizer.AdamW(learning_rate=1e-3, epsilon=1e-5, parameters=model.parameters())
 
 
-def make_batch(seq):
+def make_batch(seq, packed):
+    """ids, labels, position ids (restarting at each packed document) and the single card's mask."""
     paddle.seed(99)
     ids = paddle.randint(0, 128, [2, seq + 1])
-    return ids[:, :-1], ids[:, 1:]
+    positions = np.broadcast_to(np.arange(seq), (2, seq)).copy()
+    mask = None
+    if packed:
+        rng = np.random.RandomState(seq)
+        doc = np.stack([np.searchsorted(np.sort(rng.choice(np.arange(2, seq - 1), 3, replace=False)),
+                                        np.arange(seq), side="right") for _ in range(2)])
+        starts = np.maximum.accumulate(np.where(np.diff(doc, prepend=-1, axis=1) != 0, np.arange(seq), 0), axis=1)
+        positions = np.arange(seq) - starts
+        same = doc[:, :, None] == doc[:, None, :]
+        mask = paddle.to_tensor((same & np.tri(seq, dtype=bool))[:, None])
+    return ids[:, :-1], ids[:, 1:], paddle.to_tensor(positions, dtype="int64"), mask
 
 
-def reference(source, seq):
+def reference(source, seq, packed):
     paddle.seed(2024)
     model = build_llama(source)
     opt = adamw(model)
-    ids, labels = make_batch(seq)
+    ids, labels, positions, mask = make_batch(seq, packed)
     losses, grads = [], None
     for step in range(STEPS):
-        loss = loss_of(model(input_ids=ids, labels=labels))
+        loss = loss_of(model(input_ids=ids, labels=labels, position_ids=positions, attention_mask=mask))
         loss.backward()
         if step == 0:
             grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
@@ -48,22 +76,25 @@ def reference(source, seq):
     return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
 
 
-def parallel(source, seq, backend, mesh):
+def parallel(source, seq, mesh, backend, degree, packed, rotate):
     paddle.seed(2024)
     model = build_llama(source)
     opt = adamw(model)
-    if source == "tiny":
-        plan = {"": pcp.PrepareContextParallel(backend), "model.layers.*.self_attn": pcp.ContextParallel(backend)}
-    else:
-        plan = {"model": pcp.PrepareContextParallel(backend), "model.layers.*.self_attn": pcp.ContextParallel(backend)}
+    prepare = pcp.PrepareContextParallel(backend, degree, documents="position_ids" if packed == "position_ids" else None)
+    attention = pcp.ContextParallel(backend, degree, rotate=rotate)
+    top = "" if source == "tiny" else "model"
+    plan = {top: prepare, "model.layers.*.self_attn": attention}
     model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
-    ids, labels = make_batch(seq)
+    ids, labels, positions, mask = make_batch(seq, packed)
+    local_labels = pcp.shard_sequence(labels, backend=prepare, mesh=mesh)
     if source != "tiny":
-        labels = pcp.shard_sequence(labels, backend=backend, mesh=mesh)
+        labels = local_labels
+    weight = pcp.loss_weight(local_labels.numel(), mesh)
     world = mesh.shape[mesh.dim_names.index("sep")]
     losses, grads = [], None
     for step in range(STEPS):
-        loss = loss_of(model(input_ids=ids, labels=labels))
+        dense = mask if packed == "dense" else None
+        loss = loss_of(model(input_ids=ids, labels=labels, position_ids=positions, attention_mask=dense)) * weight
         loss.backward()
         opt.step()  # averages gradients over sep first
         if step == 0:
@@ -78,19 +109,25 @@ def parallel(source, seq, backend, mesh):
 def main(report):
     world = dist.get_world_size()
     mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
-    seq = 8 * world
+    names = []
     for source in sys.argv[1:]:
-        ref_losses, ref_grads, ref_params = reference(source, seq)
-        report.value(f"{source}.ref_losses", ref_losses)
-        for backend in ("p2p", "all2all"):
-            name = f"{source}.{backend}"
-            losses, grads, params = parallel(source, seq, backend, mesh)
+        references = {}
+        for backend, degree, uneven, packed, rotate in runs(world):
+            seq = 8 * world + (3 if uneven else 0)
+            key = (seq, bool(packed))
+            if key not in references:
+                references[key] = reference(source, seq, bool(packed))
+            ref_losses, ref_grads, ref_params = references[key]
+            name = f"{source}.{backend}{'.uneven' if uneven else ''}{'.' + packed if packed else ''}.{rotate}"
+            names.append(name)
+            losses, grads, params = parallel(source, seq, mesh, backend, degree, packed, rotate)
             report.value(f"{name}.losses", losses)
             report.diff(f"{name}.loss", np.array(losses), np.array(ref_losses))
             for param, value in ref_grads.items():
                 report.diff(f"{name}.grad", grads[param], value)
             for param, value in ref_params.items():
                 report.diff(f"{name}.param", params[param], value)
+    report.value("runs", names)
 
 
 run(main)
