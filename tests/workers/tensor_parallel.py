@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from plan_variants import VOCAB as SMALL_VOCAB
 from plan_variants import add_reference_hooks, small_model, variants_plan
 from report import run
 
@@ -61,7 +62,7 @@ def build(model_name, epsilon):
 
 
 def ids_range(model_name):
-    return 32 if model_name == "small" else 128
+    return SMALL_VOCAB if model_name == "small" else _tiny_config()["vocab_size"]
 
 
 def batches(model_name):
