@@ -23,12 +23,14 @@ STEPS = 3
 
 
 def runs(world):
-    """(backend, ulysses_degree, uneven, packed, rotate); packed: None, 'position_ids' or 'dense'."""
+    """(backend, ulysses_degree, uneven, packed, rotate); packed: None, 'position_ids', 'dense' or
+    'startend' (PaddleFormers' attn_mask_startend_row_indices)."""
     table = [
         ("p2p", None, False, None, "ring"),
         ("all2all", None, False, None, "ring"),
         ("p2p", None, True, "position_ids", "allgather"),
         ("all2all", None, True, "dense", "ring"),
+        ("p2p", None, True, "startend", "ring"),
     ]
     if world == 4:
         table.append(("hybrid", 2, True, "position_ids", "ring"))
@@ -43,11 +45,12 @@ def adamw(model):
 
 
 def make_batch(seq, packed):
-    """ids, labels, position ids (restarting at each packed document) and the single card's mask."""
+    """ids, labels, position ids (restarting at each packed document), the single card's mask and
+    the documents' end rows ([b, 1, s]: key j is seen by rows j..end-1)."""
     paddle.seed(99)
     ids = paddle.randint(0, 128, [2, seq + 1])
     positions = np.broadcast_to(np.arange(seq), (2, seq)).copy()
-    mask = None
+    mask = ends = None
     if packed:
         rng = np.random.RandomState(seq)
         doc = np.stack([np.searchsorted(np.sort(rng.choice(np.arange(2, seq - 1), 3, replace=False)),
@@ -56,14 +59,15 @@ def make_batch(seq, packed):
         positions = np.arange(seq) - starts
         same = doc[:, :, None] == doc[:, None, :]
         mask = paddle.to_tensor((same & np.tri(seq, dtype=bool))[:, None])
-    return ids[:, :-1], ids[:, 1:], paddle.to_tensor(positions, dtype="int64"), mask
+        ends = paddle.to_tensor(seq - same[:, ::-1, :].argmax(axis=1), dtype="int32").unsqueeze(1)
+    return ids[:, :-1], ids[:, 1:], paddle.to_tensor(positions, dtype="int64"), mask, ends
 
 
 def reference(source, seq, packed):
     paddle.seed(2024)
     model = build_llama(source)
     opt = adamw(model)
-    ids, labels, positions, mask = make_batch(seq, packed)
+    ids, labels, positions, mask, _ = make_batch(seq, packed)
     losses, grads = [], None
     for step in range(STEPS):
         loss = loss_of(model(input_ids=ids, labels=labels, position_ids=positions, attention_mask=mask))
@@ -85,7 +89,10 @@ def parallel(source, seq, mesh, backend, degree, packed, rotate):
     top = "" if source == "tiny" else "model"
     plan = {top: prepare, "model.layers.*.self_attn": attention}
     model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
-    ids, labels, positions, mask = make_batch(seq, packed)
+    ids, labels, positions, mask, ends = make_batch(seq, packed)
+    extra = {"attention_mask": mask} if packed == "dense" else {}
+    if packed == "startend":
+        extra = {"attn_mask_startend_row_indices": ends}
     local_labels = pcp.shard_sequence(labels, backend=prepare, mesh=mesh)
     if source != "tiny":
         labels = local_labels
@@ -93,8 +100,7 @@ def parallel(source, seq, mesh, backend, degree, packed, rotate):
     world = mesh.shape[mesh.dim_names.index("sep")]
     losses, grads = [], None
     for step in range(STEPS):
-        dense = mask if packed == "dense" else None
-        loss = loss_of(model(input_ids=ids, labels=labels, position_ids=positions, attention_mask=dense)) * weight
+        loss = loss_of(model(input_ids=ids, labels=labels, position_ids=positions, **extra)) * weight
         loss.backward()
         opt.step()  # averages gradients over sep first
         if step == 0:
@@ -113,6 +119,8 @@ def main(report):
     for source in sys.argv[1:]:
         references = {}
         for backend, degree, uneven, packed, rotate in runs(world):
+            if packed == "startend" and source == "tiny":
+                continue  # a PaddleFormers input
             seq = 8 * world + (3 if uneven else 0)
             key = (seq, bool(packed))
             if key not in references:
