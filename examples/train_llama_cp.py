@@ -42,14 +42,26 @@ def new_model_and_optimizer(train):
     return model, paddle.optimizer.AdamW(learning_rate=train["learning_rate"], parameters=model.parameters())
 
 
+def input_splitter(config):
+    """The config's PrepareContextParallel plan (it knows which tokens this rank gets)."""
+    for plans in (config.get("cp_config") or {}).get("parallelize_plan", {}).values():
+        for plan in plans if isinstance(plans, list) else [plans]:
+            if isinstance(plan, pcp.PrepareContextParallel):
+                return plan
+    raise ValueError("this example needs a PrepareContextParallel plan in cp_config")
+
+
 def train_parallel(train, mesh, config):
     model, optimizer = new_model_and_optimizer(train)
     model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
+    splitter = input_splitter(config)
     replicas = dist.get_world_size()
     losses = []
     for step, (ids, labels) in enumerate(batches(train)):
         start = time.perf_counter()
-        loss = loss_of(model(input_ids=ids, labels=labels))  # this rank's mean over its tokens
+        # this rank's mean over its tokens, weighted by its share when the length does not divide
+        weight = pcp.loss_weight(pcp.shard_sequence(labels, backend=splitter, mesh=mesh).numel(), mesh)
+        loss = loss_of(model(input_ids=ids, labels=labels)) * weight
         loss.backward()
         optimizer.step()  # averages gradients over the context-parallel ranks first
         optimizer.clear_grad()

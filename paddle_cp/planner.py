@@ -35,7 +35,6 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 
-from . import plans
 
 FP32 = 4
 LSE_BYTES = FP32  # log-sum-exps are kept in fp32 whatever the input dtype
@@ -195,12 +194,6 @@ class Layout:
         return "all2all" if self.ulysses > 1 else "p2p"
 
     @property
-    def runnable(self):
-        """paddle_cp runs ring or Ulysses (hybrid is modelled only), and tensor
-        parallelism once paddle_cp.plans has its plans."""
-        return self.backend != "hybrid" and (self.tp == 1 or hasattr(plans, "ColWiseParallel"))
-
-    @property
     def name(self):
         return f"dp{self.dp} ring{self.ring} uly{self.ulysses} tp{self.tp}"
 
@@ -275,7 +268,7 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True):
     time = step_time(model, layout, cluster, seq, batch, elem, causal)
     total_mem, total_time = sum(mem.values()), sum(time.values())
     return {
-        "layout": asdict(layout), "name": layout.name, "backend": layout.backend, "runnable": layout.runnable,
+        "layout": asdict(layout), "name": layout.name, "backend": layout.backend,
         "memory": mem, "memory_total": total_mem, "fits": total_mem <= cluster.memory,
         "time": time, "step_time": total_time,
         "tokens_per_second": layout.dp * batch * seq / total_time,
@@ -291,9 +284,6 @@ def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True):
 
 def parallelize_config(layout, model_prefix="model"):
     """The YAML-able config (see paddle_cp.config.load_config) that runs `layout`."""
-    if not layout.runnable:
-        raise ValueError(f"{layout.name}: paddle_cp cannot run this layout yet (hybrid ring x Ulysses, "
-                         "or tensor parallelism without its plans)")
     dims = [(name, size) for name, size in (("dp", layout.dp), ("sep", layout.cp), ("mp", layout.tp)) if size > 1]
     dims = dims or [("dp", 1)]
     config = {"mesh": {"shape": [s for _, s in dims], "dim_names": [n for n, _ in dims]},
@@ -306,8 +296,11 @@ def parallelize_config(layout, model_prefix="model"):
         plan[f"{layers}.mlp.down_proj"] = "RowWiseParallel"
         config["mp_config"] = {"parallelize_plan": plan}
     if layout.cp > 1:
+        args = {"backend": layout.backend}
+        if layout.backend == "hybrid":
+            args["ulysses_degree"] = layout.ulysses
         config["cp_config"] = {"parallelize_plan": {
-            model_prefix: {"PrepareContextParallel": {"backend": layout.backend}},
-            f"{layers}.self_attn": [{"ContextParallel": {"backend": layout.backend}}],
+            model_prefix: {"PrepareContextParallel": dict(args)},
+            f"{layers}.self_attn": [{"ContextParallel": dict(args)}],
         }}
     return config

@@ -82,13 +82,13 @@ def main(argv=None):
     if not estimates:
         sys.exit(f"no layout of {args.devices} devices suits {model} at sequence {args.seq}")
     print(table(estimates, args.top))
-    best = next((e for e in estimates if e["fits"] and e["runnable"]), None)
+    best = next((e for e in estimates if e["fits"]), None)
     config = None
     if best is None:
-        print("\nno runnable layout fits in memory: add devices, shorten the sequence or lower the batch")
+        print("\nno layout fits in memory: add devices, shorten the sequence or lower the batch")
     else:
         config = planner.parallelize_config(planner.Layout(**best["layout"]), args.model_prefix)
-        print(f"\n# best runnable layout: {best['name']} ({best['backend']}), "
+        print(f"\n# best layout: {best['name']} ({best['backend']}), "
               f"{best['tokens_per_second']:.0f} tokens/s, {best['memory_total'] / GB:.1f} GB per device")
         print(yaml.dump(config, Dumper=_Dumper, sort_keys=False), end="")
     if args.json:
