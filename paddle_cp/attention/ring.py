@@ -10,7 +10,6 @@ contribute 0 with weight 0.
 """
 from __future__ import annotations
 
-import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
@@ -49,20 +48,14 @@ class RingMasks:
         return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=3)
 
 
-def _shapes(like, length):
-    shape = list(like.shape)
-    shape[1] = length
-    return [shape, shape]
-
-
 def _unpack(flat, like, length):
-    sizes = [int(np.prod(s)) for s in _shapes(like, length)]
-    parts = paddle.split(flat, sizes)
-    return [p.reshape(s) for p, s in zip(parts, _shapes(like, length))]
+    """k and v of a member holding `length` tokens, from its packed block."""
+    shape = [like.shape[0], length, *like.shape[2:]]
+    return p2p.unpack(flat, [shape, shape])
 
 
 def _numels(k, lengths):
-    per_token = 2 * int(np.prod(k.shape)) // k.shape[1]
+    per_token = 2 * k.shape[0] * k.shape[2] * k.shape[3]
     return [per_token * n for n in lengths]
 
 

@@ -77,8 +77,8 @@ def pack(tensors):
     return paddle.concat([t.reshape([-1]) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape([-1])
 
 
-def unpack(buffer, like):
-    """Split a packed buffer back into tensors shaped like `like`."""
-    sizes = [int(t.numel()) for t in like]
-    parts = paddle.split(buffer, sizes) if len(like) > 1 else [buffer]
-    return [p.reshape(t.shape) for p, t in zip(parts, like)]
+def unpack(buffer, shapes):
+    """Split a packed buffer back into tensors of `shapes`."""
+    sizes = [math.prod(shape) for shape in shapes]
+    parts = paddle.split(buffer, sizes) if len(shapes) > 1 else [buffer]
+    return [p.reshape(shape) for p, shape in zip(parts, shapes)]
