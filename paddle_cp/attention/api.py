@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import mesh as mesh_lib
-from .layout import SequenceLayout, check_backend
+from .layout import SequenceLayout
 from .mask import Documents
 from .ring import RingMasks, ring_attention_local
 from .rotation import check_rotation
@@ -32,16 +32,12 @@ def _alone(group):
     return mesh_lib.MeshGroup((rank,), 0, None)
 
 
-def _as_mesh_group(group):
-    if isinstance(group, mesh_lib.MeshGroup):
-        return group
-    return mesh_lib.MeshGroup(tuple(group.ranks), group.rank, group)
-
-
 def resolve_group(mesh=None, group=None):
     """The context-parallel MeshGroup: `group` (MeshGroup or Paddle Group), else the mesh's `sep` slice."""
     if group is not None:
-        return _as_mesh_group(group)
+        if isinstance(group, mesh_lib.MeshGroup):
+            return group
+        return mesh_lib.MeshGroup(tuple(group.ranks), group.rank, group)
     mesh = mesh_lib.resolve_mesh(mesh)
     mesh_lib.require_dim(mesh, "sep", "context parallelism")
     return mesh_lib.mesh_group(mesh, ["sep"], p2p=True)

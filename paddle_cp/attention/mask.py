@@ -64,7 +64,7 @@ class Documents:
     def from_startend_row_indices(cls, indices):
         """PaddleFormers' causal `attn_mask_startend_row_indices` ([b, 1, s] or [b, 1, s, 1]):
         key j is seen by rows j <= i < indices[j]."""
-        array = np.asarray(indices.numpy() if isinstance(indices, paddle.Tensor) else indices)
+        array = _numpy(indices)
         if array.ndim == 4 and array.shape[-1] == 1:
             array = array[..., 0]
         if array.ndim != 3 or array.shape[1] != 1:
@@ -90,17 +90,13 @@ class Documents:
     def seq_len(self):
         return self.start.shape[1]
 
-    def fraction_visible(self, causal=True):
-        """Fraction of the (causal) query-key pairs that documents leave visible."""
-        keys = np.arange(self.seq_len)
-        lo = keys if causal else self.start
-        seen = np.clip(self.end - lo, 0, None).sum()
-        total = self.seq_len * (self.seq_len + 1) // 2 if causal else self.seq_len ** 2
-        return seen / (total * self.start.shape[0])
+
+def _numpy(values):
+    return np.asarray(values.numpy() if isinstance(values, paddle.Tensor) else values)
 
 
 def _as_rows(values, what):
-    array = np.asarray(values.numpy() if isinstance(values, paddle.Tensor) else values)
+    array = _numpy(values)
     if array.ndim == 1:
         array = array[None]
     if array.ndim != 2:
