@@ -6,7 +6,7 @@ import inspect
 import paddle
 
 from .. import mesh as mesh_lib
-from ..attention import Documents, SequenceLayout, check_backend, check_rotation, context, resolve_groups, ulysses_size
+from ..attention import Documents, SequenceLayout, check_rotation, context, resolve_groups, ulysses_size
 from ..attention.api import context_parallel_attention
 from .base import Plan, refuse_param_plan
 
@@ -29,9 +29,8 @@ class _SepPlan(Plan):
     """A context-parallel plan: a backend (with its Ulysses degree), a whole layer, the mesh's `sep` slice."""
 
     def __init__(self, backend="p2p", ulysses_degree=None):
-        self.backend = check_backend(backend)
-        self.ulysses_degree = ulysses_degree
-        ulysses_size(backend, 0, ulysses_degree)  # degree given iff hybrid
+        ulysses_size(backend, 0, ulysses_degree)  # a known backend, with a degree iff hybrid
+        self.backend, self.ulysses_degree = backend, ulysses_degree
 
     def check(self, layer, mesh, param_names=()):
         refuse_param_plan(self, param_names)
@@ -74,10 +73,6 @@ class PrepareContextParallel(_SepPlan):
         layer.register_forward_pre_hook(self._split_inputs, with_kwargs=True)
         return layer.register_forward_post_hook(self._forget_batch, always_call=True)
 
-    def layout(self, world=None):
-        """This plan's SequenceLayout (over `world` ranks before apply)."""
-        return self._layout if world is None else SequenceLayout(self.backend, world, self.ulysses_degree)
-
     def _documents(self, kwargs, bound):
         if self.documents == "position_ids":
             positions = bound.get("position_ids")
@@ -113,7 +108,13 @@ class PrepareContextParallel(_SepPlan):
             return self._layout.shard(value, 1, index) if value.shape[1] == seq_len else value
 
         for name, value in bound.arguments.items():
-            bound.arguments[name] = split(value)
+            kind = self._signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                bound.arguments[name] = {key: split(v) for key, v in value.items()}
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                bound.arguments[name] = tuple(split(v) for v in value)
+            else:
+                bound.arguments[name] = split(value)
         if "position_ids" in self._signature.parameters and bound.arguments.get("position_ids") is None:
             positions = paddle.to_tensor(self._layout.positions(seq_len, index), dtype="int64")
             bound.arguments["position_ids"] = positions.unsqueeze(0).expand([batch, positions.shape[0]])
