@@ -13,6 +13,7 @@ import paddle
 import paddle.distributed as dist
 
 from . import counters
+from .watchdog import guard
 
 
 def uses_native_p2p(tensor):
@@ -62,13 +63,15 @@ def shift(mesh_group, tensor, offset=1, op="p2p", recv_shape=None):
     if uses_native_p2p(tensor):
         group = mesh_group.group
         ops = [dist.P2POp(dist.isend, tensor, dst, group), dist.P2POp(dist.irecv, buffer, src, group)]
-        return Pending(buffer, dist.batch_isend_irecv(ops))
-    if sends_first(mesh_group.index, size, offset):
-        dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
-        dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
-    else:
-        dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
-        dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
+        with guard(op, (src, dst)):
+            return Pending(buffer, dist.batch_isend_irecv(ops))
+    with guard(op, (src, dst)):
+        if sends_first(mesh_group.index, size, offset):
+            dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
+            dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
+        else:
+            dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
+            dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
     return Pending(buffer)
 
 

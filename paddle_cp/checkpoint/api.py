@@ -1,0 +1,147 @@
+"""`save_checkpoint`, `load_checkpoint`, `wait_checkpoint`: collective, arguments checked on every
+rank before any data moves."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddle.distributed.flex_checkpoint.dcp import save_state_dict as paddle_save
+
+from ..comm import collectives
+from ..comm.watchdog import get_timeout, guard
+from . import commit, gather, layout, restore
+from .format import MODEL_DIR, OPTIMIZER_DIR, BoxReader, global_specs, read_metadata, sharded_weights
+
+_pending = []  # the async save whose files are still being written (at most one)
+
+
+def _check_common(path, model, optimizer):
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TypeError(f"checkpoint path must be a non-empty str or os.PathLike, got {path!r}")
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"model must be a paddle.nn.Layer, got {type(model).__name__}")
+    if optimizer is not None:
+        layout.accumulator_names(optimizer)
+
+
+def _check_save(path, model, optimizer, extra, async_save):
+    _check_common(path, model, optimizer)
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save must be True or False, got {async_save!r}")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"extra must be JSON-serializable (numbers, strings, lists, dicts): {exc}; "
+                        "convert tensors and arrays with .tolist()") from exc
+    if os.path.exists(path):
+        raise ValueError(f"checkpoint path {path} exists already: save each checkpoint to a new path "
+                         "(e.g. root/checkpoint-<step>) or delete the old one first")
+
+
+def _agree(group, ok, op):
+    """Number of ranks that report failure (every rank calls it: also a barrier)."""
+    flag = paddle.to_tensor(np.array([0 if ok else 1], dtype="int32"))
+    if group is not None:
+        collectives.all_reduce(group, flag, op=op)
+    return int(flag.numpy()[0])
+
+
+def _write(directory, boxes, group, async_save):
+    """Paddle's writer (its metadata exchange bounded by the watchdog); async: the spawned writers."""
+    ranks = group.ranks if group is not None else (dist.get_rank(),)
+    with guard("save_state_dict", ranks):
+        dist.save_state_dict(boxes, directory, async_save=async_save)
+    writers = list(paddle_save.async_save_queue)
+    paddle_save.async_save_queue.clear()  # ours to join and check (Paddle only logs a failure)
+    return writers
+
+
+class _Save:
+    def __init__(self, path, extra, has_optimizer, writers, group):
+        self.path, self.extra, self.has_optimizer = path, extra, has_optimizer
+        self.writers, self.group = writers, group
+
+    def finish(self):
+        """Every rank reports; all succeeded: the coordinator publishes; else all raise."""
+        ok = True
+        for writer in self.writers:
+            writer.join(get_timeout())
+            ok = ok and writer.exitcode == 0
+        failed = _agree(self.group, ok, "checkpoint_written")
+        if failed:
+            if dist.get_rank() == 0:
+                commit.clear_partial(self.path)
+            raise RuntimeError(f"saving checkpoint {self.path} failed on {failed} rank(s) (see their logs): "
+                               "it was not published; the previous checkpoint is still the latest")
+        if dist.get_rank() == 0:
+            commit.publish(self.path, self.extra, self.has_optimizer)
+        _agree(self.group, True, "checkpoint_published")  # visible to every rank when save returns
+
+
+def wait_checkpoint():
+    """Finish an async save (collective): returns once it is published, raises on every rank if it failed."""
+    while _pending:
+        _pending.pop().finish()
+
+
+def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
+    """Save `model` (and `optimizer`'s state, and JSON-able `extra`) to the new directory `path`."""
+    _check_save(path, model, optimizer, extra, async_save)
+    wait_checkpoint()
+    group = layout.world_group()
+    if dist.get_rank() == 0:
+        commit.clear_partial(path)
+    _agree(group, True, "checkpoint_begin")  # no rank writes before a stale partial save is gone
+    states = {MODEL_DIR: gather.model_values(model)}
+    if optimizer is not None:
+        states[OPTIMIZER_DIR] = gather.optimizer_values(model, optimizer)
+    partial = commit.partial_path(path)
+    writers = []
+    for folder, values in states.items():
+        if values:
+            boxes = sharded_weights(values, dist.get_world_size(), dist.get_rank())
+            writers += _write(os.path.join(partial, folder), boxes, group, async_save)
+    save = _Save(path, extra, bool(states.get(OPTIMIZER_DIR)), writers, group)
+    if async_save:
+        _pending.append(save)
+    else:
+        save.finish()
+
+
+def _check_specs(found, wanted, what, path, allow_missing=False):
+    """Same keys (checkpoint keys a subset when allow_missing), global shapes and dtypes, else ValueError."""
+    unexpected = sorted(set(found) - set(wanted))
+    missing = [] if allow_missing else sorted(set(wanted) - set(found))
+    if unexpected or missing:
+        raise ValueError(f"checkpoint {path} does not fit this {what}: keys only in the checkpoint "
+                         f"{unexpected[:5]}, keys it lacks {missing[:5]}; build the same model (and optimizer) "
+                         "that saved it")
+    for key, (shape, dtype) in sorted(found.items()):
+        if tuple(wanted[key][0]) != tuple(shape) or wanted[key][1] != dtype:
+            raise ValueError(f"checkpoint {path} holds '{key}' as {dtype}{list(shape)}, this {what} needs "
+                             f"{wanted[key][1]}{list(wanted[key][0])}: build the model with the config that "
+                             "saved it (or cast after loading)")
+
+
+def load_checkpoint(path, model, optimizer=None):
+    """Restore `model` (and `optimizer`) from `path` onto the current mesh and plans; returns `extra`."""
+    _check_common(path, model, optimizer)
+    wait_checkpoint()
+    marker = commit.read_marker(path)
+    model_dir = os.path.join(path, MODEL_DIR)
+    model_meta = read_metadata(model_dir)
+    _check_specs(global_specs(model_meta), restore.expected_model_specs(model), "model", path)
+    optimizer_meta = None
+    if optimizer is not None and marker["has_optimizer"]:
+        names = layout.accumulator_names(optimizer)
+        optimizer_meta = read_metadata(os.path.join(path, OPTIMIZER_DIR))
+        _check_specs(global_specs(optimizer_meta), restore.expected_optimizer_specs(model, names),
+                     "optimizer", path, allow_missing=True)
+    restore.restore_model(model, BoxReader(model_dir, model_meta))
+    if optimizer_meta is not None:
+        restore.restore_optimizer(model, optimizer, BoxReader(os.path.join(path, OPTIMIZER_DIR), optimizer_meta),
+                                  names)
+    return marker["extra"]

@@ -1,0 +1,59 @@
+"""Full (single-card) numpy values of a model's state and its optimizer's, on every rank.
+
+Collective: every rank calls these in the same order. The optimizer state of a
+parameter comes from the rank that steps it (a broadcast over dp at sharding
+levels 1-3), then its tensor-parallel slices are gathered over mp.
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from ..comm import collectives
+from ..plans.tensor_parallel import shard_of
+from ..state_dict import full_state_dict
+from . import layout
+from .format import optimizer_key
+
+
+def model_values(model):
+    return full_state_dict(model)
+
+
+def optimizer_values(model, optimizer):
+    """{`{param}.{accumulator}_0`: full array} for every parameter some rank holds state for."""
+    accumulators = layout.inner_optimizer(optimizer)._accumulators
+    params = list(model.named_parameters())
+    names = layout.accumulator_names(optimizer)
+    present = _present(accumulators, params, names)
+    values = {}
+    for (key, param), has_state in zip(params, present):
+        if not has_state:
+            continue  # never stepped (no gradient yet): one card holds no state for it either
+        for name in names:
+            values[optimizer_key(key, name)] = _full_accumulator(accumulators, name, param, optimizer)
+    return values
+
+
+def _present(accumulators, params, names):
+    """Per parameter, whether any rank holds its state (agreed by all ranks)."""
+    stepped = [p.name in accumulators.get(names[0], {}) for _, p in params]
+    flags = paddle.to_tensor(np.array(stepped, dtype="int32"))
+    group = layout.world_group()
+    if group is not None:
+        collectives.all_reduce(group, flags, op="checkpoint_state_present")
+    return flags.numpy() > 0
+
+
+def _full_accumulator(accumulators, name, param, optimizer):
+    sharding = layout.sharding_of(optimizer)
+    if sharding is None:
+        local = accumulators[name][param.name]
+    else:
+        local = accumulators[name][param.name].clone() if sharding.owns(param) else paddle.empty(
+            layout.accumulator_shape(param, name), layout.accumulator_dtype(param, name))
+        collectives.broadcast(sharding.group, local, sharding.owner[id(param)], op="checkpoint_state")
+    spec = shard_of(param)
+    if spec is None or name in layout.SCALAR_ACCUMULATORS:
+        return local.numpy()
+    return spec.assemble([s.numpy() for s in collectives.all_gather(spec.group, local, op="checkpoint_state")])
