@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
-from paddle.distributed.flex_checkpoint.dcp import save_state_dict as paddle_save
 
 from ..comm import collectives
-from ..comm.watchdog import get_timeout, guard
 from . import commit, gather, layout, restore
-from .format import MODEL_DIR, OPTIMIZER_DIR, BoxReader, global_specs, read_metadata, sharded_weights
+from .format import (MODEL_DIR, OPTIMIZER_DIR, BoxReader, global_specs, local_boxes, metadata, read_metadata,
+                     write_state)
 
 _pending = []  # the async save whose files are still being written (at most one)
 
@@ -49,33 +49,42 @@ def _agree(group, ok, op):
     return int(flag.numpy()[0])
 
 
-def _write(directory, boxes, group, async_save):
-    """Paddle's writer (its metadata exchange bounded by the watchdog); async: the spawned writers."""
-    ranks = group.ranks if group is not None else (dist.get_rank(),)
-    with guard("save_state_dict", ranks):
-        dist.save_state_dict(boxes, directory, async_save=async_save)
-    writers = list(paddle_save.async_save_queue)
-    paddle_save.async_save_queue.clear()  # ours to join and check (Paddle only logs a failure)
-    return writers
-
-
 class _Save:
-    def __init__(self, path, extra, has_optimizer, writers, group):
-        self.path, self.extra, self.has_optimizer = path, extra, has_optimizer
-        self.writers, self.group = writers, group
+    """One save's file writing (in a background thread when async) and its publication."""
+
+    def __init__(self, path, extra, states, group, async_save):
+        self.path, self.extra, self.group = path, extra, group
+        self.has_optimizer = bool(states.get(OPTIMIZER_DIR))
+        world, rank = dist.get_world_size(), dist.get_rank()
+        # copies taken now: training may change the tensors while the thread writes
+        self.jobs = [(os.path.join(commit.partial_path(path), folder), local_boxes(values, world, rank),
+                      metadata(values, world) if rank == 0 else None)
+                     for folder, values in states.items() if values]
+        self.error = None
+        self.thread = threading.Thread(target=self._write, name="paddle_cp-checkpoint-writer", daemon=True)
+        if async_save:
+            self.thread.start()
+        else:
+            self._write()
+
+    def _write(self):
+        try:
+            for directory, boxes, meta in self.jobs:
+                write_state(directory, boxes, meta)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank in finish()
+            self.error = exc
 
     def finish(self):
         """Every rank reports; all succeeded: the coordinator publishes; else all raise."""
-        ok = True
-        for writer in self.writers:
-            writer.join(get_timeout())
-            ok = ok and writer.exitcode == 0
-        failed = _agree(self.group, ok, "checkpoint_written")
+        if self.thread.ident is not None:  # started: async
+            self.thread.join()
+        failed = _agree(self.group, self.error is None, "checkpoint_written")
         if failed:
             if dist.get_rank() == 0:
                 commit.clear_partial(self.path)
-            raise RuntimeError(f"saving checkpoint {self.path} failed on {failed} rank(s) (see their logs): "
-                               "it was not published; the previous checkpoint is still the latest")
+            mine = f" (here: {type(self.error).__name__}: {self.error})" if self.error else ""
+            raise RuntimeError(f"saving checkpoint {self.path} failed on {failed} rank(s){mine}: it was not "
+                               "published; the previous checkpoint is still the latest")
         if dist.get_rank() == 0:
             commit.publish(self.path, self.extra, self.has_optimizer)
         _agree(self.group, True, "checkpoint_published")  # visible to every rank when save returns
@@ -98,13 +107,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
     states = {MODEL_DIR: gather.model_values(model)}
     if optimizer is not None:
         states[OPTIMIZER_DIR] = gather.optimizer_values(model, optimizer)
-    partial = commit.partial_path(path)
-    writers = []
-    for folder, values in states.items():
-        if values:
-            boxes = sharded_weights(values, dist.get_world_size(), dist.get_rank())
-            writers += _write(os.path.join(partial, folder), boxes, group, async_save)
-    save = _Save(path, extra, bool(states.get(OPTIMIZER_DIR)), writers, group)
+    save = _Save(path, extra, states, group, async_save)
     if async_save:
         _pending.append(save)
     else:

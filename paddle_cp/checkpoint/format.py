@@ -1,11 +1,15 @@
-"""The files: Paddle's flex-checkpoint format (`dist.save_state_dict` of `dist.ShardedWeight` boxes)
-under PaddleFormers' key names, read back box by box without Paddle's loader (it calls `.cuda()`).
+"""The files: Paddle's flex-checkpoint format under PaddleFormers' key names, as
+`dist.save_state_dict` writes it (`0.metadata`: a pickled `Metadata` of every box;
+`{rank}_0.distcp`: each rank's boxes) and `dist.load_merged_state_dict` reads it;
+read back here box by box, without Paddle's loader (it calls `.cuda()`).
 
 Boxes: whatever layout saved it, each tensor is written as contiguous blocks of rows (axis 0),
 block r by world rank r (rows spread as evenly as they go; a tensor with fewer rows than ranks
 is written by its first ranks). So a fused q|k|v shard, a dp-owned parameter or a level-3
 placeholder all become one plain box per rank, every element written once, the write load
-even across ranks, and `dist.load_merged_state_dict` merges the result in one process.
+even across ranks. As every rank knows every box, the metadata needs no exchange: writing
+issues no collective, which lets a background thread do it (`dist.save_state_dict` exchanges
+metadata with collectives and its async path calls `paddle.device.synchronize`, which fails on CPU).
 """
 from __future__ import annotations
 
@@ -14,9 +18,14 @@ import pickle
 
 import numpy as np
 import paddle
-import paddle.distributed as dist
+from paddle.distributed.flex_checkpoint.dcp.metadata import LocalTensorIndex, LocalTensorMetadata, Metadata
 
 MODEL_DIR, OPTIMIZER_DIR = "model_state", "optimizer_state"
+METADATA_FILE = "0.metadata"
+
+
+def data_file(rank):
+    return f"{rank}_0.distcp"
 
 
 def optimizer_key(param_key, accumulator):
@@ -28,40 +37,53 @@ def row_box(shape, world, rank):
     """(global_offset, local_shape) of the rows rank `rank` writes, or None when it writes none."""
     if len(shape) == 0:
         return ((), ()) if rank == 0 else None
-    start, stop = _row_range(shape[0], world, rank)
-    if start == stop:
-        return None
-    return (start,) + (0,) * (len(shape) - 1), (stop - start,) + tuple(shape[1:])
-
-
-def _row_range(rows, world, rank):
-    base, extra = divmod(rows, world)
+    base, extra = divmod(shape[0], world)
     start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
+    rows = base + (rank < extra)
+    if rows == 0:
+        return None
+    return (start,) + (0,) * (len(shape) - 1), (rows,) + tuple(shape[1:])
 
 
-def sharded_weights(full_values, world, rank):
-    """{key: ShardedWeight} of this rank's row boxes of full numpy arrays."""
+def local_boxes(full_values, world, rank):
+    """{key: Tensor} of the row boxes of full numpy arrays that rank `rank` writes (copies)."""
     boxes = {}
     for key, value in full_values.items():
         box = row_box(value.shape, world, rank)
-        if box is None:
-            continue
-        offset, local_shape = box
-        local = value[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
-        boxes[key] = dist.ShardedWeight(key=key, local_tensor=paddle.to_tensor(np.ascontiguousarray(local)),
-                                        local_shape=local_shape, global_shape=tuple(value.shape),
-                                        global_offset=offset)
+        if box is not None:
+            offset, local_shape = box
+            block = value[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+            boxes[key] = paddle.to_tensor(np.ascontiguousarray(block))
     return boxes
 
 
+def metadata(full_values, world):
+    """Paddle's Metadata of every rank's boxes."""
+    boxes, storage = {}, {}
+    for key, value in full_values.items():
+        boxes[key] = []
+        for rank in range(world):
+            box = row_box(value.shape, world, rank)
+            if box is None:
+                continue
+            offset, local_shape = box
+            boxes[key].append(LocalTensorMetadata(offset, local_shape, value.dtype.name, tuple(value.shape)))
+            storage[LocalTensorIndex(tensor_key=key, global_offset=offset, local_shape=local_shape)] = data_file(rank)
+    return Metadata(state_dict_metadata=boxes, storage_metadata=storage,
+                    flat_mapping={key: (key,) for key in full_values})
+
+
+def write_state(directory, boxes, meta):
+    """This rank's data file, and the metadata if `meta` is given (the coordinator's)."""
+    os.makedirs(directory, exist_ok=True)
+    paddle.save(boxes, os.path.join(directory, data_file(paddle.distributed.get_rank())))
+    if meta is not None:
+        paddle.save(meta, os.path.join(directory, METADATA_FILE))
+
+
 def read_metadata(directory):
-    """Paddle's Metadata of one state directory (`{uid}.metadata`, the newest uid)."""
-    names = sorted(f for f in os.listdir(directory) if f.endswith(".metadata"))
-    if not names:
-        raise ValueError(f"checkpoint directory {directory} has no .metadata file: it is not a complete "
-                         "checkpoint (pass a path that pcp.latest_checkpoint returns)")
-    path = os.path.join(directory, names[-1])
+    """Paddle's Metadata of one state directory."""
+    path = os.path.join(directory, METADATA_FILE)
     try:
         return paddle.load(path)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
