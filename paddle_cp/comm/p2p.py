@@ -63,9 +63,9 @@ def shift(mesh_group, tensor, offset=1, op="p2p", recv_shape=None):
     if uses_native_p2p(tensor):
         group = mesh_group.group
         ops = [dist.P2POp(dist.isend, tensor, dst, group), dist.P2POp(dist.irecv, buffer, src, group)]
-        with guard(op, (src, dst)):
+        with guard(op, mesh_group.ranks, (src, dst)):
             return Pending(buffer, dist.batch_isend_irecv(ops))
-    with guard(op, (src, dst)):
+    with guard(op, mesh_group.ranks, (src, dst)):
         if sends_first(mesh_group.index, size, offset):
             dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
             dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))

@@ -55,11 +55,12 @@ def get_timeout():
 
 
 @contextmanager
-def guard(op, ranks):
-    """Mark a collective `op` among global `ranks` as in flight while the block runs."""
+def guard(op, ranks, peers=None):
+    """Mark a collective `op` over the group of global `ranks` as in flight while the block runs;
+    `peers`: the ranks it waits for (default: the others in the group)."""
     _ensure_thread()
     token = next(_tokens)
-    _in_flight[token] = entry = (time.monotonic(), op, tuple(ranks), None)
+    _in_flight[token] = entry = (time.monotonic(), op, (tuple(ranks), peers), None)
     try:
         yield
     finally:
@@ -96,12 +97,13 @@ def _watch():
                 _give_up(op, ranks, now - started, limit)
 
 
-def _give_up(op, ranks, waited, limit):
+def _give_up(op, group, waited, limit):
     rank = paddle.distributed.get_rank()
-    peers = [r for r in ranks if r != rank]
+    ranks, peers = group
+    peers = sorted(set(peers or ranks) - {rank})
     sys.stderr.write(f"paddle_cp: rank {rank} waited {waited:.1f} s (timeout {limit:g} s, set by "
                      f"pcp.set_timeout or {ENV_VAR}) in collective '{op}' over group {list(ranks)} "
-                     f"for peers {peers}: a peer stalled or died; exiting\n")
+                     f"waiting for ranks {peers}: a peer stalled or died; exiting\n")
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(17)

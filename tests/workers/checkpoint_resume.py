@@ -115,4 +115,5 @@ def main(report):
         report.value("latest", pcp.latest_checkpoint(root))
 
 
-run(main)
+if __name__ == "__main__":
+    run(main)
