@@ -1,11 +1,12 @@
 """Checkpoints, failures and bad inputs: multi-rank launches of PaddleFormers Llama vs one card."""
 import json
+import re
 import sys
 
 import numpy as np
 import paddle.distributed as dist
 import pytest
-from launcher import WORKERS, launch, launch_failing
+from launcher import EXAMPLES, WORKERS, launch, launch_failing, launch_script
 
 import paddle_cp as pcp
 
@@ -196,3 +197,16 @@ def test_timeout_from_environment_or_set_timeout(monkeypatch):
     assert pcp.get_timeout() == 12.5
     pcp.set_timeout(3)
     assert pcp.get_timeout() == 3.0
+
+
+def test_training_example_saves_and_resumes(tmp_path):
+    """--save-every 2 over 3 steps, then --resume: the resumed step 2 matches one uninterrupted process."""
+    config = EXAMPLES / "configs" / "cp4_p2p.yaml"
+    common = ("--config", config, "--steps", "3", "--checkpoint-dir", tmp_path)
+    launch_script(EXAMPLES / "train_llama_cp.py", 4, *common, "--save-every", "2")
+    assert pcp.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    out = launch_script(EXAMPLES / "train_llama_cp.py", 4, *common, "--resume")
+    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in out, out[-3000:]
+    assert re.findall(r"step +(\d+) +loss", out) == ["2"], out[-3000:]
+    gap = float(re.search(r"max \|loss - single-process loss\| over 1 steps: ([0-9.e+-]+)", out).group(1))
+    assert gap < TOL
