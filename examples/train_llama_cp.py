@@ -11,10 +11,10 @@ same steps in one process and reports how far the losses are apart.
 (in the background: it is published at the next save or at the end); `--resume` continues
 from the newest complete checkpoint there, on whatever mesh the YAML describes now.
 """
-import os
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
