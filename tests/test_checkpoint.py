@@ -136,6 +136,8 @@ EXPECTED_ERRORS = {  # case -> (error type, what the message must say)
     "load_other_optimizer": ("ValueError", "does not fit this optimizer"),
     "latest_not_a_path": ("TypeError", "takes a directory path"),
     "export_plain_layer": ("TypeError", "PretrainedModel"),
+    "save_write_fails": ("RuntimeError", "failed on 1 rank(s)"),
+    "async_save_write_fails": ("RuntimeError", "failed on 1 rank(s)"),
 }
 
 
@@ -145,11 +147,13 @@ def test_bad_inputs_raise_the_same_clear_error_on_every_rank(tmp_path):
         assert not report["values"].get("crash"), report["values"]["crash"]
         assert report["values"]["ranks_in_step"] == 2  # no case left a rank inside a collective
         assert report["values"]["good_loads"] == {"step": 1}
+        assert report["values"]["latest_after_failures"] == str(tmp_path / "failures" / "w0")
+        assert report["values"]["saved"] == ["w0"]  # failed saves are cleared, never published
         assert set(report["errors"]) == set(EXPECTED_ERRORS)
         for case, (kind, words) in EXPECTED_ERRORS.items():
             assert report["errors"][case][0] == kind and words in report["errors"][case][1], (case, report["errors"][case])
     assert reports[0]["errors"] == reports[1]["errors"]
-    assert len(EXPECTED_ERRORS) >= 30
+    assert len(EXPECTED_ERRORS) - 2 >= 30  # the last two are failed writes, not bad inputs
 
 
 def test_one_process_async_save_latest_and_export(tmp_path):

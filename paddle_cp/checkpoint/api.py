@@ -82,9 +82,10 @@ class _Save:
         if failed:
             if dist.get_rank() == 0:
                 commit.clear_partial(self.path)
-            mine = f" (here: {type(self.error).__name__}: {self.error})" if self.error else ""
-            raise RuntimeError(f"saving checkpoint {self.path} failed on {failed} rank(s){mine}: it was not "
-                               "published; the previous checkpoint is still the latest")
+            _agree(self.group, True, "checkpoint_cleared")  # gone for every rank when the error arrives
+            raise RuntimeError(f"saving checkpoint {self.path} failed on {failed} rank(s) (the cause is chained "
+                               "on those ranks): it was not published; the previous checkpoint is still the "
+                               "latest") from self.error
         if dist.get_rank() == 0:
             commit.publish(self.path, self.extra, self.has_optimizer)
         _agree(self.group, True, "checkpoint_published")  # visible to every rank when save returns

@@ -73,19 +73,18 @@ def read_marker(path):
 
 
 def latest_checkpoint(root):
-    """The newest complete checkpoint directly under `root`, or None."""
+    """The newest complete checkpoint directly under `root` (every file there, whole), or None."""
     if not isinstance(root, (str, os.PathLike)):
         raise TypeError(f"latest_checkpoint(root) takes a directory path, got {type(root).__name__}")
     if not os.path.isdir(root):
         return None
     found = []
     for name in os.listdir(root):
-        marker_file = os.path.join(root, name, MARKER)
-        if name.endswith(PARTIAL) or not os.path.isfile(marker_file):
+        path = os.path.join(root, name)
+        if name.endswith(PARTIAL) or not os.path.isfile(os.path.join(path, MARKER)):
             continue
         try:
-            with open(marker_file) as f:
-                found.append((json.load(f)["saved_at"], os.path.join(root, name)))
-        except (OSError, ValueError, KeyError):
-            continue  # a damaged marker: not a checkpoint to resume from
+            found.append((read_marker(path)["saved_at"], path))
+        except (ValueError, KeyError):
+            continue  # missing or truncated files: not a checkpoint to resume from
     return max(found)[1] if found else None

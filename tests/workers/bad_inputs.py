@@ -1,5 +1,6 @@
 """The bad-input table on 2 ranks: each case must raise the same clear error on every rank
-before any collective. argv[1]: a scratch directory shared by the ranks.
+before any collective; then saves that fail to write on one rank, which must raise on every
+rank and publish nothing. argv[1]: a scratch directory shared by the ranks.
 
 After the table one all_reduce checks that no case left a rank inside a collective:
 a case that had issued one on a single rank would make it mismatch or time out.
@@ -15,6 +16,8 @@ from llama_models import build_llama
 from report import run
 
 import paddle_cp as pcp
+from paddle_cp.checkpoint import api
+from paddle_cp.checkpoint.format import write_state
 from paddle_cp.comm import watchdog
 
 
@@ -166,12 +169,32 @@ def checkpoint_cases(root, good):
     }
 
 
+def _fail_to_write(*args, **kwargs):
+    raise OSError("no space left on device (simulated)")
+
+
+def write_failures(report, root):
+    """Rank 1 cannot write its files: every rank raises, at once or at wait_checkpoint (async)."""
+    model = small()
+    optimizer = adamw(model)
+    pcp.save_checkpoint(os.path.join(root, "w0"), model, optimizer)
+    if dist.get_rank() == 1:
+        api.write_state = _fail_to_write
+    report.expect_error("save_write_fails", lambda: pcp.save_checkpoint(os.path.join(root, "w1"), model, optimizer))
+    pcp.save_checkpoint(os.path.join(root, "w2"), model, optimizer, async_save=True)  # returns at once
+    report.expect_error("async_save_write_fails", pcp.wait_checkpoint)
+    api.write_state = write_state
+    report.value("latest_after_failures", pcp.latest_checkpoint(root))
+    report.value("saved", sorted(os.listdir(root)))
+
+
 def main(report):
     pcp.set_mesh(sep2())
     good = make_checkpoints(sys.argv[1])
     cases = {**parallel_cases(), **functional_cases(), **checkpoint_cases(sys.argv[1], good)}
     for name, fn in cases.items():
         report.expect_error(name, fn)
+    write_failures(report, os.path.join(sys.argv[1], "failures"))
     flag = paddle.to_tensor(np.array([1], dtype="int32"))
     dist.all_reduce(flag)
     report.value("ranks_in_step", int(flag.numpy()[0]))
