@@ -91,6 +91,11 @@ def read_metadata(directory):
                          "the checkpoint is damaged; load an earlier one") from exc
 
 
+def global_spec(metadata, key):
+    box = metadata.state_dict_metadata[key][0]
+    return tuple(box.global_shape), str(box.dtype)
+
+
 def global_specs(metadata):
     """{key: (global_shape, dtype)} of every tensor a Metadata describes."""
     return {key: global_spec(metadata, key) for key in metadata.state_dict_metadata}
@@ -102,6 +107,9 @@ class BoxReader:
     def __init__(self, directory, metadata):
         self.directory, self.metadata = directory, metadata
         self._files = {}
+        self._boxes = {}  # key -> [(global_offset, data file)]
+        for index, name in metadata.storage_metadata.items():
+            self._boxes.setdefault(index.tensor_key, []).append((index.global_offset, name))
 
     def _file(self, name):
         if name not in self._files:
@@ -117,22 +125,15 @@ class BoxReader:
         shape, dtype = global_spec(self.metadata, key)
         out = np.empty(shape, dtype=_numpy_dtype(dtype))
         covered = 0
-        for index, name in self.metadata.storage_metadata.items():
-            if index.tensor_key != key:
-                continue
+        for offset, name in self._boxes.get(key, []):
             block = np.asarray(self._file(name)[key])
-            region = tuple(slice(o, o + n) for o, n in zip(index.global_offset, block.shape))
+            region = tuple(slice(o, o + n) for o, n in zip(offset, block.shape))
             out[region] = block
             covered += block.size
         if covered != out.size:
             raise ValueError(f"checkpoint {self.directory} holds {covered} of the {out.size} elements of "
                              f"'{key}': files are missing; load an earlier checkpoint")
         return out
-
-
-def global_spec(metadata, key):
-    box = metadata.state_dict_metadata[key][0]
-    return tuple(box.global_shape), str(box.dtype)
 
 
 def _numpy_dtype(dtype):

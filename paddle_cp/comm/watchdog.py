@@ -24,7 +24,7 @@ ENV_VAR = "PCP_TIMEOUT"
 _POLL = 0.2
 
 _state = {"timeout": None, "thread": None}
-_in_flight = {}  # id -> (started, op, ranks, event or None)
+_in_flight = {}  # token -> (started, op, (group ranks, peers or None), completion event or None)
 _tokens = itertools.count()
 
 
@@ -71,8 +71,11 @@ def guard(op, ranks, peers=None):
             _in_flight[token] = (*entry[:3], event)
 
 
+_CUDA = paddle.is_compiled_with_cuda()
+
+
 def _completion_event():
-    if not paddle.is_compiled_with_cuda() or not paddle.get_device().startswith("gpu"):
+    if not _CUDA or not paddle.get_device().startswith("gpu"):
         return None
     event = paddle.device.cuda.Event()
     event.record()
@@ -81,6 +84,7 @@ def _completion_event():
 
 def _ensure_thread():
     if _state["thread"] is None:
+        get_timeout()  # a bad PCP_TIMEOUT raises here, on every rank, before the first collective
         thread = threading.Thread(target=_watch, name="paddle_cp-watchdog", daemon=True)
         _state["thread"] = thread
         thread.start()
@@ -90,11 +94,11 @@ def _watch():
     while True:
         time.sleep(_POLL)
         limit, now = get_timeout(), time.monotonic()
-        for key, (started, op, ranks, event) in list(_in_flight.items()):
+        for key, (started, op, group, event) in list(_in_flight.items()):
             if event is not None and event.query():
                 _in_flight.pop(key, None)
             elif now - started > limit:
-                _give_up(op, ranks, now - started, limit)
+                _give_up(op, group, now - started, limit)
 
 
 def _give_up(op, group, waited, limit):
