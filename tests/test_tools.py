@@ -1,7 +1,8 @@
-"""tools/bench_cp.py run for real on CPU ranks, and the planner checked against what it measures."""
-import importlib.util
+"""pcp-bench (paddle_cp/tools/bench.py) run for real on CPU ranks, and the planner checked against what it measures."""
+import importlib
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,22 +11,17 @@ import pytest
 
 from paddle_cp import planner
 from paddle_cp.config import load_config
+from paddle_cp.tools import bench, plan
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
-
-
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _bench(tmp_path_factory, *flags):
     out = tmp_path_factory.mktemp("bench") / "out.json"
-    cmd = [sys.executable, str(TOOLS / "bench_cp.py"), "--iters", "1", "--warmup", "1", "--json", str(out), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "paddle_cp.tools.bench", "--iters", "1", "--warmup", "1", "--json", str(out), *flags]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[bench_cp] seq" in proc.stderr  # progress is shown while it runs
     return json.loads(out.read_text())
@@ -86,7 +82,6 @@ def test_planner_held_memory_ratio_matches_measured(causal_two, gqa_four):
 
 
 def test_work_per_rank():
-    bench = _tool("bench_cp")
     for n in (2, 3, 4):
         assert len(set(bench.work_per_rank("p2p", n, 8 * n, 4, causal=True))) == 1
     assert sum(bench.work_per_rank("p2p", 4, 64, 2, causal=True)) == 2 * 64 * 65 // 2
@@ -94,7 +89,6 @@ def test_work_per_rank():
 
 
 def test_bench_refuses_bad_shapes():
-    bench = _tool("bench_cp")
     with pytest.raises(SystemExit):
         bench.parse_args(["--nproc", "4", "--seq", "100"])
     with pytest.raises(SystemExit):
@@ -124,7 +118,7 @@ def test_plan_cp_cli(tmp_path, capsys):
               "vocab_size": 32000, "intermediate_size": 2816}
     (tmp_path / "config.json").write_text(json.dumps(config))
     out = tmp_path / "plan.json"
-    _tool("plan_cp").main(["--config", str(tmp_path / "config.json"), "--seq", "131072", "--devices", "8",
+    plan.main(["--config", str(tmp_path / "config.json"), "--seq", "131072", "--devices", "8",
                            "--memory-gb", "24", "--json", str(out)])
     printed = capsys.readouterr().out
     assert "best layout" in printed and "cp_config:" in printed
@@ -142,3 +136,11 @@ def test_context_parallel_divides_attention_memory():
     one = planner.memory(model, planner.Layout(1, 1, 1, 1), 8192, 1, 2)["activations"]
     four = planner.memory(model, planner.Layout(1, 4, 1, 1), 8192, 1, 2)["activations"]
     assert four == pytest.approx(one / 4)
+
+
+def test_console_scripts_name_the_tools_mains():
+    tomllib = pytest.importorskip("tomllib")
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    resolved = {name: getattr(importlib.import_module(target.split(":")[0]), target.split(":")[1])
+                for name, target in scripts.items()}
+    assert resolved == {"pcp-bench": bench.main, "pcp-plan": plan.main}

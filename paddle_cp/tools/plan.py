@@ -1,6 +1,6 @@
 """Rank data x context (ring / Ulysses / hybrid) x tensor parallel layouts for a model and a cluster.
 
-    python tools/plan_cp.py --config config.json --seq 131072 --devices 16 --memory-gb 80
+    pcp-plan --config config.json --seq 131072 --devices 16 --memory-gb 80
 
 Prints a table of candidates (best first) and the best layout paddle_cp can run as
 a YAML config for `paddle_cp.load_config`; `--json` writes everything. The cost
@@ -15,9 +15,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from paddle_cp import planner  # noqa: E402
+from paddle_cp import planner
 
 GB = 1e9
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate")

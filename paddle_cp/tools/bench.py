@@ -1,6 +1,6 @@
 """Benchmark context-parallel attention against one process doing the whole sequence.
 
-    python tools/bench_cp.py --nproc 2 --seq 2048 --backend p2p --causal --json out.json
+    pcp-bench --nproc 2 --seq 2048 --backend p2p --causal --json out.json
 
 Launches N CPU ranks itself (`python -m paddle.distributed.launch`, one thread per
 rank), or runs as one of them when started inside a launch (PADDLE_TRAINER_ID set).
@@ -48,8 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # holds the paddle_cp package: the ranks import it from here
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 TABLE = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
 MATMUL_BLOCK = 512  # BlockwiseKernel's default block: the matmul the kernel really does
