@@ -2,7 +2,6 @@
 import warnings
 from typing import Callable, NamedTuple
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 import pytest
@@ -113,16 +112,3 @@ def test_bad_call_is_refused_before_any_collective(case):
 def test_no_config_returns_model_untouched():
     net = Net()
     assert pcp.parallelize(net, None, dist.ProcessMesh([0], dim_names=["sep"]), {})[0] is net
-
-
-def test_fused_layout_round_trips():
-    from paddle_cp.mesh import MeshGroup
-    from paddle_cp.plans.tensor_parallel import ParamShard
-
-    full = np.arange(2 * 12).reshape(2, 12)
-    shards = [ParamShard(1, MeshGroup((0, 1), i, None), (8, 2, 2)) for i in range(2)]
-    local = [s.local(full) for s in shards]
-    assert local[0].tolist()[0] == [0, 1, 2, 3, 8, 10]  # q heads 0-1, k half, v half
-    assert (shards[0].assemble(local) == full).all()
-    gathered_rank_major = np.concatenate(local, axis=1)
-    assert (gathered_rank_major[:, shards[0].column_order()] == full).all()
