@@ -41,11 +41,11 @@ def _check_save(path, model, optimizer, extra, async_save):
                          "(e.g. root/checkpoint-<step>) or delete the old one first")
 
 
-def _agree(group, ok, op):
+def _agree(group, ok, tag):
     """Number of ranks that report failure (every rank calls it: also a barrier)."""
     flag = paddle.to_tensor(np.array([0 if ok else 1], dtype="int32"))
     if group is not None:
-        collectives.all_reduce(group, flag, op=op)
+        collectives.all_reduce(group, flag, tag=tag)
     return int(flag.numpy()[0])
 
 

@@ -1,8 +1,8 @@
 """Full (single-card) numpy values of a model's state and its optimizer's, on every rank.
 
 Collective: every rank calls these in the same order. The optimizer state of a
-parameter comes from the rank that steps it (a broadcast over dp at sharding
-levels 1-3), then its tensor-parallel slices are gathered over mp.
+parameter comes from the rank that steps it (a broadcast over dp from the owner at
+sharding levels 1-3), then its tensor-parallel slices are gathered over mp.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 
 from ..comm import collectives
-from ..plans.tensor_parallel import shard_of
+from ..params import find_record
 from ..state_dict import full_state_dict
 from . import layout
 from .format import optimizer_key
@@ -31,7 +31,7 @@ def optimizer_values(model, optimizer):
         if not has_state:
             continue  # never stepped (no gradient yet): one card holds no state for it either
         for name in names:
-            values[optimizer_key(key, name)] = _full_accumulator(accumulators, name, param, optimizer)
+            values[optimizer_key(key, name)] = _full_accumulator(accumulators, name, param)
     return values
 
 
@@ -41,19 +41,17 @@ def _present(accumulators, params, names):
     flags = paddle.to_tensor(np.array(stepped, dtype="int32"))
     group = layout.world_group()
     if group is not None:
-        collectives.all_reduce(group, flags, op="checkpoint_state_present")
+        collectives.all_reduce(group, flags, tag="checkpoint_state_present")
     return flags.numpy() > 0
 
 
-def _full_accumulator(accumulators, name, param, optimizer):
-    sharding = layout.sharding_of(optimizer)
-    if sharding is None:
-        local = accumulators[name][param.name]
-    else:
-        local = accumulators[name][param.name].clone() if sharding.owns(param) else paddle.empty(
+def _full_accumulator(accumulators, name, param):
+    record = find_record(param)
+    local = accumulators[name][param.name] if record is None or record.owned_here() else None
+    if record is not None and record.dp_owner is not None:
+        local = local.clone() if local is not None else paddle.empty(
             layout.accumulator_shape(param, name), layout.accumulator_dtype(param, name))
-        collectives.broadcast(sharding.group, local, sharding.owner[id(param)], op="checkpoint_state")
-    spec = shard_of(param)
-    if spec is None or name in layout.SCALAR_ACCUMULATORS:
+        collectives.broadcast(record.dp_group, local, record.dp_owner, tag="checkpoint_state")
+    if record is None or record.tp_axis is None or name in layout.SCALAR_ACCUMULATORS:
         return local.numpy()
-    return spec.assemble([s.numpy() for s in collectives.all_gather(spec.group, local, op="checkpoint_state")])
+    return record.assemble([s.numpy() for s in collectives.all_gather(record.mp_group, local, tag="checkpoint_state")])

@@ -1,9 +1,10 @@
 """How the current run holds each parameter and its optimizer state: the link between local
 tensors and the single-card (global) tensors a checkpoint stores.
 
-A parameter's local tensor is its tensor-parallel slice (`shard_of`), of which at sharding
-level 3 only the dp owner keeps a copy; its optimizer state exists only where the
-optimizer steps it (every rank at level 0, the dp owner at levels 1-3).
+Everything comes from the parameter's `ParamRecord` (paddle_cp/params.py): its local
+tensor is its tensor-parallel slice, of which at sharding level 3 only the dp owner keeps
+a copy; its optimizer state exists only where the optimizer steps it (every rank at
+level 0, the dp owner at levels 1-3). Buffers and unparallelized models have no record.
 """
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import paddle
 import paddle.distributed as dist
 
 from .. import mesh as mesh_lib
-from ..parameter_fetch import full_shape
-from ..plans.tensor_parallel import shard_of
+from ..params import find_record
 
 # Adam's step powers are one number per parameter; every other accumulator has the parameter's shape.
 SCALAR_ACCUMULATORS = ("beta1_pow_acc", "beta2_pow_acc")
@@ -23,17 +23,10 @@ def inner_optimizer(optimizer):
     return getattr(optimizer, "inner", optimizer)
 
 
-def sharding_of(optimizer):
-    return getattr(optimizer, "_sharding", None)
-
-
 def global_shape(tensor):
     """The single-card shape of a parameter or buffer held by this rank."""
-    shape = list(full_shape(tensor))
-    spec = shard_of(tensor)
-    if spec is not None:
-        shape[spec.axis] *= spec.group.size
-    return tuple(shape)
+    record = find_record(tensor)
+    return tuple(tensor.shape) if record is None else tuple(record.full_shape)
 
 
 def dtype_name(dtype):
@@ -42,18 +35,20 @@ def dtype_name(dtype):
 
 def holds_value(tensor):
     """False for a level-3 placeholder: the owner holds the value."""
-    sharding = getattr(tensor, "pcp_sharding", None)
-    return sharding is None or sharding.level < 3 or sharding.owns(tensor)
+    record = find_record(tensor)
+    return record is None or record.holds_value()
 
 
-def steps_here(param, optimizer):
+def steps_here(param):
     """Whether this rank's optimizer steps `param` (and so holds its state)."""
-    sharding = sharding_of(optimizer)
-    return sharding is None or sharding.owns(param)
+    record = find_record(param)
+    return record is None or record.owned_here()
 
 
 def accumulator_shape(param, name):
-    return [1] if name in SCALAR_ACCUMULATORS else list(full_shape(param))
+    """The shape of this rank's accumulator (the tensor-parallel slice's shape, or one number)."""
+    record = find_record(param)
+    return [1] if name in SCALAR_ACCUMULATORS else list(param.shape if record is None else record.tp_shape())
 
 
 def accumulator_dtype(param, name):

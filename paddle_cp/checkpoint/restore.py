@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import paddle
 
-from ..plans.tensor_parallel import set_local_value, shard_of
+from ..params import find_record, set_local_value
 from . import layout
 from .format import optimizer_key
 
 
 def _local(tensor, full):
-    spec = shard_of(tensor)
-    return full if spec is None else spec.local(full)
+    """This rank's tensor-parallel slice of a single-card value."""
+    record = find_record(tensor)
+    return full if record is None or record.tp_axis is None else record.local(full)
 
 
 def expected_model_specs(model):
@@ -44,7 +45,7 @@ def restore_optimizer(model, optimizer, reader, names):
     """Create the optimizer's state where it is missing (a fresh optimizer) and fill it."""
     inner = layout.inner_optimizer(optimizer)
     mine = [(key, p) for key, p in model.named_parameters()
-            if layout.steps_here(p, optimizer) and optimizer_key(key, names[0]) in reader.metadata.state_dict_metadata]
+            if layout.steps_here(p) and optimizer_key(key, names[0]) in reader.metadata.state_dict_metadata]
     missing = [p for _, p in mine if any(p.name not in inner._accumulators.get(n, {}) for n in names)]
     if missing:
         inner._create_accumulators(paddle.static.default_main_program().global_block(), missing)
