@@ -53,13 +53,16 @@ class _Save:
     """One save's file writing (in a background thread when async) and its publication."""
 
     def __init__(self, path, extra, states, group, async_save):
+        """`states`: {folder: (key, full array) pairs}, consumed here (collectively)."""
         self.path, self.extra, self.group = path, extra, group
-        self.has_optimizer = bool(states.get(OPTIMIZER_DIR))
         world, rank = dist.get_world_size(), dist.get_rank()
-        # copies taken now: training may change the tensors while the thread writes
-        self.jobs = [(os.path.join(commit.partial_path(path), folder), local_boxes(values, world, rank),
-                      metadata(values, world) if rank == 0 else None)
-                     for folder, values in states.items() if values]
+        self.jobs, self.has_optimizer = [], False
+        for folder, values in states.items():
+            boxes, specs = local_boxes(values, world, rank)  # copies: training may go on while a thread writes
+            if specs:
+                meta = metadata(specs, world) if rank == 0 else None
+                self.jobs.append((os.path.join(commit.partial_path(path), folder), boxes, meta))
+                self.has_optimizer = self.has_optimizer or folder == OPTIMIZER_DIR
         self.error = None
         self.thread = threading.Thread(target=self._write, name="paddle_cp-checkpoint-writer", daemon=True)
         if async_save:

@@ -45,32 +45,33 @@ def row_box(shape, world, rank):
     return (start,) + (0,) * (len(shape) - 1), (rows,) + tuple(shape[1:])
 
 
-def local_boxes(full_values, world, rank):
-    """{key: Tensor} of the row boxes of full numpy arrays that rank `rank` writes (copies)."""
-    boxes = {}
-    for key, value in full_values.items():
+def local_boxes(values, world, rank):
+    """This rank's row boxes of (key, full array) pairs, as Tensors (copies), and every key's
+    (global shape, dtype): what `metadata` needs."""
+    boxes, specs = {}, {}
+    for key, value in values:
+        specs[key] = (tuple(value.shape), value.dtype.name)
         box = row_box(value.shape, world, rank)
         if box is not None:
             offset, local_shape = box
             block = value[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
             boxes[key] = paddle.to_tensor(np.ascontiguousarray(block))
-    return boxes
+    return boxes, specs
 
 
-def metadata(full_values, world):
-    """Paddle's Metadata of every rank's boxes."""
+def metadata(specs, world):
+    """Paddle's Metadata of every rank's boxes of tensors {key: (global shape, dtype)}."""
     boxes, storage = {}, {}
-    for key, value in full_values.items():
+    for key, (shape, dtype) in specs.items():
         boxes[key] = []
         for rank in range(world):
-            box = row_box(value.shape, world, rank)
+            box = row_box(shape, world, rank)
             if box is None:
                 continue
             offset, local_shape = box
-            boxes[key].append(LocalTensorMetadata(offset, local_shape, value.dtype.name, tuple(value.shape)))
+            boxes[key].append(LocalTensorMetadata(offset, local_shape, dtype, shape))
             storage[LocalTensorIndex(tensor_key=key, global_offset=offset, local_shape=local_shape)] = data_file(rank)
-    return Metadata(state_dict_metadata=boxes, storage_metadata=storage,
-                    flat_mapping={key: (key,) for key in full_values})
+    return Metadata(state_dict_metadata=boxes, storage_metadata=storage, flat_mapping={key: (key,) for key in specs})
 
 
 def write_state(directory, boxes, meta):

@@ -1,6 +1,8 @@
-"""Full (single-card) numpy values of a model's state and its optimizer's, on every rank.
+"""Full (single-card) numpy values of a model's state and its optimizer's, on every rank,
+one tensor at a time: (key, array) pairs, so a caller that keeps only its part of each
+holds one full tensor at a time, not the whole model.
 
-Collective: every rank calls these in the same order. The optimizer state of a
+Collective: every rank consumes these in the same order. The optimizer state of a
 parameter comes from the rank that steps it (a broadcast over dp from the owner at
 sharding levels 1-3), then its tensor-parallel slices are gathered over mp.
 """
@@ -11,28 +13,28 @@ import paddle
 
 from ..comm import collectives
 from ..params import find_record
-from ..state_dict import full_state_dict
+from ..state_dict import full_value
 from . import layout
 from .format import optimizer_key
 
 
 def model_values(model):
-    return full_state_dict(model)
+    """(key, full array) of every entry of the model's state_dict."""
+    for key, value in model.state_dict().items():
+        yield key, np.asarray(full_value(value))
 
 
 def optimizer_values(model, optimizer):
-    """{`{param}.{accumulator}_0`: full array} for every parameter some rank holds state for."""
+    """(`{param}.{accumulator}_0`, full array) for every parameter some rank holds state for."""
     accumulators = layout.inner_optimizer(optimizer)._accumulators
     params = list(model.named_parameters())
     names = layout.accumulator_names(optimizer)
     present = _present(accumulators, params, names)
-    values = {}
     for (key, param), has_state in zip(params, present):
         if not has_state:
             continue  # never stepped (no gradient yet): one card holds no state for it either
         for name in names:
-            values[optimizer_key(key, name)] = _full_accumulator(accumulators, name, param)
-    return values
+            yield optimizer_key(key, name), _full_accumulator(accumulators, name, param)
 
 
 def _present(accumulators, params, names):

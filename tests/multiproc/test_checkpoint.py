@@ -9,7 +9,8 @@ from launcher import EXAMPLES, WORKERS, launch, launch_failing, launch_script
 import paddle_cp as pcp
 
 sys.path.insert(0, str(WORKERS))
-from tensor_parallel import WELL_CONDITIONED_EPSILON, batches, build  # noqa: E402
+from one_card import trained  # noqa: E402
+from tensor_parallel import WELL_CONDITIONED_EPSILON, build  # noqa: E402
 
 TOL = 1e-5
 RESUMES = [  # (layout, ranks, load from, save to, async)
@@ -28,16 +29,6 @@ def assert_close(reports, min_checks):
         assert all(v for k, v in report["values"].items() if k.endswith("keys_match"))
 
 
-def one_card(steps):
-    """The reference model and optimizer after `steps` AdamW steps on one card."""
-    model, optimizer = build("llama", WELL_CONDITIONED_EPSILON)
-    for ids, labels in list(batches("llama"))[:steps]:
-        model(input_ids=ids, labels=labels)[0].backward()
-        optimizer.step()
-        optimizer.clear_grad()
-    return model, optimizer
-
-
 def test_resume_on_other_layouts_matches_one_card(tmp_path):
     """Save on dp2 x mp2 (level 3), resume on sep2 and in one process; save on sep2 (async), resume on
     dp2 x mp2 (level 1) and in one process: each next step's loss and state equal one card's."""
@@ -52,7 +43,7 @@ def test_resume_on_other_layouts_matches_one_card(tmp_path):
                 assert reports[0]["values"]["latest_before_wait"] == str(tmp_path / load_from)
     # Paddle's own single-process reader merges what 4 ranks wrote
     merged = dist.load_merged_state_dict(str(tmp_path / "checkpoint-1" / "model_state"))
-    want, _ = one_card(1)
+    want, _ = trained(1)
     for key, value in want.state_dict().items():
         np.testing.assert_allclose(merged[key].numpy(), value.numpy(), atol=TOL, rtol=0)
 
@@ -67,7 +58,7 @@ def test_rank_killed_while_saving_leaves_previous_checkpoint(tmp_path):
     for p in model.parameters():
         p.set_value(p * 0 + 1)
     assert pcp.load_checkpoint(str(tmp_path / "checkpoint-1"), model, optimizer) == {"step": 1}
-    want, _ = one_card(1)
+    want, _ = trained(1)
     for key, value in want.state_dict().items():
         np.testing.assert_allclose(model.state_dict()[key].numpy(), value.numpy(), atol=TOL, rtol=0)
 

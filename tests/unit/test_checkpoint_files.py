@@ -11,16 +11,8 @@ from launcher import WORKERS
 import paddle_cp as pcp
 
 sys.path.insert(0, str(WORKERS))
-from tensor_parallel import WELL_CONDITIONED_EPSILON, batches, build  # noqa: E402
-
-
-def trained(steps):
-    model, optimizer = build("llama", WELL_CONDITIONED_EPSILON)
-    for ids, labels in list(batches("llama"))[:steps]:
-        model(input_ids=ids, labels=labels)[0].backward()
-        optimizer.step()
-        optimizer.clear_grad()
-    return model, optimizer
+from one_card import trained  # noqa: E402
+from tensor_parallel import batches  # noqa: E402
 
 
 def test_one_process_async_save_latest_and_export(tmp_path):

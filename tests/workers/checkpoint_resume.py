@@ -11,7 +11,6 @@ import os
 import sys
 
 import numpy as np
-import paddle
 import paddle.distributed as dist
 from report import run
 from tensor_parallel import CP_PLAN, DP2_MP2, WELL_CONDITIONED_EPSILON, batches, build, paddle_plan
