@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import zlib
 
 import numpy as np
 import paddle
@@ -39,6 +40,27 @@ def _check_save(path, model, optimizer, extra, async_save):
     if os.path.exists(path):
         raise ValueError(f"checkpoint path {path} exists already: save each checkpoint to a new path "
                          "(e.g. root/checkpoint-<step>) or delete the old one first")
+
+
+def _same_everywhere(group, description):
+    """The same ValueError on every rank unless every rank passed the same arguments (path, the
+    model's keys, global shapes and dtypes, the optimizer): one all-gather of a digest, before any data."""
+    if group is None:
+        return
+    digest = paddle.to_tensor(np.array([zlib.crc32(repr(description).encode())], dtype="int64"))
+    digests = [int(d.numpy()[0]) for d in collectives.all_gather(group, digest, tag="checkpoint_agree")]
+    if len(set(digests)) > 1:
+        ranks = {}
+        for rank, value in zip(group.ranks, digests):
+            ranks.setdefault(value, []).append(rank)
+        raise ValueError(f"ranks disagree on the checkpoint call (path, model keys, global shapes or dtypes, "
+                         f"optimizer): the ranks agreeing with each other are {sorted(ranks.values())}; build the "
+                         "same model and optimizer and pass the same path on every rank")
+
+
+def _call_description(path, model, optimizer):
+    names = None if optimizer is None else layout.accumulator_names(optimizer)
+    return os.path.abspath(path), sorted(restore.expected_model_specs(model).items()), names
 
 
 def _agree(group, ok, tag):
@@ -107,7 +129,8 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
     group = layout.world_group()
     if dist.get_rank() == 0:
         commit.clear_partial(path)
-    _agree(group, True, "checkpoint_begin")  # no rank writes before a stale partial save is gone
+    # also a barrier: no rank writes before a stale partial save is gone
+    _same_everywhere(group, (_call_description(path, model, optimizer), extra, async_save))
     states = {MODEL_DIR: gather.model_values(model)}
     if optimizer is not None:
         states[OPTIMIZER_DIR] = gather.optimizer_values(model, optimizer)
@@ -137,6 +160,7 @@ def load_checkpoint(path, model, optimizer=None):
     """Restore `model` (and `optimizer`) from `path` onto the current mesh and plans; returns `extra`."""
     _check_common(path, model, optimizer)
     wait_checkpoint()
+    _same_everywhere(layout.world_group(), _call_description(path, model, optimizer))
     marker = commit.read_marker(path)
     model_dir = os.path.join(path, MODEL_DIR)
     model_meta = read_metadata(model_dir)

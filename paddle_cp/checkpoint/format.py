@@ -86,10 +86,15 @@ def read_metadata(directory):
     """Paddle's Metadata of one state directory."""
     path = os.path.join(directory, METADATA_FILE)
     try:
-        return paddle.load(path)
+        with open(path, "rb") as f:
+            meta = pickle.load(f)  # what paddle.save wrote for a Python object; no C++ parser to trip
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise ValueError(f"checkpoint file {path} is unreadable ({type(exc).__name__}: {exc}): "
                          "the checkpoint is damaged; load an earlier one") from exc
+    if not isinstance(meta, Metadata):
+        raise ValueError(f"checkpoint file {path} holds a {type(meta).__name__}, not Paddle's checkpoint Metadata: "
+                         "the checkpoint is damaged; load an earlier one")
+    return meta
 
 
 def global_spec(metadata, key):

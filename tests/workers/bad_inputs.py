@@ -188,12 +188,20 @@ def write_failures(report, root):
     report.value("saved", sorted(os.listdir(root)))
 
 
+def disagreeing_ranks(report, root, good):
+    """Rank 1 builds a wider model than rank 0: both ranks raise the same error, at the first step."""
+    model = small() if dist.get_rank() == 0 else paddle.nn.Sequential(paddle.nn.Linear(4, 8), paddle.nn.Linear(8, 3))
+    report.expect_error("ranks_disagree_save", lambda: pcp.save_checkpoint(os.path.join(root, "d"), model))
+    report.expect_error("ranks_disagree_load", lambda: pcp.load_checkpoint(good, model))
+
+
 def main(report):
     pcp.set_mesh(sep2())
     good = make_checkpoints(sys.argv[1])
     cases = {**parallel_cases(), **functional_cases(), **checkpoint_cases(sys.argv[1], good)}
     for name, fn in cases.items():
         report.expect_error(name, fn)
+    disagreeing_ranks(report, sys.argv[1], good)
     write_failures(report, os.path.join(sys.argv[1], "failures"))
     flag = paddle.to_tensor(np.array([1], dtype="int32"))
     dist.all_reduce(flag)
