@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import threading
-import zlib
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from ..comm import collectives
 from . import commit, gather, layout, restore
+from .agree import count_failures, same_everywhere
 from .format import (MODEL_DIR, OPTIMIZER_DIR, BoxReader, global_specs, local_boxes, metadata, read_metadata,
                      write_state)
 
@@ -42,33 +40,9 @@ def _check_save(path, model, optimizer, extra, async_save):
                          "(e.g. root/checkpoint-<step>) or delete the old one first")
 
 
-def _same_everywhere(group, description):
-    """The same ValueError on every rank unless every rank passed the same arguments (path, the
-    model's keys, global shapes and dtypes, the optimizer): one all-gather of a digest, before any data."""
-    if group is None:
-        return
-    digest = paddle.to_tensor(np.array([zlib.crc32(repr(description).encode())], dtype="int64"))
-    digests = [int(d.numpy()[0]) for d in collectives.all_gather(group, digest, tag="checkpoint_agree")]
-    if len(set(digests)) > 1:
-        ranks = {}
-        for rank, value in zip(group.ranks, digests):
-            ranks.setdefault(value, []).append(rank)
-        raise ValueError(f"ranks disagree on the checkpoint call (path, model keys, global shapes or dtypes, "
-                         f"optimizer): the ranks agreeing with each other are {sorted(ranks.values())}; build the "
-                         "same model and optimizer and pass the same path on every rank")
-
-
 def _call_description(path, model, optimizer):
     names = None if optimizer is None else layout.accumulator_names(optimizer)
     return os.path.abspath(path), sorted(restore.expected_model_specs(model).items()), names
-
-
-def _agree(group, ok, tag):
-    """Number of ranks that report failure (every rank calls it: also a barrier)."""
-    flag = paddle.to_tensor(np.array([0 if ok else 1], dtype="int32"))
-    if group is not None:
-        collectives.all_reduce(group, flag, tag=tag)
-    return int(flag.numpy()[0])
 
 
 class _Save:
@@ -103,17 +77,23 @@ class _Save:
         """Every rank reports; all succeeded: the coordinator publishes; else all raise."""
         if self.thread.ident is not None:  # started: async
             self.thread.join()
-        failed = _agree(self.group, self.error is None, "checkpoint_written")
+        failed = count_failures(self.group, self.error is None, "checkpoint_written")
         if failed:
             if dist.get_rank() == 0:
                 commit.clear_partial(self.path)
-            _agree(self.group, True, "checkpoint_cleared")  # gone for every rank when the error arrives
+            count_failures(self.group, True, "checkpoint_cleared")  # gone for every rank when the error arrives
             raise RuntimeError(f"saving checkpoint {self.path} failed on {failed} rank(s) (the cause is chained "
                                "on those ranks): it was not published; the previous checkpoint is still the "
                                "latest") from self.error
+        error = None
         if dist.get_rank() == 0:
-            commit.publish(self.path, self.extra, self.has_optimizer)
-        _agree(self.group, True, "checkpoint_published")  # visible to every rank when save returns
+            try:
+                commit.publish(self.path, self.extra, self.has_optimizer)
+            except OSError as exc:  # e.g. the path appeared meanwhile: every rank must hear of it
+                error = exc
+        if count_failures(self.group, error is None, "checkpoint_published"):  # also: visible to every rank on return
+            raise RuntimeError(f"publishing checkpoint {self.path} failed on rank 0 (the cause is chained there); "
+                               f"its files stay in {commit.partial_path(self.path)}") from error
 
 
 def wait_checkpoint():
@@ -124,13 +104,13 @@ def wait_checkpoint():
 
 def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
     """Save `model` (and `optimizer`'s state, and JSON-able `extra`) to the new directory `path`."""
+    wait_checkpoint()  # first: the pending save may be publishing `path`
     _check_save(path, model, optimizer, extra, async_save)
-    wait_checkpoint()
     group = layout.world_group()
     if dist.get_rank() == 0:
         commit.clear_partial(path)
     # also a barrier: no rank writes before a stale partial save is gone
-    _same_everywhere(group, (_call_description(path, model, optimizer), extra, async_save))
+    same_everywhere(group, (_call_description(path, model, optimizer), extra, async_save))
     states = {MODEL_DIR: gather.model_values(model)}
     if optimizer is not None:
         states[OPTIMIZER_DIR] = gather.optimizer_values(model, optimizer)
@@ -160,7 +140,7 @@ def load_checkpoint(path, model, optimizer=None):
     """Restore `model` (and `optimizer`) from `path` onto the current mesh and plans; returns `extra`."""
     _check_common(path, model, optimizer)
     wait_checkpoint()
-    _same_everywhere(layout.world_group(), _call_description(path, model, optimizer))
+    same_everywhere(layout.world_group(), _call_description(path, model, optimizer))
     marker = commit.read_marker(path)
     model_dir = os.path.join(path, MODEL_DIR)
     model_meta = read_metadata(model_dir)

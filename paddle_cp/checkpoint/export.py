@@ -10,7 +10,7 @@ import paddle.distributed as dist
 
 from ..state_dict import full_state_dict
 from . import layout
-from .api import _agree
+from .agree import count_failures
 
 
 def export_pretrained(model, directory):
@@ -25,5 +25,6 @@ def export_pretrained(model, directory):
     state = full_state_dict(model)
     if dist.get_rank() == 0:
         tensors = {key: paddle.to_tensor(np.ascontiguousarray(value)) for key, value in state.items()}
-        model.save_pretrained(directory, state_dict=tensors, safe_serialization=True)
-    _agree(layout.world_group(), True, "export_written")  # every rank returns once the files exist
+        # the state_dict path of save_pretrained (its flex-checkpoint path saves the local shards and is collective)
+        model.save_pretrained(directory, state_dict=tensors, safe_serialization=True, save_checkpoint_format="unified")
+    count_failures(layout.world_group(), True, "export_written")  # every rank returns once the files exist

@@ -55,7 +55,7 @@ def local_boxes(values, world, rank):
         if box is not None:
             offset, local_shape = box
             block = value[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
-            boxes[key] = paddle.to_tensor(np.ascontiguousarray(block))
+            boxes[key] = paddle.to_tensor(np.ascontiguousarray(block), place=paddle.CPUPlace())
     return boxes, specs
 
 

@@ -13,10 +13,10 @@ from one_card import trained  # noqa: E402
 from tensor_parallel import WELL_CONDITIONED_EPSILON, build  # noqa: E402
 
 TOL = 1e-5
-RESUMES = [  # (layout, ranks, load from, save to, async)
-    ("dp2xmp2_l3", 4, "-", "checkpoint-1", False),
-    ("sep2", 2, "checkpoint-1", "checkpoint-2", True),
-    ("dp2xmp2_l1", 4, "checkpoint-2", "-", False),
+RESUMES = [  # (layout, ranks, load from, save to, flags)
+    ("dp2xmp2_l3", 4, "-", "checkpoint-1", []),
+    ("sep2", 2, "checkpoint-1", "checkpoint-2", ["async"]),
+    ("dp2xmp2_l1", 4, "checkpoint-2", "-", ["export"]),
 ]
 
 
@@ -31,21 +31,27 @@ def assert_close(reports, min_checks):
 
 def test_resume_on_other_layouts_matches_one_card(tmp_path):
     """Save on dp2 x mp2 (level 3), resume on sep2 and in one process; save on sep2 (async), resume on
-    dp2 x mp2 (level 1) and in one process: each next step's loss and state equal one card's."""
-    for layout, ranks, load_from, save_to, async_save in RESUMES:
-        reports = launch("checkpoint_resume.py", ranks, layout, tmp_path, load_from, 1, save_to,
-                         *(["async"] if async_save else []))
+    dp2 x mp2 (level 1) and in one process: each next step's loss and state equal one card's.
+    The last run exports its weights for PaddleFormers' from_pretrained."""
+    for layout, ranks, load_from, save_to, flags in RESUMES:
+        reports = launch("checkpoint_resume.py", ranks, layout, tmp_path, load_from, 1, save_to, *flags)
         assert_close(reports, 4 if load_from != "-" else 2)
         print(f"{load_from} -> {layout}: max abs errors {reports[0]['max_abs']}")
         if save_to != "-":
             assert reports[0]["values"]["latest"] == str(tmp_path / save_to)
-            if async_save:  # published only by wait_checkpoint
+            if "async" in flags:  # published only by wait_checkpoint
                 assert reports[0]["values"]["latest_before_wait"] == str(tmp_path / load_from)
     # Paddle's own single-process reader merges what 4 ranks wrote
     merged = dist.load_merged_state_dict(str(tmp_path / "checkpoint-1" / "model_state"))
     want, _ = trained(1)
     for key, value in want.state_dict().items():
         np.testing.assert_allclose(merged[key].numpy(), value.numpy(), atol=TOL, rtol=0)
+    from paddleformers.transformers import LlamaForCausalLM
+
+    exported = LlamaForCausalLM.from_pretrained(str(tmp_path / "export")).state_dict()
+    want, _ = trained(3)
+    for key, value in want.state_dict().items():
+        np.testing.assert_allclose(exported[key].numpy(), value.numpy(), atol=TOL, rtol=0)
 
 
 def test_rank_killed_while_saving_leaves_previous_checkpoint(tmp_path):

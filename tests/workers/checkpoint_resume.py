@@ -1,8 +1,9 @@
 """Train PaddleFormers Llama on one layout, save, resume on another, compare with one card.
 
-argv: layout root load_from steps save_to [async]
+argv: layout root load_from steps save_to [async] [export]
   layout: a key of LAYOUTS; load_from / save_to: checkpoint names under root ("-": none);
-  steps: how many steps to run after loading (the step index comes from the checkpoint's extra).
+  steps: how many steps to run after loading (the step index comes from the checkpoint's extra);
+  async: save with async_save=True; export: pcp.export_pretrained to root/export at the end.
 Each step's global loss and the full state after it are compared with one uninterrupted card
 (tensor_parallel.py's model, AdamW epsilon 1e-3, two parameter groups, global-norm clip).
 After a load, the same checkpoint is also resumed in one process with no parallelism.
@@ -94,7 +95,7 @@ def resume_in_one_process(report, path, want_losses, want_states):
 
 def main(report):
     layout, root, load_from, steps, save_to = sys.argv[1:6]
-    async_save = sys.argv[6:] == ["async"]
+    async_save, export = "async" in sys.argv[6:], "export" in sys.argv[6:]
     want_losses, want_states = reference()
     model, optimizer, mesh, cp = parallel_model(load_from != "-", **LAYOUTS[layout])
     step = 0
@@ -112,6 +113,8 @@ def main(report):
         report.value("latest_before_wait", pcp.latest_checkpoint(root))
         pcp.wait_checkpoint()
         report.value("latest", pcp.latest_checkpoint(root))
+    if export:
+        pcp.export_pretrained(model, os.path.join(root, "export"))
 
 
 if __name__ == "__main__":
