@@ -81,16 +81,17 @@ def fetch_around(layer, names, sharding):
         for name, copy in layer.pcp_fetched.items():
             layer._parameters[name] = copy.param
         layer.pcp_fetched = {}
-        if not isinstance(output, paddle.Tensor):
+        if output is not None and not isinstance(output, paddle.Tensor):
             return
-        for copy in copies:
+        for copy in copies:  # None: the forward raised, nothing will run backward through the copies
             copy.free()
-        if not output.stop_gradient:
+        if output is not None and not output.stop_gradient:
             output.register_hook(lambda grad: _refill(copies, grad))
 
-    # first among the pre-hooks: plans' hooks (e.g. RowWise's bias) see the full values
+    # first among the pre-hooks: plans' hooks (e.g. RowWise's bias) see the full values; the
+    # placeholders come back even when the forward raises (then output is None)
     layer.register_forward_pre_hook(fetch, prepend=True)
-    layer.register_forward_post_hook(drop)
+    layer.register_forward_post_hook(drop, always_call=True)
 
 
 def _refill(copies, grad):

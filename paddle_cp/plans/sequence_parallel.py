@@ -15,7 +15,7 @@ from ..comm.autograd import gather_replicated, split_to_group
 from ..params import record_of
 from ..runtime import state
 from .base import Plan, refuse_param_plan
-from .tensor_parallel import first_tensor, map_first_input, replace_first
+from .hook_args import first_tensor, map_first_input, replace_first
 
 
 def _to_split(x, group, need_transpose):
