@@ -15,7 +15,7 @@ from .comm import collectives
 from .optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
 from .plan_annotation import annotate_plan
 from .plan_keys import resolve_plan
-from .plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
+from .plans.sequence_parallel import is_sequence_plan, supply_positions, watch_partial_gradients
 from .sharding import Sharding, check_level
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config")
@@ -113,6 +113,7 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
         plan.apply(layer, mesh, params)
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
         watch_partial_gradients(model)
+        supply_positions(model, applications)
     sharding = None
     if level > 0 and optimizer is not None and groups.dp.size > 1:
         sharding = Sharding(level, optimizer_parameters(optimizer), groups.dp)
