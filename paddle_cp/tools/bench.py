@@ -8,8 +8,9 @@ For every sequence length and backend it runs forward+backward of attention on
 [b, s, h, d] fp32 tensors and reports, per case:
 
 - efficiency = T_single / (N x T_rank). T_single: Paddle's
-  F.scaled_dot_product_attention on the whole sequence, timed on rank 0 while the
-  other ranks wait at a barrier. T_rank: the slowest rank's median time of
+  F.scaled_dot_product_attention on the whole sequence, timed on one thread
+  while no rank runs (before the launch, or on rank 0 after the others are
+  done), so it has a core to itself and no rank waits on it. T_rank: the slowest rank's median time of
   paddle_cp.ring_attention / ulysses_attention / hybrid_attention on its shard (communication
   included). `efficiency_same_kernel` uses paddle_cp's own blockwise kernel for
   T_single instead, isolating the cost of splitting from the kernel's speed.
@@ -104,7 +105,7 @@ def progress(message):
 # ---- the launcher side ------------------------------------------------------------
 
 def launch(args, argv):
-    """Run this script on args.nproc ranks; return rank 0's results."""
+    """Run this script on args.nproc ranks; return rank 0's measurements."""
     with tempfile.TemporaryDirectory(prefix="bench_cp_") as tmp:
         result, log_dir = Path(tmp) / "result.json", Path(tmp) / "log"
         env = dict(os.environ, **{name: "1" for name in THREAD_VARS})
@@ -158,21 +159,32 @@ def run_ranks(args):
 
     progress("timing the fp32 matmul on every rank")
     rates = _gather(dist, [_matmul_rate(paddle, args)])
-    single_rate = _on_rank0(dist, lambda: _matmul_rate(paddle, args))
-    cases = []
+    runs = []
     for seq in args.seq:
         inputs = _inputs(paddle, args, seq)
-        progress(f"seq {seq}: single-process reference on rank 0")
-        single = _on_rank0(dist, lambda: _single(paddle, args, inputs))
         for backend in args.backend:
             progress(f"seq {seq}: {backend} on {world} ranks")
-            local = _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs)
-            per_rank = _gather(dist, local)
-            if rank == 0:
-                cases.append(summarise(args, backend, seq, single, single_rate, per_rank, rates))
-    if rank == 0:
-        return {"config": _config(args), "cases": cases}
-    return None
+            runs.append([seq, backend, _gather(dist, _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs))])
+    return {"rates": rates, "runs": runs} if rank == 0 else None
+
+
+def measure_single(args):
+    """The single-process reference: the matmul rate, and per length SDPA and blockwise timings and memory."""
+    import paddle
+
+    paddle.set_device("cpu")
+    progress("single-process reference")
+    single = {"rate": _matmul_rate(paddle, args), "by_seq": {}}
+    for seq in args.seq:
+        progress(f"seq {seq}: single-process reference")
+        single["by_seq"][seq] = _single(paddle, args, _inputs(paddle, args, seq))
+    return single
+
+
+def summarise_all(args, single, measured):
+    cases = [summarise(args, backend, seq, single["by_seq"][seq], single["rate"], per_rank, measured["rates"])
+             for seq, backend, per_rank in measured["runs"]]
+    return {"config": _config(args), "cases": cases}
 
 
 def _gather(dist, values):
@@ -182,13 +194,6 @@ def _gather(dist, values):
     gathered = []
     dist.all_gather(gathered, paddle.to_tensor(values, dtype="float64"))
     return [g.numpy().tolist() for g in gathered]
-
-
-def _on_rank0(dist, measure):
-    """Run `measure` on rank 0 alone (the others wait), so it has a core to itself."""
-    value = measure() if dist.get_rank() == 0 else None
-    dist.barrier()
-    return value
 
 
 def _median_time(step, iters, warmup, before=lambda: None):
@@ -376,15 +381,17 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" not in os.environ:
-        finish(launch(args, argv), args)
+        os.environ.update({name: "1" for name in THREAD_VARS})  # one thread, like each rank (before paddle loads)
+        single = measure_single(args)
+        finish(summarise_all(args, single, launch(args, argv)), args)
         return
-    result = run_ranks(args)
-    if result is None:
+    measured = run_ranks(args)
+    if measured is None:
         return
     if args.result_file:
-        Path(args.result_file).write_text(json.dumps(result))
-    else:
-        finish(result, args)
+        Path(args.result_file).write_text(json.dumps(measured))
+    else:  # run under someone else's launch: rank 0 measures the reference once the other ranks are done
+        finish(summarise_all(args, measure_single(args), measured), args)
 
 
 if __name__ == "__main__":
