@@ -124,7 +124,7 @@ def _check_parity(report, world):
         assert calls["flash_attn"] > 0 and calls["flash_attn_grad"] > 0, name
         # the ring computes on a block while the next one is in flight; all-gather and Ulysses do not overlap
         overlaps = ring and world > 1 and "allgather" not in name
-        assert (calls["overlapped"] > 0) == overlaps, (name, calls)
+        assert (calls["overlapped"] > 0) == overlaps and (calls["grad_overlapped"] > 0) == overlaps, (name, calls)
     if world > 1:
         assert report["errors"] == {
             "modified_send": ["Misuse", "a send buffer was modified before wait(): NCCL may still be reading it"],

@@ -24,11 +24,11 @@ from paddle_cp.comm import p2p
 
 HEAD_DIM = 32  # flash_attn needs d % 8 == 0
 BF16 = paddle.bfloat16
-_calls = {"flash_attn": 0, "flash_attn_grad": 0, "overlapped": 0}
+_calls = {"flash_attn": 0, "flash_attn_grad": 0, "overlapped": 0, "grad_overlapped": 0}
 
 
 def _observed_flash():
-    """Count the emulated op's calls, and the forward calls made while an exchange is in flight."""
+    """Count the emulated op's calls, and those made while an exchange is in flight."""
     forward, backward = _C_ops.flash_attn, _C_ops.flash_attn_grad
 
     def flash_attn(*args):
@@ -38,6 +38,7 @@ def _observed_flash():
 
     def flash_attn_grad(*args):
         _calls["flash_attn_grad"] += 1
+        _calls["grad_overlapped"] += bool(emulated_async.in_flight())
         return backward(*args)
 
     _C_ops.flash_attn, _C_ops.flash_attn_grad = flash_attn, flash_attn_grad
