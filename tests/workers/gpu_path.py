@@ -1,7 +1,7 @@
 """paddle_cp's GPU path on CPU ranks: the flash kernel over the emulated `flash_attn` op, ring
 exchanges over the emulated asynchronous p2p group (emulated_flash.py, emulated_async.py).
 
-Modes (argv): `parity` runs every backend and rotation in bf16 through the flash path and
+Modes (argv): `parity` runs every backend and rotation in bf16 (one case fp16) through the flash path and
 through the blockwise kernel on the same inputs, both also against fp32 SDPA, with the
 overlap and misuse checks of the async emulation; `bf16` measures the error of a bf16 ring
 (flash path) against fp32 attention for the error-vs-N table.
@@ -54,6 +54,7 @@ def cases(n):
         ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, False, "ring", None),
         ("all2all.full", "all2all", None, False, 1, 4 * n, 2 * n, n, False, "ring", None),
         ("all2all.docs", "all2all", None, True, 1, 4 * n + 3, n, n, True, "ring", None),
+        ("p2p.causal.fp16", "p2p", None, True, 1, 4 * n + 1, 2, 1, False, "ring", None),
     ]
     if n == 4:
         table += [
@@ -98,9 +99,10 @@ def context_parallel(mesh, case, q, k, v, grad_out, doc_ids):
     extra = {"ulysses_degree": degree} if degree else {}
     out = attention(*local, is_causal=causal, scale=scale, mesh=mesh, seq_len=seq, doc_ids=doc_ids, rotate=rotate,
                     **extra)
-    full_out = pcp.unshard_sequence(out, seq_len=seq, **layout)
-    grads = paddle.grad([full_out], local, [grad_out])
-    return [full_out.astype("float32")] + [g.astype("float32") for g in grads]
+    # gathered in fp32 (exact for half values; CPU has no fp16 index_select)
+    full_out = pcp.unshard_sequence(out.astype("float32"), seq_len=seq, **layout)
+    grads = paddle.grad([full_out], local, [grad_out.astype("float32")])
+    return [full_out] + [g.astype("float32") for g in grads]
 
 
 def relative(got, want):
@@ -112,7 +114,8 @@ def relative(got, want):
 def check_case(report, mesh, case):
     name, backend, degree, causal, batch, seq, q_heads, kv_heads, docs, rotate, scale = case
     paddle.seed(1234)
-    q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(BF16)
+    dtype = paddle.float16 if name.endswith(".fp16") else BF16
+    q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(dtype)
                          for heads in (q_heads, kv_heads, kv_heads, q_heads))
     doc_ids = doc_ids_for(batch, seq) if docs else None
     layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
