@@ -3,7 +3,9 @@
 flash_attn knows only "all keys" and "causal on the diagonal", so the BlockMask
 is cut into runs of consecutive positions and each pair of runs is one call,
 merged by log-sum-exp. Masks needing finer tiles go to the blockwise kernel
-(see `supports`). Not runnable on the CPU machines this project is tested on:
+(see `supports`), and so does MLA (v head dim != q/k head dim, which the v2
+op refuses); the `flash_attn` op takes no sliding window. Attention sinks are
+merged after any kernel (ring.py), so they need nothing here. Not runnable on the CPU machines this project is tested on:
 only its selection logic is tested there (see kernels.select_kernel).
 """
 from __future__ import annotations
@@ -15,10 +17,10 @@ from ..merge import merge
 
 
 class FlashKernel:
-    name = "flash"
-
     @staticmethod
     def supports(mask):
+        """Whether every tile is empty, full or plain causal: a sliding window that cuts a tile,
+        padding, documents or a dense mask inside a tile need the blockwise kernel."""
         return all(mask.classify(qr, kr) in ("none", "all", "diagonal") for qr in mask.q_runs() for kr in mask.k_runs())
 
     @staticmethod
@@ -37,6 +39,8 @@ class FlashKernel:
             for (ks, ke), causal in seen:
                 block_out, _, block_lse, _ = _C_ops.flash_attn(
                     q[:, qs:qe], k[:, ks:ke], v[:, ks:ke], None, None, 0.0, causal, False, False, "")
+                # softmax_lse [b, h, s_padded]: the kernel may round s up (Paddle's ring_attention slices it too)
+                block_lse = block_lse[:, :, :qe - qs]
                 out, lse = merge(out, lse, block_out.astype(paddle.float32), block_lse.astype(paddle.float32))
             if out is None:  # these queries see no key here
                 out = paddle.zeros([b, qe - qs, hq, d], paddle.float32)
