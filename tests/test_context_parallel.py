@@ -18,6 +18,7 @@ EXPECTED_ERRORS = {  # check -> what the message must name
     "ulysses_heads": "use ulysses_degree <=",
     "wrong_seq_len": "pass seq_len=",
     "degree_not_dividing": "positive divisor",
+    "bypassed_attention": "without paddle_cp computing its attention",
 }
 ONLY_WITH_PEERS = {"short_sequence", "ulysses_heads", "wrong_seq_len"}
 
@@ -39,8 +40,6 @@ def test_attention_matches_single_process(world):
         # functional cases x (out, dq, dk, dv); layer plans: (plain, docs, dense) per backend
         cases = 11 + 3 * hybrid
         assert len(report["max_abs"]) == 4 * cases + 3 * (2 + hybrid)
-        layouts = ["p2p", "all2all"] + ["hybrid"] * hybrid
-        assert all(report["values"][f"layer.{backend}.sdpa_restored"] for backend in layouts)
         for check, error in report["errors"].items():
             assert error[0] == "ValueError", (check, error)
             assert EXPECTED_ERRORS[check] in error[1], (check, error)

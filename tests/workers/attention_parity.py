@@ -152,12 +152,20 @@ def check_sdpa_layer(report, mesh, world):
                 ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
                 out = pcp.unshard_sequence(model(q, k, v, mask), backend=prepare, mesh=mesh, seq_len=seq)
                 report.diff(f"layer.{backend}.dense.out", out, ref)
-        report.value(f"layer.{backend}.sdpa_restored",
-                     paddle.nn.functional.scaled_dot_product_attention is F.scaled_dot_product_attention)
     mismatched = {"": pcp.PrepareContextParallel("p2p"), "sdpa": pcp.ContextParallel("all2all")}
     model, _ = pcp.parallelize(Outer(), mesh=mesh, config={"cp_config": {"parallelize_plan": mismatched}})
     x = paddle.randn([1, 2 * world, 2 * world, 8])
     report.expect_error("mismatched_plans", lambda: model(x, x, x))
+
+    class MatmulAttention(paddle.nn.Layer):  # attention no adapter sees: [b, s, h, d] as if heads were batch
+        def forward(self, q, k, v, mask=None):
+            return paddle.matmul(F.softmax(paddle.matmul(q, k, transpose_y=True), axis=-1), v)
+
+    outer = Outer()
+    outer.sdpa = MatmulAttention()
+    bypassing = {"": pcp.PrepareContextParallel("p2p"), "sdpa": pcp.ContextParallel("p2p")}
+    model, _ = pcp.parallelize(outer, mesh=mesh, config={"cp_config": {"parallelize_plan": bypassing}})
+    report.expect_error("bypassed_attention", lambda: model(x, x, x))
 
 
 def check_errors(report, mesh, world):
