@@ -37,9 +37,10 @@ def test_attention_matches_single_process(world):
     assert_close(reports)
     hybrid = world == 4
     for report in reports:
-        # functional cases x (out, dq, dk, dv); layer plans: (plain, docs, dense) per backend
+        # functional cases x (out, dq, dk, dv); window+sinks+MLA x (out, dq, dk, dv, dsinks) and
+        # layer plans (plain, docs, dense), per backend
         cases = 11 + 3 * hybrid
-        assert len(report["max_abs"]) == 4 * cases + 3 * (2 + hybrid)
+        assert len(report["max_abs"]) == 4 * cases + (5 + 3) * (2 + hybrid)
         for check, error in report["errors"].items():
             assert error[0] == "ValueError", (check, error)
             assert EXPECTED_ERRORS[check] in error[1], (check, error)
@@ -54,6 +55,13 @@ def test_attention_matches_single_process(world):
     # packed documents skip more than causality alone, and never more than the masked pairs
     assert sum(w["skipped"] for w in causal) < sum(w["skipped"] for w in packed)
     assert skipped <= reports[0]["values"]["packed.masked_fraction"]
+    # a sliding window: each rank's queries meet about window + one tile of keys, not all earlier ones
+    seq, window = reports[0]["values"]["window.seq_window"]
+    world = len(reports)
+    for report in reports:
+        work, causal_work = report["values"]["window.work"], report["values"]["window.causal_work"]
+        assert work["computed"] <= -(-seq // world) * (window + 2 * 32)  # tiles of max(window, 32) rows
+        assert work["computed"] < causal_work["computed"]
     # balanced: every rank computes the same causal work, up to tiles that straddle a chunk edge
     computed = [w["computed"] for w in causal]
     assert max(computed) / min(computed) < 1.05

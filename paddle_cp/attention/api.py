@@ -68,13 +68,14 @@ def context_parallel_attention(
 def _functional(backend):
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True,
                   scale=None, enable_gqa=True, *, mesh=None, group=None, seq_len=None, doc_ids=None,
-                  ulysses_degree=None, rotate="ring"):
+                  ulysses_degree=None, rotate="ring", window=None, sinks=None):
         sep = resolve_group(mesh, group)
         layout = SequenceLayout(backend, sep.size, ulysses_degree)
         groups = resolve_groups(layout, mesh, group)
         documents = None if doc_ids is None else Documents.from_ids(np.asarray(doc_ids))
         return context_parallel_attention(layout, groups, query, key, value, attn_mask, dropout_p, is_causal,
-                                          training, scale, seq_len, documents, rotate, enable_gqa=enable_gqa)
+                                          training, scale, seq_len, documents, rotate, enable_gqa=enable_gqa,
+                                          window=window, sinks=sinks)
 
     return attention
 
@@ -86,7 +87,10 @@ Takes F.scaled_dot_product_attention's arguments plus `mesh` (its `sep` dim) or
 (and no `doc_ids` give it);
 `doc_ids` ([b, seq_len], global): attention stays inside each document;
 `attn_mask`: this rank's rows against all keys, [b, 1|h, s_local, seq_len];
-`rotate`: 'ring' or 'allgather' k/v exchange. Returns this rank's output."""
+`rotate`: 'ring' or 'allgather' k/v exchange; `window`: causal sliding window
+(query i sees keys i-window < j <= i; tiles outside it are skipped); `sinks`:
+[heads] logits in every softmax denominator (gpt-oss). v's head dim may differ
+from q/k's (MLA). Returns this rank's output."""
 
 ring_attention = _functional("p2p")
 ring_attention.__name__ = "ring_attention"

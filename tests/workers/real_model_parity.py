@@ -1,8 +1,10 @@
 """PaddleFormers models as users build them (default eager attention) trained 3 AdamW steps under
 parallelize vs one process with the model's own eager attention on the same batch.
 
-argv: the runs, each "family:backend[:degree][:padded]"; every sequence is uneven (8N+3 tokens).
-"padded": a 2-D attention_mask marks the last tokens of one row as padding (labels -100 there).
+argv: the runs, each "family:backend[:degree][:padded][:allgather]"; every sequence is uneven (8N+3
+tokens). "padded": a 2-D attention_mask marks the last tokens of one row as padding (labels -100 there);
+"allgather": k/v blocks rotate by all-gather instead of ring hops; "sdpa" or "flashmask": the
+parallel model is built with that _attn_implementation (the reference stays eager).
 Also records the error for a RoPE that reads the length from local positions.
 """
 import sys
@@ -57,12 +59,12 @@ def reference(family, seq, padded):
     return [float(x) for x in losses], grads, params
 
 
-def parallel(family, seq, mesh, backend, degree, padded):
+def parallel(family, seq, mesh, backend, degree, padded, rotate, implementation):
     paddle.seed(2024)
-    model = build(family)
+    model = build(family, _attn_implementation=implementation)
     opt = adamw(model)
     prepare = pcp.PrepareContextParallel(backend, degree)
-    plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel(backend, degree)}
+    plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel(backend, degree, rotate)}
     model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
     ids, labels, mask = make_batch(seq, padded)
     extra = {} if mask is None else {"attention_mask": mask}
@@ -101,7 +103,9 @@ def main(report):
         if (family, padded) not in references:
             references[family, padded] = reference(family, seq, padded)
         ref_losses, ref_grads, ref_params = references[family, padded]
-        losses, grads, params = parallel(family, seq, mesh, backend, degree, padded)
+        rotate = "allgather" if "allgather" in rest else "ring"
+        implementation = next((x for x in rest if x in ("sdpa", "flashmask")), "eager")
+        losses, grads, params = parallel(family, seq, mesh, backend, degree, padded, rotate, implementation)
         names.append(spec)
         report.value(f"{spec}.losses", losses)
         report.diff(f"{spec}.loss", np.array(losses), np.array(ref_losses))
