@@ -216,6 +216,25 @@ def test_paddleformers_calls_outside_a_plan_run_the_original():
         functions["paddle_cp"](module, q, q, q, scaling=0.5)
 
 
+def test_startend_indices_reaching_a_routed_attention_are_refused():
+    """Packed-document indices must go to the top layer (PrepareContextParallel), not past it."""
+    pytest.importorskip("paddleformers")
+    import paddleformers.nn.attention.interface as interface
+    from paddle_cp import runtime
+    from paddle_cp.attention import adapters, routing
+
+    adapters.install()
+    module = paddle.nn.Layer()
+    q = paddle.randn([1, 2, 6, 8])
+    routing.enter(object(), module)  # as if a ContextParallel layer's forward were running
+    try:
+        with pytest.raises(ValueError, match="pass them to the layer PrepareContextParallel hooks"):
+            interface.ALL_ATTENTION_FUNCTIONS["eager"](
+                module, q, q, q, attn_mask_startend_row_indices=paddle.full([1, 1, 6], 6, "int32"), scaling=0.5)
+    finally:
+        runtime.reset()
+
+
 def test_runtime_reset_forgets_everything():
     from paddle_cp import runtime
     from paddle_cp.attention import context

@@ -31,7 +31,12 @@ NAME = "paddle_cp"
 
 
 def _attend(plan, implementation, module, query, key, value, attention_mask=None, dropout=0.0, sink=None,
-            scaling=None, is_causal=None, **kwargs):
+            scaling=None, is_causal=None, attn_mask_startend_row_indices=None, **kwargs):
+    if attn_mask_startend_row_indices is not None:  # PrepareContextParallel turns the top layer's into documents
+        raise ValueError(
+            "attn_mask_startend_row_indices reached a context-parallel attention: pass them to the layer "
+            "PrepareContextParallel hooks (the top model), which turns them into documents over global positions"
+        )
     # q/k/v [b, h, s, d] -> [b, s, h, d]
     query, key, value = (x.transpose([0, 2, 1, 3]) for x in (query, key, value))
     scale = None if implementation == "flashmask" and sink is None else scaling
@@ -52,7 +57,6 @@ def _routed(implementation, original):
         if args:
             raise TypeError(f"paddle_cp's {implementation!r} attention takes its arguments after q/k/v by keyword, "
                             "as PaddleFormers' layers pass them")
-        kwargs.pop("attn_mask_startend_row_indices", None)  # PrepareContextParallel turned it into documents
         return _attend(plan, implementation, module, query, key, value, **kwargs)
 
     attention.paddle_cp_original = original
@@ -65,7 +69,6 @@ def paddle_cp_attention(module, query, key, value, **kwargs):
     if plan is None:
         raise ValueError("_attn_implementation='paddle_cp' runs only in layers ContextParallel covers: "
                          "parallelize the model with a ContextParallel plan on its attention layers")
-    kwargs.pop("attn_mask_startend_row_indices", None)
     return _attend(plan, "eager", module, query, key, value, **kwargs)
 
 
