@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 
-from .. import routing
+from .. import context, routing
 
 INTERFACE_MODULE = "paddleformers.nn.attention.interface"
 NAME = "paddle_cp"
@@ -41,7 +41,9 @@ def _attend(plan, implementation, module, query, key, value, attention_mask=None
     query, key, value = (x.transpose([0, 2, 1, 3]) for x in (query, key, value))
     scale = None if implementation == "flashmask" and sink is None else scaling
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    full_mask = attention_mask is not None and attention_mask.shape[-1] != query.shape[1]
+    info = context.current()
+    seq_len = info.seq_len if info is not None else query.shape[1] * plan._layout.world
+    full_mask = attention_mask is not None and attention_mask.shape[-1] == seq_len  # else built from local lengths
     causal = not full_mask and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
     out = routing.attend(plan, query, key, value, attention_mask if full_mask else None, dropout, causal,
                          module.training, scale, window=window if causal else None, sinks=sink)
