@@ -1,25 +1,30 @@
-"""Per-process state of paddle_cp, in one place, with one reset (tests use it).
+"""Per-process runtime state: what hooks and collectives record while a model runs.
 
-- `batches`: SequenceInfo of the batches whose top layer is running (innermost last),
-  published by PrepareContextParallel for the attention to read.
-- `running`: ContextParallel frames of layers whose forward is running (innermost last).
-- `planned`: module -> the ContextParallel plan that covers it (the planned layer and its
-  sublayers), so an attention call made outside the layer's forward (recompute) is routed too.
-- `attention_work`: query-key pairs computed and skipped by attention forwards.
+One object, so a test (or a new training run in the same process) clears all of
+it with one `reset()`. Configuration (meshes, process groups, parameter records,
+which modules a ContextParallel plan covers) is not runtime state and lives elsewhere.
 """
 from __future__ import annotations
 
-import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
 
-batches = []
-running = []
-planned = weakref.WeakKeyDictionary()
-attention_work = {"computed": 0, "skipped": 0}
+
+@dataclass
+class RuntimeState:
+    sequence_split: bool = False  # is the sequence split over mp at this point of the forward?
+    bytes_sent: defaultdict = field(default_factory=lambda: defaultdict(int))  # bytes this rank sent, by tag
+    # SequenceInfo of the batches whose top layer is running (innermost last), from PrepareContextParallel
+    batches: list = field(default_factory=list)
+    # routing.Frame of each ContextParallel layer whose forward is running (innermost last)
+    running: list = field(default_factory=list)
+    # query-key pairs computed and skipped by attention forwards
+    attention_work: dict = field(default_factory=lambda: {"computed": 0, "skipped": 0})
+
+
+state = RuntimeState()
 
 
 def reset():
-    """Forget every batch, running layer, planned module and counter of this process."""
-    batches.clear()
-    running.clear()
-    planned.clear()
-    attention_work.update(computed=0, skipped=0)
+    """Forget everything recorded so far (in place: modules keep their reference to `state`)."""
+    state.__dict__.update(RuntimeState().__dict__)

@@ -27,12 +27,12 @@ class SequenceInfo:
 
 
 def publish(info):
-    runtime.batches.append(info)
+    runtime.state.batches.append(info)
 
 
 def retract():
-    runtime.batches.pop()
+    runtime.state.batches.pop()
 
 
 def current():
-    return runtime.batches[-1] if runtime.batches else None
+    return runtime.state.batches[-1] if runtime.state.batches else None

@@ -25,11 +25,11 @@ MASKED_BELOW = -1e30
 
 def attention_work(reset=False):
     """Query-key pairs computed and skipped by attention forwards on this rank (since the last reset)."""
-    done = dict(runtime.attention_work)
+    done = dict(runtime.state.attention_work)
     total = done["computed"] + done["skipped"]
     done["skipped_fraction"] = done["skipped"] / total if total else 0.0
     if reset:
-        runtime.attention_work.update(computed=0, skipped=0)
+        runtime.state.attention_work.update(computed=0, skipped=0)
     return done
 
 
@@ -151,7 +151,7 @@ class BlockMask:
         kind = self._classify(q_range, k_range)
         if record:
             area = (q_range[1] - q_range[0]) * (k_range[1] - k_range[0])
-            runtime.attention_work["skipped" if kind == "none" else "computed"] += area
+            runtime.state.attention_work["skipped" if kind == "none" else "computed"] += area
         return kind
 
     def _classify(self, q_range, k_range):

@@ -11,11 +11,16 @@ would have seen only this rank's tokens.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 
 from .. import runtime
 from . import context
 from .api import context_parallel_attention
+
+
+# module -> the ContextParallel plan covering it (configuration, set when the plan is applied)
+_planned = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -28,16 +33,16 @@ class Frame:
 def cover(plan, layer):
     """Route attention calls naming `layer` or any of its sublayers to `plan`."""
     for module in layer.sublayers(include_self=True):
-        runtime.planned[module] = plan
+        _planned[module] = plan
 
 
 def enter(plan, layer):
-    runtime.running.append(Frame(plan, layer))
+    runtime.state.running.append(Frame(plan, layer))
 
 
 def leave(layer):
     """Pop `layer`'s frame; raise if its forward completed without a context-parallel attention."""
-    frame = runtime.running.pop()
+    frame = runtime.state.running.pop()
     if frame.ran or sys.exc_info()[1] is not None:  # an error already on its way: do not hide it
         return
     name = f"{type(layer).__name__} ({layer.full_name()})"
@@ -52,9 +57,9 @@ def leave(layer):
 
 def plan_for(module=None):
     """The plan a call should run under, or None for the original function."""
-    plan = runtime.planned.get(module) if module is not None else None
-    if plan is None and runtime.running:
-        plan = runtime.running[-1].plan
+    plan = _planned.get(module) if module is not None else None
+    if plan is None and runtime.state.running:
+        plan = runtime.state.running[-1].plan
     return plan
 
 
@@ -80,6 +85,6 @@ def attend(plan, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     out = context_parallel_attention(plan._layout, plan._groups, query, key, value, attn_mask, dropout_p,
                                      is_causal, training, scale, seq_len, documents, plan.rotate,
                                      enable_gqa=enable_gqa, window=window, sinks=sinks, valid=valid)
-    for frame in runtime.running:
+    for frame in runtime.state.running:
         frame.ran = True
     return out
