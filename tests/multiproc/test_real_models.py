@@ -13,7 +13,7 @@ FAMILIES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "phi3", "qwen3")
 RUNS = {
     2: [f"{family}:{backend}" for family in FAMILIES for backend in ("p2p", "all2all")]
     + ["llama:p2p:padded", "qwen3:all2all:padded", "gemma3:p2p:sdpa", "deepseek_v3:p2p:flashmask", "gpt_oss:all2all:flashmask"],
-    4: ["llama:hybrid:2", "gemma3:hybrid:2:allgather", "gpt_oss:hybrid:2", "deepseek_v3:hybrid:2",
+    4: ["llama:hybrid:2", "gemma3:hybrid:2:allgather", "gpt_oss:hybrid:2", "deepseek_v3:hybrid:2:allgather",
         "phi3:p2p:padded", "qwen3:all2all:allgather"],
 }
 
