@@ -1,9 +1,10 @@
 """PaddleFormers models as users build them (default eager attention) trained 3 AdamW steps under
 parallelize vs one process with the model's own eager attention on the same batch.
 
-argv: the runs, each "family:backend[:degree][:padded][:allgather]"; every sequence is uneven (8N+3
+argv: the runs, each "family:backend[:degree][:padded][:packed][:allgather][:sdpa|flashmask]"; every sequence is uneven (8N+3
 tokens). "padded": a 2-D attention_mask marks the last tokens of one row as padding (labels -100 there);
-"allgather": k/v blocks rotate by all-gather instead of ring hops; "sdpa" or "flashmask": the
+"allgather": k/v blocks rotate by all-gather instead of ring hops; "packed": documents given as
+PaddleFormers' causal attn_mask_startend_row_indices [b, 1, s, 1]; "sdpa" or "flashmask": the
 parallel model is built with that _attn_implementation (the reference stays eager).
 Also records the error for a RoPE that reads the length from local positions.
 """
@@ -25,16 +26,21 @@ def adamw(model):
     return paddle.optimizer.AdamW(learning_rate=1e-3, epsilon=1e-3, parameters=model.parameters())
 
 
-def make_batch(seq, padded):
+def make_batch(seq, padded, packed):
+    """ids, labels and the extra model inputs (a 2-D padding mask, or documents' end rows)."""
     paddle.seed(99)
     ids = paddle.randint(0, 128, [2, seq + 1])
     ids, labels = ids[:, :-1], ids[:, 1:]
-    if not padded:
-        return ids, labels, None
-    mask = np.ones((2, seq), "int64")
-    mask[1, -PAD:] = 0
-    labels = paddle.where(paddle.to_tensor(mask, "bool"), labels, paddle.full([], -100, labels.dtype))
-    return ids, labels, paddle.to_tensor(mask)
+    extra = {}
+    if padded:
+        mask = np.ones((2, seq), "int64")
+        mask[1, -PAD:] = 0
+        labels = paddle.where(paddle.to_tensor(mask, "bool"), labels, paddle.full([], -100, labels.dtype))
+        extra["attention_mask"] = paddle.to_tensor(mask)
+    if packed:  # documents [0, 7), [7, seq) and [0, 10), [10, seq): key j is seen by rows j..end-1
+        ends = np.array([[7] * 7 + [seq] * (seq - 7), [10] * 10 + [seq] * (seq - 10)])
+        extra["attn_mask_startend_row_indices"] = paddle.to_tensor(ends[:, None, :, None], dtype="int32")
+    return ids, labels, extra
 
 
 def train(model, opt, step_loss):
@@ -50,24 +56,22 @@ def train(model, opt, step_loss):
     return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
 
 
-def reference(family, seq, padded):
+def reference(family, seq, padded, packed):
     paddle.seed(2024)
     model = build(family)
-    ids, labels, mask = make_batch(seq, padded)
-    extra = {} if mask is None else {"attention_mask": mask}
+    ids, labels, extra = make_batch(seq, padded, packed)
     losses, grads, params = train(model, adamw(model), lambda m: m(input_ids=ids, labels=labels, **extra)[0])
     return [float(x) for x in losses], grads, params
 
 
-def parallel(family, seq, mesh, backend, degree, padded, rotate, implementation):
+def parallel(family, seq, mesh, backend, degree, padded, packed, rotate, implementation):
     paddle.seed(2024)
     model = build(family, _attn_implementation=implementation)
     opt = adamw(model)
     prepare = pcp.PrepareContextParallel(backend, degree)
     plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel(backend, degree, rotate)}
     model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
-    ids, labels, mask = make_batch(seq, padded)
-    extra = {} if mask is None else {"attention_mask": mask}
+    ids, labels, extra = make_batch(seq, padded, packed)
     labels = pcp.shard_sequence(labels, backend=prepare, mesh=mesh)
     weight = pcp.loss_weight(int((labels != -100).sum()), mesh)
     world = mesh.shape[mesh.dim_names.index("sep")]
@@ -98,14 +102,15 @@ def main(report):
     names = []
     for spec in sys.argv[1:]:
         family, backend, *rest = spec.split(":")
-        padded = "padded" in rest
+        padded, packed = "padded" in rest, "packed" in rest
         degree = next((int(x) for x in rest if x.isdigit()), None)
-        if (family, padded) not in references:
-            references[family, padded] = reference(family, seq, padded)
-        ref_losses, ref_grads, ref_params = references[family, padded]
+        if (family, padded, packed) not in references:
+            references[family, padded, packed] = reference(family, seq, padded, packed)
+        ref_losses, ref_grads, ref_params = references[family, padded, packed]
         rotate = "allgather" if "allgather" in rest else "ring"
         implementation = next((x for x in rest if x in ("sdpa", "flashmask")), "eager")
-        losses, grads, params = parallel(family, seq, mesh, backend, degree, padded, rotate, implementation)
+        losses, grads, params = parallel(family, seq, mesh, backend, degree, padded, packed, rotate,
+                                         implementation)
         names.append(spec)
         report.value(f"{spec}.losses", losses)
         report.diff(f"{spec}.loss", np.array(losses), np.array(ref_losses))
