@@ -31,6 +31,7 @@ ERRORS = [
     ErrorCase("ulysses_heads", "use ulysses_degree <=", min_world=2),
     ErrorCase("wrong_seq_len", "pass seq_len=", min_world=2),
     ErrorCase("degree_not_dividing", "positive divisor", only_world=4),
+    ErrorCase("unshard_wrong_seq_len", "pass the seq_len and backend the tensor was sharded with", min_world=2),
     ErrorCase("bypassed_attention", "without paddle_cp computing its attention"),
 ]
 
@@ -69,10 +70,10 @@ def test_attention_matches_single_process(world):
     assert_close(reports)
     hybrid = world == 4
     for report in reports:
-        # functional cases x (out, dq, dk, dv); window+sinks+MLA x (out, dq, dk, dv, dsinks) and
-        # layer plans (plain, docs, dense), per backend
+        # functional cases x (out, dq, dk, dv); per backend: window+sinks+MLA x (out, dq, dk, dv, dsinks),
+        # layer plans (plain, docs, dense) and unshard; a branch only rank 0 takes
         cases = 11 + 3 * hybrid
-        assert len(report["max_abs"]) == 4 * cases + (5 + 3) * (2 + hybrid)
+        assert len(report["max_abs"]) == 4 * cases + (5 + 3 + 1) * (2 + hybrid) + 1
         if world > 1:
             assert report["values"]["bytes"]["ring"] > 0 and report["values"]["bytes"]["ulysses"] > 0
 
