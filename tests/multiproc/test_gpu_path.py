@@ -1,28 +1,16 @@
 """paddle_cp's GPU path on CPU ranks: FlashKernel over the emulated flash_attn op, ring exchanges
 and collectives over the emulated asynchronous NCCL group (tests/workers/emulated_*.py, gpu_path.py)."""
-import functools
-
 import paddle
 import pytest
-from launcher import launch
+from launcher import launch, launch_once
 from workers.emulated_flash import RELATIVE_TOLERANCE
 
 WORLDS = [2, 3, 4]
 
 
-@functools.lru_cache(maxsize=None)
-def _launch_parity(world):
-    try:
-        return launch("gpu_path.py", world, "parity"), None
-    except AssertionError as failure:  # kept, so a failed launch is not repeated by every test
-        return None, failure
-
-
 def parity_reports(world):
     """One launch per world size serves every parity test below."""
-    reports, failure = _launch_parity(world)
-    if failure:
-        raise failure
+    reports = launch_once("gpu_path.py", world, "parity")
     for report in reports:
         assert not report["values"].get("crash"), report["values"]["crash"]
     return reports
