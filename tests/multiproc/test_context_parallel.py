@@ -30,6 +30,7 @@ ERRORS = [
     ErrorCase("ulysses_heads", "use ulysses_degree <=", min_world=2),
     ErrorCase("wrong_seq_len", "pass seq_len=", min_world=2),
     ErrorCase("degree_not_dividing", "positive divisor", only_world=4),
+    ErrorCase("unshard_wrong_seq_len", "pass the seq_len and backend the tensor was sharded with", min_world=2),
 ]
 
 
@@ -56,9 +57,10 @@ def test_attention_matches_single_process(world):
     assert_close(reports)
     hybrid = world == 4
     for report in reports:
-        # functional cases x (out, dq, dk, dv); layer plans: (plain, docs, dense) per backend
+        # functional cases x (out, dq, dk, dv); layer plans: (plain, docs, dense) per backend; unshard per
+        # backend; a branch only rank 0 takes
         cases = 11 + 3 * hybrid
-        assert len(report["max_abs"]) == 4 * cases + 3 * (2 + hybrid)
+        assert len(report["max_abs"]) == 4 * cases + 3 * (2 + hybrid) + (2 + hybrid) + 1
         layouts = ["p2p", "all2all"] + ["hybrid"] * hybrid
         assert all(report["values"][f"layer.{backend}.sdpa_restored"] for backend in layouts)
         if world > 1:

@@ -175,6 +175,42 @@ def check_sdpa_layer(report, mesh, world):
     report.expect_error("mismatched_plans", lambda: model(x, x, x))
 
 
+def check_unshard_learns_lengths(report, mesh, world):
+    """unshard_sequence without seq_len on a length that does not divide (30 tokens on 4 ranks):
+    the ranks exchange their lengths instead of waiting on mismatched gathers."""
+    seq = 7 * world + 2
+    full = paddle.arange(2 * seq * 3, dtype="float32").reshape([2, seq, 3])
+    layouts = [("p2p", None), ("all2all", None)] + ([("hybrid", 2)] if world == 4 else [])
+    for backend, degree in layouts:
+        local = pcp.shard_sequence(full, backend=backend, mesh=mesh, ulysses_degree=degree)
+        report.diff(f"unshard.{backend}.no_seq_len",
+                    pcp.unshard_sequence(local, backend=backend, mesh=mesh, ulysses_degree=degree), full)
+    if world > 1:
+        local = pcp.shard_sequence(full, mesh=mesh)
+        report.expect_error("unshard_wrong_seq_len", lambda: pcp.unshard_sequence(local, mesh=mesh, seq_len=seq + 1))
+
+
+def check_rank_dependent_gradients(report, mesh, world):
+    """A layer only rank 0 uses has a gradient there alone: the optimizer still reduces buffers of one
+    size on every rank (no rank waits), and every rank steps it by rank 0's gradient / world."""
+    paddle.seed(11)
+    used, branch = paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 3)
+    model = paddle.nn.LayerList([used, branch])
+    start = branch.weight.numpy().copy()
+    optimizer = paddle.optimizer.SGD(learning_rate=1.0, parameters=model.parameters())
+    _, optimizer = pcp.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
+    x = paddle.ones([2, 3])
+    out = used(x)
+    if dist.get_rank() == 0:
+        out = branch(out)
+    out.sum().backward()
+    expected = paddle.to_tensor(start - branch.weight.grad.numpy() / world) if dist.get_rank() == 0 else paddle.zeros([3, 3])
+    optimizer.step()
+    if world > 1:
+        dist.broadcast(expected, src=0)
+    report.diff("branch.weight", branch.weight, expected)
+
+
 def check_errors(report, mesh, world):
     x = paddle.randn([1, 2 * world, 2 * world, 8])
     report.expect_error("unknown_backend", lambda: pcp.PrepareContextParallel("ring"))
@@ -206,6 +242,8 @@ def main(report):
         check_case(report, mesh, case)
     check_skipped_work(report, mesh, world)
     check_sdpa_layer(report, mesh, world)
+    check_unshard_learns_lengths(report, mesh, world)
+    check_rank_dependent_gradients(report, mesh, world)
     check_errors(report, mesh, world)
     report.value("bytes", pcp.bytes_sent())
 
