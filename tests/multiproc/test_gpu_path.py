@@ -6,6 +6,7 @@ from launcher import launch, launch_once
 from workers.emulated_flash import RELATIVE_TOLERANCE
 
 WORLDS = [2, 3, 4]
+CUT = (".docs", ".window")  # blocks that a document boundary or a window edge cuts take the blockwise kernel
 
 
 def parity_reports(world):
@@ -23,7 +24,7 @@ def case_names(report):
 @pytest.mark.parametrize("world", WORLDS)
 def test_flash_path_matches_blockwise_and_fp32(world):
     for report in parity_reports(world):
-        assert len(case_names(report)) == 8 + 3 * (world == 4)
+        assert len(case_names(report)) == 10 + 3 * (world == 4)
         for key, err in report["values"].items():
             if key.rsplit(".", 1)[-1] in ("vs_blockwise", "vs_fp32", "blockwise_vs_fp32"):
                 dtype = paddle.float16 if ".fp16." in key else paddle.bfloat16
@@ -36,17 +37,18 @@ def test_flash_op_is_what_runs(world):
     for report in reports:
         for name in case_names(report):
             calls = report["values"][f"{name}.calls"]
-            if not name.endswith(".docs"):  # blocks cut by a document boundary take the blockwise kernel
+            if not name.endswith(CUT):
                 assert calls["flash_attn"] > 0 and calls["flash_attn_grad"] > 0, (name, calls)
-    # with documents, whole blocks inside one document still go to flash_attn on some rank
-    assert sum(r["values"]["p2p.docs.calls"]["flash_attn"] for r in reports) > 0
+    # with documents or a window, blocks they do not cut still go to flash_attn on some rank
+    for name in ("p2p.docs", "p2p.window"):
+        assert sum(r["values"][f"{name}.calls"]["flash_attn"] for r in reports) > 0, name
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_ring_computes_while_the_next_exchange_is_in_flight(world):
     for report in parity_reports(world):
         for name in case_names(report):
-            if name.endswith(".docs"):
+            if name.endswith(CUT):
                 continue
             calls = report["values"][f"{name}.calls"]
             assert report["values"][f"{name}.left_in_flight"] == 0
