@@ -2,12 +2,16 @@
 
 PrepareContextParallel publishes it while the top layer runs (its length and
 documents, which no rank can see from its own tokens); ContextParallel's
-attention reads it. The functional APIs take the same facts as arguments.
+attention reads it. A recompute call made meanwhile carries it into its replay
+in backward (paddle_cp/recompute.py). The functional APIs take the same facts
+as arguments.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
+from .. import recompute
 from .layout import SequenceLayout
 from .mask import Documents
 
@@ -32,3 +36,20 @@ def retract():
 
 def current():
     return _current[-1] if _current else None
+
+
+@contextlib.contextmanager
+def published(info):
+    publish(info)
+    try:
+        yield
+    finally:
+        retract()
+
+
+def _capture():
+    info = current()
+    return None if info is None else lambda: published(info)
+
+
+recompute.carry(_capture)

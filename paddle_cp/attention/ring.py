@@ -14,7 +14,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from ..comm import p2p
-from .kernels import select_kernel
+from .kernels import saveable, select_kernel
 from .layout import runs
 from .mask import BlockMask
 from .merge import merge
@@ -92,7 +92,7 @@ class RingAttention(PyLayer):
     @staticmethod
     def forward(ctx, q, k, v, group, masks, scale, kernel, rotate):
         out, lse = ring_forward(q, k, v, group, masks, scale, kernel, rotate)
-        out = out.astype(q.dtype)
+        out, lse = saveable(out.astype(q.dtype), lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, masks, scale, kernel, rotate)
         return out
@@ -106,4 +106,5 @@ class RingAttention(PyLayer):
 
 def ring_attention_local(q, k, v, group, masks, scale, kernel=None, rotate="ring"):
     """Attention of this member's [b, s_i, h, d] q/k/v shards over the ring `group`."""
+    q, k, v = saveable(q, k, v)
     return RingAttention.apply(q, k, v, group, masks, scale, kernel, rotate)

@@ -1,11 +1,13 @@
 """Context-parallel plans: split the inputs of the top model layer, run attention across ranks."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import paddle
 
 from .. import mesh as mesh_lib
+from .. import recompute
 from ..attention import Documents, SequenceLayout, check_rotation, context, resolve_groups, ulysses_size
 from ..attention.api import context_parallel_attention
 from .base import Plan, refuse_param_plan
@@ -42,6 +44,7 @@ class _SepPlan(Plan):
         sep = mesh_lib.dim_size(mesh, "sep")
         self._layout = SequenceLayout(self.backend, sep, self.ulysses_degree)
         self._groups = resolve_groups(self._layout, mesh)
+        recompute.install()  # recomputed layers replay with this batch's layout and plans
 
 
 class PrepareContextParallel(_SepPlan):
@@ -161,14 +164,34 @@ class ContextParallel(_SepPlan):
         layer.register_forward_pre_hook(self._enter)
         return layer.register_forward_post_hook(self._exit, always_call=True)
 
-    def _enter(self, layer, inputs):
+    def _enter(self, layer=None, inputs=None):
         global _original_sdpa
         if not _active:
             _original_sdpa = paddle.nn.functional.scaled_dot_product_attention
             paddle.nn.functional.scaled_dot_product_attention = _context_parallel_sdpa
         _active.append(self)
 
-    def _exit(self, layer, inputs, outputs):
+    def _exit(self, layer=None, inputs=None, outputs=None):
         _active.pop()
         if not _active:
             paddle.nn.functional.scaled_dot_product_attention = _original_sdpa
+
+
+@contextlib.contextmanager
+def _running(plans):
+    """The attention of `plans` intercepted again, for a recomputation of part of their layers."""
+    for plan in plans:
+        plan._enter()
+    try:
+        yield
+    finally:
+        for _ in plans:
+            _active[-1]._exit()
+
+
+def _capture_active():
+    plans = tuple(_active)
+    return (lambda: _running(plans)) if plans else None
+
+
+recompute.carry(_capture_active)
