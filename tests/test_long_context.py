@@ -1,6 +1,6 @@
 """Long-context training: recomputation under context parallelism (PaddleFormers' own flags and
-fleet.utils.recompute around each attention, reentrant and not; 3 AdamW steps vs one card without
-recomputation, fp32, 1e-5) and no device-to-host reads inside the ring loop."""
+fleet.utils.recompute around each attention, reentrant and not) and PaddleFormers' chunked losses
+(3 AdamW steps vs one card with neither, fp32, 1e-5), and no device-to-host reads inside the ring loop."""
 import importlib.util
 
 import pytest
@@ -27,12 +27,13 @@ def test_ring_loop_reads_nothing_from_the_device_but_dense_masks():
 
 @needs_paddleformers
 @pytest.mark.parametrize("world", [2, 4])
-def test_recomputed_llama_trains_like_one_card(world):
+def test_recomputed_and_chunked_loss_llama_trains_like_one_card(world):
     reports = launch("recompute_parity.py", world)
     assert_close(reports)
     runs = reports[0]["values"]["runs"]
-    styles = {run.split(".", 4)[-1].replace(".accumulate", "") for run in runs}
-    assert {"layers", "attn.reentrant", "attn.plain"} <= styles
+    styles = {run.split(".", 4)[-1].replace(".accumulate", "").rsplit(".", 1)[0] for run in runs}
+    assert {"layers", "attn.reentrant", "attn.plain", "None"} <= styles
+    assert {run.replace(".accumulate", "").rsplit(".", 1)[-1] for run in runs} == {"None", "subbatch", "fused"}
     assert any("hybrid" in run for run in runs) == (world == 4)
     assert any(run.endswith(".accumulate") for run in runs)
     for run in runs:

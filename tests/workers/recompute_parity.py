@@ -1,10 +1,15 @@
-"""PaddleFormers Llama trained with recomputation under cp_config vs one card without it.
+"""PaddleFormers Llama trained with recomputation and chunked losses under cp_config vs
+one card with neither.
 
 Recompute styles: "layers" (PaddleFormers' own flags: every decoder layer re-run in
 backward by fleet.utils.recompute, reentrant) and "attn.reentrant" / "attn.plain"
 (the user wraps each self_attn's forward in fleet.utils.recompute, reentrant or not:
-its replay runs outside the layer's hooks). Each step may accumulate two micro-batches
-of different lengths, both forwards before one backward. 3 AdamW steps (epsilon 1e-3).
+its replay runs outside the layer's hooks). Losses: PaddleFormers' own options,
+"subbatch" (loss_subbatch_sequence_length: the cross entropy in chunks of the full
+logits) and "fused" (with use_fused_head_and_loss_fn: lm_head and loss in chunks of
+tokens, recomputed in backward, no whole-sequence logits). Each step may accumulate
+two micro-batches of different lengths, both forwards before one backward.
+3 AdamW steps (epsilon 1e-3).
 """
 import functools
 
@@ -20,22 +25,25 @@ import paddle_cp as pcp
 
 STEPS = 3
 RECOMPUTE_FLAGS = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+LOSS_FLAGS = {None: {}, "subbatch": dict(loss_subbatch_sequence_length=4),
+              "fused": dict(use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=4)}
 
 
 def runs(world):
-    """(backend, ulysses_degree, extra tokens, packed, rotate, recompute style, accumulate)."""
+    """(backend, ulysses_degree, extra tokens, packed, rotate, recompute style, accumulate, loss)."""
     table = [
-        ("p2p", None, 0, None, "ring", "layers", False),
-        ("p2p", None, 3, "position_ids", "allgather", "attn.plain", True),
-        ("p2p", None, 1, "dense", "ring", "attn.reentrant", False),
-        ("all2all", None, 1, "startend", "ring", "layers", True),
-        ("all2all", None, 3, "dense", "allgather", "layers", False),
-        ("all2all", None, 1, None, "ring", "attn.reentrant", False),
-        ("p2p", None, 1, "startend", "ring", "attn.plain", False),
+        ("p2p", None, 0, None, "ring", "layers", False, None),
+        ("p2p", None, 3, "position_ids", "allgather", "attn.plain", True, "fused"),
+        ("p2p", None, 1, "dense", "ring", "attn.reentrant", False, None),
+        ("all2all", None, 1, "startend", "ring", "layers", True, "subbatch"),
+        ("all2all", None, 3, "dense", "allgather", "layers", False, "fused"),
+        ("all2all", None, 1, None, "ring", "attn.reentrant", False, None),
+        ("p2p", None, 1, "startend", "ring", "attn.plain", False, None),
+        ("p2p", None, 1, None, "ring", None, False, "fused"),
     ]
     if world == 4:
-        table += [("hybrid", 2, 2, "position_ids", "ring", "layers", True),
-                  ("hybrid", 2, 3, "dense", "allgather", "attn.plain", False)]
+        table += [("hybrid", 2, 2, "position_ids", "ring", "layers", True, "fused"),
+                  ("hybrid", 2, 3, "dense", "allgather", "attn.plain", False, None)]
     return table
 
 
@@ -58,9 +66,9 @@ def recompute_attention(model, reentrant):
         layer.self_attn.forward = recomputed
 
 
-def build(style):
+def build(style, loss=None):
     paddle.seed(2024)
-    model = build_llama("paddleformers", **(RECOMPUTE_FLAGS if style == "layers" else {}))
+    model = build_llama("paddleformers", **(RECOMPUTE_FLAGS if style == "layers" else {}), **LOSS_FLAGS[loss])
     if style and style.startswith("attn."):
         recompute_attention(model, style == "attn.reentrant")
     return model
@@ -100,8 +108,8 @@ def reference(seq, packed, accumulate):
     return [float(x) for x in losses], grads, params
 
 
-def parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate):
-    model = build(style)
+def parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate, loss):
+    model = build(style, loss)
     prepare = pcp.PrepareContextParallel(backend, degree, documents="position_ids" if packed == "position_ids" else None)
     plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel(backend, degree, rotate=rotate)}
     model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
@@ -124,15 +132,15 @@ def main(report):
     world = dist.get_world_size()
     mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
     names, references = [], {}
-    for backend, degree, extra, packed, rotate, style, accumulate in runs(world):
+    for backend, degree, extra, packed, rotate, style, accumulate, loss in runs(world):
         seq = 8 * world + extra
         key = (seq, bool(packed), accumulate)
         if key not in references:
             references[key] = reference(seq, packed, accumulate)
         ref_losses, ref_grads, ref_params = references[key]
-        name = f"{backend}.seq{seq}.{packed}.{rotate}.{style}{'.accumulate' if accumulate else ''}"
+        name = f"{backend}.seq{seq}.{packed}.{rotate}.{style}.{loss}{'.accumulate' if accumulate else ''}"
         names.append(name)
-        losses, grads, params = parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate)
+        losses, grads, params = parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate, loss)
         report.value(f"{name}.losses", losses)
         report.diff(f"{name}.loss", np.array(losses), np.array(ref_losses))
         for param, value in ref_grads.items():
