@@ -66,7 +66,7 @@ def _check_config(config):
 def broadcast_parameters(model, mesh_group):
     """Start every rank from the first one's full parameters, as one card would (before any split)."""
     for param in model.parameters():
-        collectives.broadcast(mesh_group, param, 0, op="param_broadcast")
+        collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
 
 
 def _gradient_groups(mesh):
