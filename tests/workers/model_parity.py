@@ -12,7 +12,6 @@ are split by hand with pcp.shard_sequence.
 import sys
 from typing import NamedTuple, Optional
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 from batches import make_batch
@@ -115,17 +114,11 @@ def main(report):
             key = (seq, bool(spec.packed))
             if key not in references:
                 references[key] = reference(source, seq, bool(spec.packed))
-            ref_losses, ref_grads, ref_params = references[key]
             name = (f"{source}.{spec.backend}{'.uneven' if spec.uneven else ''}"
                     f"{'.' + spec.packed if spec.packed else ''}.{spec.rotate}")
             names.append(name)
-            losses, grads, params = parallel(source, seq, mesh, spec)
-            report.value(f"{name}.losses", losses)
-            report.diff(f"{name}.loss", np.array(losses), np.array(ref_losses))
-            for param, value in ref_grads.items():
-                report.diff(f"{name}.grad", grads[param], value)
-            for param, value in ref_params.items():
-                report.diff(f"{name}.param", params[param], value)
+            got = parallel(source, seq, mesh, spec)
+            report.training(name, got, references[key])
     report.value("runs", names)
 
 

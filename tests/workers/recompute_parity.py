@@ -13,7 +13,6 @@ two micro-batches of different lengths, both forwards before one backward.
 """
 import functools
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 from batches import make_batch
@@ -137,16 +136,10 @@ def main(report):
         key = (seq, bool(packed), accumulate)
         if key not in references:
             references[key] = reference(seq, packed, accumulate)
-        ref_losses, ref_grads, ref_params = references[key]
         name = f"{backend}.seq{seq}.{packed}.{rotate}.{style}.{loss}{'.accumulate' if accumulate else ''}"
         names.append(name)
-        losses, grads, params = parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate, loss)
-        report.value(f"{name}.losses", losses)
-        report.diff(f"{name}.loss", np.array(losses), np.array(ref_losses))
-        for param, value in ref_grads.items():
-            report.diff(f"{name}.grad", grads[param], value)
-        for param, value in ref_params.items():
-            report.diff(f"{name}.param", params[param], value)
+        got = parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate, loss)
+        report.training(name, got, references[key])
     report.value("runs", names)
 
 
