@@ -22,7 +22,7 @@ def test_ring_loop_reads_nothing_from_the_device_but_dense_masks():
     for report in reports:
         assert not report["values"].get("crash"), report["values"]["crash"]
         calls = {name: counts for name, counts in report["values"].items() if name != "crash"}
-        assert len(calls) == 10
+        assert len(calls) == 12
         for name, counts in calls.items():
             assert counts["blocks"] >= 2, name  # forward and backward, at least one ring step each
             if name.endswith(".dense"):

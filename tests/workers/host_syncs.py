@@ -3,7 +3,7 @@
 Every Tensor method that hands a value to the host is wrapped and counted while
 the call runs (nested reads count once), and so are the blocks (one ring step's
 query-key pairs, forward and backward) the call builds. Tile decisions for causal,
-full and document masks come from host-side positions: those calls read nothing;
+full, windowed and document masks come from host-side positions: those calls read nothing;
 a dense mask may be read once per block.
 """
 import contextlib
@@ -61,6 +61,7 @@ def main(report):
     dense = paddle.to_tensor(rng.rand(1, 1, seq, seq) < 0.7)
     cases = {"causal": dict(is_causal=True), "full": dict(is_causal=False),
              "documents": dict(is_causal=True, doc_ids=doc_ids), "documents.full": dict(doc_ids=doc_ids),
+             "window": dict(is_causal=True, window=TILE // 3),
              "dense": dict(attn_mask="dense")}
     for backend, attention in (("p2p", pcp.ring_attention), ("all2all", pcp.ulysses_attention)):
         prepare = pcp.PrepareContextParallel(backend)
