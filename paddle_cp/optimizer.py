@@ -65,10 +65,11 @@ class ParallelOptimizer:
     """Wraps a Paddle optimizer; everything but `step`/`minimize` goes to it unchanged,
     so parameter groups keep their own learning rate and weight decay."""
 
-    def __init__(self, optimizer, groups, sharding=None):
+    def __init__(self, optimizer, groups, sharding=None, shared=None):
         self._inner = optimizer
         self._groups = groups
         self._sharding = sharding
+        self._shared = shared  # pipeline: gradients of parameters held by several stages
         self._params = optimizer_parameters(optimizer)
 
     @property
@@ -95,6 +96,8 @@ class ParallelOptimizer:
         """Sums over ranks commute: at sharding levels 2-3 reduce-scatter over dp first, so
         the mp and sep reductions after it only touch the gradients this rank owns."""
         groups, sharding = self._groups, self._sharding
+        if self._shared is not None:
+            self._shared.reduce()
         scattered = sharding is not None and sharding.level >= 2
         if scattered:
             sharding.reduce_scatter_gradients()
@@ -105,6 +108,8 @@ class ParallelOptimizer:
     def _counted_here(self, param):
         """Whether this rank adds `param`'s gradient to the global norm (exactly one rank per copy)."""
         groups = self._groups
+        if not getattr(param, "pcp_stage_counts", True):  # pipeline: held by several stages, counted on one
+            return False
         if getattr(param, "pcp_shard", None) is None and groups.mp.index != 0:
             return False
         if self._sharding is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import mesh as mesh_lib
 from .comm import collectives
+from .pipeline import apply_pipeline, plan_pipeline
 from .optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
 from .plan_keys import resolve_plan
 from .plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
@@ -58,8 +59,6 @@ def _check_config(config):
     unknown = set(config) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown parallelize config keys {sorted(unknown)}: use {list(CONFIG_KEYS)}")
-    if config.get("pp_config"):
-        raise ValueError("pp_config is not supported by paddle_cp yet: drop it, or use Paddle's own parallelize for pipelines")
     return check_level(config.get("dp_config"))
 
 
@@ -89,6 +88,7 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
     if not any(config.get(key) for key in CONFIG_KEYS):
         return model, optimizer
     mesh = mesh_lib.resolve_mesh(mesh)
+    pipeline = plan_pipeline(model, mesh, config["pp_config"]) if config.get("pp_config") else None
     matched = resolve_plan(model, _merged_plan(config))
     annotate_plan(model, matched, mesh)
     for name, layer, plans, params in matched:  # every plan validated before any collective
@@ -102,11 +102,12 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
         plan.apply(layer, mesh, params)
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
         watch_partial_gradients(model)
+    shared = apply_pipeline(model, optimizer, mesh, *pipeline) if pipeline else None  # pipeline: stage's own only
     sharding = None
     if level > 0 and optimizer is not None and groups.dp.size > 1:
         sharding = Sharding(level, optimizer_parameters(optimizer), groups.dp)
         if level == 3:
             sharding.release_parameters(model)
     if optimizer is not None:
-        optimizer = ParallelOptimizer(optimizer, groups, sharding)
+        optimizer = ParallelOptimizer(optimizer, groups, sharding, shared)
     return model, optimizer

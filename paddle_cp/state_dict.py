@@ -8,6 +8,7 @@ import numpy as np
 
 from .comm import collectives
 from .parameter_fetch import broadcast_full
+from .pipeline.ownership import stage_value
 from .plans.tensor_parallel import shard_of
 
 
@@ -21,7 +22,7 @@ def _unsharded(tensor):
 
 def full_value(tensor):
     """The full numpy value of a parameter or buffer, undoing tensor-parallel and dp sharding."""
-    local = _unsharded(tensor)
+    local = stage_value(tensor, _unsharded(tensor))  # pipeline: from the stage holding it
     spec = shard_of(tensor)
     if spec is None:
         return local.numpy()

@@ -1,0 +1,40 @@
+"""Pipeline parallel (pp_config) vs one card, under paddle.distributed.launch on gloo ranks.
+
+Each fixture is one launch of tests/workers/pipeline.py running several configs;
+the single-card reference is computed in the same worker from the same seed.
+"""
+import pytest
+
+from launcher import launch
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def doc_pp2():
+    return launch("pipeline.py", 2, "doc_pp2")
+
+
+def check_parity(reports, run, loss_ranks):
+    for report in reports:
+        assert "crash" not in report["values"], report["values"].get("crash")
+        assert report["values"][f"{run}.state_keys_match"], run
+        diffs = {k: v for k, v in report["max_abs"].items() if k.startswith(run + ".")}
+        assert any(k.startswith(run + ".state.") for k in diffs), f"no state measured for {run}"
+        assert (run + ".loss" in diffs) == (report["rank"] in loss_ranks), (run, report["rank"])
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] < TOLERANCE, (worst, diffs[worst])
+
+
+@pytest.mark.parametrize("run", ["doc_pp2", "doc_pp2_FThenB_m2", "doc_pp2_1F1B_m4"])
+def test_doc_example_on_two_stages_matches_one_card(doc_pp2, run):
+    """3 layers on 2 stages (2 + 1, Paddle's split): the plain loop (model returns logits, the loss
+    is real on the last stage) and micro-batched schedules with pp_config's loss_fn (loss on every stage)."""
+    check_parity(doc_pp2, run, loss_ranks={1} if run == "doc_pp2" else {0, 1})
+
+
+def test_each_stage_keeps_only_its_parameters(doc_pp2):
+    first, last = (report["values"]["doc_pp2.held"] for report in doc_pp2)
+    assert first and last and not set(first) & set(last)
+    assert "llama.embed_tokens.weight" in first and "llama.layers.1.mlp.down_proj.weight" in first
+    assert "llama.layers.2.mlp.down_proj.weight" in last and "lm_head.weight" in last

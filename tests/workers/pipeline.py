@@ -1,0 +1,120 @@
+"""Pipeline parallel vs one card: each run builds the model from one seed, trains three AdamW
+steps (epsilon 1e-3, ClipGradByGlobalNorm) on a global batch and compares the loss of
+every step (on every rank) and the final full_state_dict with one process doing the same.
+argv[1] names the group of runs (one launch each).
+"""
+import sys
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from doc_llama import LlamaForCausalLM, cross_entropy
+from doc_llama import VOCAB as DOC_VOCAB
+from report import run
+
+import paddle_cp as pcp
+
+BATCH, SEQ, STEPS, CLIP, EPSILON = 4, 8, 3, 0.5, 1e-3
+
+
+def doc_model():
+    return LlamaForCausalLM(num_layers=3)
+
+
+def llama(tie=True):
+    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM as PFLlama
+    return PFLlama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie))
+
+
+def build(make):
+    paddle.seed(2024)
+    model = make()
+    optimizer = paddle.optimizer.AdamW(learning_rate=1e-2, weight_decay=0.1, epsilon=EPSILON,
+                                       grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP),
+                                       parameters=model.parameters())
+    return model, optimizer
+
+
+def batches(vocab):
+    rng = np.random.RandomState(7)
+    for _ in range(STEPS):
+        yield (paddle.to_tensor(rng.randint(0, vocab, [BATCH, SEQ]), dtype="int64"),
+               paddle.to_tensor(rng.randint(0, vocab, [BATCH, SEQ]), dtype="int64"))
+
+
+def train(model, optimizer, vocab, step_loss):
+    losses = []
+    for ids, labels in batches(vocab):
+        loss = step_loss(model, ids, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.clear_grad()
+        losses.append(float(loss))
+    return np.array(losses)
+
+
+def user_loop(model, ids, labels):
+    """The plain loop: the model returns logits, the script computes the loss."""
+    return cross_entropy(model(ids), labels)
+
+
+def model_loss(model, ids, labels):
+    """The model (or pp_config's loss_fn) computes the loss: `model(..., labels=...)[0]`."""
+    return model(ids, labels=labels)[0]
+
+
+def reference(make, vocab, step_loss):
+    model, optimizer = build(make)
+    losses = train(model, optimizer, vocab, step_loss)
+    return losses, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def last_stage(mesh):
+    return mesh.get_mesh_with_dim("pp")[-1].process_ids.count(dist.get_rank()) > 0
+
+
+def held_parameters(model):
+    """Names of the parameters this rank keeps (the others are freed)."""
+    return sorted(n for n, p in model.named_parameters() if p._is_initialized())
+
+
+def compare(report, name, make, vocab, mesh, config, step_loss, ref_loss=None):
+    """Losses on the last stage (every stage when the model computes the loss) and the state on every rank."""
+    want_losses, want_state = reference(make, vocab, ref_loss or step_loss)
+    model, optimizer = build(make)
+    model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
+    report.value(f"{name}.held", held_parameters(model))
+    losses = train(model, optimizer, vocab, step_loss)
+    if step_loss is model_loss or last_stage(mesh):
+        report.diff(f"{name}.loss", losses, want_losses)
+    state = pcp.full_state_dict(model)
+    report.value(f"{name}.state_keys_match", sorted(state) == sorted(want_state))
+    for key, value in want_state.items():
+        report.diff(f"{name}.state.{key}", state[key], value)
+
+
+def pp_mesh(shape, names):
+    return dist.ProcessMesh(np.arange(int(np.prod(shape))).reshape(shape).tolist(), dim_names=names)
+
+
+def doc_pp2(report):
+    mesh = pp_mesh([2], ["pp"])
+    compare(report, "doc_pp2", doc_model, DOC_VOCAB, mesh, {"pp_config": {"split_spec": "llama.layers"}}, user_loop)
+    for schedule, m in (("FThenB", 2), ("1F1B", 4)):
+        compare(report, f"doc_pp2_{schedule}_m{m}", doc_model, DOC_VOCAB, mesh,
+                {"pp_config": {"split_spec": "llama.layers", "schedule_mode": schedule, "accumulate_steps": m,
+                               "loss_fn": cross_entropy}}, model_loss, ref_loss=user_loop)
+
+
+RUNS = {"doc_pp2": [doc_pp2]}
+
+
+def main(report):
+    dist.init_parallel_env()
+    for fn in RUNS[sys.argv[1]]:
+        fn(report)
+
+
+if __name__ == "__main__":
+    run(main)
