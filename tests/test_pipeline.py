@@ -38,3 +38,33 @@ def test_each_stage_keeps_only_its_parameters(doc_pp2):
     assert first and last and not set(first) & set(last)
     assert "llama.embed_tokens.weight" in first and "llama.layers.1.mlp.down_proj.weight" in first
     assert "llama.layers.2.mlp.down_proj.weight" in last and "lm_head.weight" in last
+
+
+@pytest.fixture(scope="module")
+def llama_pp2():
+    pytest.importorskip("paddleformers")
+    return launch("pipeline.py", 2, "llama_pp2")
+
+
+@pytest.fixture(scope="module")
+def four():
+    pytest.importorskip("paddleformers")
+    return launch("pipeline.py", 4, "four")
+
+
+@pytest.mark.parametrize("run", ["llama_1f1b", "llama_vpp", "llama_untied_fthenb"])
+def test_paddleformers_llama_schedules_match_one_card(llama_pp2, run):
+    """`model(input_ids, labels=...)[0]` with m = 4: 1F1B, VPP (2 chunks per rank) and FThenB with
+    untied embeddings; global-norm clipping over both stages. Tied embeddings live on both stages:
+    each rank's own copy (`local.`) matches one card too."""
+    check_parity(llama_pp2, run, loss_ranks={0, 1})
+    if run != "llama_untied_fthenb":
+        first, last = (report["values"][f"{run}.held"] for report in llama_pp2)
+        assert set(first) & set(last) == {"model.embed_tokens.weight"}  # the tied lm_head weight
+
+
+@pytest.mark.parametrize("run", ["llama_cp_1f1b", "llama_cp_vpp", "doc_mp2_pp2", "doc_mp2_pp2_sp_1f1b"])
+def test_pipeline_composes_with_context_and_tensor_parallel(four, run):
+    """pp2 x sep2 (ring attention inside stages) with 1F1B and VPP; mp2 x pp2 on the doc example, plain
+    loop and with sequence parallel under 1F1B (m = 2)."""
+    check_parity(four, run, loss_ranks={1, 3} if run == "doc_mp2_pp2" else {0, 1, 2, 3})

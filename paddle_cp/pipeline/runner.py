@@ -110,13 +110,15 @@ def _replace_floats(value, replacements):
 class Pipeline:
     """Runs this rank's stage of `model`; installed by `apply_pipeline`."""
 
-    def __init__(self, model, plan, settings, stage, peers, pp_group):
+    def __init__(self, model, plan, settings, stage, peers, pp_group, carried=()):
         self.plan, self.settings, self.stage = plan, settings, stage
+        self._carried = list(carried)  # (get, set) of state the skipped layers' hooks would have left
         self._peers, self._pp_group = peers, pp_group  # pp position -> stage_p2p Peer
         self._forward = model.forward
         self._unit_stage = {id(layer): v for _, layer, v in plan.units}
         self._exits = {id(plan.exit_unit(v)) for v in range(plan.virtual_stages - 1)}
         self._current = self._received = None
+        self._initial = []
         self._lists = {}
         for _, layer, _ in plan.units:
             layer._pcp_pipeline = self
@@ -147,23 +149,32 @@ class Pipeline:
     def _stand_in(self, layer):
         if self._received is None:
             raise RuntimeError("pipeline: a layer of an earlier stage ran but nothing was received from it")
+        received, state = self._received
         previous_exit = self.plan.exit_unit(self._current - 1)
+        if layer is previous_exit:
+            for (_, set_state), value in zip(self._carried, state):
+                set_state(value)
         if layer is previous_exit or type(layer) is type(previous_exit):
-            return self._received
-        return stage_p2p.skeleton(self._received)[1][0]
+            return received
+        return stage_p2p.skeleton(received)[1][0]
 
     def _run_chunk(self, virtual, args, kwargs, received):
+        """One forward of virtual stage `virtual`; `received` is (output, carried state) of the stage before.
+        Returns the model's output (last stage) or (exit unit's output, carried state)."""
         self._current, self._received = virtual, received
+        for (_, set_state), value in zip(self._carried, self._initial):
+            set_state(value)  # as the root's hooks left it, not as the previous chunk did
         try:
             return self._forward(*args, **kwargs)
         except _StageExit as done:
-            return done.output
+            return done.output, [get() for get, _ in self._carried]
         finally:
             self._current = self._received = None
 
     # ---- a step ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
         settings = self.settings
+        self._initial = [get() for get, _ in self._carried]
         labels = kwargs.pop("labels", None) if settings.loss_fn is not None else kwargs.get("labels")
         if labels is None:
             if settings.accumulate_steps > 1 or self.plan.chunks > 1:

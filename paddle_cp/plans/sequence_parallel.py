@@ -114,6 +114,12 @@ class SequenceParallelEnable(_SequencePlan):
         return replace_first(output, _to_whole(first_tensor(output), self._group, True))
 
 
+def region_state():
+    """(get, set) of whether the sequence is split at this point of the forward: a pipeline stage
+    that skips the earlier stages' layers (and their hooks) takes it from the stage before."""
+    return (lambda: _region["split"], lambda split: _region.__setitem__("split", split))
+
+
 def is_sequence_plan(plan):
     return isinstance(plan, _SequencePlan)
 

@@ -22,14 +22,17 @@ class LlamaRMSNorm(nn.Layer):
 class LlamaAttention(nn.Layer):
     def __init__(self):
         super().__init__()
+        # what tensor parallel reads to split the fused projection (and sets to the local counts)
+        self.num_heads = self.num_key_value_heads = HEADS
+        self.head_dim = HIDDEN // HEADS
         self.qkv_proj = nn.Linear(HIDDEN, HIDDEN * 3, bias_attr=False)
         self.o_proj = nn.Linear(HIDDEN, HIDDEN, bias_attr=False)
 
     def forward(self, x):
         b, s = x.shape[0], x.shape[1]
-        q, k, v = self.qkv_proj(x).reshape([b, s, 3, -1, HIDDEN // HEADS]).unbind(axis=2)  # each [b, s, h, d]
+        q, k, v = self.qkv_proj(x).reshape([b, s, 3, self.num_heads, self.head_dim]).unbind(axis=2)  # [b, s, h, d]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, s, h, d]
-        return self.o_proj(out.reshape([b, s, -1]))
+        return self.o_proj(out.reshape([b, s, self.num_heads * self.head_dim]))
 
 
 class LlamaMLP(nn.Layer):

@@ -13,6 +13,8 @@ from doc_llama import VOCAB as DOC_VOCAB
 from report import run
 
 import paddle_cp as pcp
+from paddle_cp import mesh as mesh_lib
+from paddle_cp.comm import collectives
 
 BATCH, SEQ, STEPS, CLIP, EPSILON = 4, 8, 3, 0.5, 1e-3
 
@@ -24,7 +26,9 @@ def doc_model():
 def llama(tie=True):
     from paddleformers.transformers import LlamaConfig, LlamaForCausalLM as PFLlama
     return PFLlama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie))
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+                               fuse_rms_norm=False,  # no fused CPU kernel
+                               _attn_implementation="sdpa"))  # what ContextParallel intercepts
 
 
 def build(make):
@@ -43,9 +47,11 @@ def batches(vocab):
                paddle.to_tensor(rng.randint(0, vocab, [BATCH, SEQ]), dtype="int64"))
 
 
-def train(model, optimizer, vocab, step_loss):
+def train(model, optimizer, vocab, step_loss, data_parallel=False):
     losses = []
     for ids, labels in batches(vocab):
+        if data_parallel:
+            ids, labels = pcp.shard_batch((ids, labels))
         loss = step_loss(model, ids, labels)
         loss.backward()
         optimizer.step()
@@ -79,15 +85,28 @@ def held_parameters(model):
     return sorted(n for n, p in model.named_parameters() if p._is_initialized())
 
 
+def replica_mean(values, mesh):
+    """The global loss from each rank's mean over its own samples and tokens (equal counts)."""
+    group = mesh_lib.mesh_group(mesh, ["dp", "sep"])
+    total = collectives.all_reduce(group, paddle.to_tensor(values, dtype="float32"))
+    return total.numpy() / group.size
+
+
 def compare(report, name, make, vocab, mesh, config, step_loss, ref_loss=None):
-    """Losses on the last stage (every stage when the model computes the loss) and the state on every rank."""
+    """Losses on the last stage (every stage when the model computes the loss), the state on every rank,
+    and (without tensor parallel) the parameters each rank holds itself, tied copies included."""
     want_losses, want_state = reference(make, vocab, ref_loss or step_loss)
     model, optimizer = build(make)
     model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
     report.value(f"{name}.held", held_parameters(model))
-    losses = train(model, optimizer, vocab, step_loss)
+    losses = train(model, optimizer, vocab, step_loss, data_parallel="dp" in mesh.dim_names)
+    losses = replica_mean(losses, mesh)
     if step_loss is model_loss or last_stage(mesh):
         report.diff(f"{name}.loss", losses, want_losses)
+    if "mp" not in mesh.dim_names:
+        for key, p in model.state_dict().items():
+            if p._is_initialized():
+                report.diff(f"{name}.local.{key}", p, want_state[key])
     state = pcp.full_state_dict(model)
     report.value(f"{name}.state_keys_match", sorted(state) == sorted(want_state))
     for key, value in want_state.items():
@@ -107,13 +126,72 @@ def doc_pp2(report):
                                "loss_fn": cross_entropy}}, model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2]}
+def llama_pp2(report):
+    """PaddleFormers Llama (4 layers, tied embeddings by default) on 2 stages, m = 4."""
+    mesh = pp_mesh([2], ["pp"])
+    base = {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 4}
+    runs = {"llama_1f1b": ({**base, "schedule_mode": "1F1B"}, llama),
+            "llama_vpp": ({**base, "schedule_mode": "VPP", "vpp_degree": 2}, llama),
+            "llama_untied_fthenb": ({**base, "schedule_mode": "FThenB"}, lambda: llama(tie=False))}
+    for name, (pp_config, make) in runs.items():
+        compare(report, name, make, 64, mesh, {"pp_config": pp_config}, model_loss)
+
+
+def llama_cp(report):
+    """pp2 x sep2: ring attention inside each stage; activations cross stages in the CP layout."""
+    mesh = pp_mesh([2, 2], ["pp", "sep"])
+    cp = {"cp_config": {"parallelize_plan": {"": pcp.PrepareContextParallel("p2p"),
+                                             "model.layers.*.self_attn": pcp.ContextParallel("p2p")}}}
+    base = {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 4}
+    for name, pp_config in {"llama_cp_1f1b": {**base, "schedule_mode": "1F1B"},
+                            "llama_cp_vpp": {**base, "schedule_mode": "VPP", "vpp_degree": 2}}.items():
+        compare(report, name, llama, 64, mesh, {**cp, "pp_config": pp_config}, model_loss)
+
+
+def doc_tensor_plan(sequence_parallel):
+    """The seed's mp plan (its `llama.position_embedding` key names no layer of the doc model: left out)."""
+    plan = {"llama.embed_tokens": pcp.ColWiseParallel(),
+            "llama.layers.*.self_attn.qkv_proj": pcp.ColWiseParallel(),
+            "llama.layers.*.self_attn.o_proj": pcp.RowWiseParallel(),
+            "llama.layers.*.mlp.gate_up_proj": pcp.ColWiseParallel(),
+            "llama.layers.*.mlp.down_proj": pcp.RowWiseParallel(),
+            "lm_head.weight": pcp.ColWiseParallel()}
+    if sequence_parallel:
+        plan.update({"llama.embed_tokens": [pcp.ColWiseParallel(), pcp.SequenceParallelBegin()],
+                     "llama.layers.*.self_attn": pcp.SequenceParallelDisable(),
+                     "llama.layers.*.mlp": pcp.SequenceParallelDisable(need_transpose=False),
+                     "lm_head": pcp.SequenceParallelEnd()})
+    return {"parallelize_plan": plan}
+
+
+def doc_mp2_pp2(report):
+    mesh = pp_mesh([2, 2], ["mp", "pp"])
+    compare(report, "doc_mp2_pp2", doc_model, DOC_VOCAB, mesh,
+            {"mp_config": doc_tensor_plan(False), "pp_config": {"split_spec": "llama.layers"}}, user_loop)
+    compare(report, "doc_mp2_pp2_sp_1f1b", doc_model, DOC_VOCAB, mesh,
+            {"mp_config": doc_tensor_plan(True), "pp_config": {
+                "split_spec": "llama.layers", "accumulate_steps": 2, "loss_fn": cross_entropy}},
+            model_loss, ref_loss=user_loop)
+
+
+def doc_dp2_mp2_pp2(report):
+    """The seed's whole config: dp2 x mp2 x pp2, sharding level 1, sequence parallel."""
+    mesh = pp_mesh([2, 2, 2], ["dp", "mp", "pp"])
+    compare(report, "doc_dp2_mp2_pp2", doc_model, DOC_VOCAB, mesh,
+            {"dp_config": {"sharding_level": 1}, "mp_config": doc_tensor_plan(True), "pp_config": {
+                "split_spec": "llama.layers", "accumulate_steps": 2, "loss_fn": cross_entropy}},
+            model_loss, ref_loss=user_loop)
+
+
+RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, doc_mp2_pp2],
+        "eight": [doc_dp2_mp2_pp2]}
 
 
 def main(report):
     dist.init_parallel_env()
     for fn in RUNS[sys.argv[1]]:
         fn(report)
+
 
 
 if __name__ == "__main__":
