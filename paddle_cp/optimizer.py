@@ -29,7 +29,8 @@ def _coalesced(tensors):
 def _reduce_gradients(parameters, mesh_group, op, average):
     if mesh_group.size == 1:
         return
-    grads = [p.grad for p in parameters if p.grad is not None]
+    # dropped gradients (another dp rank owns them) are empty: nothing to reduce
+    grads = [p.grad for p in parameters if p.grad is not None and p.grad._is_initialized() and int(p.grad.numel())]
     for same_dtype in _coalesced(grads):
         flat = paddle.concat([g.reshape([-1]) for g in same_dtype])
         collectives.all_reduce(mesh_group, flat, op=op)

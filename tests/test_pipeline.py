@@ -68,3 +68,15 @@ def test_pipeline_composes_with_context_and_tensor_parallel(four, run):
     """pp2 x sep2 (ring attention inside stages) with 1F1B and VPP; mp2 x pp2 on the doc example, plain
     loop and with sequence parallel under 1F1B (m = 2)."""
     check_parity(four, run, loss_ranks={1, 3} if run == "doc_mp2_pp2" else {0, 1, 2, 3})
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return launch("pipeline.py", 8, "eight")
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_seed_config_dp2_mp2_pp2_matches_one_card(eight, level):
+    """The seed's whole config (dp2 x mp2 x pp2, sequence parallel) with sharding levels 1-3 inside
+    each stage, 1F1B over 2 micro-batches per dp rank."""
+    check_parity(eight, f"doc_dp2_mp2_pp2_l{level}", loss_ranks=set(range(8)))

@@ -177,10 +177,11 @@ def doc_mp2_pp2(report):
 def doc_dp2_mp2_pp2(report):
     """The seed's whole config: dp2 x mp2 x pp2, sharding level 1, sequence parallel."""
     mesh = pp_mesh([2, 2, 2], ["dp", "mp", "pp"])
-    compare(report, "doc_dp2_mp2_pp2", doc_model, DOC_VOCAB, mesh,
-            {"dp_config": {"sharding_level": 1}, "mp_config": doc_tensor_plan(True), "pp_config": {
-                "split_spec": "llama.layers", "accumulate_steps": 2, "loss_fn": cross_entropy}},
-            model_loss, ref_loss=user_loop)
+    for level in (1, 2, 3):
+        compare(report, f"doc_dp2_mp2_pp2_l{level}", doc_model, DOC_VOCAB, mesh,
+                {"dp_config": {"sharding_level": level}, "mp_config": doc_tensor_plan(True), "pp_config": {
+                    "split_spec": "llama.layers", "accumulate_steps": 2, "loss_fn": cross_entropy}},
+                model_loss, ref_loss=user_loop)
 
 
 RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, doc_mp2_pp2],
