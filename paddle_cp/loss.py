@@ -18,5 +18,5 @@ def loss_weight(local_tokens, mesh=None):
     local_tokens = int(local_tokens)
     group = mesh_lib.mesh_group(mesh_lib.resolve_mesh(mesh), ["dp", "sep"])
     total = paddle.to_tensor([float(local_tokens)])
-    collectives.all_reduce(group, total, op="loss_weight")
+    collectives.all_reduce(group, total, tag="loss_weight")
     return local_tokens * group.size / total.item()

@@ -16,6 +16,7 @@ import paddle
 
 from .comm import collectives
 from .mesh import MeshGroup
+from .params import record_of
 
 
 def _coalesced(tensors):
@@ -26,14 +27,14 @@ def _coalesced(tensors):
     return by_dtype.values()
 
 
-def _reduce_gradients(parameters, mesh_group, op, average):
+def _reduce_gradients(parameters, mesh_group, tag, average):
     if mesh_group.size == 1:
         return
     # dropped gradients (another dp rank owns them) are empty: nothing to reduce
     grads = [p.grad for p in parameters if p.grad is not None and p.grad._is_initialized() and int(p.grad.numel())]
     for same_dtype in _coalesced(grads):
         flat = paddle.concat([g.reshape([-1]) for g in same_dtype])
-        collectives.all_reduce(mesh_group, flat, op=op)
+        collectives.all_reduce(mesh_group, flat, tag=tag)
         if average:
             flat = flat / mesh_group.size
         for grad, part in zip(same_dtype, paddle.split(flat, [int(g.numel()) for g in same_dtype])):
@@ -102,16 +103,17 @@ class ParallelOptimizer:
         scattered = sharding is not None and sharding.level >= 2
         if scattered:
             sharding.reduce_scatter_gradients()
-        partial = [p for p in self._params if getattr(p, "pcp_sequence_partial", False)]
+        partial = [p for p in self._params if record_of(p).sequence_partial]
         _reduce_gradients(partial, groups.mp, "grad_sp_all_reduce", average=False)
         average_gradients(self._params, groups.sep if scattered else groups.replicas)
 
     def _counted_here(self, param):
         """Whether this rank adds `param`'s gradient to the global norm (exactly one rank per copy)."""
         groups = self._groups
-        if not getattr(param, "pcp_stage_counts", True):  # pipeline: held by several stages, counted on one
-            return False
-        if getattr(param, "pcp_shard", None) is None and groups.mp.index != 0:
+        record = record_of(param)
+        if record.pp_group is not None and record.pp_group.index != record.stage:
+            return False  # pipeline: held by several stages (tied embeddings), counted on its first
+        if record.tp_axis is None and groups.mp.index != 0:
             return False
         if self._sharding is not None:
             return self._sharding.owns(param) and groups.sep.index == 0
@@ -137,7 +139,7 @@ class ParallelOptimizer:
             counted = [paddle.sum(paddle.square(p.grad.astype("float32"))) for p in params
                        if p.grad is not None and getattr(p, "need_clip", True) and self._counted_here(p)]
             squares.append(paddle.stack(counted).sum() if counted else paddle.zeros([], "float32"))
-        totals = collectives.all_reduce(self._groups.world, paddle.stack(squares), op="grad_norm_all_reduce")
+        totals = collectives.all_reduce(self._groups.world, paddle.stack(squares), tag="grad_norm_all_reduce")
         for (_, _, clip, params), total in zip(clips, paddle.sqrt(totals)):
             max_norm = paddle.full([], clip.clip_norm, "float32")
             scale = max_norm / paddle.maximum(total, max_norm)

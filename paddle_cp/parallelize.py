@@ -12,7 +12,7 @@ from .comm import collectives
 from .pipeline import apply_pipeline, plan_pipeline
 from .optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
 from .plan_keys import resolve_plan
-from .plans.sequence_parallel import is_sequence_plan, region_state, watch_partial_gradients
+from .plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
 from .plans.tensor_parallel import annotate_plan
 from .sharding import Sharding, check_level
 
@@ -65,7 +65,7 @@ def _check_config(config):
 def broadcast_parameters(model, mesh_group):
     """Start every rank from the first one's full parameters, as one card would (before any split)."""
     for param in model.parameters():
-        collectives.broadcast(mesh_group, param, 0, op="param_broadcast")
+        collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
 
 
 def _gradient_groups(mesh):
@@ -102,7 +102,7 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
         plan.apply(layer, mesh, params)
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
         watch_partial_gradients(model)
-    shared = apply_pipeline(model, optimizer, mesh, *pipeline, carried=[region_state()]) if pipeline else None
+    shared = apply_pipeline(model, optimizer, mesh, *pipeline) if pipeline else None  # keeps this stage's only
     sharding = None
     if level > 0 and optimizer is not None and groups.dp.size > 1:
         sharding = Sharding(level, optimizer_parameters(optimizer), groups.dp)

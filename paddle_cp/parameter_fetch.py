@@ -18,6 +18,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .comm import collectives
+from .params import record_of, share_record
 
 
 class GatheredBytes:
@@ -31,21 +32,18 @@ class GatheredBytes:
         self.peak = max(self.peak, self.held)
 
 
-def full_shape(param):
-    return getattr(param, "pcp_full_shape", list(param.shape))
-
-
 def full_nbytes(param):
     numel = 1
-    for d in full_shape(param):
+    for d in record_of(param).tp_shape():
         numel *= d
     return numel * param.element_size()
 
 
-def broadcast_full(param, sharding, op="param_fetch"):
-    """A new tensor with the full value of `param`, sent by its owner."""
-    full = param.clone() if sharding.owns(param) else paddle.empty(full_shape(param), param.dtype)
-    return collectives.broadcast(sharding.group, full, sharding.owner[id(param)], op=op)
+def broadcast_full(param, tag="param_fetch"):
+    """A new tensor with this rank's (tensor-parallel) value of `param`, sent by its dp owner."""
+    record = record_of(param)
+    full = param.clone() if record.owned_here() else paddle.empty(record.tp_shape(), param.dtype)
+    return collectives.broadcast(record.dp_group, full, record.dp_owner, tag=tag)
 
 
 class _Copy:
@@ -62,7 +60,7 @@ class _Copy:
             self.sharding.gathered.add(-full_nbytes(self.param))
 
     def refill(self):
-        broadcast_full(self.param, self.sharding)._share_buffer_to(self.tensor)
+        broadcast_full(self.param)._share_buffer_to(self.tensor)
         self.sharding.gathered.add(full_nbytes(self.param))
 
 
@@ -73,7 +71,7 @@ def fetch_around(layer, names, sharding):
         for name in names:
             param = layer._parameters[name]
             copy = _Copy(param, sharding)
-            copy.tensor.pcp_param = param
+            share_record(param, copy.tensor)  # marks made on the copy (sequence_partial) reach the parameter
             copy.tensor.is_distributed = param.is_distributed  # model code reads Parameter attributes
             layer._parameters[name] = copy.tensor
             layer.pcp_fetched[name] = copy
@@ -109,7 +107,7 @@ class FetchParameter(PyLayer):
     @staticmethod
     def forward(ctx, param, sharding, copy_ref):
         ctx.param, ctx.sharding, ctx.copy_ref = param, sharding, copy_ref
-        return broadcast_full(param, sharding)
+        return broadcast_full(param)
 
     @staticmethod
     def backward(ctx, grad):

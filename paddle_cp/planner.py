@@ -27,7 +27,7 @@ The whole-model model (`estimate`) adds parameters, gradients and Adam state
 moments), per-layer activations, tensor-parallel all-reduces and the data-parallel
 gradient all-reduce (over dp x cp ranks, where gradients are replicated).
 It is a model of GPU clusters: only the attention traffic and attention memory
-were checked against measurements (on CPU, tests/test_tools.py).
+were checked against measurements (on CPU, tests/multiproc/test_bench.py).
 """
 from __future__ import annotations
 

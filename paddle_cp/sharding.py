@@ -17,8 +17,8 @@ import numpy as np
 import paddle
 
 from .comm import collectives
-from .parameter_fetch import GatheredBytes, fetch_around, full_shape
-from .plans.tensor_parallel import set_local_value
+from .parameter_fetch import GatheredBytes, fetch_around
+from .params import record_of, set_local_value
 
 LEVELS = (0, 1, 2, 3)
 
@@ -38,25 +38,28 @@ def check_level(dp_config):
 
 def _owners(params, size):
     """Owner position of each parameter: largest first onto the least-loaded rank (same on every rank)."""
-    load, owner = [0] * size, {}
+    load, owner = [0] * size, [None] * len(params)
     for i in sorted(range(len(params)), key=lambda i: (-int(params[i].numel()), i)):
         rank = min(range(size), key=lambda r: (load[r], r))
-        owner[id(params[i])] = rank
+        owner[i] = rank
         load[rank] += int(params[i].numel())
     return owner
 
 
 class Sharding:
-    """Ownership of parameters over the dp group and the level's reduce/update steps."""
+    """The level's reduce/update steps over the dp group; each parameter's owner is in its record."""
 
     def __init__(self, level, params, dp_group):
         self.level, self.group, self.params = level, dp_group, list(params)
-        self.owner = _owners(self.params, dp_group.size)
+        for param, owner in zip(self.params, _owners(self.params, dp_group.size)):
+            record = record_of(param)
+            record.dp_group, record.dp_owner, record.level = dp_group, owner, level
         self._stash = {}  # level 3: gradients of parameters this rank does not own
         self.gathered = GatheredBytes()  # level 3: full copies fetched for use
 
-    def owns(self, param):
-        return self.owner[id(param)] == self.group.index
+    @staticmethod
+    def owns(param):
+        return record_of(param).owned_here()
 
     def reduce_scatter_gradients(self):
         """Levels 2-3: each owner receives the dp average of its parameters' gradients, in one
@@ -67,15 +70,15 @@ class Sharding:
         for p in self.params:
             by_dtype.setdefault(grads[id(p)].dtype, []).append(p)
         for dtype, same_dtype in by_dtype.items():
-            buckets = [[p for p in same_dtype if self.owner[id(p)] == r] for r in range(n)]
+            buckets = [[p for p in same_dtype if record_of(p).dp_owner == r] for r in range(n)]
             flats = [paddle.concat([grads[id(p)].reshape([-1]) for p in b]) if b else paddle.zeros([0], dtype)
                      for b in buckets]
             length = max(int(f.shape[0]) for f in flats)
             chunks = [paddle.concat([f, paddle.zeros([length - int(f.shape[0])], dtype)]) for f in flats]
-            mine = collectives.reduce_scatter(self.group, chunks, op="grad_reduce_scatter") / n
+            mine = collectives.reduce_scatter(self.group, chunks, tag="grad_reduce_scatter") / n
             offset = 0
             for p in buckets[self.group.index]:
-                size = int(np.prod(full_shape(p)))
+                size = int(np.prod(record_of(p).tp_shape()))
                 if p.grad is not None:  # a parameter no rank used keeps no gradient, as on one card
                     paddle.assign(mine[offset:offset + size].reshape(p.grad.shape), p.grad)
                 offset += size
@@ -84,8 +87,8 @@ class Sharding:
 
     def _grad(self, p):
         if self.level == 3 and not self.owns(p):
-            return self._stash.get(id(p), paddle.zeros(full_shape(p), p.dtype))
-        return p.grad if p.grad is not None else paddle.zeros(full_shape(p), p.dtype)
+            return self._stash.get(id(p), paddle.zeros(record_of(p).tp_shape(), p.dtype))
+        return p.grad if p.grad is not None else paddle.zeros(record_of(p).tp_shape(), p.dtype)
 
     def drop_foreign_gradients(self):
         """Free the gradients of parameters another rank owns: the inner optimizer then skips them
@@ -98,19 +101,18 @@ class Sharding:
         """Levels 1-2: every dp rank gets each parameter's new value from its owner."""
         if self.level in (1, 2):
             for p in self.params:
-                collectives.broadcast(self.group, p, self.owner[id(p)], op="param_broadcast")
+                collectives.broadcast(self.group, p, record_of(p).dp_owner, tag="param_broadcast")
 
     # level 3 -----------------------------------------------------------------
 
     def release_parameters(self, model):
         """Keep only owned parameters; fetch the others around each layer's forward."""
         for p in self.params:
-            p.pcp_full_shape = list(p.shape)
-            p.pcp_sharding = self
             if not self.owns(p):
                 set_local_value(p, np.zeros([0], p.numpy().dtype))
+        sharded = {id(p) for p in self.params}
         for layer in model.sublayers(include_self=True):
-            names = [n for n, p in layer._parameters.items() if p is not None and id(p) in self.owner]
+            names = [n for n, p in layer._parameters.items() if p is not None and id(p) in sharded]
             if names:
                 fetch_around(layer, names, self)
 

@@ -8,26 +8,21 @@ import numpy as np
 
 from .comm import collectives
 from .parameter_fetch import broadcast_full
+from .params import find_record
 from .pipeline.ownership import stage_value
-from .plans.tensor_parallel import shard_of
-
-
-def _unsharded(tensor):
-    """This rank's full-size copy of a dp-sharded (level 3) parameter, else the tensor itself."""
-    sharding = getattr(tensor, "pcp_sharding", None)
-    if sharding is None or sharding.level < 3:
-        return tensor
-    return broadcast_full(tensor, sharding, op="state_dict")
 
 
 def full_value(tensor):
     """The full numpy value of a parameter or buffer, undoing tensor-parallel and dp sharding."""
-    local = stage_value(tensor, _unsharded(tensor))  # pipeline: from the stage holding it
-    spec = shard_of(tensor)
-    if spec is None:
+    record = find_record(tensor)
+    if record is None:
+        return tensor.numpy()
+    local = broadcast_full(tensor, tag="state_dict") if record.level == 3 else tensor
+    local = stage_value(tensor, record, local)  # pipeline: from the stage holding it
+    if record.tp_axis is None:
         return local.numpy()
-    shards = collectives.all_gather(spec.group, local, op="state_dict")
-    return spec.assemble([s.numpy() for s in shards])
+    shards = collectives.all_gather(record.mp_group, local, tag="state_dict")
+    return record.assemble([s.numpy() for s in shards])
 
 
 def full_state_dict(model):

@@ -36,7 +36,7 @@ class RingRotation:
             self._current = self._next.wait()
         if step < self.group.size - 1:
             shape = [self.numels[self._source(step + 1)]]
-            self._next = p2p.shift(self.group, self._current, 1, op="ring", recv_shape=shape)
+            self._next = p2p.shift(self.group, self._current, 1, tag="ring", recv_shape=shape)
         return self._current
 
     def send_grads(self, step, dkv):
@@ -44,7 +44,7 @@ class RingRotation:
         if self._travelling is not None:
             dkv = dkv + self._travelling.wait()
         shape = [self.numels[self._source(step + 1)]]
-        self._travelling = p2p.shift(self.group, dkv, 1, op="ring", recv_shape=shape)
+        self._travelling = p2p.shift(self.group, dkv, 1, tag="ring", recv_shape=shape)
 
     def own_grads(self):
         return self._travelling.wait()
@@ -54,7 +54,7 @@ class AllGatherRotation:
     def __init__(self, group, kv, numels):
         self.group, self.numels = group, numels
         self._width = max(numels)
-        gathered = collectives.all_gather(group, self._padded(kv), op="ring")
+        gathered = collectives.all_gather(group, self._padded(kv), tag="ring")
         self._blocks = [block[:n] for block, n in zip(gathered, numels)]
         self._grads = [None] * group.size
 
@@ -69,7 +69,7 @@ class AllGatherRotation:
         self._grads[(self.group.index - step) % self.group.size] = self._padded(dkv)
 
     def own_grads(self):
-        summed = collectives.reduce_scatter(self.group, self._grads, op="ring")
+        summed = collectives.reduce_scatter(self.group, self._grads, tag="ring")
         return summed[: self.numels[self.group.index]]
 
 

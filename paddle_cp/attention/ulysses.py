@@ -50,13 +50,13 @@ def repeat_kv_heads(x, times):
 def scatter_heads(q, k, v, group, split, lengths):
     """Local [b, s_u, h, d] -> [b, s_group, h_u, d] (`lengths`: s of each group member)."""
     k, v = repeat_kv_heads(k, split.repeat), repeat_kv_heads(v, split.repeat)
-    q = all_to_all(q, group, 2, 1, split.q_counts, lengths, op="ulysses")
-    k, v = (all_to_all(x, group, 2, 1, split.kv_counts, lengths, op="ulysses") for x in (k, v))
+    q = all_to_all(q, group, 2, 1, split.q_counts, lengths, tag="ulysses")
+    k, v = (all_to_all(x, group, 2, 1, split.kv_counts, lengths, tag="ulysses") for x in (k, v))
     return q, k, v
 
 
 def gather_heads(out, group, split, lengths):
-    return all_to_all(out, group, 1, 2, lengths, split.q_counts, op="ulysses")
+    return all_to_all(out, group, 1, 2, lengths, split.q_counts, tag="ulysses")
 
 
 def gather_mask_rows(dense, group, split, lengths, q_heads):
@@ -67,7 +67,7 @@ def gather_mask_rows(dense, group, split, lengths, q_heads):
     if rows.shape[2] < width:
         pad = paddle.zeros([*rows.shape[:2], width - rows.shape[2], rows.shape[3]], rows.dtype)
         rows = paddle.concat([rows, pad], axis=2)
-    parts = collectives.all_gather(group, rows, op="ulysses_mask")
+    parts = collectives.all_gather(group, rows, tag="ulysses_mask")
     rows = paddle.concat([p[:, :, :n] for p, n in zip(parts, lengths)], axis=2)
     if as_bytes:
         rows = rows.astype(paddle.bool)

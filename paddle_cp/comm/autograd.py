@@ -7,7 +7,7 @@ from paddle.autograd import PyLayer
 from . import collectives
 
 
-def _all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes, gather_sizes, op):
+def _all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes, gather_sizes, tag):
     chunks = paddle.split(x, scatter_sizes, axis=scatter_axis)
     recv_shapes = []
     for size in gather_sizes:
@@ -15,7 +15,7 @@ def _all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes, gather_
         shape[scatter_axis] = chunks[mesh_group.index].shape[scatter_axis]
         shape[gather_axis] = size
         recv_shapes.append(shape)
-    received = collectives.all_to_all(mesh_group, chunks, op=op, recv_shapes=recv_shapes)
+    received = collectives.all_to_all(mesh_group, chunks, tag=tag, recv_shapes=recv_shapes)
     return paddle.concat(received, axis=gather_axis)
 
 
@@ -27,22 +27,22 @@ class AllToAll(PyLayer):
     """
 
     @staticmethod
-    def forward(ctx, x, mesh_group, scatter_axis, gather_axis, scatter_sizes, gather_sizes, op="all_to_all"):
-        ctx.args = (mesh_group, gather_axis, scatter_axis, gather_sizes, scatter_sizes, op)
-        return _all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes, gather_sizes, op)
+    def forward(ctx, x, mesh_group, scatter_axis, gather_axis, scatter_sizes, gather_sizes, tag="all_to_all"):
+        ctx.args = (mesh_group, gather_axis, scatter_axis, gather_sizes, scatter_sizes, tag)
+        return _all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes, gather_sizes, tag)
 
     @staticmethod
     def backward(ctx, grad):
         return _all_to_all(grad, *ctx.args)
 
 
-def all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes=None, gather_sizes=None, op="all_to_all"):
+def all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes=None, gather_sizes=None, tag="all_to_all"):
     n = mesh_group.size
     if n == 1:
         return x
     scatter_sizes = scatter_sizes or [x.shape[scatter_axis] // n] * n
     gather_sizes = gather_sizes or [x.shape[gather_axis]] * n
-    return AllToAll.apply(x, mesh_group, scatter_axis, gather_axis, list(scatter_sizes), list(gather_sizes), op)
+    return AllToAll.apply(x, mesh_group, scatter_axis, gather_axis, list(scatter_sizes), list(gather_sizes), tag)
 
 
 class GatherReplicated(PyLayer):
@@ -55,14 +55,14 @@ class GatherReplicated(PyLayer):
     """
 
     @staticmethod
-    def forward(ctx, x, mesh_group, axis, sizes, op="all_gather"):
+    def forward(ctx, x, mesh_group, axis, sizes, tag="all_gather"):
         ctx.args = (axis, sum(sizes[: mesh_group.index]), x.shape[axis])
         width = max(sizes)
         if x.shape[axis] < width:
             pad = list(x.shape)
             pad[axis] = width - x.shape[axis]
             x = paddle.concat([x, paddle.zeros(pad, x.dtype)], axis=axis)
-        parts = collectives.all_gather(mesh_group, x, op=op)
+        parts = collectives.all_gather(mesh_group, x, tag=tag)
         return paddle.concat([paddle.slice(p, [axis], [0], [n]) for p, n in zip(parts, sizes)], axis=axis)
 
     @staticmethod
@@ -71,11 +71,11 @@ class GatherReplicated(PyLayer):
         return paddle.slice(grad, [axis], [start], [start + size])
 
 
-def gather_replicated(x, mesh_group, axis, sizes=None, op="all_gather"):
+def gather_replicated(x, mesh_group, axis, sizes=None, tag="all_gather"):
     if mesh_group.size == 1:
         return x
     sizes = list(sizes) if sizes is not None else [x.shape[axis]] * mesh_group.size
-    return GatherReplicated.apply(x, mesh_group, axis, sizes, op)
+    return GatherReplicated.apply(x, mesh_group, axis, sizes, tag)
 
 
 # Tensor-parallel pairs (Megatron's f/g): a replicated input entering column-split
@@ -92,7 +92,7 @@ class CopyToGroup(PyLayer):
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.all_reduce(ctx.mesh_group, grad.clone(), op="tp_all_reduce")
+        return collectives.all_reduce(ctx.mesh_group, grad.clone(), tag="tp_all_reduce")
 
 
 def copy_to_group(x, mesh_group):
@@ -106,7 +106,7 @@ class ReduceFromGroup(PyLayer):
 
     @staticmethod
     def forward(ctx, x, mesh_group):
-        return collectives.all_reduce(mesh_group, x.clone(), op="tp_all_reduce")
+        return collectives.all_reduce(mesh_group, x.clone(), tag="tp_all_reduce")
 
     @staticmethod
     def backward(ctx, grad):
@@ -133,7 +133,7 @@ class SplitToGroup(PyLayer):
     @staticmethod
     def backward(ctx, grad):
         mesh_group, axis = ctx.args
-        return paddle.concat(collectives.all_gather(mesh_group, grad, op="all_gather"), axis=axis)
+        return paddle.concat(collectives.all_gather(mesh_group, grad, tag="all_gather"), axis=axis)
 
 
 def split_to_group(x, mesh_group, axis):

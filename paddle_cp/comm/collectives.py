@@ -18,37 +18,37 @@ def _sorted_positions(mesh_group):
     return [by_id.index(r) for r in mesh_group.ranks]
 
 
-def all_gather(mesh_group, tensor, op="all_gather"):
+def all_gather(mesh_group, tensor, tag="all_gather"):
     """List of every position's tensor, in mesh order."""
     if mesh_group.size == 1:
         return [tensor]
     tensor = tensor.contiguous()
-    counters.record(op, counters.nbytes(tensor) * (mesh_group.size - 1))
+    counters.record(tag, counters.nbytes(tensor) * (mesh_group.size - 1))
     gathered = []
     dist.all_gather(gathered, tensor, group=mesh_group.group)
     return [gathered[i] for i in _sorted_positions(mesh_group)]
 
 
-def all_reduce(mesh_group, tensor, op="all_reduce"):
+def all_reduce(mesh_group, tensor, tag="all_reduce"):
     """Sum `tensor` over the group in place (ring cost: 2(N-1)/N of its bytes)."""
     if mesh_group.size == 1:
         return tensor
     n = mesh_group.size
-    counters.record(op, counters.nbytes(tensor) * 2 * (n - 1) // n)
+    counters.record(tag, counters.nbytes(tensor) * 2 * (n - 1) // n)
     dist.all_reduce(tensor, group=mesh_group.group)
     return tensor
 
 
-def broadcast(mesh_group, tensor, src_index=0, op="broadcast"):
+def broadcast(mesh_group, tensor, src_index=0, tag="broadcast"):
     if mesh_group.size == 1:
         return tensor
     if mesh_group.index == src_index:
-        counters.record(op, counters.nbytes(tensor))
+        counters.record(tag, counters.nbytes(tensor))
     dist.broadcast(tensor, src=mesh_group.rank_at(src_index), group=mesh_group.group)
     return tensor
 
 
-def all_to_all(mesh_group, chunks, op="all_to_all", recv_shapes=None):
+def all_to_all(mesh_group, chunks, tag="all_to_all", recv_shapes=None):
     """Send chunks[j] to position j; return the chunk each position sent here, in mesh order.
 
     `recv_shapes[j]` is the shape of the chunk position j sends here (default:
@@ -62,8 +62,8 @@ def all_to_all(mesh_group, chunks, op="all_to_all", recv_shapes=None):
     chunks = [c.contiguous() for c in chunks]
     me = mesh_group.index
     if not p2p.uses_native_p2p(chunks[0]):
-        return _all_to_all_rounds(mesh_group, chunks, op, recv_shapes)
-    counters.record(op, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
+        return _all_to_all_rounds(mesh_group, chunks, tag, recv_shapes)
+    counters.record(tag, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
     order = _sorted_positions(mesh_group)
     received = [paddle.empty(recv_shapes[j] if recv_shapes else chunks[j].shape, chunks[j].dtype) for j in range(n)]
     dist.alltoall(_in_group_order(order, received), _in_group_order(order, chunks), group=mesh_group.group)
@@ -78,7 +78,7 @@ def _in_group_order(order, per_position):
     return by_group_rank
 
 
-def _all_to_all_rounds(mesh_group, chunks, op, recv_shapes):
+def _all_to_all_rounds(mesh_group, chunks, tag, recv_shapes):
     n, me = mesh_group.size, mesh_group.index
     received = [None] * n
     received[me] = chunks[me]
@@ -86,22 +86,22 @@ def _all_to_all_rounds(mesh_group, chunks, op, recv_shapes):
         # Round `offset`: send to me+offset, receive from me-offset.
         src = (me - offset) % n
         shape = recv_shapes[src] if recv_shapes else None
-        received[src] = p2p.shift(mesh_group, chunks[(me + offset) % n], offset, op, shape).wait()
+        received[src] = p2p.shift(mesh_group, chunks[(me + offset) % n], offset, tag, shape).wait()
     return received
 
 
-def reduce_scatter(mesh_group, chunks, op="reduce_scatter"):
+def reduce_scatter(mesh_group, chunks, tag="reduce_scatter"):
     """Sum over ranks of chunks[me]: each position gets its own reduced chunk."""
     n, me = mesh_group.size, mesh_group.index
     if n == 1:
         return chunks[0]
     chunks = [c.contiguous() for c in chunks]
     if p2p.uses_native_p2p(chunks[0]):
-        counters.record(op, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
+        counters.record(tag, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
         out = paddle.empty_like(chunks[me])
         dist.reduce_scatter(out, _in_group_order(_sorted_positions(mesh_group), chunks), group=mesh_group.group)
         return out
     total = chunks[me].clone()
     for offset in range(1, n):
-        total = total + p2p.shift(mesh_group, chunks[(me + offset) % n], offset, op).wait()
+        total = total + p2p.shift(mesh_group, chunks[(me + offset) % n], offset, tag).wait()
     return total

@@ -1,20 +1,18 @@
-"""Bytes each rank sends, by operation: what benchmarks compare with the analytic minimum."""
-from collections import defaultdict
-
-_sent = defaultdict(int)
+"""Bytes each rank sends, by tag: what benchmarks compare with the analytic minimum."""
+from ..runtime import state
 
 
-def record(op, nbytes):
-    _sent[op] += int(nbytes)
+def record(tag, nbytes):
+    state.bytes_sent[tag] += int(nbytes)
 
 
-def bytes_sent(op=None):
-    """Bytes this rank sent since the last reset: for one op, or a dict of all."""
-    return _sent[op] if op is not None else dict(_sent)
+def bytes_sent(tag=None):
+    """Bytes this rank sent since the last reset: for one tag, or a dict of all."""
+    return state.bytes_sent[tag] if tag is not None else dict(state.bytes_sent)
 
 
 def reset():
-    _sent.clear()
+    state.bytes_sent.clear()
 
 
 def nbytes(tensor):

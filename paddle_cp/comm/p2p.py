@@ -44,7 +44,7 @@ class Pending:
         return self._buffer
 
 
-def shift(mesh_group, tensor, offset=1, op="p2p", recv_shape=None):
+def shift(mesh_group, tensor, offset=1, tag="p2p", recv_shape=None):
     """Send `tensor` to position index+offset and receive from index-offset.
 
     The received tensor has `tensor`'s dtype and `recv_shape` (default: its
@@ -58,7 +58,7 @@ def shift(mesh_group, tensor, offset=1, op="p2p", recv_shape=None):
     dst = mesh_group.rank_at(mesh_group.index + offset)
     src = mesh_group.rank_at(mesh_group.index - offset)
     buffer = paddle.empty(recv_shape if recv_shape is not None else tensor.shape, tensor.dtype)
-    counters.record(op, counters.nbytes(tensor))
+    counters.record(tag, counters.nbytes(tensor))
     if uses_native_p2p(tensor):
         group = mesh_group.group
         ops = [dist.P2POp(dist.isend, tensor, dst, group), dist.P2POp(dist.irecv, buffer, src, group)]

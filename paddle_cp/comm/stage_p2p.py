@@ -58,9 +58,9 @@ def fill(skel, make):
     return skel
 
 
-def _send(pair, tensor, op):
+def _send(pair, tensor, tag):
     tensor = tensor.contiguous()
-    counters.record(op, counters.nbytes(tensor))
+    counters.record(tag, counters.nbytes(tensor))
     dist.send(tensor, dst=pair.peer, group=pair.group)
 
 
@@ -70,10 +70,10 @@ def _recv(pair, shape, dtype):
     return buffer
 
 
-def send_skeleton(pair, skel, op="pp_meta"):
+def send_skeleton(pair, skel, tag="pp_meta"):
     payload = np.frombuffer(pickle.dumps(skel), dtype=np.uint8)
-    _send(pair, paddle.to_tensor([payload.size], dtype="int64"), op)
-    _send(pair, paddle.to_tensor(payload), op)
+    _send(pair, paddle.to_tensor([payload.size], dtype="int64"), tag)
+    _send(pair, paddle.to_tensor(payload), tag)
 
 
 def recv_skeleton(pair):
@@ -81,12 +81,12 @@ def recv_skeleton(pair):
     return pickle.loads(_recv(pair, [size], "uint8").numpy().tobytes())  # noqa: S301 - from our own peer
 
 
-def send_value(pair, value, op="pp_activation"):
+def send_value(pair, value, tag="pp_activation"):
     """Send a layer output: its skeleton, then its tensors."""
     skel, tensors = skeleton(value)
     send_skeleton(pair, skel)
     for t in tensors:
-        _send(pair, t.detach(), op)
+        _send(pair, t.detach(), tag)
 
 
 def recv_value(pair):
@@ -94,9 +94,9 @@ def recv_value(pair):
     return fill(recv_skeleton(pair), lambda spec: _recv(pair, spec.shape, spec.dtype))
 
 
-def send_tensors(pair, tensors, op="pp_gradient"):
+def send_tensors(pair, tensors, tag="pp_gradient"):
     for t in tensors:
-        _send(pair, t.detach(), op)
+        _send(pair, t.detach(), tag)
 
 
 def recv_tensors(pair, specs):

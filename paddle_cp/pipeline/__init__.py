@@ -16,9 +16,9 @@ def plan_pipeline(model, mesh, pp_config):
     return settings, build_stage_plan(model, settings.split_spec, settings.global_spec, stages, settings.vpp_degree)
 
 
-def apply_pipeline(model, optimizer, mesh, settings, plan, carried=()):
+def apply_pipeline(model, optimizer, mesh, settings, plan):
     """Keep this rank's stage: free the rest, trim the optimizer, run the model's forward as a pipeline.
-    `carried`: (get, set) pairs of forward-time state a stage takes from the one before. Returns the SharedGradients the optimizer reduces before its step. Collective (groups are made)."""
+    Returns the SharedGradients the optimizer reduces before its step. Collective (groups are made)."""
     pp_group = mesh_lib.mesh_group(mesh, ["pp"])
     stage, p = pp_group.index, plan.stages
     neighbours = sorted({tuple(sorted((s, (s + 1) % p))) for s in range(p - (plan.chunks == 1))})
@@ -33,7 +33,7 @@ def apply_pipeline(model, optimizer, mesh, settings, plan, carried=()):
     release_foreign(held, stage, pp_group)
     if optimizer is not None:
         keep_own_parameters(optimizer, held, stage)
-    Pipeline(model, plan, settings, stage, peers, pp_group, carried)
+    Pipeline(model, plan, settings, stage, peers, pp_group)
     return shared
 
 

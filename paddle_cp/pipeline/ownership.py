@@ -13,6 +13,7 @@ import paddle
 
 from .. import mesh as mesh_lib
 from ..comm import collectives
+from ..params import record_of
 
 
 def holders(model, plan):
@@ -30,9 +31,8 @@ def holders(model, plan):
 def release_foreign(held, stage, pp_group):
     """Free the parameters this stage does not hold; tag every parameter with where it lives."""
     for param, stages in held.values():
-        param.pcp_stages = stages
-        param.pcp_stage_source = (pp_group, stages[0])
-        param.pcp_stage_counts = stage == stages[0]
+        record = record_of(param)
+        record.stage, record.pp_stages, record.pp_group = stages[0], stages, pp_group
         if stage not in stages:
             param._clear_data()
 
@@ -62,7 +62,7 @@ class SharedGradients:
         for group, params in self._work:
             grads = [p.grad if p.grad is not None else paddle.zeros(p.shape, p.dtype) for p in params]
             flat = paddle.concat([g.reshape([-1]) for g in grads])
-            collectives.all_reduce(group, flat, op="pp_shared_grad_all_reduce")
+            collectives.all_reduce(group, flat, tag="pp_shared_grad_all_reduce")
             for p, part in zip(params, paddle.split(flat, [int(g.numel()) for g in grads])):
                 if p.grad is None:
                     p.grad = part.reshape(p.shape)
@@ -70,11 +70,10 @@ class SharedGradients:
                     paddle.assign(part.reshape(p.shape), p.grad)
 
 
-def stage_value(tensor, local):
+def stage_value(tensor, record, local):
     """A parameter's local value on every rank: broadcast from its first holder over `pp`."""
-    source = getattr(tensor, "pcp_stage_source", None)
-    if source is None:
+    group = record.pp_group
+    if group is None:
         return local
-    group, src = source
-    buffer = local if group.index == src else paddle.empty(tensor.shape, tensor.dtype)
-    return collectives.broadcast(group, buffer, src, op="state_dict")
+    buffer = local if group.index == record.stage else paddle.empty(local.shape, local.dtype)
+    return collectives.broadcast(group, buffer, record.stage, tag="state_dict")

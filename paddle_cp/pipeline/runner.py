@@ -27,6 +27,7 @@ from __future__ import annotations
 import paddle
 from paddle.autograd import PyLayer
 
+from .. import runtime
 from ..comm import collectives, stage_p2p
 from .microbatch import split_micro_batches
 from .schedule import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, action_lists
@@ -110,15 +111,14 @@ def _replace_floats(value, replacements):
 class Pipeline:
     """Runs this rank's stage of `model`; installed by `apply_pipeline`."""
 
-    def __init__(self, model, plan, settings, stage, peers, pp_group, carried=()):
+    def __init__(self, model, plan, settings, stage, peers, pp_group):
         self.plan, self.settings, self.stage = plan, settings, stage
-        self._carried = list(carried)  # (get, set) of state the skipped layers' hooks would have left
         self._peers, self._pp_group = peers, pp_group  # pp position -> stage_p2p Peer
         self._forward = model.forward
         self._unit_stage = {id(layer): v for _, layer, v in plan.units}
         self._exits = {id(plan.exit_unit(v)) for v in range(plan.virtual_stages - 1)}
         self._current = self._received = None
-        self._initial = []
+        self._initial = False
         self._lists = {}
         for _, layer, _ in plan.units:
             layer._pcp_pipeline = self
@@ -152,29 +152,27 @@ class Pipeline:
         received, state = self._received
         previous_exit = self.plan.exit_unit(self._current - 1)
         if layer is previous_exit:
-            for (_, set_state), value in zip(self._carried, state):
-                set_state(value)
+            runtime.state.sequence_split = state  # as the skipped layers' hooks would have left it
         if layer is previous_exit or type(layer) is type(previous_exit):
             return received
         return stage_p2p.skeleton(received)[1][0]
 
     def _run_chunk(self, virtual, args, kwargs, received):
-        """One forward of virtual stage `virtual`; `received` is (output, carried state) of the stage before.
-        Returns the model's output (last stage) or (exit unit's output, carried state)."""
+        """One forward of virtual stage `virtual`. `received`: (output, whether the sequence is split over
+        mp there) from the stage before. Returns the model's output (last stage) or that pair for the next."""
         self._current, self._received = virtual, received
-        for (_, set_state), value in zip(self._carried, self._initial):
-            set_state(value)  # as the root's hooks left it, not as the previous chunk did
+        runtime.state.sequence_split = self._initial  # as the root's hooks left it, not the previous chunk
         try:
             return self._forward(*args, **kwargs)
         except _StageExit as done:
-            return done.output, [get() for get, _ in self._carried]
+            return done.output, runtime.state.sequence_split
         finally:
             self._current = self._received = None
 
     # ---- a step ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
         settings = self.settings
-        self._initial = [get() for get, _ in self._carried]
+        self._initial = runtime.state.sequence_split
         labels = kwargs.pop("labels", None) if settings.loss_fn is not None else kwargs.get("labels")
         if labels is None:
             if settings.accumulate_steps > 1 or self.plan.chunks > 1:
@@ -243,7 +241,7 @@ class Pipeline:
     def _mean_loss(self, losses, m):
         """The mean micro-batch loss on every stage; `backward()` on it does nothing (already done)."""
         value = paddle.to_tensor([sum(float(v) for v in losses.values()) / m if losses else 0.0], "float32")
-        collectives.broadcast(self._pp_group, value, self.plan.stages - 1, op="pp_loss_broadcast")
+        collectives.broadcast(self._pp_group, value, self.plan.stages - 1, tag="pp_loss_broadcast")
         anchor = paddle.zeros([], "float32")
         anchor.stop_gradient = not paddle.is_grad_enabled()
         return value.reshape([]) + anchor * 0

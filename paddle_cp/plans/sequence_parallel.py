@@ -12,10 +12,10 @@ import paddle
 
 from .. import mesh as mesh_lib
 from ..comm.autograd import gather_replicated, split_to_group
+from ..params import record_of
+from ..runtime import state
 from .base import Plan, refuse_param_plan
 from .tensor_parallel import first_tensor, map_first_input, replace_first
-
-_region = {"split": False}  # is the sequence split over mp at this point of the forward?
 
 
 def _to_split(x, group, need_transpose):
@@ -61,11 +61,11 @@ class _SequencePlan(Plan):
         return self._register(layer)
 
     def _split_output(self, layer, inputs, output):
-        _region["split"] = True
+        state.sequence_split = True
         return replace_first(output, _to_split(first_tensor(output), self._group, self.need_transpose))
 
     def _whole_input(self, layer, args, kwargs):
-        _region["split"] = False
+        state.sequence_split = False
         return map_first_input(args, kwargs, lambda x: _to_whole(x, self._group, self.need_transpose))
 
 
@@ -106,18 +106,12 @@ class SequenceParallelEnable(_SequencePlan):
         return layer.register_forward_post_hook(self._whole_output)
 
     def _split_input(self, layer, args, kwargs):
-        _region["split"] = True
+        state.sequence_split = True
         return map_first_input(args, kwargs, lambda x: _to_split(x, self._group, True))
 
     def _whole_output(self, layer, inputs, output):
-        _region["split"] = False
+        state.sequence_split = False
         return replace_first(output, _to_whole(first_tensor(output), self._group, True))
-
-
-def region_state():
-    """(get, set) of whether the sequence is split at this point of the forward: a pipeline stage
-    that skips the earlier stages' layers (and their hooks) takes it from the stage before."""
-    return (lambda: _region["split"], lambda split: _region.__setitem__("split", split))
 
 
 def is_sequence_plan(plan):
@@ -125,15 +119,15 @@ def is_sequence_plan(plan):
 
 
 def watch_partial_gradients(model):
-    """Mark every parameter a layer uses while the sequence is split (`pcp_sequence_partial`)."""
+    """Mark every parameter a layer uses while the sequence is split (its record's `sequence_partial`)."""
     def mark(layer, inputs):
-        if _region["split"]:
+        if state.sequence_split:
             for value in layer._parameters.values():
-                if value is not None:  # at sharding level 3 the layer holds a fetched copy of its parameter
-                    getattr(value, "pcp_param", value).pcp_sequence_partial = True
+                if value is not None:  # at sharding level 3 a fetched copy, which shares the parameter's record
+                    record_of(value).sequence_partial = True
 
     def reset(layer, inputs):
-        _region["split"] = False
+        state.sequence_split = False
 
     model.register_forward_pre_hook(reset)
     for layer in model.sublayers(include_self=True):

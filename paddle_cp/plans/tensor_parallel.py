@@ -12,78 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import paddle
 
 from .. import mesh as mesh_lib
 from ..comm.autograd import copy_to_group, gather_replicated, reduce_from_group, split_to_group
+from ..params import shard_parameter
 from .base import Plan
 
 HEAD_COUNT_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads")
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    """A parameter split along `axis` over `group`. A fused weight has several
-    `parts` along that axis (q|k|v, gate|up): each part is cut into group.size
-    equal pieces and rank i keeps piece i of every part, so its local weight is
-    itself a smaller q|k|v."""
-
-    axis: int
-    group: mesh_lib.MeshGroup
-    parts: tuple
-
-    def local(self, full):
-        pieces = np.split(full, np.cumsum(self.parts)[:-1], axis=self.axis)
-        return np.concatenate([np.split(p, self.group.size, axis=self.axis)[self.group.index] for p in pieces],
-                              axis=self.axis)
-
-    def assemble(self, shards):
-        """The full array from every rank's local array (mesh order)."""
-        per_rank = [np.split(s, np.cumsum([p // self.group.size for p in self.parts])[:-1], axis=self.axis)
-                    for s in shards]
-        return np.concatenate([np.concatenate([r[k] for r in per_rank], axis=self.axis)
-                               for k in range(len(self.parts))], axis=self.axis)
-
-    def column_order(self):
-        """Index that puts an all-gathered (rank-major) fused output back in part order."""
-        n, sizes = self.group.size, [p // self.group.size for p in self.parts]
-        rank_major = np.arange(sum(self.parts)).reshape(n, -1)
-        offsets = np.cumsum([0] + sizes)
-        return np.concatenate([rank_major[:, offsets[k]:offsets[k + 1]].reshape(-1) for k in range(len(sizes))])
-
-
-def set_local_value(param, array):
-    """Give `param` a new value of any shape, in place: optimizers and tied layers hold this object."""
-    place = param.place
-    place = paddle.CUDAPlace(place.gpu_device_id()) if place.is_gpu_place() else paddle.CPUPlace()
-    param.get_tensor().set(np.ascontiguousarray(array), place)
-
-
-def shard_of(param):
-    return getattr(param, "pcp_shard", None)
-
-
-def shard_parameter(param, axis, group, parts=None):
-    """Keep this rank's slice of `param` in place (the optimizer holds the same object).
-
-    The first plan that shards a parameter wins (a tied weight keeps its first split).
-    """
-    existing = shard_of(param)
-    if existing is not None:
-        if existing.axis != axis:
-            raise ValueError(f"parameter {param.name} is shared by layers that split it on different axes "
-                             f"({existing.axis} and {axis}): untie it or plan both layers alike")
-        return existing
-    parts = tuple(parts or (param.shape[axis],))
-    for part in parts:
-        if part % group.size:
-            raise ValueError(f"cannot split dim {axis} of {param.name} (part of size {part}) over {group.size} "
-                             "mp ranks: choose an mp degree that divides it")
-    spec = ParamShard(axis, group, parts)
-    set_local_value(param, spec.local(param.numpy()))
-    param.pcp_shard = spec
-    return spec
 
 
 def map_first_input(args, kwargs, fn):
@@ -145,30 +81,30 @@ class ColWiseParallel(Plan):
         self.check(layer, mesh, param_names)
         group = _mp_group(self, mesh)
         info = getattr(layer, "pcp_column", None) or ColumnInfo()
-        weight_spec = shard_parameter(layer.weight, 1, group, info.parts)
+        weight = shard_parameter(layer.weight, 1, group, info.parts)
         bias = getattr(layer, "bias", None)
         if isinstance(layer, paddle.nn.Linear) and bias is not None:
             shard_parameter(bias, 0, group, info.parts)  # a split output needs the matching bias slice
         if isinstance(layer, paddle.nn.Embedding):
-            return layer.register_forward_post_hook(self._gathered(weight_spec))
+            return layer.register_forward_post_hook(self._gathered(weight))
         contracts = False if isinstance(layer, paddle.nn.Linear) else None  # None: decided by the first input
-        return self._register(layer, group, weight_spec, info, contracts)
+        return self._register(layer, group, weight, info, contracts)
 
-    def _gathered(self, spec):
+    def _gathered(self, record):
         def gather(layer, inputs, output):
-            output = gather_replicated(output, spec.group, output.ndim - 1)
-            if len(spec.parts) > 1:
-                output = paddle.index_select(output, paddle.to_tensor(spec.column_order()), axis=output.ndim - 1)
+            output = gather_replicated(output, record.mp_group, output.ndim - 1)
+            if len(record.parts) > 1:
+                output = paddle.index_select(output, paddle.to_tensor(record.column_order()), axis=output.ndim - 1)
             return output
         return gather
 
-    def _register(self, layer, group, spec, info, contracts):
+    def _register(self, layer, group, weight, info, contracts):
         mode = {} if contracts is None else {"contracts": contracts}
-        gather = self._gathered(spec)
+        gather = self._gathered(weight)
 
         def prepare(x):
             if not mode:
-                mode["contracts"] = _contracts_split_dim(layer, x.shape[-1], spec)
+                mode["contracts"] = _contracts_split_dim(layer, x.shape[-1], weight)
             return split_to_group(x, group, -1) if mode["contracts"] else copy_to_group(x, group)
 
         def before(layer, args, kwargs):
@@ -185,10 +121,10 @@ class ColWiseParallel(Plan):
         return layer.register_forward_post_hook(after)
 
 
-def _contracts_split_dim(layer, in_features, spec):
+def _contracts_split_dim(layer, in_features, record):
     """Whether a non-Linear layer multiplies its input by the weight's split dim 1
     (a weight stored [out, in], like an lm_head's [vocab, hidden])."""
-    rows, cols = layer.weight.shape[0], sum(spec.parts)
+    rows, cols = layer.weight.shape[0], sum(record.parts)
     if in_features == cols and in_features != rows:
         if getattr(layer, "bias", None) is not None:
             raise ValueError(f"ColWiseParallel on {type(layer).__name__}: its weight is stored [out, in] and it has "

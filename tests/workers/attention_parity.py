@@ -6,6 +6,8 @@ and q/k/v gradients. Cases cover every backend, sequence lengths that do not
 divide, head counts that do not divide, documents, dense masks (boolean and
 additive), both k/v rotations and a non-default scale.
 """
+from typing import NamedTuple, Optional
+
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -17,27 +19,40 @@ import paddle_cp as pcp
 HEAD_DIM = 8
 
 
+class Case(NamedTuple):
+    name: str
+    backend: str
+    causal: bool
+    batch: int
+    seq: int
+    q_heads: int
+    kv_heads: int
+    degree: Optional[int] = None  # ulysses_degree (hybrid)
+    mask: Optional[str] = None    # None, "docs", "bool", "head_bool" or "additive"
+    rotate: str = "ring"
+    scale: Optional[float] = None
+
+
 def cases(world):
-    """(name, backend, ulysses_degree, causal, batch, seq, q_heads, kv_heads, mask, rotate, scale)."""
     n = world
     table = [
-        ("p2p.causal.even", "p2p", None, True, 2, 6 * n, 4, 2, None, "ring", None),
-        ("p2p.causal.uneven.allgather", "p2p", None, True, 1, 6 * n + 1, 4, 2, None, "allgather", None),
-        ("p2p.full.uneven.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, None, "ring", 0.3),
-        ("p2p.causal.docs", "p2p", None, True, 2, 5 * n + 2, 4, 1, "docs", "ring", None),
-        ("p2p.docs.allgather", "p2p", None, True, 1, 5 * n + 3, 2, 2, "docs", "allgather", None),
-        ("p2p.bool_mask", "p2p", None, False, 2, 4 * n + 1, 4, 2, "bool", "ring", None),
-        ("p2p.additive_mask", "p2p", None, False, 1, 4 * n + 2, 2, 1, "additive", "ring", None),
-        ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, None, "ring", None),
-        ("all2all.full.even", "all2all", None, False, 1, 4 * n, 2 * n, n, None, "ring", None),
-        ("all2all.docs.uneven_heads", "all2all", None, True, 2, 4 * n + 3, n + 1, n + 1, "docs", "ring", None),
-        ("all2all.head_mask", "all2all", None, False, 1, 3 * n + 2, n + 1, 1, "head_bool", "ring", None),
+        Case("p2p.causal.even", "p2p", True, 2, 6 * n, 4, 2),
+        Case("p2p.causal.uneven.allgather", "p2p", True, 1, 6 * n + 1, 4, 2, rotate="allgather"),
+        Case("p2p.full.uneven.scale", "p2p", False, 1, 4 * n + 3, 4, 4, scale=0.3),
+        Case("p2p.causal.docs", "p2p", True, 2, 5 * n + 2, 4, 1, mask="docs"),
+        Case("p2p.docs.allgather", "p2p", True, 1, 5 * n + 3, 2, 2, mask="docs", rotate="allgather"),
+        Case("p2p.bool_mask", "p2p", False, 2, 4 * n + 1, 4, 2, mask="bool"),
+        Case("p2p.additive_mask", "p2p", False, 1, 4 * n + 2, 2, 1, mask="additive"),
+        Case("all2all.causal.uneven_heads", "all2all", True, 2, 3 * n + 1, n + 1, 1),
+        Case("all2all.full.even", "all2all", False, 1, 4 * n, 2 * n, n),
+        Case("all2all.docs.uneven_heads", "all2all", True, 2, 4 * n + 3, n + 1, n + 1, mask="docs"),
+        Case("all2all.head_mask", "all2all", False, 1, 3 * n + 2, n + 1, 1, mask="head_bool"),
     ]
     if n == 4:
         table += [
-            ("hybrid.causal.uneven_heads", "hybrid", 2, True, 2, 29, 3, 1, None, "ring", None),
-            ("hybrid.docs.allgather", "hybrid", 2, True, 1, 30, 4, 2, "docs", "allgather", None),
-            ("hybrid.additive_mask", "hybrid", 2, False, 1, 27, 2, 2, "additive", "ring", None),
+            Case("hybrid.causal.uneven_heads", "hybrid", True, 2, 29, 3, 1, degree=2),
+            Case("hybrid.docs.allgather", "hybrid", True, 1, 30, 4, 2, degree=2, mask="docs", rotate="allgather"),
+            Case("hybrid.additive_mask", "hybrid", False, 1, 27, 2, 2, degree=2, mask="additive"),
         ]
     return table
 
@@ -61,15 +76,15 @@ def dense_mask(kind, batch, seq, heads, rng):
 
 
 def check_case(report, mesh, case):
-    name, backend, degree, causal, batch, seq, q_heads, kv_heads, mask_kind, rotate, scale = case
+    batch, seq, scale = case.batch, case.seq, case.scale
     paddle.seed(1234)
     rng = np.random.RandomState(5)
-    q = paddle.randn([batch, seq, q_heads, HEAD_DIM])
-    k = paddle.randn([batch, seq, kv_heads, HEAD_DIM])
-    v = paddle.randn([batch, seq, kv_heads, HEAD_DIM])
-    grad_out = paddle.randn([batch, seq, q_heads, HEAD_DIM])
-    doc_ids = documents(batch, seq, rng) if mask_kind == "docs" else None
-    mask = dense_mask(mask_kind, batch, seq, q_heads, rng) if mask_kind not in (None, "docs") else None
+    q = paddle.randn([batch, seq, case.q_heads, HEAD_DIM])
+    k = paddle.randn([batch, seq, case.kv_heads, HEAD_DIM])
+    v = paddle.randn([batch, seq, case.kv_heads, HEAD_DIM])
+    grad_out = paddle.randn([batch, seq, case.q_heads, HEAD_DIM])
+    doc_ids = documents(batch, seq, rng) if case.mask == "docs" else None
+    mask = dense_mask(case.mask, batch, seq, case.q_heads, rng) if case.mask not in (None, "docs") else None
 
     full = [t.detach() for t in (q, k, v)]
     for t in full:
@@ -79,23 +94,23 @@ def check_case(report, mesh, case):
         ref_mask = paddle.to_tensor((same & np.tri(seq, dtype=bool))[:, None])
         ref = F.scaled_dot_product_attention(*full, attn_mask=ref_mask, scale=scale)
     else:
-        ref = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=causal, scale=scale)
+        ref = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=case.causal, scale=scale)
     ref_grads = paddle.grad([ref], full, [grad_out])
 
-    layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
+    layout = dict(backend=case.backend, mesh=mesh, ulysses_degree=case.degree)
     local = [pcp.shard_sequence(t, **layout).detach() for t in (q, k, v)]
     for t in local:
         t.stop_gradient = False
     local_mask = None if mask is None else pcp.shard_sequence(mask, seq_dim=2, **layout)
-    attention = {"p2p": pcp.ring_attention, "all2all": pcp.ulysses_attention, "hybrid": pcp.hybrid_attention}[backend]
-    extra = {"ulysses_degree": degree} if degree else {}
-    out = attention(*local, attn_mask=local_mask, is_causal=causal, scale=scale, mesh=mesh, seq_len=seq,
-                    doc_ids=doc_ids, rotate=rotate, **extra)
+    attention = {"p2p": pcp.ring_attention, "all2all": pcp.ulysses_attention, "hybrid": pcp.hybrid_attention}[case.backend]
+    extra = {"ulysses_degree": case.degree} if case.degree else {}
+    out = attention(*local, attn_mask=local_mask, is_causal=case.causal, scale=scale, mesh=mesh, seq_len=seq,
+                    doc_ids=doc_ids, rotate=case.rotate, **extra)
     full_out = pcp.unshard_sequence(out, seq_len=seq, **layout)
     grads = paddle.grad([full_out], local, [grad_out])
-    report.diff(name + ".out", full_out, ref)
+    report.diff(case.name + ".out", full_out, ref)
     for label, got, want in zip("qkv", grads, ref_grads):
-        report.diff(f"{name}.d{label}", got, pcp.shard_sequence(want, **layout))
+        report.diff(f"{case.name}.d{label}", got, pcp.shard_sequence(want, **layout))
 
 
 def check_skipped_work(report, mesh, world):

@@ -10,6 +10,7 @@ PaddleFormers' Llama puts it on `model`, as Paddle's docs do, and its labels
 are split by hand with pcp.shard_sequence.
 """
 import sys
+from typing import NamedTuple, Optional
 
 import numpy as np
 import paddle
@@ -22,18 +23,24 @@ import paddle_cp as pcp
 STEPS = 3
 
 
+class Run(NamedTuple):
+    backend: str
+    degree: Optional[int] = None  # ulysses_degree (hybrid)
+    uneven: bool = False          # a length that does not divide over the ranks
+    packed: Optional[str] = None  # None, "position_ids", "dense" or "startend" (attn_mask_startend_row_indices)
+    rotate: str = "ring"
+
+
 def runs(world):
-    """(backend, ulysses_degree, uneven, packed, rotate); packed: None, 'position_ids', 'dense' or
-    'startend' (PaddleFormers' attn_mask_startend_row_indices)."""
     table = [
-        ("p2p", None, False, None, "ring"),
-        ("all2all", None, False, None, "ring"),
-        ("p2p", None, True, "position_ids", "allgather"),
-        ("all2all", None, True, "dense", "ring"),
-        ("p2p", None, True, "startend", "ring"),
+        Run("p2p"),
+        Run("all2all"),
+        Run("p2p", uneven=True, packed="position_ids", rotate="allgather"),
+        Run("all2all", uneven=True, packed="dense"),
+        Run("p2p", uneven=True, packed="startend"),
     ]
     if world == 4:
-        table.append(("hybrid", 2, True, "position_ids", "ring"))
+        table.append(Run("hybrid", 2, uneven=True, packed="position_ids"))
     return table
 
 
@@ -80,12 +87,13 @@ def reference(source, seq, packed):
     return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
 
 
-def parallel(source, seq, mesh, backend, degree, packed, rotate):
+def parallel(source, seq, mesh, spec):
+    backend, degree, packed = spec.backend, spec.degree, spec.packed
     paddle.seed(2024)
     model = build_llama(source)
     opt = adamw(model)
     prepare = pcp.PrepareContextParallel(backend, degree, documents="position_ids" if packed == "position_ids" else None)
-    attention = pcp.ContextParallel(backend, degree, rotate=rotate)
+    attention = pcp.ContextParallel(backend, degree, rotate=spec.rotate)
     top = "" if source == "tiny" else "model"
     plan = {top: prepare, "model.layers.*.self_attn": attention}
     model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
@@ -118,17 +126,18 @@ def main(report):
     names = []
     for source in sys.argv[1:]:
         references = {}
-        for backend, degree, uneven, packed, rotate in runs(world):
-            if packed == "startend" and source == "tiny":
+        for spec in runs(world):
+            if spec.packed == "startend" and source == "tiny":
                 continue  # a PaddleFormers input
-            seq = 8 * world + (3 if uneven else 0)
-            key = (seq, bool(packed))
+            seq = 8 * world + (3 if spec.uneven else 0)
+            key = (seq, bool(spec.packed))
             if key not in references:
-                references[key] = reference(source, seq, bool(packed))
+                references[key] = reference(source, seq, bool(spec.packed))
             ref_losses, ref_grads, ref_params = references[key]
-            name = f"{source}.{backend}{'.uneven' if uneven else ''}{'.' + packed if packed else ''}.{rotate}"
+            name = (f"{source}.{spec.backend}{'.uneven' if spec.uneven else ''}"
+                    f"{'.' + spec.packed if spec.packed else ''}.{spec.rotate}")
             names.append(name)
-            losses, grads, params = parallel(source, seq, mesh, backend, degree, packed, rotate)
+            losses, grads, params = parallel(source, seq, mesh, spec)
             report.value(f"{name}.losses", losses)
             report.diff(f"{name}.loss", np.array(losses), np.array(ref_losses))
             for param, value in ref_grads.items():

@@ -19,7 +19,7 @@ from report import run
 import paddle_cp as pcp
 from paddle_cp.comm import collectives
 from paddle_cp.parameter_fetch import full_nbytes
-from paddle_cp.plans.tensor_parallel import shard_of
+from paddle_cp.params import record_of
 
 BATCH, SEQ, STEPS, CLIP = 4, 16, 3, 0.5
 # Adam's step lr * m / (sqrt(v) + eps) turns fp32 rounding noise into steps of up to lr
@@ -137,9 +137,9 @@ def full_gradients(model):
     """{name: full gradient} from this rank's tensor-parallel slices (sharding level 0)."""
     grads = {}
     for name, p in model.named_parameters():
-        spec = shard_of(p)
-        grads[name] = p.grad.numpy() if spec is None else spec.assemble(
-            [g.numpy() for g in collectives.all_gather(spec.group, p.grad, op="test_gradients")])
+        record = record_of(p)
+        grads[name] = p.grad.numpy() if record.tp_axis is None else record.assemble(
+            [g.numpy() for g in collectives.all_gather(record.mp_group, p.grad, tag="test_gradients")])
     return grads
 
 

@@ -1,4 +1,6 @@
 """load_config: YAML and dicts to (ProcessMesh, parallelize config), and its errors."""
+from typing import NamedTuple
+
 import pytest
 import yaml
 
@@ -50,24 +52,39 @@ def _with_plan(spec):
     return {"mesh": {"shape": [2], "dim_names": ["sep"]}, "cp_config": {"parallelize_plan": {"model": spec}}}
 
 
-@pytest.mark.parametrize("source, error, words", [
-    (_with_plan("NoSuchPlan"), ValueError, ["unknown plan 'NoSuchPlan'", "ContextParallel"]),
-    (_with_plan({"ContextParallel": {"bakend": "p2p"}}), TypeError, ["bakend", "backend"]),
-    (_with_plan({"ContextParallel": "p2p"}), TypeError, ["mapping"]),
-    (_with_plan({"ContextParallel": {}, "PrepareContextParallel": {}}), TypeError, ["a name"]),
-    (_with_plan({"ContextParallel": {"backend": "ring"}}), ValueError, ["p2p"]),
-    (_with_plan("Plan"), ValueError, ["unknown plan"]),
-    ({"mesh": {"shape": [2, 2], "dim_names": ["dp", "sep"]}}, ValueError, ["4 ranks but 2"]),
-    ({"mesh": {"shape": [2], "dim_names": ["dp", "sep"]}}, ValueError, ["dim_names"]),
-    ({"mesh": {"shape": [0], "dim_names": ["sep"]}}, ValueError, ["positive"]),
-    ({"dp_config": {}}, ValueError, ["mesh"]),
-    ({"mesh": {"shape": [2], "dim_names": ["sep"]}, "tp_config": {}}, ValueError, ["tp_config"]),
-    (["mesh"], TypeError, ["path or a dict"]),
-])
-def test_errors(source, error, words):
-    with pytest.raises(error) as raised:
-        load_config(source, world_size=2)
-    for word in words:
+class ConfigError(NamedTuple):
+    name: str
+    source: object
+    error: type
+    words: list  # what the message must name
+
+
+CONFIG_ERRORS = [
+    ConfigError("unknown_plan", _with_plan("NoSuchPlan"), ValueError, ["unknown plan 'NoSuchPlan'", "ContextParallel"]),
+    ConfigError("misspelt_argument", _with_plan({"ContextParallel": {"bakend": "p2p"}}), TypeError,
+                ["bakend", "backend"]),
+    ConfigError("arguments_not_a_mapping", _with_plan({"ContextParallel": "p2p"}), TypeError, ["mapping"]),
+    ConfigError("two_plans_in_one_mapping", _with_plan({"ContextParallel": {}, "PrepareContextParallel": {}}),
+                TypeError, ["a name"]),
+    ConfigError("unknown_backend", _with_plan({"ContextParallel": {"backend": "ring"}}), ValueError, ["p2p"]),
+    ConfigError("base_class_as_plan", _with_plan("Plan"), ValueError, ["unknown plan"]),
+    ConfigError("mesh_larger_than_world", {"mesh": {"shape": [2, 2], "dim_names": ["dp", "sep"]}}, ValueError,
+                ["4 ranks but 2"]),
+    ConfigError("dim_names_mismatch", {"mesh": {"shape": [2], "dim_names": ["dp", "sep"]}}, ValueError,
+                ["dim_names"]),
+    ConfigError("empty_mesh_dim", {"mesh": {"shape": [0], "dim_names": ["sep"]}}, ValueError, ["positive"]),
+    ConfigError("no_mesh", {"dp_config": {}}, ValueError, ["mesh"]),
+    ConfigError("unknown_key", {"mesh": {"shape": [2], "dim_names": ["sep"]}, "tp_config": {}}, ValueError,
+                ["tp_config"]),
+    ConfigError("not_a_path_or_dict", ["mesh"], TypeError, ["path or a dict"]),
+]
+
+
+@pytest.mark.parametrize("case", CONFIG_ERRORS, ids=lambda case: case.name)
+def test_errors(case):
+    with pytest.raises(case.error) as raised:
+        load_config(case.source, world_size=2)
+    for word in case.words:
         assert word in str(raised.value)
 
 

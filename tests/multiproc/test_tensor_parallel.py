@@ -4,12 +4,7 @@ model for the remaining plan variants) vs one card.
 Two 4-rank launches (tests/workers/tensor_parallel.py), each training several
 meshes/configs; the single-card reference is computed in the same worker.
 """
-import numpy as np
-import paddle
-import paddle.distributed as dist
 import pytest
-
-import paddle_cp as pcp
 from launcher import launch
 
 TOLERANCE = 1e-5
@@ -86,62 +81,3 @@ def test_level3_frees_full_copies_between_forward_and_backward(sharding):
             gathered = report["values"][f"{run}.gathered"]
             assert gathered["held_now"] == 0, gathered
             assert 0 < gathered["peak"] < gathered["one_forward"] / 4, gathered
-
-
-def _mesh():
-    return dist.ProcessMesh([0, 1], dim_names=["mp"])
-
-
-def test_bad_arguments_raise_before_any_collective():
-    with pytest.raises(TypeError, match="gather_output"):
-        pcp.ColWiseParallel(gather_output="yes")
-    with pytest.raises(TypeError, match="is_input_parallel"):
-        pcp.RowWiseParallel(is_input_parallel=None)
-    with pytest.raises(TypeError, match="need_transpose"):
-        pcp.SequenceParallelBegin(need_transpose=1)
-    with pytest.raises(TypeError, match="callable"):
-        pcp.PrepareLayerInput(3)
-    model = paddle.nn.Sequential(paddle.nn.Linear(8, 8))
-    with pytest.raises(ValueError, match="sharding_level"):
-        pcp.parallelize(model, mesh=_mesh(), config={"dp_config": {"sharding_level": 4}})
-    with pytest.raises(ValueError, match="divisible"):
-        pcp.parallelize(paddle.nn.Sequential(paddle.nn.Linear(8, 7)), mesh=_mesh(),
-                        config={"mp_config": {"parallelize_plan": {"0": pcp.ColWiseParallel()}}})
-
-
-def test_fused_qkv_without_head_counts_is_refused():
-    class Attention(paddle.nn.Layer):
-        def __init__(self):
-            super().__init__()
-            self.qkv_proj = paddle.nn.Linear(8, 24)
-
-    model = paddle.nn.Sequential(Attention())
-    with pytest.raises(ValueError, match="q/k/v"):
-        pcp.parallelize(model, mesh=_mesh(),
-                        config={"mp_config": {"parallelize_plan": {"0.qkv_proj": pcp.ColWiseParallel()}}})
-
-
-def test_tied_weight_planned_on_one_side_is_refused():
-    class Tied(paddle.nn.Layer):
-        def __init__(self):
-            super().__init__()
-            self.embed = paddle.nn.Embedding(16, 8)
-            self.head = paddle.nn.Linear(16, 8)
-            self.head.weight = self.embed.weight
-
-    with pytest.raises(ValueError, match="shared with head"):
-        pcp.parallelize(Tied(), mesh=_mesh(),
-                        config={"mp_config": {"parallelize_plan": {"embed": pcp.ColWiseParallel()}}})
-
-
-def test_fused_layout_round_trips():
-    from paddle_cp.mesh import MeshGroup
-    from paddle_cp.plans.tensor_parallel import ParamShard
-
-    full = np.arange(2 * 12).reshape(2, 12)
-    shards = [ParamShard(1, MeshGroup((0, 1), i, None), (8, 2, 2)) for i in range(2)]
-    local = [s.local(full) for s in shards]
-    assert local[0].tolist()[0] == [0, 1, 2, 3, 8, 10]  # q heads 0-1, k half, v half
-    assert (shards[0].assemble(local) == full).all()
-    gathered_rank_major = np.concatenate(local, axis=1)
-    assert (gathered_rank_major[:, shards[0].column_order()] == full).all()

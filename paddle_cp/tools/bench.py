@@ -1,0 +1,378 @@
+"""Benchmark context-parallel attention against one process doing the whole sequence.
+
+    pcp-bench --nproc 2 --seq 2048 --backend p2p --causal --json out.json
+
+Launches N CPU ranks itself (`python -m paddle.distributed.launch`, one thread per
+rank), or runs as one of them when started inside a launch (PADDLE_TRAINER_ID set).
+For every sequence length and backend it runs forward+backward of attention on
+[b, s, h, d] fp32 tensors and reports, per case:
+
+- efficiency = T_single / (N x T_rank). T_single: Paddle's
+  F.scaled_dot_product_attention on the whole sequence, timed on rank 0 while the
+  other ranks wait at a barrier. T_rank: the slowest rank's median time of
+  paddle_cp.ring_attention / ulysses_attention on its shard (communication
+  included). `efficiency_same_kernel` uses paddle_cp's own blockwise kernel for
+  T_single instead, isolating the cost of splitting from the kernel's speed.
+- kernel_util = useful FLOP/s per rank / fp32 matmul FLOP/s. Useful FLOPs:
+  4bhs^2d forward (half when causal), backward 2.5x forward, divided by N. The
+  matmul rate is measured on every rank at the same time (so it sees the same
+  contention as the attention) with the kernel's own score product,
+  [b*h, 512, d] @ [b*h, d, 512].
+- balance = max / mean over ranks of the visible score-matrix entries each rank
+  computes: from the layout's token positions for p2p, the head split for all2all.
+- bytes_ratio = bytes sent per rank (paddle_cp.bytes_sent(), one forward+backward)
+  / the algorithm's minimum (paddle_cp.planner): ring 3(N-1) x bytes(local k, v),
+  so the implementation's (3N-2) gives (3N-2)/(3N-3); Ulysses 2 x (N-1)/N x
+  bytes(q, k, v, out), ratio 1. `bytes_predicted` is the planner's figure for
+  what the implementation sends.
+- mem_ratio = peak bytes allocated per rank during forward+backward (inputs,
+  activations, gradients, temporaries) / the same for one process running the same
+  blockwise kernel on the whole sequence. Measured with Paddle's host allocator
+  statistics, so it counts tensors only (not the Python heap or gloo buffers).
+  `held_ratio` is the same for the bytes held between forward and backward,
+  which the planner predicts (`held_predicted_ratio`).
+
+On a machine with fewer cores than ranks the ranks share cores: T_rank and the
+matmul rate are then both slowed, so kernel_util stays fair but efficiency
+cannot reach 1 (the JSON records `oversubscribed`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # holds the paddle_cp package: the ranks import it from here
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+TABLE = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
+MATMUL_BLOCK = 512  # BlockwiseKernel's default block: the matmul the kernel really does
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2, help="context-parallel ranks (CPU processes)")
+    parser.add_argument("--seq", type=int, nargs="+", default=[2048], help="sequence lengths")
+    parser.add_argument("--backend", nargs="+", choices=["p2p", "all2all"], default=["p2p", "all2all"])
+    parser.add_argument("--causal", action="store_true", help="causal attention (default: full)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=None, help="k/v heads (GQA); default: --heads")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=3, help="timed repetitions (median)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)  # launcher <-> rank 0
+    args = parser.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    _check(parser, args)
+    return args
+
+
+def _check(parser, args):
+    """Refuse bad shapes here, before any rank starts waiting for another."""
+    n = args.nproc
+    for seq in args.seq:
+        if seq % (2 * n):
+            parser.error(f"--seq {seq} must be a multiple of 2 x --nproc = {2 * n}")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if "all2all" in args.backend and (args.heads % n or (args.kv_heads % n and n % args.kv_heads)):
+        parser.error(f"all2all splits heads over ranks: --heads {args.heads} and --kv-heads {args.kv_heads} "
+                     f"must divide over --nproc {n}")
+
+
+def progress(message):
+    print(f"[bench_cp] {message}", file=sys.stderr, flush=True)
+
+
+# ---- the launcher side ------------------------------------------------------------
+
+def launch(args, argv):
+    """Run this script on args.nproc ranks; return rank 0's results."""
+    with tempfile.TemporaryDirectory(prefix="bench_cp_") as tmp:
+        result, log_dir = Path(tmp) / "result.json", Path(tmp) / "log"
+        env = dict(os.environ, **{name: "1" for name in THREAD_VARS})
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(args.nproc),
+               "--log_dir", str(log_dir), str(Path(__file__).resolve()), *argv, "--result-file", str(result)]
+        progress(f"launching {args.nproc} CPU ranks")
+        with open(Path(tmp) / "launch.out", "w+") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+            _follow(proc, log_dir / "workerlog.0")
+            out.seek(0)
+            launcher_output = out.read()
+        if proc.returncode != 0 or not result.exists():
+            logs = "".join(f"\n----- {log.name}\n{log.read_text()[-3000:]}" for log in sorted(log_dir.glob("workerlog.*")))
+            sys.exit(f"bench_cp: launch failed (exit {proc.returncode}){logs}\n{launcher_output[-2000:]}")
+        return json.loads(result.read_text())
+
+
+def _follow(proc, log):
+    """Echo rank 0's progress lines until the launch ends."""
+    seen = 0
+    while True:
+        running = proc.poll() is None
+        text = log.read_text(errors="replace") if log.exists() else ""
+        complete = text[:text.rfind("\n") + 1]
+        for line in complete[seen:].splitlines():
+            if line.startswith("[bench_cp]"):
+                print(line, file=sys.stderr, flush=True)
+        seen = len(complete)
+        if not running:
+            return
+        time.sleep(0.5)
+
+
+# ---- the rank side ----------------------------------------------------------------
+
+def run_ranks(args):
+    import paddle
+    import paddle.distributed as dist
+
+    import paddle_cp as pcp
+
+    paddle.set_device("cpu")
+    dist.init_parallel_env()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != args.nproc:
+        raise ValueError(f"launched on {world} ranks but --nproc is {args.nproc}")
+    mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
+    pcp.shard_sequence(paddle.zeros([1, 2 * world]), mesh=mesh)  # create the sep groups before timing
+
+    progress("timing the fp32 matmul on every rank")
+    rates = _gather(dist, [_matmul_rate(paddle, args)])
+    single_rate = _on_rank0(dist, lambda: _matmul_rate(paddle, args))
+    cases = []
+    for seq in args.seq:
+        inputs = _inputs(paddle, args, seq)
+        progress(f"seq {seq}: single-process reference on rank 0")
+        single = _on_rank0(dist, lambda: _single(paddle, args, inputs))
+        for backend in args.backend:
+            progress(f"seq {seq}: {backend} on {world} ranks")
+            local = _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs)
+            per_rank = _gather(dist, local)
+            if rank == 0:
+                cases.append(summarise(args, backend, seq, single, single_rate, per_rank, rates))
+    if rank == 0:
+        return {"config": _config(args), "cases": cases}
+    return None
+
+
+def _gather(dist, values):
+    """Every rank's list of floats, as a list of lists (float64 keeps byte counts exact)."""
+    import paddle
+
+    gathered = []
+    dist.all_gather(gathered, paddle.to_tensor(values, dtype="float64"))
+    return [g.numpy().tolist() for g in gathered]
+
+
+def _on_rank0(dist, measure):
+    """Run `measure` on rank 0 alone (the others wait), so it has a core to itself."""
+    value = measure() if dist.get_rank() == 0 else None
+    dist.barrier()
+    return value
+
+
+def _median_time(step, iters, warmup, before=lambda: None):
+    times = []
+    for i in range(warmup + iters):
+        before()
+        start = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_rate(paddle, args):
+    a = paddle.randn([args.batch * args.heads, MATMUL_BLOCK, args.head_dim])
+    b = paddle.randn([args.batch * args.heads, args.head_dim, MATMUL_BLOCK])
+    flops = 2 * a.shape[0] * MATMUL_BLOCK * MATMUL_BLOCK * args.head_dim
+    seconds = _median_time(lambda: paddle.matmul(a, b), iters=20, warmup=3)
+    return flops / seconds
+
+
+def _inputs(paddle, args, seq):
+    paddle.seed(seq)
+    q = paddle.randn([args.batch, seq, args.heads, args.head_dim])
+    k, v = (paddle.randn([args.batch, seq, args.kv_heads, args.head_dim]) for _ in range(2))
+    return q, k, v, paddle.randn(q.shape)
+
+
+def _fwd_bwd(paddle, attention, q, k, v, dout):
+    leaves = [t.detach() for t in (q, k, v)]
+    for t in leaves:
+        t.stop_gradient = False
+    return paddle.grad([attention(*leaves)], leaves, [dout])
+
+
+def _memory(paddle, attention, q, k, v, dout):
+    """(peak, held) bytes allocated by Paddle for one forward+backward, inputs included."""
+    from paddle.base import core
+
+    base = core.host_memory_stat_current_value("Allocated", 0)
+    core.host_memory_stat_reset_peak_value("Allocated", 0)
+    leaves = [t.clone() for t in (q, k, v)]
+    for t in leaves:
+        t.stop_gradient = False
+    out = attention(*leaves)
+    held = core.host_memory_stat_current_value("Allocated", 0) - base
+    grads = paddle.grad([out], leaves, [dout.clone()])
+    peak = core.host_memory_stat_peak_value("Allocated", 0) - base
+    del grads, out
+    return peak, held
+
+
+def _single(paddle, args, inputs):
+    import paddle.nn.functional as F
+
+    from paddle_cp.attention.kernels import local_attention
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+
+    def blockwise(q, k, v):
+        return local_attention(q, k, v, args.causal, args.head_dim ** -0.5)
+
+    q, k, v, dout = inputs
+    t_sdpa = _median_time(lambda: _fwd_bwd(paddle, sdpa, *inputs), args.iters, args.warmup)
+    t_blockwise = _median_time(lambda: _fwd_bwd(paddle, blockwise, *inputs), args.iters, args.warmup)
+    peak, held = _memory(paddle, blockwise, *inputs)
+    return {"t_sdpa": t_sdpa, "t_blockwise": t_blockwise, "peak": peak, "held": held}
+
+
+def _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs):
+    """[seconds, bytes sent, peak bytes, held bytes] of this rank for one forward+backward."""
+    shards = [pcp.shard_sequence(t, backend=backend, mesh=mesh) for t in inputs]
+    attention_fn = pcp.ring_attention if backend == "p2p" else pcp.ulysses_attention
+
+    def attention(q, k, v):
+        return attention_fn(q, k, v, is_causal=args.causal, mesh=mesh)
+
+    pcp.reset_counters()
+    _fwd_bwd(paddle, attention, *shards)
+    sent = sum(pcp.bytes_sent().values())
+    seconds = _median_time(lambda: _fwd_bwd(paddle, attention, *shards), args.iters, args.warmup, dist.barrier)
+    dist.barrier()
+    peak, held = _memory(paddle, attention, *shards)
+    return [seconds, sent, peak, held]
+
+
+# ---- figures ----------------------------------------------------------------------
+
+def work_per_rank(backend, world, seq, heads, causal):
+    """Visible score-matrix entries each rank computes (per batch element)."""
+    from paddle_cp.attention.layout import SequenceLayout, even_sizes
+
+    if backend == "p2p":
+        layout = SequenceLayout("p2p", world)
+        work = []
+        for index in range(world):
+            rows = layout.positions(seq, index)
+            work.append(heads * int((rows + 1).sum() if causal else len(rows) * seq))
+        return work
+    per_head = seq * (seq + 1) // 2 if causal else seq * seq
+    return [count * per_head for count in even_sizes(heads, world)]
+
+
+def summarise(args, backend, seq, single, single_rate, per_rank, rates):
+    from paddle_cp import planner
+
+    n = args.nproc
+    shape = (args.batch, seq, args.heads, args.kv_heads, args.head_dim)
+    t_rank = max(r[0] for r in per_rank)
+    sent = max(r[1] for r in per_rank)
+    flops = planner.attention_flops(args.batch, seq, args.heads, args.head_dim, args.causal)
+    work = work_per_rank(backend, n, seq, args.heads, args.causal)
+    held_single = planner.attention_held_bytes(backend, *shape, 1)
+    return {
+        "backend": backend, "seq": seq, "nproc": n, "causal": args.causal,
+        "t_single": single["t_sdpa"], "t_single_blockwise": single["t_blockwise"], "t_rank": t_rank,
+        "efficiency": single["t_sdpa"] / (n * t_rank),
+        "efficiency_same_kernel": single["t_blockwise"] / (n * t_rank),
+        "kernel_util": flops / n / t_rank / statistics.mean(r[0] for r in rates),
+        "kernel_util_single": flops / single["t_sdpa"] / single_rate,
+        "matmul_gflops": statistics.mean(r[0] for r in rates) / 1e9,
+        "balance": max(work) / statistics.mean(work),
+        "bytes_per_rank": sent,
+        "bytes_predicted": planner.attention_bytes(backend, *shape, n),
+        "bytes_min": planner.attention_min_bytes(backend, *shape, n),
+        "bytes_ratio": sent / planner.attention_min_bytes(backend, *shape, n),
+        "mem_ratio": max(r[2] for r in per_rank) / single["peak"],
+        "held_ratio": max(r[3] for r in per_rank) / single["held"],
+        "held_predicted_ratio": planner.attention_held_bytes(backend, *shape, n) / held_single,
+        "peak_bytes_rank": max(r[2] for r in per_rank), "peak_bytes_single": single["peak"],
+        "oversubscribed": n > (os.cpu_count() or 1),
+    }
+
+
+def _config(args):
+    return {"nproc": args.nproc, "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "causal": args.causal, "iters": args.iters, "dtype": "float32",
+            "threads_per_rank": 1, "cpu_count": os.cpu_count()}
+
+
+def table(result):
+    head = f"{'backend':8} {'seq':>6} {'N':>2} {'T_single':>9} {'T_rank':>9}" + "".join(f" {m:>12}" for m in TABLE)
+    rows = [head, "-" * len(head)]
+    for c in result["cases"]:
+        rows.append(f"{c['backend']:8} {c['seq']:>6} {c['nproc']:>2} {c['t_single']:>8.3f}s {c['t_rank']:>8.3f}s"
+                    + "".join(f" {c[m]:>12.3f}" for m in TABLE))
+    return "\n".join(rows)
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        progress("matplotlib is not installed: no plot")
+        return
+    cases = result["cases"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(cases)
+    for i, c in enumerate(cases):
+        ax.bar([j + i * width for j in range(len(TABLE))], [c[m] for m in TABLE], width,
+               label=f"{c['backend']} s={c['seq']} N={c['nproc']}")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(TABLE))], TABLE)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def finish(result, args):
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot(result, args.plot)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "PADDLE_TRAINER_ID" not in os.environ:
+        finish(launch(args, argv), args)
+        return
+    result = run_ranks(args)
+    if result is None:
+        return
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(result))
+    else:
+        finish(result, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Multi-rank context parallelism on CPU gloo ranks vs a single-process reference (fp32, 1e-5)."""
+import functools
+from typing import NamedTuple
+
+import pytest
+from launcher import launch
+
+TOL = 1e-5
+WORLDS = [1, 2, 3, 4]
+
+
+class ErrorCase(NamedTuple):
+    check: str          # the name the worker records it under
+    message: str        # what the ValueError must name
+    min_world: int = 1  # needs peers to go wrong
+    only_world: int = 0  # checked at this world size alone (0: every size from min_world)
+
+
+ERRORS = [
+    ErrorCase("unknown_backend", "use one of"),
+    ErrorCase("context_backend", "use one of"),
+    ErrorCase("hybrid_without_degree", "needs ulysses_degree"),
+    ErrorCase("degree_without_hybrid", "takes none"),
+    ErrorCase("unknown_rotation", "use one of ['ring', 'allgather']"),
+    ErrorCase("mesh_without_sep", "dim_names"),
+    ErrorCase("dropout", "dropout to 0"),
+    ErrorCase("shapes", "shapes disagree"),
+    ErrorCase("mask_shape", "this rank's query rows against all keys"),
+    ErrorCase("mismatched_plans", "same backend and ulysses_degree"),
+    ErrorCase("short_sequence", "every rank needs at least one token", min_world=2),
+    ErrorCase("ulysses_heads", "use ulysses_degree <=", min_world=2),
+    ErrorCase("wrong_seq_len", "pass seq_len=", min_world=2),
+    ErrorCase("degree_not_dividing", "positive divisor", only_world=4),
+]
+
+
+def _checked_at(case, world):
+    return world == case.only_world if case.only_world else world >= case.min_world
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_attention(world):
+    try:
+        return launch("attention_parity.py", world), None
+    except AssertionError as failure:  # kept, so a failed launch is not repeated by every test
+        return None, failure
+
+
+def attention_reports(world):
+    """One launch per world size serves every test below."""
+    reports, failure = _launch_attention(world)
+    if failure:
+        raise failure
+    return reports
+
+
+def assert_close(reports):
+    for report in reports:
+        assert not report["values"].get("crash"), report["values"]["crash"]
+        assert report["max_abs"], "the worker compared nothing"
+        worst = {name: err for name, err in report["max_abs"].items() if not err <= TOL}
+        assert not worst, f"rank {report['rank']} beyond {TOL}: {worst}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_attention_matches_single_process(world):
+    reports = attention_reports(world)
+    assert_close(reports)
+    hybrid = world == 4
+    for report in reports:
+        # functional cases x (out, dq, dk, dv); layer plans: (plain, docs, dense) per backend
+        cases = 11 + 3 * hybrid
+        assert len(report["max_abs"]) == 4 * cases + 3 * (2 + hybrid)
+        layouts = ["p2p", "all2all"] + ["hybrid"] * hybrid
+        assert all(report["values"][f"layer.{backend}.sdpa_restored"] for backend in layouts)
+        if world > 1:
+            assert report["values"]["bytes"]["ring"] > 0 and report["values"]["bytes"]["ulysses"] > 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_attention_skips_masked_work_and_stays_balanced(world):
+    reports = attention_reports(world)
+    packed = [r["values"]["packed.work"] for r in reports]
+    causal = [r["values"]["causal.work"] for r in reports]
+    skipped = sum(w["skipped"] for w in packed) / sum(w["computed"] + w["skipped"] for w in packed)
+    # packed documents skip more than causality alone, and never more than the masked pairs
+    assert sum(w["skipped"] for w in causal) < sum(w["skipped"] for w in packed)
+    assert skipped <= reports[0]["values"]["packed.masked_fraction"]
+    # balanced: every rank computes the same causal work, up to tiles that straddle a chunk edge
+    computed = [w["computed"] for w in causal]
+    assert max(computed) / min(computed) < 1.05
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_worker_checked_exactly_the_expected_errors(world):
+    expected = {case.check for case in ERRORS if _checked_at(case, world)}
+    for report in attention_reports(world):
+        assert set(report["errors"]) == expected
+
+
+@pytest.mark.parametrize("world,case", [pytest.param(world, case, id=f"{case.check}-{world}")
+                                        for world in WORLDS for case in ERRORS if _checked_at(case, world)])
+def test_error_names_the_fix_on_every_rank(world, case):
+    for report in attention_reports(world):
+        kind, message = report["errors"][case.check]
+        assert kind == "ValueError", (case.check, kind, message)
+        assert case.message in message, (case.check, message)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_llama_training_matches_single_process(world):
+    sources = ["tiny"]
+    try:
+        import paddleformers  # noqa: F401
+
+        sources.append("paddleformers")
+    except ImportError:
+        pass
+    reports = launch("model_parity.py", world, *sources)
+    assert_close(reports)
+    for run in reports[0]["values"]["runs"]:
+        assert {f"{run}.{kind}" for kind in ("loss", "grad", "param")} <= set(reports[0]["max_abs"])
+        losses = reports[0]["values"][f"{run}.losses"]
+        assert losses[-1] < losses[0], "training should reduce the loss"

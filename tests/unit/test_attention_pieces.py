@@ -1,0 +1,75 @@
+"""Attention pieces on one process: documents, tile masks, the blockwise kernel, the merge, kernel dispatch."""
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+from paddle_cp.attention.kernels import BlockwiseKernel, FlashKernel, choose_kernel_name, local_attention
+from paddle_cp.attention.mask import BlockMask, Documents
+from paddle_cp.attention.merge import merge
+
+
+def test_documents_from_ids_positions_and_row_indices_agree():
+    ids = np.array([[0, 0, 0, 1, 1, 2, 2, 2]])
+    positions = np.array([[0, 1, 2, 0, 1, 0, 1, 2]])
+    by_ids, by_positions = Documents.from_ids(ids), Documents.from_position_ids(positions)
+    assert by_ids.start.tolist() == by_positions.start.tolist() == [[0, 0, 0, 3, 3, 5, 5, 5]]
+    assert by_ids.end.tolist() == by_positions.end.tolist() == [[3, 3, 3, 5, 5, 8, 8, 8]]
+    rows = Documents.from_startend_row_indices(paddle.to_tensor(by_ids.end[:, None]))
+    assert rows.end.tolist() == by_ids.end.tolist() and rows.causal_only
+    with pytest.raises(ValueError, match="causal form"):
+        Documents.from_startend_row_indices(np.zeros([1, 1, 8, 2]))
+
+
+def test_masks_skip_tiles_no_query_sees():
+    docs = Documents.from_ids(np.array([[0] * 4 + [1] * 4]))
+    mask = BlockMask(np.arange(4, 8), np.arange(0, 4), causal=True, documents=docs)
+    assert mask.classify((0, 4), (0, 4)) == "none"  # later document's queries, earlier document's keys
+    causal = BlockMask(np.arange(4, 8), np.arange(0, 4), causal=True)
+    assert causal.classify((0, 4), (0, 4)) == "all"
+    assert BlockMask(np.arange(8), np.arange(8), causal=True).classify((0, 8), (0, 8)) == "diagonal"
+    assert FlashKernel.supports(causal) and not FlashKernel.supports(
+        BlockMask(np.arange(8), np.arange(8), causal=True, documents=docs))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockwise_kernel_matches_sdpa(causal):
+    paddle.seed(0)
+    q, k, v = paddle.randn([2, 37, 6, 8]), paddle.randn([2, 37, 3, 8]), paddle.randn([2, 37, 3, 8])
+    for t in (q, k, v):
+        t.stop_gradient = False
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out = local_attention(q, k, v, causal, 8 ** -0.5, BlockwiseKernel(block_size=8))
+    grad = paddle.randn(ref.shape)
+    for got, want in zip(paddle.grad([out], [q, k, v], [grad]), paddle.grad([ref], [q, k, v], [grad])):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-5)
+
+
+def test_merge_equals_attention_over_both_blocks():
+    paddle.seed(1)
+    kernel = BlockwiseKernel()
+    q, k, v = paddle.randn([1, 5, 2, 4]), paddle.randn([1, 10, 2, 4]), paddle.randn([1, 10, 2, 4])
+
+    def attend(keys):
+        mask = BlockMask(np.arange(5, 10), keys, causal=True)
+        return kernel.forward(q, k[:, keys[0]:keys[-1] + 1], v[:, keys[0]:keys[-1] + 1], mask, 0.5)
+
+    whole, whole_lse = attend(np.arange(10))
+    out, lse = merge(*attend(np.arange(4)), *attend(np.arange(4, 10)))
+    np.testing.assert_allclose(out.numpy(), whole.numpy(), atol=1e-6)
+    np.testing.assert_allclose(lse.numpy(), whole_lse.numpy(), atol=1e-6)
+    # queries 5..7 see none of keys 8, 9: output 0, log-sum-exp -inf, and merging keeps the other part exact
+    late_out, late_lse = attend(np.arange(8, 10))
+    assert np.isneginf(late_lse.numpy()[:, :, :3]).all() and not late_out.numpy()[:, :3].any()
+    out, lse = merge(*attend(np.arange(8)), late_out, late_lse)
+    np.testing.assert_allclose(out.numpy(), whole.numpy(), atol=1e-6)
+
+
+def test_kernel_dispatch_rule():
+    assert choose_kernel_name(True, paddle.bfloat16, True) == "flash"
+    assert choose_kernel_name(True, paddle.float16, True) == "flash"
+    assert choose_kernel_name(True, paddle.float32, True) == "blockwise"
+    assert choose_kernel_name(True, paddle.bfloat16, False) == "blockwise"
+    assert choose_kernel_name(False, paddle.bfloat16, True) == "blockwise"
+    assert choose_kernel_name(True, paddle.bfloat16, True, mask_fits_flash=False) == "blockwise"

@@ -1,0 +1,78 @@
+"""The bench's and planner's single-process pieces: work per rank, argument checks, formulas, the CLI."""
+import importlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from paddle_cp import planner
+from paddle_cp.config import load_config
+from paddle_cp.tools import bench, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_work_per_rank():
+    for n in (2, 3, 4):
+        assert len(set(bench.work_per_rank("p2p", n, 8 * n, 4, causal=True))) == 1
+    assert sum(bench.work_per_rank("p2p", 4, 64, 2, causal=True)) == 2 * 64 * 65 // 2
+    assert bench.work_per_rank("all2all", 2, 16, 3, causal=False) == [2 * 256, 256]  # uneven head split
+
+
+def test_bench_refuses_bad_shapes():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--nproc", "4", "--seq", "100"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--nproc", "3", "--seq", "96", "--heads", "8", "--backend", "all2all"])
+
+
+def test_planner_traffic_formulas():
+    b, s, h, hk, d, e = 1, 1024, 8, 2, 64, 2
+    kv = 2 * b * (s // 4) * hk * d * e
+    assert planner.attention_bytes("p2p", b, s, h, hk, d, 4, e) == 10 * kv
+    assert planner.attention_min_bytes("p2p", b, s, h, hk, d, 4, e) == 9 * kv
+    # Ulysses over 4 ranks with 2 k/v heads sends them repeated to 4
+    assert planner.attention_bytes("all2all", b, s, h, hk, d, 4, e) == 2 * 3 * (b * s // 4 * d * e) * (2 * h + 8) // 4
+    uly, ring = planner.attention_traffic(b, s, h, hk, d, ring=2, ulysses=2, elem=e)
+    assert uly == planner.ulysses_bytes(b, s // 2, h, hk, d, 2, e)
+    assert ring == planner.ring_bytes(b, s, 1, d, 2, e)
+
+
+def test_model_shape_counts_llama_parameters():
+    llama2_7b = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                 "vocab_size": 32000, "intermediate_size": 11008}
+    assert planner.ModelShape.from_config(llama2_7b).params == 6_738_415_616
+
+
+def test_plan_cp_cli(tmp_path, capsys):
+    config = {"num_hidden_layers": 8, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4,
+              "vocab_size": 32000, "intermediate_size": 2816}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "plan.json"
+    plan.main(["--config", str(tmp_path / "config.json"), "--seq", "131072", "--devices", "8",
+                           "--memory-gb", "24", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "best layout" in printed and "cp_config:" in printed
+    result = json.loads(out.read_text())
+    fitting = [e["tokens_per_second"] for e in result["estimates"] if e["fits"]]
+    assert fitting == sorted(fitting, reverse=True)
+    assert result["best"]["fits"]
+    assert result["best"]["layout"]["ring"] * result["best"]["layout"]["ulysses"] > 1  # dp alone does not fit
+    mesh, _ = load_config(result["config"], world_size=8)
+    assert math.prod(mesh.shape) == 8
+
+
+def test_context_parallel_divides_attention_memory():
+    model = planner.ModelShape(layers=4, hidden=512, heads=8, kv_heads=8, vocab=1000, intermediate=1024)
+    one = planner.memory(model, planner.Layout(1, 1, 1, 1), 8192, 1, 2)["activations"]
+    four = planner.memory(model, planner.Layout(1, 4, 1, 1), 8192, 1, 2)["activations"]
+    assert four == pytest.approx(one / 4)
+
+
+def test_console_scripts_name_the_tools_mains():
+    tomllib = pytest.importorskip("tomllib")
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    resolved = {name: getattr(importlib.import_module(target.split(":")[0]), target.split(":")[1])
+                for name, target in scripts.items()}
+    assert resolved == {"pcp-bench": bench.main, "pcp-plan": plan.main}
