@@ -37,4 +37,13 @@ def apply_pipeline(model, optimizer, mesh, settings, plan):
     return shared
 
 
-__all__ = ["SplitPoint", "plan_pipeline", "apply_pipeline"]
+def step_timeline(model):
+    """This rank's actions in the model's last scheduled step: [(kind, virtual stage, micro-batch, start, end)],
+    kind one of F, B, SEND_F, RECV_F, SEND_B, RECV_B; times from time.time() (comparable across local ranks)."""
+    pipeline = model.__dict__.get("_pcp_pipeline")
+    if pipeline is None:
+        raise ValueError("step_timeline needs a model parallelized with pp_config")
+    return list(pipeline.timeline)
+
+
+__all__ = ["SplitPoint", "plan_pipeline", "apply_pipeline", "step_timeline"]

@@ -24,6 +24,8 @@ Two ways to run a step:
 """
 from __future__ import annotations
 
+import time
+
 import paddle
 from paddle.autograd import PyLayer
 
@@ -119,11 +121,13 @@ class Pipeline:
         self._exits = {id(plan.exit_unit(v)) for v in range(plan.virtual_stages - 1)}
         self._current = self._received = None
         self._initial = False
+        self.timeline = []  # the last scheduled step's actions: (kind, virtual, micro, start, end), wall clock
         self._lists = {}
         for _, layer, _ in plan.units:
             layer._pcp_pipeline = self
             layer.__class__ = _unit_class(type(layer))
         model.forward = self.forward
+        model._pcp_pipeline = self  # for step_timeline(model)
 
     @property
     def last(self):
@@ -193,8 +197,9 @@ class Pipeline:
             self._lists[key] = action_lists(self.settings.schedule_mode, self.plan.stages, m, self.plan.chunks,
                                             backward=grad)[self.stage]
         inputs, outputs, losses, grads_in, grads_out = {}, {}, {}, {}, {}
+        self.timeline = []
         for a in self._lists[key]:
-            at = (a.virtual, a.micro)
+            start, at = time.time(), (a.virtual, a.micro)
             if a.kind == RECV_F:
                 value = stage_p2p.recv_value(self._peers[a.peer])
                 inputs[at] = _as_leaves(value) if grad else value
@@ -217,6 +222,7 @@ class Pipeline:
                     grads_out[at] = [t.grad if t.grad is not None else paddle.zeros_like(t) for t in leaves]
             elif a.kind == SEND_B:
                 stage_p2p.send_tensors(self._peers[a.peer], grads_out.pop(at))
+            self.timeline.append((a.kind, a.virtual, a.micro, start, time.time()))
         return (self._mean_loss(losses, m),)
 
     def _backward(self, at, m, losses, outputs, grads_in):

@@ -10,9 +10,15 @@ from launcher import launch
 TOLERANCE = 1e-5
 
 
+def _launch(group, nproc, paddleformers=False):
+    if paddleformers:
+        pytest.importorskip("paddleformers")
+    return launch("pipeline.py", nproc, group)
+
+
 @pytest.fixture(scope="module")
 def doc_pp2():
-    return launch("pipeline.py", 2, "doc_pp2")
+    return _launch("doc_pp2", 2)
 
 
 def check_parity(reports, run, loss_ranks):
@@ -42,14 +48,12 @@ def test_each_stage_keeps_only_its_parameters(doc_pp2):
 
 @pytest.fixture(scope="module")
 def llama_pp2():
-    pytest.importorskip("paddleformers")
-    return launch("pipeline.py", 2, "llama_pp2")
+    return _launch("llama_pp2", 2, paddleformers=True)
 
 
 @pytest.fixture(scope="module")
 def four():
-    pytest.importorskip("paddleformers")
-    return launch("pipeline.py", 4, "four")
+    return _launch("four", 4, paddleformers=True)
 
 
 @pytest.mark.parametrize("run", ["llama_1f1b", "llama_vpp", "llama_untied_fthenb"])
@@ -72,7 +76,7 @@ def test_pipeline_composes_with_context_and_tensor_parallel(four, run):
 
 @pytest.fixture(scope="module")
 def eight():
-    return launch("pipeline.py", 8, "eight")
+    return _launch("eight", 8)
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
