@@ -97,6 +97,23 @@ class _GradientToPrevious(PyLayer):
         return tuple(grads)
 
 
+class _LossAfterBackward(PyLayer):
+    """The loss a scheduled step returns: its backward has already run, inside the schedule.
+    A plain `loss.backward()` is a no-op; a scaled one would be silently ignored, so it is an error."""
+
+    @staticmethod
+    def forward(ctx, anchor, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not bool(paddle.allclose(grad, paddle.ones_like(grad))):
+            raise ValueError("pipeline: model(...) already ran the backward of every micro-batch, so scaling "
+                             "its returned loss cannot change the gradients: scale each micro-batch's loss "
+                             "in pp_config['loss_fn'] instead (e.g. by pcp.loss_weight)")
+        return paddle.zeros([], "float32")
+
+
 def _tuple(result):
     """PyLayer.apply returns a lone tensor for a single output."""
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
@@ -248,9 +265,11 @@ class Pipeline:
         """The mean micro-batch loss on every stage; `backward()` on it does nothing (already done)."""
         value = paddle.to_tensor([sum(float(v) for v in losses.values()) / m if losses else 0.0], "float32")
         collectives.broadcast(self._pp_group, value, self.plan.stages - 1, tag="pp_loss_broadcast")
+        if not paddle.is_grad_enabled():
+            return value.reshape([])
         anchor = paddle.zeros([], "float32")
-        anchor.stop_gradient = not paddle.is_grad_enabled()
-        return value.reshape([]) + anchor * 0
+        anchor.stop_gradient = False
+        return _LossAfterBackward.apply(anchor, value.reshape([]))
 
     def _immediate(self, args, kwargs):
         grad, stage, last_stage = paddle.is_grad_enabled(), self.stage, self.plan.stages - 1

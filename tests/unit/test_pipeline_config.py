@@ -84,3 +84,14 @@ def test_schedules_need_a_loss(pp_config):
     model = _pipeline(pp_config)
     with pytest.raises(ValueError, match="labels=labels.*loss_fn"):
         model(paddle.zeros([4, 8], "int64"))
+
+
+def test_scaling_the_returned_loss_is_refused():
+    """model(...) ran every backward already: a scaled returned loss would be ignored silently."""
+    from paddle_cp.pipeline.runner import _LossAfterBackward
+    anchor = paddle.zeros([], "float32")
+    anchor.stop_gradient = False
+    _LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)).backward()  # the plain loop: a no-op
+    loss = _LossAfterBackward.apply(anchor, paddle.to_tensor(2.5))
+    with pytest.raises(OSError, match="ValueError: pipeline.*loss_fn"):  # Paddle wraps errors raised in backward
+        (loss * 0.5).backward()
