@@ -40,16 +40,16 @@ def build(make):
     return model, optimizer
 
 
-def batches(vocab):
+def batches(vocab, seq=SEQ):
     rng = np.random.RandomState(7)
     for _ in range(STEPS):
-        yield (paddle.to_tensor(rng.randint(0, vocab, [BATCH, SEQ]), dtype="int64"),
-               paddle.to_tensor(rng.randint(0, vocab, [BATCH, SEQ]), dtype="int64"))
+        yield (paddle.to_tensor(rng.randint(0, vocab, [BATCH, seq]), dtype="int64"),
+               paddle.to_tensor(rng.randint(0, vocab, [BATCH, seq]), dtype="int64"))
 
 
-def train(model, optimizer, vocab, step_loss, data_parallel=False):
+def train(model, optimizer, vocab, step_loss, data_parallel=False, seq=SEQ):
     losses = []
-    for ids, labels in batches(vocab):
+    for ids, labels in batches(vocab, seq):
         if data_parallel:
             ids, labels = pcp.shard_batch((ids, labels))
         loss = step_loss(model, ids, labels)
@@ -70,9 +70,9 @@ def model_loss(model, ids, labels):
     return model(ids, labels=labels)[0]
 
 
-def reference(make, vocab, step_loss):
+def reference(make, vocab, step_loss, seq=SEQ):
     model, optimizer = build(make)
-    losses = train(model, optimizer, vocab, step_loss)
+    losses = train(model, optimizer, vocab, step_loss, seq=seq)
     return losses, {k: v.numpy() for k, v in model.state_dict().items()}
 
 
@@ -92,14 +92,14 @@ def replica_mean(values, mesh):
     return total.numpy() / group.size
 
 
-def compare(report, name, make, vocab, mesh, config, step_loss, ref_loss=None):
+def compare(report, name, make, vocab, mesh, config, step_loss, ref_loss=None, seq=SEQ):
     """Losses on the last stage (every stage when the model computes the loss), the state on every rank,
     and (without tensor parallel) the parameters each rank holds itself, tied copies included."""
-    want_losses, want_state = reference(make, vocab, ref_loss or step_loss)
+    want_losses, want_state = reference(make, vocab, ref_loss or step_loss, seq)
     model, optimizer = build(make)
     model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
     report.value(f"{name}.held", held_parameters(model))
-    losses = train(model, optimizer, vocab, step_loss, data_parallel="dp" in mesh.dim_names)
+    losses = train(model, optimizer, vocab, step_loss, data_parallel="dp" in mesh.dim_names, seq=seq)
     losses = replica_mean(losses, mesh)
     if step_loss is model_loss or last_stage(mesh):
         report.diff(f"{name}.loss", losses, want_losses)
@@ -148,6 +148,30 @@ def llama_cp(report):
         compare(report, name, llama, 64, mesh, {**cp, "pp_config": pp_config}, model_loss)
 
 
+def llama_cp_uneven(report):
+    """pp2 x sep2 on 9 tokens (5 + 4 per sep rank): each micro-batch loss weighted by pcp.loss_weight
+    inside pp_config's loss_fn, so the averaged gradient is the global token mean's."""
+    mesh = pp_mesh([2, 2], ["pp", "sep"])
+    prepare = pcp.PrepareContextParallel("p2p")
+    local = int(pcp.shard_sequence(paddle.zeros([BATCH, 9]), backend=prepare, mesh=mesh).numel())
+    weight = pcp.loss_weight(local, mesh)
+
+    def weighted_loss(output, labels):
+        return llama_loss(output, labels) * weight
+
+    config = {"cp_config": {"parallelize_plan": {"": prepare, "model.layers.*.self_attn": pcp.ContextParallel("p2p")}},
+              "pp_config": {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 2,
+                            "loss_fn": weighted_loss}}
+    compare(report, "llama_cp_uneven", llama, 64, mesh, config, model_loss, seq=9)
+
+
+def llama_loss(output, labels):
+    """PaddleFormers' own criterion on the logits (what the model computes when given labels)."""
+    import paddle.nn.functional as F
+    logits = output[0] if isinstance(output, (tuple, list)) else output
+    return F.cross_entropy(logits.reshape([-1, logits.shape[-1]]), labels.reshape([-1, 1])).mean()
+
+
 def doc_tensor_plan(sequence_parallel):
     """The seed's mp plan (its `llama.position_embedding` key names no layer of the doc model: left out)."""
     plan = {"llama.embed_tokens": pcp.ColWiseParallel(),
@@ -184,7 +208,7 @@ def doc_dp2_mp2_pp2(report):
                 model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, doc_mp2_pp2],
+RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, doc_mp2_pp2],
         "eight": [doc_dp2_mp2_pp2]}
 
 
