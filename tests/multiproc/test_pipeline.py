@@ -68,11 +68,11 @@ def test_paddleformers_llama_schedules_match_one_card(llama_pp2, run):
 
 
 @pytest.mark.parametrize("run", ["llama_cp_1f1b", "llama_cp_vpp", "llama_cp_uneven", "doc_mp2_pp2",
-                                 "doc_mp2_pp2_sp_1f1b"])
+                                 "doc_mp2_pp2_sp_1f1b", "doc_pp4_1f1b_m4", "doc_pp4_vpp_m2"])
 def test_pipeline_composes_with_context_and_tensor_parallel(four, run):
     """pp2 x sep2 (ring attention inside stages) with 1F1B and VPP, and on 9 tokens (5 + 4 per rank) with
     loss_weight inside loss_fn; mp2 x pp2 on the doc example, plain loop and with sequence parallel
-    under 1F1B (m = 2)."""
+    under 1F1B (m = 2); pp4 (8 layers) with 1F1B (m = 4) and VPP (2 chunks, m = 2 < p)."""
     check_parity(four, run, loss_ranks={1, 3} if run == "doc_mp2_pp2" else {0, 1, 2, 3})
 
 

@@ -188,6 +188,16 @@ def doc_tensor_plan(sequence_parallel):
     return {"parallelize_plan": plan}
 
 
+def doc_pp4(report):
+    """Four stages of the doc model (8 layers): 1F1B with m = p, and VPP (2 chunks) with m = 2 < p."""
+    mesh = pp_mesh([4], ["pp"])
+    for name, extra in {"doc_pp4_1f1b_m4": {"accumulate_steps": 4},
+                        "doc_pp4_vpp_m2": {"schedule_mode": "VPP", "vpp_degree": 2, "accumulate_steps": 2}}.items():
+        compare(report, name, lambda: LlamaForCausalLM(num_layers=8), DOC_VOCAB, mesh,
+                {"pp_config": {"split_spec": "llama.layers", "loss_fn": cross_entropy, **extra}},
+                model_loss, ref_loss=user_loop)
+
+
 def doc_mp2_pp2(report):
     mesh = pp_mesh([2, 2], ["mp", "pp"])
     compare(report, "doc_mp2_pp2", doc_model, DOC_VOCAB, mesh,
@@ -208,7 +218,7 @@ def doc_dp2_mp2_pp2(report):
                 model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, doc_mp2_pp2],
+RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, doc_mp2_pp2, doc_pp4],
         "eight": [doc_dp2_mp2_pp2]}
 
 
