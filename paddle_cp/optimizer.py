@@ -27,9 +27,20 @@ def _coalesced(tensors):
     return by_dtype.values()
 
 
+def _agree_on_gradients(parameters, mesh_group):
+    """Give a zero gradient to every parameter that has one on some rank of the group but not here
+    (a branch only some ranks took), so all ranks reduce buffers of one size, as one card would."""
+    present = paddle.to_tensor([int(p.grad is not None) for p in parameters], dtype="int32")
+    collectives.all_reduce(mesh_group, present, tag="grad_presence")
+    for param, count in zip(parameters, present.numpy().tolist()):
+        if count and param.grad is None:
+            param._set_grad_ivar(paddle.zeros(param.shape, param.dtype))
+
+
 def _reduce_gradients(parameters, mesh_group, tag, average):
-    if mesh_group.size == 1:
+    if mesh_group.size == 1 or not parameters:
         return
+    _agree_on_gradients(parameters, mesh_group)
     # dropped gradients (another dp rank owns them) are empty: nothing to reduce
     grads = [p.grad for p in parameters if p.grad is not None and p.grad._is_initialized() and int(p.grad.numel())]
     for same_dtype in _coalesced(grads):

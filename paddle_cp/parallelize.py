@@ -1,9 +1,12 @@
 """`parallelize(model, optimizer, mesh, config)`: apply the parallelisms in order.
 
-Order: every plan is checked (no collective yet); parameters are made identical
-on all ranks; tensor and sequence plans (mp_config) with the context-parallel
-plans (cp_config) merged in after them are applied; then data parallel
-(dp_config): sharding over `dp` and the optimizer that reduces gradients.
+Order: every plan and every value derived from the whole plan (local head
+counts, fused parts, shared weights, mesh dims) is checked before anything
+changes, so a call that raises leaves the model as it was and no rank waits in
+a collective; parameters are made identical on all ranks; tensor and sequence
+plans (mp_config) with the context-parallel plans (cp_config) merged in after
+them are applied; then data parallel (dp_config): sharding over `dp` and the
+optimizer that reduces gradients.
 """
 from __future__ import annotations
 
@@ -11,9 +14,9 @@ from . import mesh as mesh_lib
 from .comm import collectives
 from .pipeline import apply_pipeline, plan_pipeline
 from .optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
+from .plan_annotation import annotate_plan
 from .plan_keys import resolve_plan
-from .plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
-from .plans.tensor_parallel import annotate_plan
+from .plans.sequence_parallel import is_sequence_plan, supply_positions, watch_partial_gradients
 from .sharding import Sharding, check_level
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config")
@@ -79,6 +82,18 @@ def _gradient_groups(mesh):
     )
 
 
+def _validated_plan(model, config, mesh):
+    """(applications in order, annotation) for the merged plan; raises, changing nothing, if any part cannot work."""
+    matched = resolve_plan(model, _merged_plan(config))
+    annotation = annotate_plan(model, matched, mesh)
+    for _, layer, plans, params in matched:
+        for plan in plans:
+            plan.check(layer, mesh, params)
+    applications = [(plan, layer, params) for _, layer, plans, params in matched for plan in plans]
+    applications.sort(key=lambda item: item[0].order)  # stable; see Plan.order
+    return applications, annotation
+
+
 def parallelize(model, optimizer=None, mesh=None, config=None):
     """Parallelize `model` (in place) and wrap `optimizer`; returns (model, optimizer)."""
     config = dict(config or {})
@@ -89,19 +104,16 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
         return model, optimizer
     mesh = mesh_lib.resolve_mesh(mesh)
     pipeline = plan_pipeline(model, mesh, config["pp_config"]) if config.get("pp_config") else None
-    matched = resolve_plan(model, _merged_plan(config))
-    annotate_plan(model, matched, mesh)
-    for name, layer, plans, params in matched:  # every plan validated before any collective
-        for plan in plans:
-            plan.check(layer, mesh, params)
+    applications, annotation = _validated_plan(model, config, mesh)
+    # nothing has changed so far; from here on every rank runs the same collectives
     groups = _gradient_groups(mesh)
     broadcast_parameters(model, groups.world)
-    applications = [(plan, layer, params) for _, layer, plans, params in matched for plan in plans]
-    applications.sort(key=lambda item: item[0].order)  # stable; see Plan.order
+    annotation.apply()
     for plan, layer, params in applications:
         plan.apply(layer, mesh, params)
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
         watch_partial_gradients(model)
+        supply_positions(model, applications)
     shared = apply_pipeline(model, optimizer, mesh, *pipeline) if pipeline else None  # keeps this stage's only
     sharding = None
     if level > 0 and optimizer is not None and groups.dp.size > 1:

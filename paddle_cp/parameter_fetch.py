@@ -66,31 +66,34 @@ class _Copy:
 
 def fetch_around(layer, names, sharding):
     """Give `layer` the full values of its parameters `names` for its forward (and backward)."""
+    fetched = {}  # name -> _Copy, while the layer's forward runs
+
     def fetch(layer, inputs):
-        layer.pcp_fetched = {}
+        fetched.clear()
         for name in names:
             param = layer._parameters[name]
             copy = _Copy(param, sharding)
             share_record(param, copy.tensor)  # marks made on the copy (sequence_partial) reach the parameter
             copy.tensor.is_distributed = param.is_distributed  # model code reads Parameter attributes
             layer._parameters[name] = copy.tensor
-            layer.pcp_fetched[name] = copy
+            fetched[name] = copy
 
     def drop(layer, inputs, output):
-        copies = list(layer.pcp_fetched.values())
-        for name, copy in layer.pcp_fetched.items():
+        copies = list(fetched.values())
+        for name, copy in fetched.items():
             layer._parameters[name] = copy.param
-        layer.pcp_fetched = {}
-        if not isinstance(output, paddle.Tensor):
+        fetched.clear()
+        if output is not None and not isinstance(output, paddle.Tensor):
             return
-        for copy in copies:
+        for copy in copies:  # None: the forward raised, nothing will run backward through the copies
             copy.free()
-        if not output.stop_gradient:
+        if output is not None and not output.stop_gradient:
             output.register_hook(lambda grad: _refill(copies, grad))
 
-    # first among the pre-hooks: plans' hooks (e.g. RowWise's bias) see the full values
+    # first among the pre-hooks: plans' hooks (e.g. RowWise's bias) see the full values; the
+    # placeholders come back even when the forward raises (then output is None)
     layer.register_forward_pre_hook(fetch, prepend=True)
-    layer.register_forward_post_hook(drop)
+    layer.register_forward_post_hook(drop, always_call=True)
 
 
 def _refill(copies, grad):

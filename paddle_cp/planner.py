@@ -5,22 +5,23 @@ one forward+backward, the quantity paddle_cp.bytes_sent() counts.
 
 Attention traffic (one attention call; local q [b, s/N, hq, d], k/v [b, s/N, hk, d],
 `e` bytes per element, KV = bytes of the local k and v together):
-- ring (backend p2p), as implemented: forward passes k/v N-1 hops; backward
-  passes k/v N-1 hops again (recomputation instead of holding every block) and
-  dk/dv N hops (each block's gradient starts at its owner and goes all the way
-  round): (3N-2) KV. The algorithm's minimum is 3(N-1) KV (dk/dv need only N-1
-  hops if each rank handles its own block last); ratio (3N-2)/(3N-3).
+- ring (backend p2p): forward passes k/v N-1 hops; backward passes k/v N-1
+  hops again (recomputation instead of holding every block) and dk/dv N-1 hops
+  (the owner keeps its own block's gradient until the sum of the others'
+  arrives): 3(N-1) KV, the algorithm's minimum.
 - Ulysses (backend all2all): all-to-all of q, k, v before and of out after
   attention sends (N-1)/N of each; the backward mirrors it. k/v heads fewer
   than N are repeated before the exchange (that is what travels). This is also
   the minimum for a head split: ratio 1.
-- hybrid (USP): Ulysses over U ranks, then ring over R = N/U groups on h/U heads.
+- hybrid (USP): Ulysses over U ranks on s/R tokens, then the ring over R = N/U
+  groups on the head-split k/v (h_k/U heads, repeated first when h_k < U).
+Every figure is the minimum of its algorithm, and what paddle_cp sends.
 
 Attention memory: activation bytes a rank holds between forward and backward
 (inputs included), the thing context parallelism divides by N:
 - single process / ring: q, k, v, out and the fp32 log-sum-exp [b, hq, s].
-- Ulysses: the same plus the head-split copies of q, k, v, out that its local
-  attention saves.
+- Ulysses and hybrid: the same plus the head-split copies of q, k, v, out that
+  the local attention saves (k/v heads repeated up to U).
 
 The whole-model model (`estimate`) adds parameters, gradients and Adam state
 (16 bytes per parameter: weights, grads, fp32 master copy or fp32 weights, two
@@ -32,7 +33,6 @@ were checked against measurements (on CPU, tests/multiproc/test_bench.py).
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import asdict, dataclass
 
 
@@ -49,15 +49,8 @@ def kv_heads_sent(kv_heads, ulysses):
 
 
 def ring_bytes(batch, seq, kv_heads, head_dim, ring, elem=FP32):
-    """Bytes one rank sends in ring attention forward+backward, as implemented: (3N-2) KV."""
-    if ring == 1:
-        return 0
-    kv = 2 * batch * (seq // ring) * kv_heads * head_dim * elem
-    return (3 * ring - 2) * kv
-
-
-def ring_min_bytes(batch, seq, kv_heads, head_dim, ring, elem=FP32):
-    """The ring algorithm's minimum: k/v N-1 hops forward, k/v and dk/dv N-1 hops backward."""
+    """Bytes one rank sends in ring attention forward+backward: k/v N-1 hops forward, k/v and
+    dk/dv N-1 hops backward, 3(N-1) KV."""
     kv = 2 * batch * (seq // ring) * kv_heads * head_dim * elem
     return 3 * (ring - 1) * kv
 
@@ -83,26 +76,34 @@ def attention_traffic(batch, seq, heads, kv_heads, head_dim, ring, ulysses, elem
     return inner, ring_bytes(batch, seq, ring_heads, head_dim, ring, elem)
 
 
-def attention_bytes(backend, batch, seq, heads, kv_heads, head_dim, world, elem=FP32):
-    """Bytes per rank of paddle_cp's `backend` ('p2p' or 'all2all') over `world` ranks."""
-    ring, ulysses = (world, 1) if backend == "p2p" else (1, world)
+def degrees(backend, world, ulysses_degree=None):
+    """(ring, Ulysses) sizes of `backend` over `world` ranks."""
+    if world == 1:
+        return 1, 1
+    if backend == "p2p":
+        return world, 1
+    if backend == "all2all":
+        return 1, world
+    if backend == "hybrid" and ulysses_degree and world % ulysses_degree == 0:
+        return world // ulysses_degree, ulysses_degree
+    raise ValueError(f"backend {backend!r} over {world} ranks with ulysses_degree={ulysses_degree}: use 'p2p', "
+                     "'all2all', or 'hybrid' with a ulysses_degree dividing the ranks")
+
+
+def attention_bytes(backend, batch, seq, heads, kv_heads, head_dim, world, elem=FP32, ulysses_degree=None):
+    """Bytes per rank of `backend` over `world` ranks: the algorithm's minimum, which paddle_cp sends."""
+    ring, ulysses = degrees(backend, world, ulysses_degree)
     return sum(attention_traffic(batch, seq, heads, kv_heads, head_dim, ring, ulysses, elem))
 
 
-def attention_min_bytes(backend, batch, seq, heads, kv_heads, head_dim, world, elem=FP32):
-    """The analytic minimum that benchmarks divide measured bytes by."""
-    if backend == "p2p":
-        return ring_min_bytes(batch, seq, kv_heads, head_dim, world, elem)
-    return ulysses_bytes(batch, seq, heads, kv_heads, head_dim, world, elem)
-
-
-def attention_held_bytes(backend, batch, seq, heads, kv_heads, head_dim, world, elem=FP32):
+def attention_held_bytes(backend, batch, seq, heads, kv_heads, head_dim, world, elem=FP32, ulysses_degree=None):
     """Activation bytes one rank holds between attention forward and backward (inputs included)."""
+    _, ulysses = degrees(backend, world, ulysses_degree)
     tokens = batch * seq // world
     qkvo = tokens * (2 * heads + 2 * kv_heads) * head_dim * elem
     lse = tokens * heads * LSE_BYTES
-    if backend == "all2all" and world > 1:
-        split = tokens * (2 * heads + 2 * kv_heads_sent(kv_heads, world)) * head_dim * elem
+    if ulysses > 1:
+        split = tokens * (2 * heads + 2 * kv_heads_sent(kv_heads, ulysses)) * head_dim * elem
         return qkvo + split + lse
     return qkvo + lse
 
@@ -234,8 +235,8 @@ def memory(model, layout, seq, batch, elem):
     params = (stage_params(model, pp) - norms) / tp + norms
     in_flight = min(pp, layout.micro) / layout.micro
     heads, kv_heads = model.heads // tp, max(model.kv_heads // tp, 1)
-    held_as = "all2all" if layout.ulysses > 1 else "p2p"
-    attention = attention_held_bytes(held_as, batch, seq, heads, kv_heads, model.head_dim, layout.cp, elem)
+    attention = attention_held_bytes(layout.backend, batch, seq, heads, kv_heads, model.head_dim, layout.cp, elem,
+                                     layout.ulysses)
     # norm outputs and residual (hidden each, twice), MLP gate, up and product (intermediate/tp each)
     rest = tokens * (4 * model.hidden + 3 * model.intermediate // tp) * elem
     logits = tokens * (model.vocab // tp) * FP32

@@ -8,6 +8,7 @@ from __future__ import annotations
 import paddle
 
 from .attention import SequenceLayout, resolve_group
+from .comm import collectives
 from .comm.autograd import gather_replicated
 from .plans.context_parallel import PrepareContextParallel
 
@@ -29,18 +30,30 @@ def shard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_d
 def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None, seq_len=None):
     """The full tensor, in token order, on every rank; differentiable.
 
-    `seq_len`: the global length, needed when it does not divide evenly. The
-    consumer is taken to be replicated (every rank computes the same thing
-    from the result), so the backward keeps this rank's slice of the gradient.
+    The ranks first exchange their local lengths (one tiny all-gather), so any
+    length works without `seq_len`, and a `seq_len` or a tensor that does not
+    fit the layout raises the same error on every rank instead of leaving some
+    waiting. The consumer is taken to be replicated (every rank computes the
+    same thing from the result), so the backward keeps this rank's slice of the
+    gradient.
     """
     layout, group = _layout(backend, ulysses_degree, mesh, group)
-    seq_len = seq_len or x.shape[seq_dim] * group.size
+    held = _local_lengths(x.shape[seq_dim], group)
+    seq_len = seq_len or sum(held)
     lengths = layout.lengths(seq_len)
-    if lengths[group.index] != x.shape[seq_dim]:
-        raise ValueError(f"this rank holds {x.shape[seq_dim]} tokens, not the {lengths[group.index]} of a "
-                         f"{seq_len}-token sequence: pass seq_len= for sequences that do not divide evenly")
+    if lengths != held:
+        raise ValueError(f"the ranks hold {held} tokens along dim {seq_dim}, but a {seq_len}-token sequence in "
+                         f"this layout is split {lengths}: pass the seq_len and backend the tensor was sharded with")
     gathered = gather_replicated(x, group, seq_dim, lengths)
     return paddle.index_select(gathered, paddle.to_tensor(layout.restore_order(seq_len)), axis=seq_dim)
+
+
+def _local_lengths(length, group):
+    """Every rank's length along the sequence dim (one all-gather of one int)."""
+    if group.size == 1:
+        return [length]
+    parts = collectives.all_gather(group, paddle.to_tensor([length], dtype="int64"), tag="unshard_lengths")
+    return [int(p.item()) for p in parts]
 
 
 def sequence_positions(seq_len, backend="p2p", mesh=None, group=None, ulysses_degree=None):

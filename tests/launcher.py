@@ -49,3 +49,16 @@ def launch_script(script, nproc, *args, timeout=600):
         if proc.returncode != 0:
             raise _failure(script, nproc, proc, logs)
         return logs.get("workerlog.0", "")
+
+
+def launch_failing(worker, nproc, *args, timeout=600):
+    """Run a worker expected to fail: (exit code, per-rank logs, seconds until the launch ended,
+    {name: JSON} of what the ranks wrote to PCP_REPORT_DIR, with 'launched_at' = time.time() at start)."""
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="pcp_launch_") as tmp:
+        started = time.time()
+        proc, logs = _run(WORKERS / worker, nproc, args, tmp, timeout)
+        ended = time.time()
+        written = {p.stem: json.loads(p.read_text()) for p in Path(tmp).glob("*.json")}
+        return proc.returncode, logs, {"launched_at": started, "ended_at": ended, **written}

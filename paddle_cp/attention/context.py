@@ -8,27 +8,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from .. import runtime
 from .layout import SequenceLayout
 from .mask import Documents
 
 
 @dataclass(frozen=True)
 class SequenceInfo:
+    """`valid`: [batch, seq_len] bool (numpy) from the 2-D attention_mask the model was given:
+    False for padding keys, which no query sees (None: no padding)."""
+
     layout: SequenceLayout
     seq_len: int
     documents: Documents | None = None
-
-
-_current = []
+    valid: np.ndarray | None = None
 
 
 def publish(info):
-    _current.append(info)
+    runtime.state.batches.append(info)
 
 
 def retract():
-    _current.pop()
+    runtime.state.batches.pop()
 
 
 def current():
-    return _current[-1] if _current else None
+    return runtime.state.batches[-1] if runtime.state.batches else None

@@ -1,8 +1,10 @@
 """How ring attention gets every member's k/v block, and sends k/v gradients home.
 
 `ring` (default): blocks travel one hop per step, the next one in flight while
-the current is computed on; in backward dk/dv travel with them back to their
-owner. Memory: two blocks. `allgather` (PyTorch's set_rotate_method
+the current is computed on. In backward each block's gradient sum starts at the
+member after its owner and travels with the blocks: the owner keeps its own
+contribution until the sum of the others' arrives, so dk/dv make N-1 hops, the
+minimum (as k/v do). Memory: two blocks. `allgather` (PyTorch's set_rotate_method
 "allgather"): one all-gather of all blocks up front, one reduce-scatter of the
 gradients at the end; fewer, larger messages, N blocks held. Same bytes.
 Blocks are packed flat; `numels[i]` is member i's packed size (lengths may differ).
@@ -25,7 +27,7 @@ def check_rotation(rotate):
 class RingRotation:
     def __init__(self, group, kv, numels):
         self.group, self.numels = group, numels
-        self._current, self._next, self._travelling = kv, None, None
+        self._current, self._next, self._travelling, self._own = kv, None, None, None
 
     def _source(self, step):
         return (self.group.index - step) % self.group.size
@@ -40,14 +42,21 @@ class RingRotation:
         return self._current
 
     def send_grads(self, step, dkv):
-        """Gradient for the block fetched at `step`; it joins the sums travelling to the block's owner."""
+        """Gradient for the block fetched at `step`: this member's own block's stays here; any other
+        joins the sum arriving from the previous member and goes on towards the block's owner."""
+        if step == 0:
+            self._own = dkv
+            return
         if self._travelling is not None:
             dkv = dkv + self._travelling.wait()
         shape = [self.numels[self._source(step + 1)]]
         self._travelling = p2p.shift(self.group, dkv, 1, tag="ring", recv_shape=shape)
 
     def own_grads(self):
-        return self._travelling.wait()
+        """This member's block's gradient: its own part plus the sum of every other member's."""
+        if self._travelling is None:  # a ring of one
+            return self._own
+        return self._own + self._travelling.wait()
 
 
 class AllGatherRotation:

@@ -5,8 +5,8 @@ columns (and of the bias); RowWiseParallel a slice of the in rows, its partial
 outputs summed over `mp`. Paddle keeps global shapes and reshards whatever a
 consumer needs; here a ColWise output stays split only when a sibling layer is
 RowWise (q/k/v -> o, gate/up -> down): any other consumer (embedding users, the
-loss after lm_head) gets it gathered. `annotate_plan` works that out from the
-whole plan before the plans are applied.
+loss after lm_head) gets it gathered. plan_annotation.py works that out from the
+whole plan before the plans are applied and gives each ColWise layer its ColumnInfo.
 """
 from __future__ import annotations
 
@@ -18,30 +18,7 @@ from .. import mesh as mesh_lib
 from ..comm.autograd import copy_to_group, gather_replicated, reduce_from_group, split_to_group
 from ..params import shard_parameter
 from .base import Plan
-
-HEAD_COUNT_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads")
-
-
-def map_first_input(args, kwargs, fn):
-    """(args, kwargs) with `fn` applied to the layer's main input: the first positional
-    argument, or the first Tensor keyword argument (models often call `layer(hidden_states=x)`)."""
-    if args:
-        return (fn(args[0]), *args[1:]), kwargs
-    for key, value in kwargs.items():
-        if isinstance(value, paddle.Tensor):
-            return args, {**kwargs, key: fn(value)}
-    raise ValueError("this plan's layer was called without a Tensor input")
-
-
-def first_tensor(inputs):
-    return inputs[0] if isinstance(inputs, (tuple, list)) else inputs
-
-
-def replace_first(inputs, value):
-    if isinstance(inputs, (tuple, list)):
-        return (value, *inputs[1:])
-    return value
-
+from .hook_args import map_first_input
 
 def _mp_group(plan, mesh):
     mesh_lib.require_dim(mesh, "mp", type(plan).__name__)
@@ -69,13 +46,10 @@ class ColWiseParallel(Plan):
         weight = getattr(layer, "weight", None)
         if not isinstance(weight, paddle.Tensor) or weight.ndim != 2:
             raise ValueError(f"ColWiseParallel needs a layer with a 2-D weight, got {type(layer).__name__}")
-        info = getattr(layer, "pcp_column", None)
-        parts = info.parts if info else None
-        size = mesh_lib.dim_size(mesh, "mp")
-        for part in parts or (weight.shape[1],):
-            if part % size:
-                raise ValueError(f"ColWiseParallel: {type(layer).__name__} out size {part} is not divisible by "
-                                 f"mp={size}: choose an mp degree that divides it")
+        size = mesh_lib.dim_size(mesh, "mp")  # the parts of a fused weight are checked by annotate_plan
+        if weight.shape[1] % size:
+            raise ValueError(f"ColWiseParallel: {type(layer).__name__} out size {weight.shape[1]} is not divisible "
+                             f"by mp={size}: choose an mp degree that divides it")
 
     def apply(self, layer, mesh, param_names=()):
         self.check(layer, mesh, param_names)
@@ -165,8 +139,8 @@ class RowWiseParallel(Plan):
 
         def before(layer, args, kwargs):
             # every rank would add the bias: take it out, add it once after the sum
-            bias["value"] = layer.bias
             if layer.bias is not None:
+                bias["value"] = layer.bias
                 layer._parameters["bias"] = None
             if self.is_input_parallel:
                 return None
@@ -174,94 +148,20 @@ class RowWiseParallel(Plan):
 
         def after(layer, inputs, output):
             output = reduce_from_group(output, group)
-            value = bias.pop("value")
-            if value is not None:
-                layer._parameters["bias"] = value
-                output = output + value
-            return output
+            return output + bias["value"] if "value" in bias else output
+
+        def restore(layer, inputs, output):  # also when the forward raised: the layer keeps its bias
+            if "value" in bias:
+                layer._parameters["bias"] = bias.pop("value")
 
         layer.register_forward_pre_hook(before, with_kwargs=True)
-        return layer.register_forward_post_hook(after)
+        layer.register_forward_post_hook(after)
+        return layer.register_forward_post_hook(restore, always_call=True)
 
 
 @dataclass(frozen=True)
-class ColumnInfo:
+class ColumnInfo:  # set on the layer by plan_annotation.py
     """What the whole plan says about one ColWise layer."""
 
     feeds_row_parallel: bool = False
     parts: tuple = None
-
-
-def _parent(name):
-    return name.rpartition(".")[0]
-
-
-def _fused_parts(name, layer, parent):
-    """Column sizes of a fused projection, by its name; None for a plain one."""
-    leaf = name.rpartition(".")[2]
-    out = layer.weight.shape[1]
-    if "gate" in leaf and "up" in leaf:
-        return (out // 2, out // 2)
-    if "qkv" in leaf:
-        heads = getattr(parent, "num_heads", None) or getattr(parent, "num_attention_heads", None)
-        kv_heads = getattr(parent, "num_key_value_heads", None) or getattr(parent, "num_kv_heads", None) or heads
-        head_dim = getattr(parent, "head_dim", None)
-        if not (heads and head_dim) or (heads + 2 * kv_heads) * head_dim != out:
-            raise ValueError(f"ColWiseParallel on fused projection {name!r}: cannot tell its q/k/v sizes (its parent "
-                             "needs num_heads, num_key_value_heads and head_dim matching the weight); split it into "
-                             "q_proj/k_proj/v_proj or leave it unplanned")
-        return (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-    return None
-
-
-def annotate_plan(model, matched, mesh):
-    """Before plans apply: tell each ColWise layer whether a RowWise sibling consumes its
-    split output and how a fused weight is laid out; give the parents of split
-    attention projections their local head counts (model code that reshapes by
-    `num_heads` then sees this rank's heads)."""
-    layers = dict(model.named_sublayers())
-    row_parents = {_parent(name) for name, _, plans, _ in matched  # RowWise layers that take split inputs
-                   if any(isinstance(p, RowWiseParallel) and p.is_input_parallel for p in plans)}
-    size = mesh_lib.dim_size(mesh, "mp")
-    split_parents = set()
-    for name, layer, plans, _ in matched:
-        if not any(isinstance(p, ColWiseParallel) for p in plans) or not isinstance(getattr(layer, "weight", None), paddle.Tensor):
-            continue
-        parent = layers.get(_parent(name), model)
-        feeds_row = _parent(name) in row_parents
-        layer.pcp_column = ColumnInfo(feeds_row, _fused_parts(name, layer, parent))
-        if feeds_row:
-            split_parents.add(_parent(name))
-    for parent_name in split_parents:
-        _localize_head_counts(parent_name, layers.get(parent_name, model), size)
-    _check_shared_weights(model, matched)
-
-
-def _check_shared_weights(model, matched):
-    """A split weight shared with an unplanned layer (tied embeddings) would reach it split."""
-    planned = {id(layer) for _, layer, plans, _ in matched
-               if any(isinstance(p, (ColWiseParallel, RowWiseParallel)) for p in plans)}
-    holders = {}
-    for name, layer in model.named_sublayers(include_self=True):
-        for param in layer._parameters.values():
-            if param is not None:
-                holders.setdefault(id(param), []).append((name, layer))
-    for name, layer, plans, _ in matched:
-        weight = getattr(layer, "weight", None)
-        if id(layer) not in planned or not isinstance(weight, paddle.Tensor):
-            continue
-        for other_name, other in holders.get(id(weight), []):
-            if id(other) not in planned:
-                raise ValueError(f"{name}.weight is shared with {other_name or 'the model'}, which has no "
-                                 f"tensor-parallel plan: plan it too (e.g. '{other_name}.weight': "
-                                 "ColWiseParallel()) or untie the weights")
-
-
-def _localize_head_counts(name, layer, size):
-    for attr in HEAD_COUNT_ATTRS:
-        value = getattr(layer, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value % size:
-                raise ValueError(f"{name}.{attr} = {value} is not divisible by mp={size}: "
-                                 "choose an mp degree that divides the head counts")
-            setattr(layer, attr, value // size)

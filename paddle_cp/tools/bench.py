@@ -8,9 +8,10 @@ For every sequence length and backend it runs forward+backward of attention on
 [b, s, h, d] fp32 tensors and reports, per case:
 
 - efficiency = T_single / (N x T_rank). T_single: Paddle's
-  F.scaled_dot_product_attention on the whole sequence, timed on rank 0 while the
-  other ranks wait at a barrier. T_rank: the slowest rank's median time of
-  paddle_cp.ring_attention / ulysses_attention on its shard (communication
+  F.scaled_dot_product_attention on the whole sequence, timed on one thread
+  while no rank runs (before the launch, or on rank 0 after the others are
+  done), so it has a core to itself and no rank waits on it. T_rank: the slowest rank's median time of
+  paddle_cp.ring_attention / ulysses_attention / hybrid_attention on its shard (communication
   included). `efficiency_same_kernel` uses paddle_cp's own blockwise kernel for
   T_single instead, isolating the cost of splitting from the kernel's speed.
 - kernel_util = useful FLOP/s per rank / fp32 matmul FLOP/s. Useful FLOPs:
@@ -21,10 +22,9 @@ For every sequence length and backend it runs forward+backward of attention on
 - balance = max / mean over ranks of the visible score-matrix entries each rank
   computes: from the layout's token positions for p2p, the head split for all2all.
 - bytes_ratio = bytes sent per rank (paddle_cp.bytes_sent(), one forward+backward)
-  / the algorithm's minimum (paddle_cp.planner): ring 3(N-1) x bytes(local k, v),
-  so the implementation's (3N-2) gives (3N-2)/(3N-3); Ulysses 2 x (N-1)/N x
-  bytes(q, k, v, out), ratio 1. `bytes_predicted` is the planner's figure for
-  what the implementation sends.
+  / the algorithm's minimum (`bytes_min`, paddle_cp.planner): ring 3(N-1) x
+  bytes(local k, v); Ulysses 2 x (N-1)/N x bytes(q, k, v, out); hybrid the
+  Ulysses figure over U ranks plus the ring's over N/U groups on h_k/U heads.
 - mem_ratio = peak bytes allocated per rank during forward+backward (inputs,
   activations, gradients, temporaries) / the same for one process running the same
   blockwise kernel on the whole sequence. Measured with Paddle's host allocator
@@ -58,7 +58,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="context-parallel ranks (CPU processes)")
     parser.add_argument("--seq", type=int, nargs="+", default=[2048], help="sequence lengths")
-    parser.add_argument("--backend", nargs="+", choices=["p2p", "all2all"], default=["p2p", "all2all"])
+    parser.add_argument("--backend", nargs="+", choices=["p2p", "all2all", "hybrid"], default=["p2p", "all2all"])
+    parser.add_argument("--ulysses-degree", type=int, default=2, help="Ulysses group size of the hybrid backend")
     parser.add_argument("--causal", action="store_true", help="causal attention (default: full)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
@@ -76,16 +77,25 @@ def parse_args(argv=None):
 
 
 def _check(parser, args):
-    """Refuse bad shapes here, before any rank starts waiting for another."""
-    n = args.nproc
-    for seq in args.seq:
-        if seq % (2 * n):
-            parser.error(f"--seq {seq} must be a multiple of 2 x --nproc = {2 * n}")
+    """Refuse bad shapes here, with the library's own checks, before any rank starts waiting for another."""
+    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.attention.ulysses import head_split
+    from paddle_cp.planner import degrees
+
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    if "all2all" in args.backend and (args.heads % n or (args.kv_heads % n and n % args.kv_heads)):
-        parser.error(f"all2all splits heads over ranks: --heads {args.heads} and --kv-heads {args.kv_heads} "
-                     f"must divide over --nproc {n}")
+    for backend in args.backend:
+        try:
+            _, ulysses = degrees(backend, args.nproc, _degree(args, backend))
+            for seq in args.seq:
+                SequenceLayout(backend, args.nproc, _degree(args, backend)).check_length(seq)
+            head_split(args.heads, args.kv_heads, ulysses)
+        except ValueError as error:
+            parser.error(f"--backend {backend}: {error}")
+
+
+def _degree(args, backend):
+    return args.ulysses_degree if backend == "hybrid" else None
 
 
 def progress(message):
@@ -95,7 +105,7 @@ def progress(message):
 # ---- the launcher side ------------------------------------------------------------
 
 def launch(args, argv, script=__file__):
-    """Run `script` (this one by default) on args.nproc ranks; return rank 0's results."""
+    """Run `script` (this one by default) on args.nproc ranks; return rank 0's measurements."""
     with tempfile.TemporaryDirectory(prefix="bench_cp_") as tmp:
         result, log_dir = Path(tmp) / "result.json", Path(tmp) / "log"
         env = dict(os.environ, **{name: "1" for name in THREAD_VARS})
@@ -149,21 +159,32 @@ def run_ranks(args):
 
     progress("timing the fp32 matmul on every rank")
     rates = _gather(dist, [_matmul_rate(paddle, args)])
-    single_rate = _on_rank0(dist, lambda: _matmul_rate(paddle, args))
-    cases = []
+    runs = []
     for seq in args.seq:
         inputs = _inputs(paddle, args, seq)
-        progress(f"seq {seq}: single-process reference on rank 0")
-        single = _on_rank0(dist, lambda: _single(paddle, args, inputs))
         for backend in args.backend:
             progress(f"seq {seq}: {backend} on {world} ranks")
-            local = _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs)
-            per_rank = _gather(dist, local)
-            if rank == 0:
-                cases.append(summarise(args, backend, seq, single, single_rate, per_rank, rates))
-    if rank == 0:
-        return {"config": _config(args), "cases": cases}
-    return None
+            runs.append([seq, backend, _gather(dist, _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs))])
+    return {"rates": rates, "runs": runs} if rank == 0 else None
+
+
+def measure_single(args):
+    """The single-process reference: the matmul rate, and per length SDPA and blockwise timings and memory."""
+    import paddle
+
+    paddle.set_device("cpu")
+    progress("single-process reference")
+    single = {"rate": _matmul_rate(paddle, args), "by_seq": {}}
+    for seq in args.seq:
+        progress(f"seq {seq}: single-process reference")
+        single["by_seq"][seq] = _single(paddle, args, _inputs(paddle, args, seq))
+    return single
+
+
+def summarise_all(args, single, measured):
+    cases = [summarise(args, backend, seq, single["by_seq"][seq], single["rate"], per_rank, measured["rates"])
+             for seq, backend, per_rank in measured["runs"]]
+    return {"config": _config(args), "cases": cases}
 
 
 def _gather(dist, values):
@@ -173,13 +194,6 @@ def _gather(dist, values):
     gathered = []
     dist.all_gather(gathered, paddle.to_tensor(values, dtype="float64"))
     return [g.numpy().tolist() for g in gathered]
-
-
-def _on_rank0(dist, measure):
-    """Run `measure` on rank 0 alone (the others wait), so it has a core to itself."""
-    value = measure() if dist.get_rank() == 0 else None
-    dist.barrier()
-    return value
 
 
 def _median_time(step, iters, warmup, before=lambda: None):
@@ -252,11 +266,14 @@ def _single(paddle, args, inputs):
 
 def _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs):
     """[seconds, bytes sent, peak bytes, held bytes] of this rank for one forward+backward."""
-    shards = [pcp.shard_sequence(t, backend=backend, mesh=mesh) for t in inputs]
-    attention_fn = pcp.ring_attention if backend == "p2p" else pcp.ulysses_attention
+    degree = _degree(args, backend)
+    shards = [pcp.shard_sequence(t, backend=backend, mesh=mesh, ulysses_degree=degree) for t in inputs]
+    attention_fn = {"p2p": pcp.ring_attention, "all2all": pcp.ulysses_attention, "hybrid": pcp.hybrid_attention}[backend]
+    extra = {"ulysses_degree": degree} if degree else {}
+    seq_len = inputs[0].shape[1]  # each rank sees only its own part of a length that may not divide
 
     def attention(q, k, v):
-        return attention_fn(q, k, v, is_causal=args.causal, mesh=mesh)
+        return attention_fn(q, k, v, is_causal=args.causal, mesh=mesh, seq_len=seq_len, **extra)
 
     pcp.reset_counters()
     _fwd_bwd(paddle, attention, *shards)
@@ -269,33 +286,35 @@ def _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs):
 
 # ---- figures ----------------------------------------------------------------------
 
-def work_per_rank(backend, world, seq, heads, causal):
-    """Visible score-matrix entries each rank computes (per batch element)."""
+def work_per_rank(backend, world, seq, heads, causal, ulysses_degree=None):
+    """Visible score-matrix entries each rank computes (per batch element): the rows of its ring
+    group (the p2p layout over groups of U adjacent ranks) times its share of the heads."""
     from paddle_cp.attention.layout import SequenceLayout, even_sizes
+    from paddle_cp.planner import degrees
 
-    if backend == "p2p":
-        layout = SequenceLayout("p2p", world)
-        work = []
-        for index in range(world):
-            rows = layout.positions(seq, index)
-            work.append(heads * int((rows + 1).sum() if causal else len(rows) * seq))
-        return work
-    per_head = seq * (seq + 1) // 2 if causal else seq * seq
-    return [count * per_head for count in even_sizes(heads, world)]
+    ring, ulysses = degrees(backend, world, ulysses_degree)
+    head_counts, groups = even_sizes(heads, ulysses), SequenceLayout("p2p", ring)
+    work = []
+    for index in range(world):
+        rows = groups.positions(seq, index // ulysses)
+        visible = int((rows + 1).sum()) if causal else len(rows) * seq
+        work.append(head_counts[index % ulysses] * visible)
+    return work
 
 
 def summarise(args, backend, seq, single, single_rate, per_rank, rates):
     from paddle_cp import planner
 
-    n = args.nproc
+    n, degree = args.nproc, _degree(args, backend)
     shape = (args.batch, seq, args.heads, args.kv_heads, args.head_dim)
     t_rank = max(r[0] for r in per_rank)
     sent = max(r[1] for r in per_rank)
     flops = planner.attention_flops(args.batch, seq, args.heads, args.head_dim, args.causal)
-    work = work_per_rank(backend, n, seq, args.heads, args.causal)
+    work = work_per_rank(backend, n, seq, args.heads, args.causal, degree)
+    predicted = planner.attention_bytes(backend, *shape, n, ulysses_degree=degree)
     held_single = planner.attention_held_bytes(backend, *shape, 1)
     return {
-        "backend": backend, "seq": seq, "nproc": n, "causal": args.causal,
+        "backend": backend, "ulysses_degree": degree, "seq": seq, "nproc": n, "causal": args.causal,
         "t_single": single["t_sdpa"], "t_single_blockwise": single["t_blockwise"], "t_rank": t_rank,
         "efficiency": single["t_sdpa"] / (n * t_rank),
         "efficiency_same_kernel": single["t_blockwise"] / (n * t_rank),
@@ -304,12 +323,11 @@ def summarise(args, backend, seq, single, single_rate, per_rank, rates):
         "matmul_gflops": statistics.mean(r[0] for r in rates) / 1e9,
         "balance": max(work) / statistics.mean(work),
         "bytes_per_rank": sent,
-        "bytes_predicted": planner.attention_bytes(backend, *shape, n),
-        "bytes_min": planner.attention_min_bytes(backend, *shape, n),
-        "bytes_ratio": sent / planner.attention_min_bytes(backend, *shape, n),
+        "bytes_min": predicted,
+        "bytes_ratio": sent / predicted,
         "mem_ratio": max(r[2] for r in per_rank) / single["peak"],
         "held_ratio": max(r[3] for r in per_rank) / single["held"],
-        "held_predicted_ratio": planner.attention_held_bytes(backend, *shape, n) / held_single,
+        "held_predicted_ratio": planner.attention_held_bytes(backend, *shape, n, ulysses_degree=degree) / held_single,
         "peak_bytes_rank": max(r[2] for r in per_rank), "peak_bytes_single": single["peak"],
         "oversubscribed": n > (os.cpu_count() or 1),
     }
@@ -363,15 +381,17 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" not in os.environ:
-        finish(launch(args, argv), args)
+        os.environ.update({name: "1" for name in THREAD_VARS})  # one thread, like each rank (before paddle loads)
+        single = measure_single(args)
+        finish(summarise_all(args, single, launch(args, argv)), args)
         return
-    result = run_ranks(args)
-    if result is None:
+    measured = run_ranks(args)
+    if measured is None:
         return
     if args.result_file:
-        Path(args.result_file).write_text(json.dumps(result))
-    else:
-        finish(result, args)
+        Path(args.result_file).write_text(json.dumps(measured))
+    else:  # run under someone else's launch: rank 0 measures the reference once the other ranks are done
+        finish(summarise_all(args, measure_single(args), measured), args)
 
 
 if __name__ == "__main__":

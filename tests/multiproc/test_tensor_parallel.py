@@ -80,4 +80,5 @@ def test_level3_frees_full_copies_between_forward_and_backward(sharding):
         for run in ("dp4_l3", "dp2xmp2_sp_l3"):
             gathered = report["values"][f"{run}.gathered"]
             assert gathered["held_now"] == 0, gathered
+            assert report["values"][f"{run}.restored_after_error"], run
             assert 0 < gathered["peak"] < gathered["one_forward"] / 4, gathered

@@ -1,7 +1,6 @@
 """Which tokens and heads live on which rank: layouts, causal balance, the Ulysses head split."""
 from typing import NamedTuple, Optional
 
-import numpy as np
 import paddle
 import pytest
 

@@ -3,6 +3,7 @@ import importlib
 import json
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -18,25 +19,60 @@ def test_work_per_rank():
         assert len(set(bench.work_per_rank("p2p", n, 8 * n, 4, causal=True))) == 1
     assert sum(bench.work_per_rank("p2p", 4, 64, 2, causal=True)) == 2 * 64 * 65 // 2
     assert bench.work_per_rank("all2all", 2, 16, 3, causal=False) == [2 * 256, 256]  # uneven head split
+    hybrid = bench.work_per_rank("hybrid", 4, 64, 4, causal=True, ulysses_degree=2)
+    assert len(set(hybrid)) == 1 and sum(hybrid) == 4 * 64 * 65 // 2
 
 
-def test_bench_refuses_bad_shapes():
+class BenchArgs(NamedTuple):
+    name: str
+    argv: list
+
+
+BAD_BENCH_ARGS = [
+    BenchArgs("seq_shorter_than_ranks", ["--nproc", "4", "--seq", "3"]),
+    BenchArgs("fewer_heads_than_ulysses_ranks", ["--nproc", "4", "--heads", "3", "--kv-heads", "1",
+                                                 "--backend", "all2all"]),
+    BenchArgs("degree_not_dividing_ranks", ["--nproc", "4", "--backend", "hybrid", "--ulysses-degree", "3"]),
+    BenchArgs("gqa_heads_not_a_multiple", ["--nproc", "2", "--heads", "6", "--kv-heads", "4"]),
+]
+
+
+@pytest.mark.parametrize("case", BAD_BENCH_ARGS, ids=lambda case: case.name)
+def test_bench_refuses_bad_shapes(case):
     with pytest.raises(SystemExit):
-        bench.parse_args(["--nproc", "4", "--seq", "100"])
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--nproc", "3", "--seq", "96", "--heads", "8", "--backend", "all2all"])
+        bench.parse_args(case.argv)
+
+
+def test_bench_takes_any_length_and_head_count_the_library_runs():
+    """No stale limits: lengths and head counts that do not divide are fine."""
+    for argv in (["--nproc", "4", "--seq", "100"], ["--nproc", "3", "--seq", "97", "--heads", "8", "--backend", "all2all"],
+                 ["--nproc", "4", "--seq", "30", "--heads", "3", "--kv-heads", "1", "--backend", "hybrid"]):
+        assert bench.parse_args(argv).nproc == int(argv[1])
 
 
 def test_planner_traffic_formulas():
     b, s, h, hk, d, e = 1, 1024, 8, 2, 64, 2
     kv = 2 * b * (s // 4) * hk * d * e
-    assert planner.attention_bytes("p2p", b, s, h, hk, d, 4, e) == 10 * kv
-    assert planner.attention_min_bytes("p2p", b, s, h, hk, d, 4, e) == 9 * kv
+    assert planner.attention_bytes("p2p", b, s, h, hk, d, 4, e) == 9 * kv  # 3(N-1) hops of k/v
     # Ulysses over 4 ranks with 2 k/v heads sends them repeated to 4
     assert planner.attention_bytes("all2all", b, s, h, hk, d, 4, e) == 2 * 3 * (b * s // 4 * d * e) * (2 * h + 8) // 4
     uly, ring = planner.attention_traffic(b, s, h, hk, d, ring=2, ulysses=2, elem=e)
     assert uly == planner.ulysses_bytes(b, s // 2, h, hk, d, 2, e)
     assert ring == planner.ring_bytes(b, s, 1, d, 2, e)
+    assert planner.attention_bytes("hybrid", b, s, h, hk, d, 4, e, ulysses_degree=2) == uly + ring
+
+
+def test_planner_hybrid_holds_ulysses_copies_over_its_group_only():
+    """kv_heads=1 is repeated to U=2 for hybrid, to 4 for all2all over 4 ranks."""
+    b, s, h, hk, d = 1, 1024, 8, 1, 64
+    tokens = b * s // 4
+    hybrid = planner.attention_held_bytes("hybrid", b, s, h, hk, d, 4, ulysses_degree=2)
+    all2all = planner.attention_held_bytes("all2all", b, s, h, hk, d, 4)
+    assert all2all - hybrid == tokens * 2 * (4 - 2) * d * planner.FP32
+    model = planner.ModelShape(layers=2, hidden=512, heads=8, kv_heads=1, vocab=1000, intermediate=1024)
+    by_layout = {name: planner.memory(model, planner.Layout(1, ring, uly, 1), s, 1, 4)["activations"]
+                 for name, ring, uly in (("hybrid", 2, 2), ("all2all", 1, 4))}
+    assert by_layout["all2all"] - by_layout["hybrid"] == 2 * (all2all - hybrid)
 
 
 def test_model_shape_counts_llama_parameters():

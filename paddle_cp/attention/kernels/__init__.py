@@ -17,18 +17,25 @@ from .flash import FlashKernel, flash_available
 _HALF = (paddle.float16, paddle.bfloat16)
 
 
-def choose_kernel_name(on_gpu, dtype, has_flash, mask_fits_flash=True):
-    """The dispatch rule, free of devices so it can be tested anywhere."""
-    return "flash" if on_gpu and has_flash and dtype in _HALF and mask_fits_flash else "blockwise"
+def choose_kernel_name(on_gpu, dtype, has_flash, mask_fits_flash=True, same_head_dims=True):
+    """The dispatch rule, free of devices so it can be tested anywhere: flash for half-precision GPU
+    tensors when the op exists, the mask is one it expresses and q/k/v share a head dim (not MLA)."""
+    flash = on_gpu and has_flash and dtype in _HALF and mask_fits_flash and same_head_dims
+    return "flash" if flash else "blockwise"
 
 
 _KERNELS = {"flash": FlashKernel, "blockwise": BlockwiseKernel}
 
 
-def select_kernel(q, mask=None):
-    on_gpu, has_flash = not q.place.is_cpu_place(), flash_available()
-    fits = mask is None or not (on_gpu and has_flash) or FlashKernel.supports(mask)
-    return _KERNELS[choose_kernel_name(on_gpu, q.dtype, has_flash, fits)]()
+def on_gpu(tensor):
+    """Whether `tensor` lives on a GPU (the test suite substitutes this to run the GPU path on CPU)."""
+    return not tensor.place.is_cpu_place()
+
+
+def select_kernel(q, v, mask=None):
+    gpu, has_flash = on_gpu(q), flash_available()
+    fits = mask is None or not (gpu and has_flash) or FlashKernel.supports(mask)
+    return _KERNELS[choose_kernel_name(gpu, q.dtype, has_flash, fits, q.shape[-1] == v.shape[-1])]()
 
 
 class LocalAttention(PyLayer):
@@ -54,7 +61,7 @@ def local_attention(q, k, v, causal, scale, kernel=None, mask=None):
     """Attention of one process's q over its k/v, at consecutive positions unless `mask` says otherwise."""
     if mask is None:
         mask = BlockMask(np.arange(q.shape[1]), np.arange(k.shape[1]), causal)
-    return LocalAttention.apply(q, k, v, mask, scale, kernel or select_kernel(q, mask))
+    return LocalAttention.apply(q, k, v, mask, scale, kernel or select_kernel(q, v, mask))
 
 
 __all__ = ["BlockwiseKernel", "FlashKernel", "select_kernel", "choose_kernel_name", "local_attention"]

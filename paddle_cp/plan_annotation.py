@@ -1,0 +1,136 @@
+"""What the whole plan says about single layers, worked out and checked before anything changes.
+
+Paddle keeps global shapes and reshards whatever a consumer needs; with local
+tensors a ColWise output stays split only when a sibling layer is RowWise
+(q/k/v -> o, gate/up -> down), a fused weight (qkv, gate_up) is split per part,
+and the parent of split attention projections must reshape by its local head
+counts. `annotate_plan` derives all of that and raises on anything that cannot
+work; `PlanAnnotation.apply` then writes it onto the layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import paddle
+
+from . import mesh as mesh_lib
+from .plans.tensor_parallel import ColumnInfo, ColWiseParallel, RowWiseParallel
+
+HEAD_COUNT_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads")
+SPLIT_AXIS = {ColWiseParallel: 1, RowWiseParallel: 0}  # which weight axis each plan splits
+
+
+@dataclass
+class PlanAnnotation:
+    columns: list = field(default_factory=list)      # (layer, ColumnInfo) of every ColWise layer
+    head_counts: list = field(default_factory=list)  # (layer, attribute, local value)
+
+    def apply(self):
+        for layer, info in self.columns:
+            layer.pcp_column = info
+        for layer, attr, value in self.head_counts:
+            setattr(layer, attr, value)
+
+
+def _parent(name):
+    return name.rpartition(".")[0]
+
+
+def _fused_parts(name, layer, parent):
+    """Column sizes of a fused projection, by its name; None for a plain one."""
+    leaf = name.rpartition(".")[2]
+    out = layer.weight.shape[1]
+    if "gate" in leaf and "up" in leaf:
+        return (out // 2, out // 2)
+    if "qkv" in leaf:
+        heads = getattr(parent, "num_heads", None) or getattr(parent, "num_attention_heads", None)
+        kv_heads = getattr(parent, "num_key_value_heads", None) or getattr(parent, "num_kv_heads", None) or heads
+        head_dim = getattr(parent, "head_dim", None)
+        if not (heads and head_dim) or (heads + 2 * kv_heads) * head_dim != out:
+            raise ValueError(f"ColWiseParallel on fused projection {name!r}: cannot tell its q/k/v sizes (its parent "
+                             "needs num_heads, num_key_value_heads and head_dim matching the weight); split it into "
+                             "q_proj/k_proj/v_proj or leave it unplanned")
+        return (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    return None
+
+
+def _check_parts(name, parts, size):
+    for part in parts:
+        if part % size:
+            raise ValueError(f"ColWiseParallel on {name!r}: part of size {part} is not divisible by mp={size}: "
+                             "choose an mp degree that divides it")
+
+
+def annotate_plan(model, matched, mesh):
+    """The annotation of `matched` (resolve_plan's list) on `mesh`; raises, changing nothing, if it cannot work."""
+    layers = dict(model.named_sublayers())
+    row_parents = {_parent(name) for name, _, plans, _ in matched  # RowWise layers that take split inputs
+                   if any(isinstance(p, RowWiseParallel) and p.is_input_parallel for p in plans)}
+    size = mesh_lib.dim_size(mesh, "mp")
+    annotation, split_parents = PlanAnnotation(), []
+    for name, layer, plans, _ in matched:
+        weight = getattr(layer, "weight", None)
+        if not any(isinstance(p, ColWiseParallel) for p in plans) or not isinstance(weight, paddle.Tensor):
+            continue
+        feeds_row = _parent(name) in row_parents
+        parts = _fused_parts(name, layer, layers.get(_parent(name), model))
+        if parts and weight.ndim == 2:
+            _check_parts(name, parts, size)
+        annotation.columns.append((layer, ColumnInfo(feeds_row, parts)))
+        if feeds_row and _parent(name) not in split_parents:
+            split_parents.append(_parent(name))
+    for parent_name in split_parents:
+        annotation.head_counts += _local_head_counts(parent_name, layers.get(parent_name, model), size)
+    _check_shared_weights(model, matched)
+    return annotation
+
+
+def _local_head_counts(name, layer, size):
+    counts = []
+    for attr in HEAD_COUNT_ATTRS:
+        value = getattr(layer, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value % size:
+                raise ValueError(f"{name}.{attr} = {value} is not divisible by mp={size}: "
+                                 "choose an mp degree that divides the head counts")
+            counts.append((layer, attr, value // size))
+    return counts
+
+
+def _split_axes(matched):
+    """{id(weight): {axis: layer name}} of every weight a tensor-parallel plan splits."""
+    axes = {}
+    for name, layer, plans, _ in matched:
+        weight = getattr(layer, "weight", None)
+        for plan in plans:
+            axis = SPLIT_AXIS.get(type(plan))
+            if axis is not None and isinstance(weight, paddle.Tensor):
+                axes.setdefault(id(weight), {}).setdefault(axis, name)
+    return axes
+
+
+def _check_shared_weights(model, matched):
+    """A split weight shared with an unplanned layer (tied embeddings) would reach it split; one
+    shared by layers that split it on different axes cannot be both."""
+    axes = _split_axes(matched)
+    for by_axis in axes.values():
+        if len(by_axis) > 1:
+            (a, first), (b, second) = sorted(by_axis.items())
+            raise ValueError(f"{first}.weight and {second}.weight are one tensor split on different axes ({a} and "
+                             f"{b}): untie them or plan both layers alike")
+    planned = {id(layer) for _, layer, plans, _ in matched
+               if any(isinstance(p, (ColWiseParallel, RowWiseParallel)) for p in plans)}
+    holders = {}
+    for name, layer in model.named_sublayers(include_self=True):
+        for param in layer._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), []).append((name, layer))
+    for name, layer, plans, _ in matched:
+        weight = getattr(layer, "weight", None)
+        if id(layer) not in planned or not isinstance(weight, paddle.Tensor):
+            continue
+        for other_name, other in holders.get(id(weight), []):
+            if id(other) not in planned:
+                raise ValueError(f"{name}.weight is shared with {other_name or 'the model'}, which has no "
+                                 f"tensor-parallel plan: plan it too (e.g. '{other_name}.weight': "
+                                 "ColWiseParallel()) or untie the weights")
