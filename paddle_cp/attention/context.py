@@ -2,15 +2,18 @@
 
 PrepareContextParallel publishes it while the top layer runs (its length and
 documents, which no rank can see from its own tokens); ContextParallel's
-attention reads it. The functional APIs take the same facts as arguments.
+attention reads it. A recompute call made meanwhile carries it into its replay
+in backward (paddle_cp/recompute.py). The functional APIs take the same facts
+as arguments.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import runtime
+from .. import recompute, runtime
 from .layout import SequenceLayout
 from .mask import Documents
 
@@ -36,3 +39,20 @@ def retract():
 
 def current():
     return runtime.state.batches[-1] if runtime.state.batches else None
+
+
+@contextlib.contextmanager
+def published(info):
+    publish(info)
+    try:
+        yield
+    finally:
+        retract()
+
+
+def _capture():
+    info = current()
+    return None if info is None else lambda: published(info)
+
+
+recompute.carry(_capture)

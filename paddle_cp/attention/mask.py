@@ -138,6 +138,7 @@ class BlockMask:
             self.lo = np.where(seen, self.lo, far)
             self.hi = np.where(seen, self.hi, 0)
         self.restricted = causal or documents is not None or dense is not None or valid is not None
+        self._seen = None
 
     def q_runs(self):
         return runs(self.q_pos, self.cuts)
@@ -164,16 +165,22 @@ class BlockMask:
             return "none"
         every = lo.max() <= first and hi.min() > last
         if self.dense is not None:
-            tile = self._dense_tile(q_range, k_range)
-            seen = tile if tile.dtype == paddle.bool else tile > MASKED_BELOW
-            if not bool(seen.any()):
+            seen = self._dense_seen()[:, :, qs:qe, ks:ke]
+            if not seen.any():
                 return "none"
-            return "all" if every and bool(seen.all()) else "some"
+            return "all" if every and seen.all() else "some"
         if every:
             return "all"
         diagonal = (self.causal and (qe - qs) == (ke - ks)
                     and first == self.k_pos[ks] and np.all(hi > last))
         return "diagonal" if diagonal else "some"
+
+    def _dense_seen(self):
+        """The dense mask's visible pairs on the host, read once per block (its only device read)."""
+        if self._seen is None:
+            seen = self.dense if self.dense.dtype == paddle.bool else self.dense > MASKED_BELOW
+            self._seen = seen.numpy()
+        return self._seen
 
     def _dense_tile(self, q_range, k_range):
         (qs, qe), (ks, ke) = q_range, k_range

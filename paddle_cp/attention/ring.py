@@ -15,7 +15,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from ..comm import p2p
-from .kernels import select_kernel
+from .kernels import saveable, select_kernel
 from .layout import runs
 from .mask import BlockMask
 from .merge import merge
@@ -112,7 +112,7 @@ class RingAttention(PyLayer):
         out, lse = ring_forward(q, k, v, group, masks, scale, rotate)
         if sinks is not None:
             out, lse = merge(out, lse, paddle.zeros_like(out), _sink_lse(sinks, lse))
-        out = out.astype(q.dtype)
+        out, lse = saveable(out.astype(q.dtype), lse)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.args = (group, masks, scale, rotate)
         return out
@@ -131,4 +131,5 @@ class RingAttention(PyLayer):
 
 def ring_attention_local(q, k, v, group, masks, scale, rotate="ring", sinks=None):
     """Attention of this member's [b, s_i, h, d] q/k/v shards (v: [b, s_i, h, d_v]) over the ring `group`."""
+    q, k, v = saveable(q, k, v)
     return RingAttention.apply(q, k, v, sinks, group, masks, scale, rotate)

@@ -10,11 +10,12 @@ would have seen only this rank's tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from dataclasses import dataclass
 
-from .. import runtime
+from .. import recompute, runtime
 from . import context
 from .api import context_parallel_attention
 
@@ -53,6 +54,27 @@ def leave(layer):
         "them from the layer, or call paddle_cp.ring_attention / ulysses_attention yourself; or put ContextParallel "
         "on the layer that computes attention"
     )
+
+
+@contextlib.contextmanager
+def _replaying(frames):
+    """The ContextParallel layers that ran a recompute call, running again for its replay in backward
+    (their forwards already checked that paddle_cp ran their attention)."""
+    running = runtime.state.running
+    depth = len(running)
+    running.extend(Frame(frame.plan, frame.layer, ran=True) for frame in frames)
+    try:
+        yield
+    finally:
+        del running[depth:]
+
+
+def _capture_running():
+    frames = tuple(runtime.state.running)
+    return (lambda: _replaying(frames)) if frames else None
+
+
+recompute.carry(_capture_running)
 
 
 def plan_for(module=None):

@@ -6,6 +6,7 @@ import inspect
 import paddle
 
 from .. import mesh as mesh_lib
+from .. import recompute
 from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, resolve_groups, routing
 from ..attention import ulysses_size
 from .base import Plan, refuse_param_plan
@@ -66,6 +67,7 @@ class _SepPlan(Plan):
         sep = mesh_lib.dim_size(mesh, "sep")
         self._layout = SequenceLayout(self.backend, sep, self.ulysses_degree)
         self._groups = resolve_groups(self._layout, mesh)
+        recompute.install()  # recomputed layers replay with this batch's layout and plans
 
 
 class PrepareContextParallel(_SepPlan):

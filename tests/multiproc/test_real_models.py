@@ -1,8 +1,8 @@
 """PaddleFormers models built with their defaults (eager attention) train at parity under ContextParallel.
 
 One launch per world size: every family x {p2p, all2all} at N=2 (plus padding, packed documents
-under sliding windows and the other attention implementations), hybrid / padding / all-gather
-rotation at N=4; all lengths uneven.
+under sliding windows, the other attention implementations and recomputation), hybrid / padding /
+all-gather rotation / recomputation at N=4; all lengths uneven.
 """
 import pytest
 from launcher import launch
@@ -14,9 +14,14 @@ FAMILIES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "phi3", "qwen3")
 RUNS = {
     2: [f"{family}:{backend}" for family in FAMILIES for backend in ("p2p", "all2all")]
     + ["llama:p2p:padded", "qwen3:all2all:padded", "gemma3:p2p:packed", "gpt_oss:all2all:packed",
-       "gemma3:p2p:sdpa", "deepseek_v3:p2p:flashmask", "gpt_oss:all2all:flashmask"],
+       "gemma3:p2p:sdpa", "deepseek_v3:p2p:flashmask", "gpt_oss:all2all:flashmask"]
+    # recomputation replays attention in backward: DeepSeek's selective "core_attn" (the attention function
+    # alone, reentrant or not) and full-layer recompute of sliding-window models
+    + ["deepseek_v3:p2p:core_attn", "deepseek_v3:all2all:core_attn_plain", "gemma3:p2p:full_recompute",
+       "phi3:all2all:allgather:full_recompute"],
     4: ["llama:hybrid:2", "gemma3:hybrid:2:allgather", "gpt_oss:hybrid:2", "deepseek_v3:hybrid:2:allgather",
-        "phi3:p2p:padded", "qwen3:all2all:allgather"],
+        "phi3:p2p:padded", "qwen3:all2all:allgather", "gpt_oss:hybrid:2:full_recompute",
+        "deepseek_v3:hybrid:2:core_attn_plain"],
 }
 
 

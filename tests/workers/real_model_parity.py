@@ -1,11 +1,12 @@
 """PaddleFormers models as users build them (default eager attention) trained 3 AdamW steps under
 parallelize vs one process with the model's own eager attention on the same batch.
 
-argv: the runs, each "family:backend[:degree][:padded][:packed][:allgather][:sdpa|flashmask]"; every sequence is uneven (8N+3
+argv: the runs, each "family:backend[:degree][:padded][:packed][:allgather][:sdpa|flashmask][:recompute]"; every sequence is uneven (8N+3
 tokens). "padded": a 2-D attention_mask marks the last tokens of one row as padding (labels -100 there);
 "allgather": k/v blocks rotate by all-gather instead of ring hops; "packed": documents given as
 PaddleFormers' causal attn_mask_startend_row_indices [b, 1, s, 1]; "sdpa" or "flashmask": the
-parallel model is built with that _attn_implementation (the reference stays eager).
+parallel model is built with that _attn_implementation (the reference stays eager);
+"core_attn" / "core_attn_plain" / "full_recompute": the parallel model recomputes (RECOMPUTE below).
 Also records the error for a RoPE that reads the length from local positions.
 """
 import sys
@@ -64,9 +65,19 @@ def reference(family, seq, padded, packed):
     return [float(x) for x in losses], grads, params
 
 
-def parallel(family, seq, mesh, backend, degree, padded, packed, rotate, implementation):
+RECOMPUTE = {  # spec word -> PaddleFormers' own recompute flags (use_cache off: a cached layer re-run in
+    # backward appends its k/v to the cache again, which fails on one card too)
+    "core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"], recompute_use_reentrant=True),
+    "core_attn_plain": dict(recompute_granularity="selective", recompute_modules=["core_attn"],
+                            recompute_use_reentrant=False),
+    "full_recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                           use_cache=False),
+}
+
+
+def parallel(family, seq, mesh, backend, degree, padded, packed, rotate, implementation, recompute=None):
     paddle.seed(2024)
-    model = build(family, _attn_implementation=implementation)
+    model = build(family, _attn_implementation=implementation, **RECOMPUTE.get(recompute, {}))
     opt = adamw(model)
     prepare = pcp.PrepareContextParallel(backend, degree)
     plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel(backend, degree, rotate)}
@@ -109,8 +120,9 @@ def main(report):
         ref_losses, ref_grads, ref_params = references[family, padded, packed]
         rotate = "allgather" if "allgather" in rest else "ring"
         implementation = next((x for x in rest if x in ("sdpa", "flashmask")), "eager")
+        recompute = next((x for x in rest if x in RECOMPUTE), None)
         losses, grads, params = parallel(family, seq, mesh, backend, degree, padded, packed, rotate,
-                                         implementation)
+                                         implementation, recompute)
         names.append(spec)
         report.value(f"{spec}.losses", losses)
         report.diff(f"{spec}.loss", np.array(losses), np.array(ref_losses))

@@ -38,13 +38,20 @@ def select_kernel(q, v, mask=None):
     return _KERNELS[choose_kernel_name(gpu, q.dtype, has_flash, fits, q.shape[-1] == v.shape[-1])]()
 
 
+def saveable(*tensors):
+    """The tensors, views (transpose, slice, unbind) copied into their own memory: a PyLayer
+    saves the caller's tensors, and Paddle's non-reentrant recompute restores a saved view
+    without its strides and offset."""
+    return [t if t.is_contiguous() and t.offset == 0 else t.clone() for t in tensors]
+
+
 class LocalAttention(PyLayer):
     """One process's attention through a kernel, differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, kernel):
         out, lse = kernel.forward(q, k, v, mask, scale)
-        out = out.astype(q.dtype)
+        out, lse = saveable(out.astype(q.dtype), lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (mask, scale, kernel)
         return out
@@ -61,7 +68,8 @@ def local_attention(q, k, v, causal, scale, kernel=None, mask=None):
     """Attention of one process's q over its k/v, at consecutive positions unless `mask` says otherwise."""
     if mask is None:
         mask = BlockMask(np.arange(q.shape[1]), np.arange(k.shape[1]), causal)
+    q, k, v = saveable(q, k, v)
     return LocalAttention.apply(q, k, v, mask, scale, kernel or select_kernel(q, v, mask))
 
 
-__all__ = ["BlockwiseKernel", "FlashKernel", "select_kernel", "choose_kernel_name", "local_attention"]
+__all__ = ["saveable", "BlockwiseKernel", "FlashKernel", "select_kernel", "choose_kernel_name", "local_attention"]
