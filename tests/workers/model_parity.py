@@ -16,6 +16,7 @@ import paddle
 import paddle.distributed as dist
 from batches import make_batch
 from llama_models import build_llama, loss_of
+from losses import single_card_loss
 from report import run
 
 import paddle_cp as pcp
@@ -86,7 +87,6 @@ def parallel(source, seq, mesh, spec):
     if source != "tiny":
         labels = local_labels
     weight = pcp.loss_weight(local_labels.numel(), mesh)
-    world = mesh.shape[mesh.dim_names.index("sep")]
     losses, grads = [], None
     for step in range(STEPS):
         loss = loss_of(model(input_ids=ids, labels=labels, position_ids=positions, **extra)) * weight
@@ -95,9 +95,7 @@ def parallel(source, seq, mesh, spec):
         if step == 0:
             grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
         opt.clear_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / world)
+        losses.append(single_card_loss(loss, mesh))
     return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
 
 

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from losses import single_card_loss
 from paddleformers_models import build
 from report import run
 
@@ -85,18 +86,12 @@ def parallel(family, seq, mesh, backend, degree, padded, packed, rotate, impleme
     ids, labels, extra = make_batch(seq, padded, packed)
     labels = pcp.shard_sequence(labels, backend=prepare, mesh=mesh)
     weight = pcp.loss_weight(int((labels != -100).sum()), mesh)
-    world = mesh.shape[mesh.dim_names.index("sep")]
 
     def step_loss(m):
         return m(input_ids=ids, labels=labels, **extra)[0] * weight
 
     losses, grads, params = train(model, opt, step_loss)
-    means = []
-    for loss in losses:
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        means.append(float(mean) / world)
-    return means, grads, params
+    return [single_card_loss(loss, mesh) for loss in losses], grads, params
 
 
 def check_length_dependent_rope(report, mesh):
