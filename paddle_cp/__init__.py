@@ -7,6 +7,7 @@ from .comm.watchdog import get_timeout, set_timeout
 from .config import load_config
 from .mesh import get_mesh, set_mesh
 from .parallelize import parallelize
+from .pipeline import SplitPoint
 from .data import shard_batch, shard_dataloader
 from .loss import loss_weight
 from .plans import (
@@ -27,7 +28,7 @@ from .state_dict import full_state_dict
 __version__ = "0.1.0"
 
 __all__ = [
-    "parallelize", "set_mesh", "get_mesh",
+    "parallelize", "set_mesh", "get_mesh", "SplitPoint",
     "PrepareContextParallel", "ContextParallel",
     "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",

@@ -1,6 +1,7 @@
 """Run scripts under `paddle.distributed.launch` on CPU ranks and collect what they report."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -49,6 +50,22 @@ def launch_script(script, nproc, *args, timeout=600):
         if proc.returncode != 0:
             raise _failure(script, nproc, proc, logs)
         return logs.get("workerlog.0", "")
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_kept(worker, nproc, args):
+    try:
+        return launch(worker, nproc, *args), None
+    except AssertionError as failure:  # kept, so a failed launch is not repeated by every test
+        return None, failure
+
+
+def launch_once(worker, nproc, *args):
+    """`launch`, run once per (worker, nproc, args) in this pytest process: several tests share it."""
+    reports, failure = _launch_kept(worker, nproc, args)
+    if failure:
+        raise failure
+    return reports
 
 
 def launch_failing(worker, nproc, *args, timeout=600):

@@ -1,9 +1,8 @@
 """Multi-rank context parallelism on CPU gloo ranks vs a single-process reference (fp32, 1e-5)."""
-import functools
 from typing import NamedTuple
 
 import pytest
-from launcher import launch
+from launcher import launch, launch_once
 
 TOL = 1e-5
 WORLDS = [1, 2, 3, 4]
@@ -40,20 +39,9 @@ def _checked_at(case, world):
     return world == case.only_world if case.only_world else world >= case.min_world
 
 
-@functools.lru_cache(maxsize=None)
-def _launch_attention(world):
-    try:
-        return launch("attention_parity.py", world), None
-    except AssertionError as failure:  # kept, so a failed launch is not repeated by every test
-        return None, failure
-
-
 def attention_reports(world):
     """One launch per world size serves every test below."""
-    reports, failure = _launch_attention(world)
-    if failure:
-        raise failure
-    return reports
+    return launch_once("attention_parity.py", world)
 
 
 def assert_close(reports):

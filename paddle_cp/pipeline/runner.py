@@ -1,0 +1,210 @@
+"""The pipeline at run time: every rank runs the model's own forward code, each unit (see
+stages.py) of another stage skipped, and transfers at the stage boundaries.
+
+Inside one forward of virtual stage v: units of earlier stages return the
+activation received from stage v-1 instead of computing (the last unit of v-1, and
+units of its class, return it as received; others its first tensor, so glue code
+such as mask building sees the right shape); units of v compute; after v's last
+unit the forward stops (unless v is the last stage) and that unit's output is what
+goes to stage v+1. Units in `global_spec` always run.
+
+Two ways to run a step:
+- scheduled (a loss is known: the model returns one given `labels=`, or
+  pp_config's `loss_fn(output, labels)`): the batch is cut into `accumulate_steps`
+  micro-batches and this rank's action list (schedule.py) runs forward and backward
+  inside `model(...)`, which returns `(loss,)`: the mean of the micro-batch losses,
+  on every stage (sent from the last). Its `backward()` is a no-op: the gradients
+  are already accumulated, so the user's `loss.backward(); opt.step()` completes
+  the step.
+- immediate (no loss known, accumulate_steps 1, one chunk): immediate.py.
+"""
+from __future__ import annotations
+
+import time
+
+import paddle
+from paddle.autograd import PyLayer
+
+from .. import runtime
+from ..comm import collectives, stage_p2p
+from .immediate import run_immediate
+from .microbatch import split_micro_batches
+from .schedule import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, action_lists
+
+
+class _StageExit(Exception):
+    """Raised after the last unit of a non-final virtual stage: the rest of the forward is another stage's."""
+
+    def __init__(self, output):
+        super().__init__("pipeline stage finished")
+        self.output = output
+
+
+_unit_classes = {}
+
+
+def _unit_class(cls):
+    """A subclass of `cls` whose calls go through the pipeline (hooks of skipped units do not run either)."""
+    if cls not in _unit_classes:
+        def __call__(self, *args, **kwargs):
+            return self.__dict__["_pcp_pipeline"].call_unit(self, cls.__call__, args, kwargs)
+        _unit_classes[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return _unit_classes[cls]
+
+
+class _LossAfterBackward(PyLayer):
+    """The loss a scheduled step returns: its backward has already run, inside the schedule.
+    A plain `loss.backward()` is a no-op; a scaled one would be silently ignored, so it is an error."""
+
+    @staticmethod
+    def forward(ctx, anchor, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not bool(paddle.allclose(grad, paddle.ones_like(grad))):
+            raise ValueError("pipeline: model(...) already ran the backward of every micro-batch, so scaling "
+                             "its returned loss cannot change the gradients: scale each micro-batch's loss "
+                             "in pp_config['loss_fn'] instead (e.g. by pcp.loss_weight)")
+        return paddle.zeros([], "float32")
+
+
+class Pipeline:
+    """Runs this rank's stage of `model`; installed by `apply_pipeline`."""
+
+    def __init__(self, model, plan, settings, stage, peers, pp_group):
+        self.plan, self.settings, self.stage = plan, settings, stage
+        self.peers, self._pp_group = peers, pp_group  # pp position -> mesh.Peer
+        self._forward = model.forward
+        self._unit_stage = {id(layer): v for _, layer, v in plan.units}
+        self._exits = {id(plan.exit_unit(v)) for v in range(plan.virtual_stages - 1)}
+        self._current = self._received = None
+        self._initial = False
+        self.timeline = []  # the last scheduled step's actions: (kind, virtual, micro, start, end), wall clock
+        self._lists = {}
+        for _, layer, _ in plan.units:
+            layer._pcp_pipeline = self
+            layer.__class__ = _unit_class(type(layer))
+        model.forward = self.forward
+        model._pcp_pipeline = self  # for step_timeline(model)
+
+    @property
+    def last(self):
+        return self.plan.virtual_stages - 1
+
+    # ---- inside one forward --------------------------------------------------
+    def call_unit(self, layer, call, args, kwargs):
+        virtual = self._unit_stage[id(layer)]
+        if self._current is None or virtual is None:
+            return call(layer, *args, **kwargs)
+        if virtual < self._current:
+            return self._stand_in(layer)
+        if virtual > self._current:
+            name = next(n for n, l, _ in self.plan.units if l is layer)
+            raise RuntimeError(f"pipeline: layer {name} (virtual stage {virtual}) ran before stage {self._current} "
+                               "finished; stages follow registration order, so register layers in the order "
+                               "the forward calls them or split with a dict split_spec")
+        out = call(layer, *args, **kwargs)
+        if id(layer) in self._exits:
+            raise _StageExit(out)
+        return out
+
+    def _stand_in(self, layer):
+        if self._received is None:
+            raise RuntimeError("pipeline: a layer of an earlier stage ran but nothing was received from it")
+        received, state = self._received
+        previous_exit = self.plan.exit_unit(self._current - 1)
+        if layer is previous_exit:
+            runtime.state.sequence_split = state  # as the skipped layers' hooks would have left it
+        if layer is previous_exit or type(layer) is type(previous_exit):
+            return received
+        return stage_p2p.skeleton(received)[1][0]
+
+    def run_chunk(self, virtual, args, kwargs, received):
+        """One forward of virtual stage `virtual`. `received`: (output, whether the sequence is split over
+        mp there) from the stage before. Returns the model's output (last stage) or that pair for the next."""
+        self._current, self._received = virtual, received
+        runtime.state.sequence_split = self._initial  # as the root's hooks left it, not the previous chunk
+        try:
+            return self._forward(*args, **kwargs)
+        except _StageExit as done:
+            return done.output, runtime.state.sequence_split
+        finally:
+            self._current = self._received = None
+
+    # ---- a step ---------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        settings = self.settings
+        self._initial = runtime.state.sequence_split
+        labels = kwargs.pop("labels", None) if settings.loss_fn is not None else kwargs.get("labels")
+        if labels is None:
+            if settings.accumulate_steps > 1 or self.plan.chunks > 1:
+                raise ValueError(
+                    f"pp_config accumulate_steps={settings.accumulate_steps}, vpp_degree={self.plan.chunks} runs a "
+                    "schedule, which needs the loss of each micro-batch: call model(..., labels=labels) on a model "
+                    "that returns its loss first, or set pp_config['loss_fn'] = fn(output, labels)")
+            return run_immediate(self, args, kwargs)
+        return self._scheduled(split_micro_batches(args, kwargs, labels, settings.accumulate_steps))
+
+    def _scheduled(self, micro):
+        m, grad = len(micro), paddle.is_grad_enabled()
+        key = (m, grad)
+        if key not in self._lists:
+            self._lists[key] = action_lists(self.settings.schedule_mode, self.plan.stages, m, self.plan.chunks,
+                                            backward=grad)[self.stage]
+        inputs, outputs, losses, grads_in, grads_out = {}, {}, {}, {}, {}
+        self.timeline = []
+        for a in self._lists[key]:
+            start, at = time.time(), (a.virtual, a.micro)
+            if a.kind == RECV_F:
+                inputs[at] = stage_p2p.recv_value(self.peers[a.peer], requires_grad=grad)
+            elif a.kind == FORWARD:
+                args, kwargs, labels = micro[a.micro]
+                out = self.run_chunk(a.virtual, args, kwargs, inputs.get(at))
+                if a.virtual == self.last:
+                    losses[a.micro] = self._loss(out, labels)
+                else:
+                    outputs[at] = out
+            elif a.kind == SEND_F:
+                stage_p2p.send_value(self.peers[a.peer], outputs[at] if grad else outputs.pop(at))
+            elif a.kind == RECV_B:
+                specs = [stage_p2p.spec_of(t) for t in stage_p2p.float_tensors(outputs[at])]
+                grads_in[at] = stage_p2p.recv_tensors(self.peers[a.peer], specs)
+            elif a.kind == BACKWARD:
+                self._backward(at, m, losses, outputs, grads_in)
+                if a.virtual > 0:
+                    leaves = stage_p2p.float_tensors(inputs.pop(at))
+                    grads_out[at] = [t.grad if t.grad is not None else paddle.zeros_like(t) for t in leaves]
+            elif a.kind == SEND_B:
+                stage_p2p.send_tensors(self.peers[a.peer], grads_out.pop(at))
+            self.timeline.append((a.kind, a.virtual, a.micro, start, time.time()))
+        return (self._mean_loss(losses, m),)
+
+    def _backward(self, at, m, losses, outputs, grads_in):
+        virtual, micro = at
+        if virtual == self.last:
+            (losses[micro] / m).backward()
+            losses[micro] = float(losses[micro])
+            return
+        pairs = [(t, g) for t, g in zip(stage_p2p.float_tensors(outputs.pop(at)), grads_in.pop(at))
+                 if not t.stop_gradient]
+        if pairs:
+            paddle.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+    def _loss(self, out, labels):
+        loss = self.settings.loss_fn(out, labels) if self.settings.loss_fn is not None else (
+            out if isinstance(out, paddle.Tensor) else out[0])
+        if not isinstance(loss, paddle.Tensor) or int(loss.numel()) != 1:
+            raise RuntimeError("pipeline: the model's first output is not a scalar loss; pass labels= to a model "
+                               "that returns its loss first, or set pp_config['loss_fn'] = fn(output, labels)")
+        return loss
+
+    def _mean_loss(self, losses, m):
+        """The mean micro-batch loss on every stage; `backward()` on it does nothing (already done)."""
+        value = paddle.to_tensor([sum(float(v) for v in losses.values()) / m if losses else 0.0], "float32")
+        collectives.broadcast(self._pp_group, value, self.plan.stages - 1, tag="pp_loss_broadcast")
+        if not paddle.is_grad_enabled():
+            return value.reshape([])
+        anchor = paddle.zeros([], "float32")
+        anchor.stop_gradient = False
+        return _LossAfterBackward.apply(anchor, value.reshape([]))
