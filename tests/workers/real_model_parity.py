@@ -14,9 +14,8 @@ import sys
 import numpy as np
 import paddle
 import paddle.distributed as dist
-from losses import single_card_loss
 from paddleformers_models import build
-from report import run
+from report import mean_over_ranks, run
 
 import paddle_cp as pcp
 
@@ -91,7 +90,7 @@ def parallel(family, seq, mesh, backend, degree, padded, packed, rotate, impleme
         return m(input_ids=ids, labels=labels, **extra)[0] * weight
 
     losses, grads, params = train(model, opt, step_loss)
-    return [single_card_loss(loss, mesh) for loss in losses], grads, params
+    return mean_over_ranks(losses, mesh), grads, params
 
 
 def check_length_dependent_rope(report, mesh):

@@ -17,9 +17,8 @@ import paddle
 import paddle.distributed as dist
 from batches import make_batch
 from llama_models import build_llama, loss_of
-from losses import single_card_loss
 from paddle.distributed.fleet.utils import recompute
-from report import run
+from report import mean_over_ranks, run
 
 import paddle_cp as pcp
 
@@ -119,7 +118,7 @@ def parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate, loss
         return loss_of(m(labels=labels, **inputs(batch, packed))) * pcp.loss_weight(labels.numel(), mesh)
 
     losses, grads, params = train(model, opt, micro_batches(seq, packed, accumulate), weighted_loss)
-    return [single_card_loss(loss, mesh) for loss in losses], grads, params
+    return mean_over_ranks(losses, mesh), grads, params
 
 
 def main(report):
