@@ -20,6 +20,7 @@ Two ways to run a step:
 """
 from __future__ import annotations
 
+import math
 import time
 
 import paddle
@@ -194,7 +195,7 @@ class Pipeline:
     def _loss(self, out, labels):
         loss = self.settings.loss_fn(out, labels) if self.settings.loss_fn is not None else (
             out if isinstance(out, paddle.Tensor) else out[0])
-        if not isinstance(loss, paddle.Tensor) or int(loss.numel()) != 1:
+        if not isinstance(loss, paddle.Tensor) or math.prod(loss.shape) != 1:
             raise RuntimeError("pipeline: the model's first output is not a scalar loss; pass labels= to a model "
                                "that returns its loss first, or set pp_config['loss_fn'] = fn(output, labels)")
         return loss
