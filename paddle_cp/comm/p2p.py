@@ -55,21 +55,29 @@ def shift(mesh_group, tensor, offset=1, tag="p2p", recv_shape=None):
     if size == 1 or offset % size == 0:
         return Pending(tensor)
     tensor = tensor.contiguous()
-    dst = mesh_group.rank_at(mesh_group.index + offset)
-    src = mesh_group.rank_at(mesh_group.index - offset)
     buffer = paddle.empty(recv_shape if recv_shape is not None else tensor.shape, tensor.dtype)
     counters.record(tag, counters.nbytes(tensor))
     if uses_native_p2p(tensor):
         group = mesh_group.group
+        dst = mesh_group.rank_at(mesh_group.index + offset)
+        src = mesh_group.rank_at(mesh_group.index - offset)
         ops = [dist.P2POp(dist.isend, tensor, dst, group), dist.P2POp(dist.irecv, buffer, src, group)]
         return Pending(buffer, dist.batch_isend_irecv(ops))
-    if sends_first(mesh_group.index, size, offset):
+    exchange_in_order(mesh_group, tensor, buffer, offset)
+    return Pending(buffer)
+
+
+def exchange_in_order(mesh_group, tensor, buffer, offset):
+    """Gloo's blocking send to index+offset and receive (into `buffer`) from index-offset, ordered
+    so that both sides of every message meet (see sends_first)."""
+    dst = mesh_group.rank_at(mesh_group.index + offset)
+    src = mesh_group.rank_at(mesh_group.index - offset)
+    if sends_first(mesh_group.index, mesh_group.size, offset):
         dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
         dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
     else:
         dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
         dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
-    return Pending(buffer)
 
 
 def pack(tensors):

@@ -3,8 +3,16 @@
 flash_attn knows only "all keys" and "causal on the diagonal", so the BlockMask
 is cut into runs of consecutive positions and each pair of runs is one call,
 merged by log-sum-exp. Masks needing finer tiles go to the blockwise kernel
-(see `supports`). Not runnable on the CPU machines this project is tested on:
-only its selection logic is tested there (see kernels.select_kernel).
+(see `supports`).
+
+What the op returns and expects (Paddle 3.3.1 and the FlashAttention-2 fork it
+loads; tests/workers/emulated_flash.py cites the source lines): out like q;
+softmax_lse float32 shaped [b, h, round_up(sq, 128)] but holding [b, h, sq]
+packed at its start, so it is read flat, not sliced; flash_attn_grad reads it
+the same way and needs a seed_offset tensor; causal is aligned top-left, and
+only square pairs of identical positions are sent as causal, where top-left and
+bottom-right agree. The test suite runs this file against that emulation on
+CPU; it has never run against the real op on a GPU.
 """
 from __future__ import annotations
 
@@ -37,7 +45,8 @@ class FlashKernel:
             for (ks, ke), causal in seen:
                 block_out, _, block_lse, _ = _C_ops.flash_attn(
                     q[:, qs:qe], k[:, ks:ke], v[:, ks:ke], None, None, 0.0, causal, False, False, "")
-                out, lse = merge(out, lse, block_out.astype(paddle.float32), block_lse.astype(paddle.float32))
+                block_lse = _unpacked_lse(block_lse, b, hq, qe - qs)
+                out, lse = merge(out, lse, block_out.astype(paddle.float32), block_lse)
             if out is None:  # these queries see no key here
                 out = paddle.zeros([b, qe - qs, hq, d], paddle.float32)
                 lse = paddle.full([b, hq, qe - qs], float("-inf"), paddle.float32)
@@ -54,12 +63,28 @@ class FlashKernel:
         for (qs, qe), seen in self._pairs(mask, record=False):
             for (ks, ke), causal in seen:
                 dq_b, dk_b, dv_b = _C_ops.flash_attn_grad(
-                    scaled[:, qs:qe], k[:, ks:ke], v[:, ks:ke], out[:, qs:qe].astype(dtype), lse[:, :, qs:qe],
-                    None, None, dout[:, qs:qe].astype(dtype), 0.0, causal)
+                    scaled[:, qs:qe], k[:, ks:ke], v[:, ks:ke], out[:, qs:qe].astype(dtype),
+                    lse[:, :, qs:qe].contiguous(), _no_dropout_seed(), None, dout[:, qs:qe].astype(dtype), 0.0, causal)
                 dq[:, qs:qe] += dq_b.astype(paddle.float32)
                 dk[:, ks:ke] += dk_b.astype(paddle.float32)
                 dv[:, ks:ke] += dv_b.astype(paddle.float32)
         return _rescale(dq, scale), dk, dv
+
+
+def _unpacked_lse(lse, b, h, sq):
+    """The op's lse buffer [b, h, round_up(sq, 128)] holds [b, h, sq] packed at its start."""
+    return lse.reshape([-1])[: b * h * sq].reshape([b, h, sq])
+
+
+_seed = []
+
+
+def _no_dropout_seed():
+    """The (seed, offset) = (0, 0) the forward reports without dropout: a host int64 [2] tensor, as
+    flash_attn_grad requires (None is refused) and reads on the host."""
+    if not _seed:
+        _seed.append(paddle.to_tensor([0, 0], dtype="int64", place=paddle.CPUPlace()))
+    return _seed[0]
 
 
 def _rescale(x, scale):

@@ -1,0 +1,195 @@
+"""paddle_cp's GPU path on CPU ranks: the flash kernel over the emulated `flash_attn` op, ring
+exchanges over the emulated asynchronous p2p group (emulated_flash.py, emulated_async.py).
+
+Modes (argv): `parity` runs every backend and rotation in bf16 (one case fp16) through the flash path and
+through the blockwise kernel on the same inputs, both also against fp32 SDPA, with the
+overlap and misuse checks of the async emulation; `bf16` measures the error of a bf16 ring
+(flash path) against fp32 attention for the error-vs-N table.
+"""
+import sys
+
+import emulated_async
+import emulated_flash
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import paddle.nn.functional as F
+from paddle import _C_ops
+from report import run
+
+import paddle_cp as pcp
+from paddle_cp import mesh as mesh_lib
+from paddle_cp.attention import kernels
+from paddle_cp.comm import p2p
+
+HEAD_DIM = 32  # flash_attn needs d % 8 == 0
+BF16 = paddle.bfloat16
+_calls = {"flash_attn": 0, "flash_attn_grad": 0, "overlapped": 0, "grad_overlapped": 0}
+
+
+def _observed_flash():
+    """Count the emulated op's calls, and those made while an exchange is in flight."""
+    forward, backward = _C_ops.flash_attn, _C_ops.flash_attn_grad
+
+    def flash_attn(*args):
+        _calls["flash_attn"] += 1
+        _calls["overlapped"] += bool(emulated_async.in_flight())
+        return forward(*args)
+
+    def flash_attn_grad(*args):
+        _calls["flash_attn_grad"] += 1
+        _calls["grad_overlapped"] += bool(emulated_async.in_flight())
+        return backward(*args)
+
+    _C_ops.flash_attn, _C_ops.flash_attn_grad = flash_attn, flash_attn_grad
+
+
+def cases(n):
+    """(name, backend, ulysses_degree, causal, batch, seq, q_heads, kv_heads, docs, rotate, scale)."""
+    table = [
+        ("p2p.causal.uneven", "p2p", None, True, 2, 6 * n + 1, 4, 2, False, "ring", None),
+        ("p2p.causal.uneven.allgather", "p2p", None, True, 1, 6 * n + 3, 2, 1, False, "allgather", None),
+        ("p2p.full.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, False, "ring", 0.3),
+        ("p2p.docs", "p2p", None, True, 1, 5 * n + 2, 2, 1, True, "ring", None),
+        ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, False, "ring", None),
+        ("all2all.full", "all2all", None, False, 1, 4 * n, 2 * n, n, False, "ring", None),
+        ("all2all.docs", "all2all", None, True, 1, 4 * n + 3, n, n, True, "ring", None),
+        ("p2p.causal.fp16", "p2p", None, True, 1, 4 * n + 1, 2, 1, False, "ring", None),
+    ]
+    if n == 4:
+        table += [
+            ("hybrid.causal.uneven", "hybrid", 2, True, 2, 29, 4, 2, False, "ring", None),
+            ("hybrid.causal.allgather", "hybrid", 2, True, 1, 30, 4, 2, False, "allgather", None),
+            ("hybrid.docs", "hybrid", 2, True, 1, 27, 2, 2, True, "ring", None),
+        ]
+    return table
+
+
+def doc_ids_for(batch, seq):
+    rng = np.random.RandomState(3)
+    ids = np.zeros([batch, seq], dtype="int64")
+    for row in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, seq), size=2, replace=False))
+        ids[row] = np.searchsorted(cuts, np.arange(seq), side="right")
+    return ids
+
+
+def fp32_reference(q, k, v, grad_out, causal, scale, doc_ids):
+    """fp32 SDPA on the (bf16-valued) inputs: output and q/k/v gradients."""
+    full = [t.astype("float32").detach() for t in (q, k, v)]
+    for t in full:
+        t.stop_gradient = False
+    if doc_ids is not None:
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]
+        mask = paddle.to_tensor((same & np.tri(doc_ids.shape[1], dtype=bool))[:, None])
+        out = F.scaled_dot_product_attention(*full, attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(*full, is_causal=causal, scale=scale)
+    return [out, *paddle.grad([out], full, [grad_out.astype("float32")])]
+
+
+def context_parallel(mesh, case, q, k, v, grad_out, doc_ids):
+    """Output (gathered) and this rank's q/k/v gradient shards, in fp32."""
+    name, backend, degree, causal, batch, seq, _, _, _, rotate, scale = case
+    layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
+    local = [pcp.shard_sequence(t, **layout).detach() for t in (q, k, v)]
+    for t in local:
+        t.stop_gradient = False
+    attention = {"p2p": pcp.ring_attention, "all2all": pcp.ulysses_attention, "hybrid": pcp.hybrid_attention}[backend]
+    extra = {"ulysses_degree": degree} if degree else {}
+    out = attention(*local, is_causal=causal, scale=scale, mesh=mesh, seq_len=seq, doc_ids=doc_ids, rotate=rotate,
+                    **extra)
+    # gathered in fp32 (exact for half values; CPU has no fp16 index_select)
+    full_out = pcp.unshard_sequence(out.astype("float32"), seq_len=seq, **layout)
+    grads = paddle.grad([full_out], local, [grad_out.astype("float32")])
+    return [full_out] + [g.astype("float32") for g in grads]
+
+
+def relative(got, want):
+    """max |got - want| / max |want|: bf16 rounding is relative to the values' scale."""
+    got, want = got.numpy(), want.numpy()
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
+
+
+def check_case(report, mesh, case):
+    name, backend, degree, causal, batch, seq, q_heads, kv_heads, docs, rotate, scale = case
+    paddle.seed(1234)
+    dtype = paddle.float16 if name.endswith(".fp16") else BF16
+    q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(dtype)
+                         for heads in (q_heads, kv_heads, kv_heads, q_heads))
+    doc_ids = doc_ids_for(batch, seq) if docs else None
+    layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
+    reference = fp32_reference(q, k, v, grad_out, causal, scale, doc_ids)
+    reference = reference[:1] + [pcp.shard_sequence(g, **layout) for g in reference[1:]]
+
+    kernels.flash_available = lambda: False
+    blockwise = context_parallel(mesh, case, q, k, v, grad_out, doc_ids)
+    kernels.flash_available = lambda: True
+    before = dict(_calls)
+    flash = context_parallel(mesh, case, q, k, v, grad_out, doc_ids)
+    calls = {key: _calls[key] - before[key] for key in _calls}
+    for label, got, block, want in zip(("out", "dq", "dk", "dv"), flash, blockwise, reference):
+        report.value(f"{name}.{label}.vs_blockwise", relative(got, block))
+        report.value(f"{name}.{label}.vs_fp32", relative(got, want))
+        report.value(f"{name}.{label}.blockwise_vs_fp32", relative(block, want))
+    report.value(f"{name}.calls", calls)
+    report.value(f"{name}.left_in_flight", len(emulated_async.in_flight()))
+
+
+def check_misuse(report, mesh):
+    """Every rank makes the same mistake, so all raise before any message moves."""
+    group = mesh_lib.mesh_group(mesh, ["sep"], p2p=True)
+    x = paddle.arange(6, dtype="float32") + 10 * group.index
+
+    sent = x.clone()
+    pending = p2p.shift(group, sent, 1)
+    sent.scale_(2.0)  # changed while in flight
+    report.expect_error("modified_send", pending.wait)
+
+    pending = p2p.shift(group, x, 1)
+    pending._buffer.fill_(0.0)
+    report.expect_error("written_receive", pending.wait)
+
+    pending = p2p.shift(group, x, 1)
+    report.value("read_before_wait_is_nan", bool(paddle.isnan(pending._buffer).all()))
+    got = pending.wait()
+    report.value("received_after_wait", got.numpy().tolist())
+    report.value("expected_after_wait", (paddle.arange(6, dtype="float32") + 10 * ((group.index - 1) % group.size))
+                 .numpy().tolist())
+    report.value("misuse.left_in_flight", len(emulated_async.in_flight()))
+
+
+def measure_bf16(report, mesh):
+    """A bf16 causal ring (flash path) against fp32 attention on the same bf16 values."""
+    batch, seq, heads = 1, 256, 2
+    paddle.seed(99)
+    q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(BF16) for _ in range(4))
+    case = ("bf16", "p2p", None, True, batch, seq, heads, heads, False, "ring", None)
+    reference = fp32_reference(q, k, v, grad_out, True, None, None)
+    got = context_parallel(mesh, case, q, k, v, grad_out, None)
+    for label, mine, want in zip(("out", "dq", "dk", "dv"), got, reference):
+        want = want if label == "out" else pcp.shard_sequence(want, mesh=mesh)
+        err = np.abs(mine.numpy() - want.numpy())
+        report.value(f"bf16.{label}.max", float(err.max()))
+        report.value(f"bf16.{label}.sum", float(err.sum()))
+        report.value(f"bf16.{label}.count", int(err.size))
+        report.value(f"bf16.{label}.scale", float(np.abs(want.numpy()).max()))
+
+
+def main(report):
+    world = dist.get_world_size()
+    mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
+    emulated_flash.install()
+    emulated_async.install()
+    _observed_flash()
+    modes = sys.argv[1:]
+    if "parity" in modes:
+        for case in cases(world):
+            check_case(report, mesh, case)
+        if world > 1:
+            check_misuse(report, mesh)
+    if "bf16" in modes:
+        measure_bf16(report, mesh)
+
+
+run(main)
