@@ -101,10 +101,10 @@ def reduce_scatter(mesh_group, chunks, tag="reduce_scatter"):
         out = paddle.empty_like(chunks[me])
         dist.reduce_scatter(out, _in_group_order(_sorted_positions(mesh_group), chunks), group=mesh_group.group)
         return out
-    return _reduce_scatter_rounds(mesh_group, chunks, op)
+    return _reduce_scatter_rounds(mesh_group, chunks, tag)
 
 
-def _reduce_scatter_rounds(mesh_group, chunks, op):
+def _reduce_scatter_rounds(mesh_group, chunks, tag):
     n, me = mesh_group.size, mesh_group.index
     total = chunks[me].clone()
     for offset in range(1, n):

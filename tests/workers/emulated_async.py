@@ -15,7 +15,7 @@ Misuse that NCCL would turn into silent corruption fails loudly here:
 - `in_flight()` lists exchanges posted and not yet waited (a leak, or the
   overlap the ring relies on: its next exchange is in flight during compute).
 All-to-all and reduce-scatter are routed to the existing gloo rounds of
-comm.collectives (counted under the op name "emulation", so the NCCL
+comm.collectives (counted under the tag "emulation", so the NCCL
 branch's own byte counts stay exact).
 """
 from __future__ import annotations
