@@ -6,10 +6,15 @@
 The YAML holds the mesh and the plans (see paddle_cp.load_config) and a
 `train` section. Prints the loss and tokens/s of every step, then replays the
 same steps in one process and reports how far the losses are apart.
+
+`--save-every N` saves a checkpoint to `--checkpoint-dir/checkpoint-<step>` every N steps
+(in the background: it is published at the next save or at the end); `--resume` continues
+from the newest complete checkpoint there, on whatever mesh the YAML describes now.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -24,16 +29,18 @@ TRAIN_DEFAULTS = dict(model="auto", seq_len=256, batch_size=2, steps=10, learnin
                       compare=True)
 
 
-def batches(train, vocab_size=128):
-    """Deterministic batches with learnable structure: each token predicts the next by a fixed rule."""
+def batches(train, vocab_size=128, start_step=0):
+    """Deterministic batches with learnable structure: each token predicts the next by a fixed rule.
+    From `start_step` on (the earlier ones are drawn and skipped: the data position of a resumed run)."""
     rng = np.random.default_rng(train["seed"])
-    for _ in range(train["steps"]):
+    for step in range(train["steps"]):
         start = rng.integers(0, vocab_size, size=(train["batch_size"], 1))
         tokens = (start + 7 * np.arange(train["seq_len"] + 1)) % vocab_size
         noise = rng.random(tokens.shape) < 0.1
         tokens = np.where(noise, rng.integers(0, vocab_size, tokens.shape), tokens)
-        ids = paddle.to_tensor(tokens, dtype="int64")
-        yield ids[:, :-1], ids[:, 1:]
+        if step >= start_step:
+            ids = paddle.to_tensor(tokens, dtype="int64")
+            yield ids[:, :-1], ids[:, 1:]
 
 
 def new_model_and_optimizer(train):
@@ -51,13 +58,25 @@ def input_splitter(config):
     raise ValueError("this example needs a PrepareContextParallel plan in cp_config")
 
 
-def train_parallel(train, mesh, config):
+def resume(model, optimizer, checkpoints):
+    """The step to start from: the newest complete checkpoint's, else 0."""
+    latest = pcp.latest_checkpoint(checkpoints)
+    if latest is None:
+        return 0
+    step = pcp.load_checkpoint(latest, model, optimizer)["step"]
+    if dist.get_rank() == 0:
+        print(f"resumed from {latest} at step {step}", flush=True)
+    return step
+
+
+def train_parallel(train, mesh, config, checkpoints=None, save_every=0, resuming=False):
     model, optimizer = new_model_and_optimizer(train)
     model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
+    first = resume(model, optimizer, checkpoints) if resuming else 0
     splitter = input_splitter(config)
     replicas = dist.get_world_size()
     losses = []
-    for step, (ids, labels) in enumerate(batches(train)):
+    for step, (ids, labels) in enumerate(batches(train, start_step=first), start=first):
         start = time.perf_counter()
         # this rank's mean over its tokens, weighted by its share when the length does not divide
         weight = pcp.loss_weight(pcp.shard_sequence(labels, backend=splitter, mesh=mesh).numel(), mesh)
@@ -72,7 +91,11 @@ def train_parallel(train, mesh, config):
         if dist.get_rank() == 0:
             tokens = ids.shape[0] * ids.shape[1]
             print(f"step {step:3d}  loss {losses[-1]:.6f}  tokens/s {tokens / elapsed:9.1f}", flush=True)
-    return losses
+        if save_every and (step + 1) % save_every == 0:
+            pcp.save_checkpoint(os.path.join(checkpoints, f"checkpoint-{step + 1}"), model, optimizer,
+                                extra={"step": step + 1}, async_save=True)
+    pcp.wait_checkpoint()
+    return first, losses
 
 
 def train_single(train):
@@ -91,7 +114,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML with mesh, *_config sections and train")
     parser.add_argument("--steps", type=int, help="override train.steps")
+    parser.add_argument("--checkpoint-dir", default="checkpoints", help="where checkpoints go (default: %(default)s)")
+    parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     args = parser.parse_args()
+    if args.save_every < 0:
+        parser.error("--save-every takes a number of steps >= 0")
     with open(args.config) as f:
         description = yaml.safe_load(f)
     train = {**TRAIN_DEFAULTS, **description.pop("train", {})}
@@ -101,9 +129,9 @@ def main():
     if dist.get_rank() == 0:
         print(f"mesh {mesh.shape} {mesh.dim_names}, model {train['model']}, seq {train['seq_len']}, "
               f"batch {train['batch_size']}", flush=True)
-    losses = train_parallel(train, mesh, config)
-    if train["compare"] and dist.get_rank() == 0:
-        reference = train_single(train)
+    first, losses = train_parallel(train, mesh, config, args.checkpoint_dir, args.save_every, args.resume)
+    if train["compare"] and losses and dist.get_rank() == 0:
+        reference = train_single(train)[first:]
         gap = max(abs(a - b) for a, b in zip(losses, reference))
         print(f"single process losses {[round(x, 6) for x in reference]}")
         print(f"max |loss - single-process loss| over {len(losses)} steps: {gap:.2e}", flush=True)

@@ -1,9 +1,13 @@
 """paddle_cp: context-parallel training for PaddlePaddle, behind Paddle's `parallelize` API."""
 from .attention import attention_work, hybrid_attention, ring_attention, ulysses_attention
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoint
+from .checkpoint.export import export_pretrained
 from .comm import bytes_sent, reset_counters
+from .comm.watchdog import get_timeout, set_timeout
 from .config import load_config
 from .mesh import get_mesh, set_mesh
 from .parallelize import parallelize
+from .pipeline import SplitPoint
 from .data import shard_batch, shard_dataloader
 from .loss import loss_weight
 from .plans import (
@@ -24,7 +28,7 @@ from .state_dict import full_state_dict
 __version__ = "0.1.0"
 
 __all__ = [
-    "parallelize", "set_mesh", "get_mesh",
+    "parallelize", "set_mesh", "get_mesh", "SplitPoint",
     "PrepareContextParallel", "ContextParallel",
     "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
@@ -33,4 +37,6 @@ __all__ = [
     "ring_attention", "ulysses_attention", "hybrid_attention", "attention_work",
     "shard_sequence", "unshard_sequence", "sequence_positions",
     "bytes_sent", "reset_counters", "load_config",
+    "save_checkpoint", "load_checkpoint", "wait_checkpoint", "latest_checkpoint", "export_pretrained",
+    "set_timeout", "get_timeout",
 ]

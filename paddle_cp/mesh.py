@@ -144,6 +144,37 @@ def _slice_group(key, mesh_array, axes, p2p):
     return mine
 
 
+@dataclass(frozen=True)
+class Peer:
+    """The other rank of a two-rank group, for point-to-point transfers."""
+
+    peer: int
+    group: object
+
+
+def line_subgroups(mesh, dim, position_sets):
+    """For each tuple of positions along mesh dim `dim`: this rank's group over those positions of its
+    line (the ranks sharing its other coordinates), or None when this rank is not among them.
+    Every rank must call this with the same sets in the same order (groups are made for every line)."""
+    ensure_initialized()
+    axis = mesh.dim_names.index(find_dim(mesh, dim))
+    lines = _slices(np.asarray(mesh.mesh), [axis])
+    me = dist.get_rank()
+    mine = {}
+    for positions in position_sets:
+        key = (tuple(mesh.process_ids), tuple(mesh.shape), ("line", axis, tuple(positions)))
+        if key not in _groups:
+            found = None
+            for line in lines:
+                ranks = tuple(line[i] for i in positions)
+                group = _new_group(ranks)
+                if me in ranks:
+                    found = MeshGroup(ranks, ranks.index(me), group)
+            _groups[key] = found
+        mine[tuple(positions)] = _groups[key]
+    return mine
+
+
 def needs_pair_groups(size):
     """Gloo tags point-to-point messages with a per-group counter, so in one group
     a message only meets its receive when the two ranks alternate along every
@@ -182,4 +213,4 @@ def _create_pairs(slices, mine):
                 mine.pairs[frozenset((a, b))] = group
 
 
-__all__ = ["set_mesh", "get_mesh", "resolve_mesh", "find_dim", "require_dim", "dim_size", "mesh_group", "split_dim_groups", "MeshGroup"]
+__all__ = ["set_mesh", "get_mesh", "resolve_mesh", "find_dim", "require_dim", "dim_size", "mesh_group", "split_dim_groups", "line_subgroups", "MeshGroup", "Peer"]

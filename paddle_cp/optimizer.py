@@ -41,7 +41,8 @@ def _reduce_gradients(parameters, mesh_group, tag, average):
     if mesh_group.size == 1 or not parameters:
         return
     _agree_on_gradients(parameters, mesh_group)
-    grads = [p.grad for p in parameters if p.grad is not None]
+    # dropped gradients (another dp rank owns them) are empty: nothing to reduce
+    grads = [p.grad for p in parameters if p.grad is not None and p.grad._is_initialized() and int(p.grad.numel())]
     for same_dtype in _coalesced(grads):
         flat = paddle.concat([g.reshape([-1]) for g in same_dtype])
         collectives.all_reduce(mesh_group, flat, tag=tag)
@@ -77,10 +78,11 @@ class ParallelOptimizer:
     """Wraps a Paddle optimizer; everything but `step`/`minimize` goes to it unchanged,
     so parameter groups keep their own learning rate and weight decay."""
 
-    def __init__(self, optimizer, groups, sharding=None):
+    def __init__(self, optimizer, groups, sharding=None, shared=None):
         self._inner = optimizer
         self._groups = groups
         self._sharding = sharding
+        self._shared = shared  # pipeline: gradients of parameters held by several stages
         self._params = optimizer_parameters(optimizer)
 
     @property
@@ -107,6 +109,8 @@ class ParallelOptimizer:
         """Sums over ranks commute: at sharding levels 2-3 reduce-scatter over dp first, so
         the mp and sep reductions after it only touch the gradients this rank owns."""
         groups, sharding = self._groups, self._sharding
+        if self._shared is not None:
+            self._shared.reduce()
         scattered = sharding is not None and sharding.level >= 2
         if scattered:
             sharding.reduce_scatter_gradients()
@@ -117,7 +121,10 @@ class ParallelOptimizer:
     def _counted_here(self, param):
         """Whether this rank adds `param`'s gradient to the global norm (exactly one rank per copy)."""
         groups = self._groups
-        if record_of(param).tp_axis is None and groups.mp.index != 0:
+        record = record_of(param)
+        if record.pp_group is not None and record.pp_group.index != record.stage:
+            return False  # pipeline: held by several stages (tied embeddings), counted on its first
+        if record.tp_axis is None and groups.mp.index != 0:
             return False
         if self._sharding is not None:
             return self._sharding.owns(param) and groups.sep.index == 0

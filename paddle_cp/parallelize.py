@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from . import mesh as mesh_lib
 from .comm import collectives
+from .pipeline import apply_pipeline, plan_pipeline
 from .optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
 from .plan_annotation import annotate_plan
 from .plan_keys import resolve_plan
@@ -61,8 +62,6 @@ def _check_config(config):
     unknown = set(config) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown parallelize config keys {sorted(unknown)}: use {list(CONFIG_KEYS)}")
-    if config.get("pp_config"):
-        raise ValueError("pp_config is not supported by paddle_cp yet: drop it, or use Paddle's own parallelize for pipelines")
     return check_level(config.get("dp_config"))
 
 
@@ -104,6 +103,7 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
     if not any(config.get(key) for key in CONFIG_KEYS):
         return model, optimizer
     mesh = mesh_lib.resolve_mesh(mesh)
+    pipeline = plan_pipeline(model, mesh, config["pp_config"]) if config.get("pp_config") else None
     applications, annotation = _validated_plan(model, config, mesh)
     # nothing has changed so far; from here on every rank runs the same collectives
     groups = _gradient_groups(mesh)
@@ -114,11 +114,12 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
         watch_partial_gradients(model)
         supply_positions(model, applications)
+    shared = apply_pipeline(model, optimizer, mesh, *pipeline) if pipeline else None  # keeps this stage's only
     sharding = None
     if level > 0 and optimizer is not None and groups.dp.size > 1:
         sharding = Sharding(level, optimizer_parameters(optimizer), groups.dp)
         if level == 3:
             sharding.release_parameters(model)
     if optimizer is not None:
-        optimizer = ParallelOptimizer(optimizer, groups, sharding)
+        optimizer = ParallelOptimizer(optimizer, groups, sharding, shared)
     return model, optimizer

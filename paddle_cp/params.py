@@ -29,7 +29,9 @@ class ParamRecord:
     dp_owner: Optional[int] = None        # owner position in dp_group (sharding levels 1-3); None = every dp rank
     level: int = 0                        # sharding level
     sequence_partial: bool = False        # gradient summed over mp (sequence-parallel region)
-    stage: Optional[int] = None           # pipeline stage
+    stage: Optional[int] = None           # pipeline stage (the first holding it)
+    pp_stages: tuple = ()                 # pipeline: every stage holding it (tied embeddings: first and last)
+    pp_group: Optional[MeshGroup] = None  # pipeline: this rank's line of stages
 
     @property
     def parts(self):
@@ -49,7 +51,10 @@ class ParamRecord:
         return self.dp_owner is None or self.dp_owner == self.dp_group.index
 
     def holds_value(self):
-        """Whether this rank's local tensor holds its tensor-parallel slice (level 3 keeps it on the owner only)."""
+        """Whether this rank's local tensor holds its tensor-parallel slice (level 3 keeps it on the owner only;
+        a pipeline stage only the parameters it uses)."""
+        if self.pp_group is not None and self.pp_group.index not in self.pp_stages:
+            return False
         return self.level < 3 or self.owned_here()
 
     # tensor-parallel slicing: rank i of mp keeps piece i of every fused part -------------------

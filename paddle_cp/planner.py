@@ -177,12 +177,15 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees, outermost first: data, ring, Ulysses, tensor (tensor innermost: fastest links)."""
+    """Degrees, outermost first: pipeline, data, ring, Ulysses, tensor (tensor innermost: fastest links).
+    `micro`: micro-batches per step under the pipeline's 1F1B schedule."""
 
     dp: int
     ring: int
     ulysses: int
     tp: int
+    pp: int = 1
+    micro: int = 1
 
     @property
     def cp(self):
@@ -198,7 +201,13 @@ class Layout:
 
     @property
     def name(self):
-        return f"dp{self.dp} ring{self.ring} uly{self.ulysses} tp{self.tp}"
+        pipeline = f" pp{self.pp} m{self.micro}" if self.pp > 1 else ""
+        return f"dp{self.dp} ring{self.ring} uly{self.ulysses} tp{self.tp}{pipeline}"
+
+    @property
+    def bubble(self):
+        """1F1B's idle share of a step: (p-1)/(m+p-1)."""
+        return (self.pp - 1) / (self.micro + self.pp - 1)
 
 
 def _bandwidth(cluster, stride, size):
@@ -210,11 +219,23 @@ def _all_reduce_bytes(nbytes, size):
     return 2 * (size - 1) * nbytes / size
 
 
+def stage_params(model, pp):
+    """Parameters of the largest pipeline stage: its share of the layers plus the embedding (the first
+    stage; with tied embeddings the last stage holds a copy too, untied it holds the lm_head)."""
+    embeddings = model.vocab * model.hidden * (1 if model.tied_embeddings else 2)
+    if pp == 1:
+        return model.params
+    return (model.params - embeddings) / pp + model.vocab * model.hidden
+
+
 def memory(model, layout, seq, batch, elem):
-    """Per-rank bytes: parameter state, activations, logits."""
-    tp = layout.tp
+    """Per-rank bytes on the largest (first) stage: parameter state, activations, logits. Under 1F1B the
+    first stage holds min(pp, m) micro-batches of its layers' activations; logits one micro-batch."""
+    tp, pp = layout.tp, layout.pp
     tokens = batch * seq // layout.cp
-    params = (model.params - (2 * model.layers + 1) * model.hidden) / tp + (2 * model.layers + 1) * model.hidden
+    norms = (2 * model.layers + 1) * model.hidden / pp
+    params = (stage_params(model, pp) - norms) / tp + norms
+    in_flight = min(pp, layout.micro) / layout.micro
     heads, kv_heads = model.heads // tp, max(model.kv_heads // tp, 1)
     attention = attention_held_bytes(layout.backend, batch, seq, heads, kv_heads, model.head_dim, layout.cp, elem,
                                      layout.ulysses)
@@ -223,14 +244,16 @@ def memory(model, layout, seq, batch, elem):
     logits = tokens * (model.vocab // tp) * FP32
     return {
         "state": ADAM_BYTES_PER_PARAM * params,
-        "activations": model.layers * (attention + rest),
-        "logits": logits,
+        "activations": model.layers / pp * (attention + rest) * in_flight,
+        "logits": logits / layout.micro,
     }
 
 
 def step_time(model, layout, cluster, seq, batch, elem, causal=True):
-    """Per-step seconds: compute, then each communication (ring traffic overlaps attention)."""
-    tp, cp = layout.tp, layout.cp
+    """Per-step seconds: compute, then each communication (ring traffic overlaps attention). With a
+    pipeline each stage does 1/pp of the layers, stretched by 1F1B's bubble, and sends every
+    micro-batch's activations forward and gradients back (2 x tokens x hidden per stage)."""
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
     tokens = batch * seq // cp
     heads, kv_heads = model.heads // tp, max(model.kv_heads // tp, 1)
     dense = 6 * tokens * model.matmul_params / tp
@@ -241,24 +264,29 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True):
     grad_bytes = (model.params / tp) * elem
     # Megatron tensor parallelism: 2 all-reduces of [tokens, hidden] forward, 2 backward, per layer
     tp_bytes = model.layers * 4 * _all_reduce_bytes(tokens * model.hidden * elem, tp)
+    stretch = 1 / (pp * (1 - layout.bubble))  # this stage's share, over the step's busy fraction
+    stages_apart = cluster.devices // pp
     return {
-        "compute": dense / cluster.flops + attention_seconds,
-        "tensor_parallel": tp_bytes / _bandwidth(cluster, 1, tp),
-        "ulysses": model.layers * uly / _bandwidth(cluster, tp, layout.ulysses),
-        "ring_exposed": max(0.0, ring_seconds - attention_seconds),
-        "grad_all_reduce": _all_reduce_bytes(grad_bytes, layout.dp * cp) / _bandwidth(cluster, tp, layout.dp * cp),
+        "compute": (dense / cluster.flops + attention_seconds) * stretch,
+        "tensor_parallel": tp_bytes / _bandwidth(cluster, 1, tp) * stretch,
+        "ulysses": model.layers * uly / _bandwidth(cluster, tp, layout.ulysses) * stretch,
+        "ring_exposed": max(0.0, ring_seconds - attention_seconds) * stretch,
+        "pipeline_p2p": (2 * tokens * model.hidden * elem / _bandwidth(cluster, stages_apart, 2)) if pp > 1 else 0.0,
+        "grad_all_reduce": _all_reduce_bytes(grad_bytes / pp, layout.dp * cp) / _bandwidth(cluster, tp, layout.dp * cp),
     }
 
 
-def layouts(model, devices, seq, max_tp):
-    """Every dp x ring x Ulysses x tp factorisation of `devices` that can run."""
-    for tp, ulysses, ring in itertools.product(_divisors(devices), repeat=3):
-        dp, rest = divmod(devices, tp * ulysses * ring)
+def layouts(model, devices, seq, max_tp, batch=1):
+    """Every pp x dp x ring x Ulysses x tp factorisation of `devices` that can run; a pipeline takes
+    one sequence per micro-batch (m = batch)."""
+    for pp, tp, ulysses, ring in itertools.product(_divisors(devices), repeat=4):
+        dp, rest = divmod(devices, pp * tp * ulysses * ring)
         # Heads and tokens need not divide (the busiest rank then has one more; the model uses the mean),
-        # but every Ulysses rank needs a head and every context-parallel rank a token.
-        if rest or tp > max_tp or model.heads % tp or model.heads // tp < ulysses or seq < ring * ulysses:
+        # but every Ulysses rank needs a head, every context-parallel rank a token, every stage a layer.
+        if (rest or tp > max_tp or model.heads % tp or model.heads // tp < ulysses or seq < ring * ulysses
+                or model.layers < pp):
             continue
-        yield Layout(dp, ring, ulysses, tp)
+        yield Layout(dp, ring, ulysses, tp, pp, batch if pp > 1 else 1)
 
 
 def _divisors(n):
@@ -281,17 +309,21 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True):
 def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True):
     """Estimates of every candidate, best first: layouts that fit, by throughput, then the rest by memory."""
     found = [estimate(model, layout, cluster, seq, batch, elem, causal)
-             for layout in layouts(model, cluster.devices, seq, cluster.devices_per_node)]
+             for layout in layouts(model, cluster.devices, seq, cluster.devices_per_node, batch)]
     return sorted(found, key=lambda e: (not e["fits"], -e["tokens_per_second"] if e["fits"] else e["memory_total"]))
 
 
 def parallelize_config(layout, model_prefix="model"):
     """The YAML-able config (see paddle_cp.config.load_config) that runs `layout`."""
-    dims = [(name, size) for name, size in (("dp", layout.dp), ("sep", layout.cp), ("mp", layout.tp)) if size > 1]
+    dims = [(name, size) for name, size in (("pp", layout.pp), ("dp", layout.dp), ("sep", layout.cp), ("mp", layout.tp))
+            if size > 1]
     dims = dims or [("dp", 1)]
     config = {"mesh": {"shape": [s for _, s in dims], "dim_names": [n for n, _ in dims]},
               "dp_config": {"sharding_level": 0}}
     layers = f"{model_prefix}.layers.*"
+    if layout.pp > 1:  # PaddleFormers computes its rotary tables before the layer loop
+        config["pp_config"] = {"split_spec": f"{model_prefix}.layers", "global_spec": f"{model_prefix}.rotary_emb",
+                               "schedule_mode": "1F1B", "accumulate_steps": layout.micro}
     if layout.tp > 1:
         plan = {f"{layers}.self_attn.{p}_proj": "ColWiseParallel" for p in "qkv"}
         plan[f"{layers}.self_attn.o_proj"] = "RowWiseParallel"

@@ -1,8 +1,8 @@
 """Per-process runtime state: what hooks and collectives record while a model runs.
 
 One object, so a test (or a new training run in the same process) clears all of
-it with one `reset()`. Configuration (meshes, process groups, parameter records)
-is not runtime state and lives elsewhere.
+it with one `reset()`. Configuration (meshes, process groups, parameter records,
+which modules a ContextParallel plan covers) is not runtime state and lives elsewhere.
 """
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 class RuntimeState:
     sequence_split: bool = False  # is the sequence split over mp at this point of the forward?
     bytes_sent: defaultdict = field(default_factory=lambda: defaultdict(int))  # bytes this rank sent, by tag
+    # SequenceInfo of the batches whose top layer is running (innermost last), from PrepareContextParallel
+    batches: list = field(default_factory=list)
+    # routing.Frame of each ContextParallel layer whose forward is running (innermost last)
+    running: list = field(default_factory=list)
+    # query-key pairs computed and skipped by attention forwards
+    attention_work: dict = field(default_factory=lambda: {"computed": 0, "skipped": 0})
 
 
 state = RuntimeState()

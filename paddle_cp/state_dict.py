@@ -9,6 +9,7 @@ import numpy as np
 from .comm import collectives
 from .parameter_fetch import broadcast_full
 from .params import find_record
+from .pipeline.ownership import stage_value
 
 
 def full_value(tensor):
@@ -17,6 +18,7 @@ def full_value(tensor):
     if record is None:
         return tensor.numpy()
     local = broadcast_full(tensor, tag="state_dict") if record.level == 3 else tensor
+    local = stage_value(tensor, record, local)  # pipeline: from the stage holding it
     if record.tp_axis is None:
         return local.numpy()
     shards = collectives.all_gather(record.mp_group, local, tag="state_dict")

@@ -1,6 +1,7 @@
 """Run scripts under `paddle.distributed.launch` on CPU ranks and collect what they report."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -49,3 +50,32 @@ def launch_script(script, nproc, *args, timeout=600):
         if proc.returncode != 0:
             raise _failure(script, nproc, proc, logs)
         return logs.get("workerlog.0", "")
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_kept(worker, nproc, args):
+    try:
+        return launch(worker, nproc, *args), None
+    except AssertionError as failure:  # kept, so a failed launch is not repeated by every test
+        return None, failure
+
+
+def launch_once(worker, nproc, *args):
+    """`launch`, run once per (worker, nproc, args) in this pytest process: several tests share it."""
+    reports, failure = _launch_kept(worker, nproc, args)
+    if failure:
+        raise failure
+    return reports
+
+
+def launch_failing(worker, nproc, *args, timeout=600):
+    """Run a worker expected to fail: (exit code, per-rank logs, seconds until the launch ended,
+    {name: JSON} of what the ranks wrote to PCP_REPORT_DIR, with 'launched_at' = time.time() at start)."""
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="pcp_launch_") as tmp:
+        started = time.time()
+        proc, logs = _run(WORKERS / worker, nproc, args, tmp, timeout)
+        ended = time.time()
+        written = {p.stem: json.loads(p.read_text()) for p in Path(tmp).glob("*.json")}
+        return proc.returncode, logs, {"launched_at": started, "ended_at": ended, **written}

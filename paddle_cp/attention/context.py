@@ -2,33 +2,57 @@
 
 PrepareContextParallel publishes it while the top layer runs (its length and
 documents, which no rank can see from its own tokens); ContextParallel's
-attention reads it. The functional APIs take the same facts as arguments.
+attention reads it. A recompute call made meanwhile carries it into its replay
+in backward (paddle_cp/recompute.py). The functional APIs take the same facts
+as arguments.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
+import numpy as np
+
+from .. import recompute, runtime
 from .layout import SequenceLayout
 from .mask import Documents
 
 
 @dataclass(frozen=True)
 class SequenceInfo:
+    """`valid`: [batch, seq_len] bool (numpy) from the 2-D attention_mask the model was given:
+    False for padding keys, which no query sees (None: no padding)."""
+
     layout: SequenceLayout
     seq_len: int
     documents: Documents | None = None
-
-
-_current = []
+    valid: np.ndarray | None = None
 
 
 def publish(info):
-    _current.append(info)
+    runtime.state.batches.append(info)
 
 
 def retract():
-    _current.pop()
+    runtime.state.batches.pop()
 
 
 def current():
-    return _current[-1] if _current else None
+    return runtime.state.batches[-1] if runtime.state.batches else None
+
+
+@contextlib.contextmanager
+def published(info):
+    publish(info)
+    try:
+        yield
+    finally:
+        retract()
+
+
+def _capture():
+    info = current()
+    return None if info is None else lambda: published(info)
+
+
+recompute.carry(_capture)

@@ -1,9 +1,10 @@
 """Which keys each query sees, tile by tile, from global token positions.
 
 A query at global position i sees the key at position j iff
-    lo[j] <= i < hi[j]                      (causality and documents)
+    lo[j] <= i < hi[j]          (causality, documents, sliding window, padding)
 and the dense mask, if any, allows (i, j). Causal: lo[j] = j. Documents:
-[lo, hi) is clipped to the key's document. Knowing positions (not local
+[lo, hi) is clipped to the key's document. Sliding window w (PaddleFormers'
+eager mask: i - w < j <= i): hi[j] <= j + w. A padding key: [lo, hi) empty. Knowing positions (not local
 offsets) is what lets a rank holding chunks r and 2N-1-r, or a ring block from
 another rank, skip exactly the tiles no query sees; the skipped work is counted.
 """
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from .. import runtime
 from .layout import runs
 
-_work = {"computed": 0, "skipped": 0}
 # Additive masks mark "masked" with -inf or a dtype's min (PaddleFormers): anything this low adds
 # nothing next to a visible key, so a tile of only such values is skipped.
 MASKED_BELOW = -1e30
@@ -24,11 +25,11 @@ MASKED_BELOW = -1e30
 
 def attention_work(reset=False):
     """Query-key pairs computed and skipped by attention forwards on this rank (since the last reset)."""
-    done = dict(_work)
+    done = dict(runtime.state.attention_work)
     total = done["computed"] + done["skipped"]
     done["skipped_fraction"] = done["skipped"] / total if total else 0.0
     if reset:
-        _work.update(computed=0, skipped=0)
+        runtime.state.attention_work.update(computed=0, skipped=0)
     return done
 
 
@@ -110,12 +111,14 @@ class BlockMask:
     `dense`: this pair's slice of a dense mask, [b, 1 or heads, len(q_pos), len(k_pos)],
     boolean (True = attend) or additive (-inf or a dtype's min = masked).
     `cuts`: positions where tiles must start (the layout's chunk starts).
+    `window`: causal sliding window (a key is seen by itself and the w-1 queries after it);
+    `valid`: [b, seq_len] bool over global positions, False for padding keys.
     """
 
-    def __init__(self, q_pos, k_pos, causal, documents=None, dense=None, cuts=()):
+    def __init__(self, q_pos, k_pos, causal, documents=None, dense=None, cuts=(), window=None, valid=None):
         self.q_pos, self.k_pos = np.asarray(q_pos), np.asarray(k_pos)
         self.cuts = cuts
-        self.causal, self.dense = causal, dense
+        self.causal, self.dense, self.window = causal, dense, window
         if documents is not None and documents.causal_only and not causal:
             raise ValueError("attn_mask_startend_row_indices describe a causal mask: call attention with is_causal=True")
         far = np.iinfo(np.int64).max
@@ -126,7 +129,16 @@ class BlockMask:
             self.lo = np.broadcast_to(self.k_pos, documents.start[:, self.k_pos].shape) if causal \
                 else documents.start[:, self.k_pos]
             self.hi = documents.end[:, self.k_pos]
-        self.restricted = causal or documents is not None or dense is not None
+        if window is not None:
+            if not causal:
+                raise ValueError("a sliding window is causal (query i sees keys i-w < j <= i): call with is_causal=True")
+            self.hi = np.minimum(self.hi, self.k_pos + window)
+        if valid is not None:
+            seen = np.asarray(valid, bool)[:, self.k_pos]
+            self.lo = np.where(seen, self.lo, far)
+            self.hi = np.where(seen, self.hi, 0)
+        self.restricted = causal or documents is not None or dense is not None or valid is not None
+        self._seen = None
 
     def q_runs(self):
         return runs(self.q_pos, self.cuts)
@@ -140,7 +152,7 @@ class BlockMask:
         kind = self._classify(q_range, k_range)
         if record:
             area = (q_range[1] - q_range[0]) * (k_range[1] - k_range[0])
-            _work["skipped" if kind == "none" else "computed"] += area
+            runtime.state.attention_work["skipped" if kind == "none" else "computed"] += area
         return kind
 
     def _classify(self, q_range, k_range):
@@ -153,16 +165,22 @@ class BlockMask:
             return "none"
         every = lo.max() <= first and hi.min() > last
         if self.dense is not None:
-            tile = self._dense_tile(q_range, k_range)
-            seen = tile if tile.dtype == paddle.bool else tile > MASKED_BELOW
-            if not bool(seen.any()):
+            seen = self._dense_seen()[:, :, qs:qe, ks:ke]
+            if not seen.any():
                 return "none"
-            return "all" if every and bool(seen.all()) else "some"
+            return "all" if every and seen.all() else "some"
         if every:
             return "all"
         diagonal = (self.causal and (qe - qs) == (ke - ks)
                     and first == self.k_pos[ks] and np.all(hi > last))
         return "diagonal" if diagonal else "some"
+
+    def _dense_seen(self):
+        """The dense mask's visible pairs on the host, read once per block (its only device read)."""
+        if self._seen is None:
+            seen = self.dense if self.dense.dtype == paddle.bool else self.dense > MASKED_BELOW
+            self._seen = seen.numpy()
+        return self._seen
 
     def _dense_tile(self, q_range, k_range):
         (qs, qe), (ks, ke) = q_range, k_range

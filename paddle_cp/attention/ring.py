@@ -10,11 +10,12 @@ contribute 0 with weight 0.
 """
 from __future__ import annotations
 
+import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
 from ..comm import p2p
-from .kernels import select_kernel
+from .kernels import saveable, select_kernel
 from .layout import runs
 from .mask import BlockMask
 from .merge import merge
@@ -26,12 +27,13 @@ class RingMasks:
 
     `positions[i]`: global positions of member i's tokens; `dense`: this
     member's rows of a dense mask, [b, 1|h, len(positions[index]), seq_len];
-    `cuts`: the layout's chunk starts.
+    `cuts`: the layout's chunk starts; `window`, `valid`: as BlockMask's.
     """
 
-    def __init__(self, positions, index, causal, documents=None, dense=None, cuts=()):
+    def __init__(self, positions, index, causal, documents=None, dense=None, cuts=(), window=None, valid=None):
         self.positions, self.index, self.cuts = positions, index, cuts
         self.causal, self.documents, self.dense = causal, documents, dense
+        self.window, self.valid = window, valid
 
     def lengths(self):
         return [len(p) for p in self.positions]
@@ -39,7 +41,7 @@ class RingMasks:
     def block(self, src):
         keys = self.positions[src]
         return BlockMask(self.positions[self.index], keys, self.causal, self.documents, self._columns(keys),
-                         self.cuts)
+                         self.cuts, self.window, self.valid)
 
     def _columns(self, keys):
         if self.dense is None:
@@ -48,62 +50,86 @@ class RingMasks:
         return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=3)
 
 
-def _unpack(flat, like, length):
-    """k and v of a member holding `length` tokens, from its packed block."""
-    shape = [like.shape[0], length, *like.shape[2:]]
-    return p2p.unpack(flat, [shape, shape])
+class _Blocks:
+    """Packing of a member's k and v into one flat message; their head dims may differ (MLA)."""
+
+    def __init__(self, k, v, lengths):
+        self.k_shape, self.v_shape, self.lengths = list(k.shape), list(v.shape), lengths
+
+    def shapes(self, length):
+        return [[self.k_shape[0], length, *self.k_shape[2:]], [self.v_shape[0], length, *self.v_shape[2:]]]
+
+    def numels(self):
+        per_token = sum(int(np.prod(shape)) for shape in self.shapes(1))
+        return [per_token * n for n in self.lengths]
+
+    def unpack(self, flat, src):
+        """k and v of ring member `src`."""
+        return p2p.unpack(flat, self.shapes(self.lengths[src]))
 
 
-def _numels(k, lengths):
-    per_token = 2 * k.shape[0] * k.shape[2] * k.shape[3]
-    return [per_token * n for n in lengths]
-
-
-def ring_forward(q, k, v, group, masks, scale, kernel, rotate):
-    lengths = masks.lengths()
-    rotation = make_rotation(rotate, group, p2p.pack([k, v]), _numels(k, lengths))
+def ring_forward(q, k, v, group, masks, scale, rotate):
+    blocks = _Blocks(k, v, masks.lengths())
+    rotation = make_rotation(rotate, group, p2p.pack([k, v]), blocks.numels())
     out = lse = None
     for step in range(group.size):
         src = (group.index - step) % group.size
-        k_block, v_block = _unpack(rotation.fetch(step), k, lengths[src])
+        k_block, v_block = blocks.unpack(rotation.fetch(step), src)
         mask = masks.block(src)
-        block_out, block_lse = (kernel or select_kernel(q, mask)).forward(q, k_block, v_block, mask, scale)
+        block_out, block_lse = select_kernel(q, v, mask).forward(q, k_block, v_block, mask, scale)
         out, lse = merge(out, lse, block_out, block_lse)
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, group, masks, scale, kernel, rotate):
-    lengths = masks.lengths()
-    rotation = make_rotation(rotate, group, p2p.pack([k, v]), _numels(k, lengths))
+def ring_backward(dout, q, k, v, out, lse, group, masks, scale, rotate):
+    blocks = _Blocks(k, v, masks.lengths())
+    rotation = make_rotation(rotate, group, p2p.pack([k, v]), blocks.numels())
     dq = None
     for step in range(group.size):
         src = (group.index - step) % group.size
-        k_block, v_block = _unpack(rotation.fetch(step), k, lengths[src])
+        k_block, v_block = blocks.unpack(rotation.fetch(step), src)
         mask = masks.block(src)
-        dq_block, dk_block, dv_block = (kernel or select_kernel(q, mask)).backward(
+        dq_block, dk_block, dv_block = select_kernel(q, v, mask).backward(
             dout, q, k_block, v_block, out, lse, mask, scale)
         dq = dq_block if dq is None else dq + dq_block
         rotation.send_grads(step, p2p.pack([dk_block, dv_block]))
-    dk, dv = _unpack(rotation.own_grads(), k, k.shape[1])
+    dk, dv = blocks.unpack(rotation.own_grads(), group.index)
     return dq, dk, dv
 
 
+def _sink_lse(sinks, lse):
+    """Per-head sink logits [h] as a block's log-sum-exp [b, h, s]."""
+    return sinks.astype(lse.dtype).reshape([1, -1, 1]).expand(lse.shape)
+
+
 class RingAttention(PyLayer):
+    """Ring attention; `sinks` ([h] logits, or None) join every query's softmax denominator as a
+    block whose output is 0. The final out and lse (sinks included) make the blockwise backward exact
+    for q/k/v; a sink's own gradient is -sum over queries of P_sink * rowsum(dO * O)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group, masks, scale, kernel, rotate):
-        out, lse = ring_forward(q, k, v, group, masks, scale, kernel, rotate)
-        out = out.astype(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, masks, scale, kernel, rotate)
+    def forward(ctx, q, k, v, sinks, group, masks, scale, rotate):
+        out, lse = ring_forward(q, k, v, group, masks, scale, rotate)
+        if sinks is not None:
+            out, lse = merge(out, lse, paddle.zeros_like(out), _sink_lse(sinks, lse))
+        out, lse = saveable(out.astype(q.dtype), lse)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.args = (group, masks, scale, rotate)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensor()
+        q, k, v, sinks, out, lse = ctx.saved_tensor()
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        grads = [dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)]
+        if sinks is not None:
+            p_sink = paddle.exp(_sink_lse(sinks, lse) - lse)  # [b, h, s]
+            delta = (dout.astype("float32") * out.astype("float32")).sum(axis=-1).transpose([0, 2, 1])  # [b, h, s]
+            grads.append((-(p_sink * delta).sum(axis=[0, 2])).astype(sinks.dtype))
+        return tuple(grads)
 
 
-def ring_attention_local(q, k, v, group, masks, scale, kernel=None, rotate="ring"):
-    """Attention of this member's [b, s_i, h, d] q/k/v shards over the ring `group`."""
-    return RingAttention.apply(q, k, v, group, masks, scale, kernel, rotate)
+def ring_attention_local(q, k, v, group, masks, scale, rotate="ring", sinks=None):
+    """Attention of this member's [b, s_i, h, d] q/k/v shards (v: [b, s_i, h, d_v]) over the ring `group`."""
+    q, k, v = saveable(q, k, v)
+    return RingAttention.apply(q, k, v, sinks, group, masks, scale, rotate)

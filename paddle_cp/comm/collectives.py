@@ -10,6 +10,7 @@ import paddle
 import paddle.distributed as dist
 
 from . import counters, p2p
+from .watchdog import guard
 
 
 def _sorted_positions(mesh_group):
@@ -25,7 +26,8 @@ def all_gather(mesh_group, tensor, tag="all_gather"):
     tensor = tensor.contiguous()
     counters.record(tag, counters.nbytes(tensor) * (mesh_group.size - 1))
     gathered = []
-    dist.all_gather(gathered, tensor, group=mesh_group.group)
+    with guard(tag, mesh_group.ranks):
+        dist.all_gather(gathered, tensor, group=mesh_group.group)
     return [gathered[i] for i in _sorted_positions(mesh_group)]
 
 
@@ -35,7 +37,8 @@ def all_reduce(mesh_group, tensor, tag="all_reduce"):
         return tensor
     n = mesh_group.size
     counters.record(tag, counters.nbytes(tensor) * 2 * (n - 1) // n)
-    dist.all_reduce(tensor, group=mesh_group.group)
+    with guard(tag, mesh_group.ranks):
+        dist.all_reduce(tensor, group=mesh_group.group)
     return tensor
 
 
@@ -44,7 +47,8 @@ def broadcast(mesh_group, tensor, src_index=0, tag="broadcast"):
         return tensor
     if mesh_group.index == src_index:
         counters.record(tag, counters.nbytes(tensor))
-    dist.broadcast(tensor, src=mesh_group.rank_at(src_index), group=mesh_group.group)
+    with guard(tag, mesh_group.ranks):
+        dist.broadcast(tensor, src=mesh_group.rank_at(src_index), group=mesh_group.group)
     return tensor
 
 
@@ -66,7 +70,8 @@ def all_to_all(mesh_group, chunks, tag="all_to_all", recv_shapes=None):
     counters.record(tag, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
     order = _sorted_positions(mesh_group)
     received = [paddle.empty(recv_shapes[j] if recv_shapes else chunks[j].shape, chunks[j].dtype) for j in range(n)]
-    dist.alltoall(_in_group_order(order, received), _in_group_order(order, chunks), group=mesh_group.group)
+    with guard(tag, mesh_group.ranks):
+        dist.alltoall(_in_group_order(order, received), _in_group_order(order, chunks), group=mesh_group.group)
     return received
 
 
@@ -99,7 +104,8 @@ def reduce_scatter(mesh_group, chunks, tag="reduce_scatter"):
     if p2p.uses_native_p2p(chunks[0]):
         counters.record(tag, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
         out = paddle.empty_like(chunks[me])
-        dist.reduce_scatter(out, _in_group_order(_sorted_positions(mesh_group), chunks), group=mesh_group.group)
+        with guard(tag, mesh_group.ranks):
+            dist.reduce_scatter(out, _in_group_order(_sorted_positions(mesh_group), chunks), group=mesh_group.group)
         return out
     return _reduce_scatter_rounds(mesh_group, chunks, tag)
 

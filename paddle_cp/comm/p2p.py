@@ -13,6 +13,7 @@ import paddle
 import paddle.distributed as dist
 
 from . import counters
+from .watchdog import guard
 
 
 def uses_native_p2p(tensor):
@@ -62,22 +63,24 @@ def shift(mesh_group, tensor, offset=1, tag="p2p", recv_shape=None):
         dst = mesh_group.rank_at(mesh_group.index + offset)
         src = mesh_group.rank_at(mesh_group.index - offset)
         ops = [dist.P2POp(dist.isend, tensor, dst, group), dist.P2POp(dist.irecv, buffer, src, group)]
-        return Pending(buffer, dist.batch_isend_irecv(ops))
-    exchange_in_order(mesh_group, tensor, buffer, offset)
+        with guard(tag, mesh_group.ranks, (src, dst)):
+            return Pending(buffer, dist.batch_isend_irecv(ops))
+    exchange_in_order(mesh_group, tensor, buffer, offset, tag)
     return Pending(buffer)
 
 
-def exchange_in_order(mesh_group, tensor, buffer, offset):
+def exchange_in_order(mesh_group, tensor, buffer, offset, tag="p2p"):
     """Gloo's blocking send to index+offset and receive (into `buffer`) from index-offset, ordered
     so that both sides of every message meet (see sends_first)."""
     dst = mesh_group.rank_at(mesh_group.index + offset)
     src = mesh_group.rank_at(mesh_group.index - offset)
-    if sends_first(mesh_group.index, mesh_group.size, offset):
-        dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
-        dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
-    else:
-        dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
-        dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
+    with guard(tag, mesh_group.ranks, (src, dst)):
+        if sends_first(mesh_group.index, mesh_group.size, offset):
+            dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
+            dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
+        else:
+            dist.recv(buffer, src=src, group=mesh_group.p2p_group(src))
+            dist.send(tensor, dst=dst, group=mesh_group.p2p_group(dst))
 
 
 def pack(tensors):

@@ -6,12 +6,37 @@ import inspect
 import paddle
 
 from .. import mesh as mesh_lib
-from ..attention import Documents, SequenceLayout, check_rotation, context, resolve_groups, ulysses_size
-from ..attention.api import context_parallel_attention
+from .. import recompute
+from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, resolve_groups, routing
+from ..attention import ulysses_size
 from .base import Plan, refuse_param_plan
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
 _STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed-document input
+# RoPE variants that pick their frequencies from max(position_ids) + 1, which differs per rank.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _padding(mask, batch, seq_len):
+    """Keys that are not padding ([batch, seq_len] bool numpy) from a 2-D attention_mask, None if none is."""
+    if not isinstance(mask, paddle.Tensor) or mask.ndim != 2 or list(mask.shape) != [batch, seq_len]:
+        return None
+    valid = mask.numpy().astype(bool)
+    return None if valid.all() else valid
+
+
+def _check_rope(layer):
+    for name, sub in layer.named_sublayers(include_self=True):
+        kinds = getattr(sub, "rope_type", None)
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+        for kind in kinds:
+            if kind in _LENGTH_DEPENDENT_ROPE:
+                raise ValueError(
+                    f"{name or type(layer).__name__} uses rope_type={kind!r}, which picks its frequencies from "
+                    "max(position_ids) + 1: under context parallelism each rank holds different positions, so "
+                    "ranks would rotate differently. Use a RoPE with fixed frequencies (default, linear, yarn, "
+                    "llama3) or train this model without context parallelism"
+                )
 
 
 def _sequence_length(args, kwargs):
@@ -42,6 +67,7 @@ class _SepPlan(Plan):
         sep = mesh_lib.dim_size(mesh, "sep")
         self._layout = SequenceLayout(self.backend, sep, self.ulysses_degree)
         self._groups = resolve_groups(self._layout, mesh)
+        recompute.install()  # recomputed layers replay with this batch's layout and plans
 
 
 class PrepareContextParallel(_SepPlan):
@@ -52,7 +78,9 @@ class PrepareContextParallel(_SepPlan):
     `ulysses_degree` ranks, contiguous within a group. Any length >= N splits,
     as evenly as it can. Dense [batch, 1|h, seq, seq] masks keep their rows
     of this rank's queries. If the layer takes `position_ids` and gets none,
-    it is given the global positions of the local tokens (exact RoPE).
+    it is given the global positions of the local tokens (exact RoPE); RoPE
+    variants that read the length from them (dynamic NTK, longrope) are refused.
+    A 2-D [batch, seq] `attention_mask` marks padding keys, which no query sees.
 
     `documents`: packed sequences, attention confined to each document:
     "position_ids" (documents start where the given position ids restart at 0)
@@ -66,6 +94,10 @@ class PrepareContextParallel(_SepPlan):
         if documents is not None and not isinstance(documents, str):
             raise TypeError(f"documents must be 'position_ids' or an input name, got {documents!r}")
         self.documents = documents
+
+    def check(self, layer, mesh, param_names=()):
+        super().check(layer, mesh, param_names)
+        _check_rope(layer)
 
     def apply(self, layer, mesh, param_names=()):
         self._join_sep_group(layer, mesh, param_names)
@@ -96,6 +128,7 @@ class PrepareContextParallel(_SepPlan):
         extra = self.documents if self.documents != "position_ids" else None  # an input the layer does not take
         bound = self._signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k != extra})
         documents = self._documents(kwargs, bound.arguments)
+        valid = _padding(bound.arguments.get("attention_mask"), batch, seq_len)
         if _STARTEND in bound.arguments:
             bound.arguments[_STARTEND] = None  # the attention applies it, from `documents`
         index = self._groups.sep.index
@@ -118,39 +151,20 @@ class PrepareContextParallel(_SepPlan):
         if "position_ids" in self._signature.parameters and bound.arguments.get("position_ids") is None:
             positions = paddle.to_tensor(self._layout.positions(seq_len, index), dtype="int64")
             bound.arguments["position_ids"] = positions.unsqueeze(0).expand([batch, positions.shape[0]])
-        context.publish(context.SequenceInfo(self._layout, seq_len, documents))
+        context.publish(context.SequenceInfo(self._layout, seq_len, documents, valid))
         return bound.args, bound.kwargs
 
     def _forget_batch(self, layer, inputs, outputs):
         context.retract()
 
 
-_original_sdpa = None
-_active = []  # ContextParallel plans whose layer is running, innermost last
-
-
-def _context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True,
-                           backend=None, scale=None, enable_gqa=True, name=None):
-    plan = _active[-1]
-    info = context.current()
-    seq_len = documents = None
-    if info is not None:
-        if (info.layout.backend, info.layout.ulysses) != (plan._layout.backend, plan._layout.ulysses):
-            raise ValueError(
-                f"inputs were split by PrepareContextParallel(backend={info.layout.backend!r}, ulysses_degree="
-                f"{info.layout.ulysses}) but ContextParallel uses backend={plan.backend!r}, ulysses_degree="
-                f"{plan._layout.ulysses}: give both plans the same backend and ulysses_degree"
-            )
-        seq_len, documents = info.seq_len, info.documents
-    return context_parallel_attention(plan._layout, plan._groups, query, key, value, attn_mask, dropout_p,
-                                      is_causal, training, scale, seq_len, documents, plan.rotate)
-
-
 class ContextParallel(_SepPlan):
-    """Every `paddle.nn.functional.scaled_dot_product_attention` call made while this
-    layer runs becomes context-parallel attention over `sep` (ring for `p2p`,
-    Ulysses for `all2all`, both for `hybrid`). `rotate`: how ring k/v blocks
-    move, 'ring' (one hop per step) or 'allgather' (all at once)."""
+    """The attention of this layer (and its sublayers) runs across `sep` (ring for `p2p`,
+    Ulysses for `all2all`, both for `hybrid`): calls of
+    `paddle.nn.functional.scaled_dot_product_attention` made while the layer runs, and
+    PaddleFormers' attention functions (any `_attn_implementation`) called for the layer or a
+    sublayer, see attention/routing.py. A forward that ends without such a call raises.
+    `rotate`: how ring k/v blocks move, 'ring' (one hop per step) or 'allgather' (all at once)."""
 
     def __init__(self, backend="p2p", ulysses_degree=None, rotate="ring"):
         super().__init__(backend, ulysses_degree)
@@ -158,17 +172,13 @@ class ContextParallel(_SepPlan):
 
     def apply(self, layer, mesh, param_names=()):
         self._join_sep_group(layer, mesh, param_names)
+        adapters.install()
+        routing.cover(self, layer)
         layer.register_forward_pre_hook(self._enter)
-        return layer.register_forward_post_hook(self._exit, always_call=True)
+        return layer.register_forward_post_hook(self._leave, always_call=True)
 
     def _enter(self, layer, inputs):
-        global _original_sdpa
-        if not _active:
-            _original_sdpa = paddle.nn.functional.scaled_dot_product_attention
-            paddle.nn.functional.scaled_dot_product_attention = _context_parallel_sdpa
-        _active.append(self)
+        routing.enter(self, layer)
 
-    def _exit(self, layer, inputs, outputs):
-        _active.pop()
-        if not _active:
-            paddle.nn.functional.scaled_dot_product_attention = _original_sdpa
+    def _leave(self, layer, inputs, outputs):
+        routing.leave(layer)

@@ -104,15 +104,15 @@ def progress(message):
 
 # ---- the launcher side ------------------------------------------------------------
 
-def launch(args, argv):
-    """Run this script on args.nproc ranks; return rank 0's measurements."""
+def launch(args, argv, script=__file__):
+    """Run `script` (this one by default) on args.nproc ranks; return rank 0's measurements."""
     with tempfile.TemporaryDirectory(prefix="bench_cp_") as tmp:
         result, log_dir = Path(tmp) / "result.json", Path(tmp) / "log"
         env = dict(os.environ, **{name: "1" for name in THREAD_VARS})
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
         env.pop("CUDA_VISIBLE_DEVICES", None)
         cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(args.nproc),
-               "--log_dir", str(log_dir), str(Path(__file__).resolve()), *argv, "--result-file", str(result)]
+               "--log_dir", str(log_dir), str(Path(script).resolve()), *argv, "--result-file", str(result)]
         progress(f"launching {args.nproc} CPU ranks")
         with open(Path(tmp) / "launch.out", "w+") as out:
             proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)

@@ -1,9 +1,8 @@
 """Multi-rank context parallelism on CPU gloo ranks vs a single-process reference (fp32, 1e-5)."""
-import functools
 from typing import NamedTuple
 
 import pytest
-from launcher import launch
+from launcher import launch, launch_once
 
 TOL = 1e-5
 WORLDS = [1, 2, 3, 4]
@@ -32,6 +31,7 @@ ERRORS = [
     ErrorCase("wrong_seq_len", "pass seq_len=", min_world=2),
     ErrorCase("degree_not_dividing", "positive divisor", only_world=4),
     ErrorCase("unshard_wrong_seq_len", "pass the seq_len and backend the tensor was sharded with", min_world=2),
+    ErrorCase("bypassed_attention", "without paddle_cp computing its attention"),
 ]
 
 
@@ -39,20 +39,9 @@ def _checked_at(case, world):
     return world == case.only_world if case.only_world else world >= case.min_world
 
 
-@functools.lru_cache(maxsize=None)
-def _launch_attention(world):
-    try:
-        return launch("attention_parity.py", world), None
-    except AssertionError as failure:  # kept, so a failed launch is not repeated by every test
-        return None, failure
-
-
 def attention_reports(world):
     """One launch per world size serves every test below."""
-    reports, failure = _launch_attention(world)
-    if failure:
-        raise failure
-    return reports
+    return launch_once("attention_parity.py", world)
 
 
 def assert_close(reports):
@@ -69,12 +58,10 @@ def test_attention_matches_single_process(world):
     assert_close(reports)
     hybrid = world == 4
     for report in reports:
-        # functional cases x (out, dq, dk, dv); layer plans: (plain, docs, dense) per backend; unshard per
-        # backend; a branch only rank 0 takes
+        # functional cases x (out, dq, dk, dv); per backend: window+sinks+MLA x (out, dq, dk, dv, dsinks),
+        # layer plans (plain, docs, dense) and unshard; a branch only rank 0 takes
         cases = 11 + 3 * hybrid
-        assert len(report["max_abs"]) == 4 * cases + 3 * (2 + hybrid) + (2 + hybrid) + 1
-        layouts = ["p2p", "all2all"] + ["hybrid"] * hybrid
-        assert all(report["values"][f"layer.{backend}.sdpa_restored"] for backend in layouts)
+        assert len(report["max_abs"]) == 4 * cases + (5 + 3 + 1) * (2 + hybrid) + 1
         if world > 1:
             assert report["values"]["bytes"]["ring"] > 0 and report["values"]["bytes"]["ulysses"] > 0
 
@@ -91,6 +78,17 @@ def test_attention_skips_masked_work_and_stays_balanced(world):
     # balanced: every rank computes the same causal work, up to tiles that straddle a chunk edge
     computed = [w["computed"] for w in causal]
     assert max(computed) / min(computed) < 1.05
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sliding_window_work_is_seq_times_window_over_ranks(world):
+    """Each rank's queries meet about window + one tile of keys (tiles of max(window, 32) rows)."""
+    reports = attention_reports(world)
+    seq, window = reports[0]["values"]["window.seq_window"]
+    for report in reports:
+        work, causal_work = report["values"]["window.work"], report["values"]["window.causal_work"]
+        assert work["computed"] <= -(-seq // world) * (window + 2 * 32)
+        assert work["computed"] < causal_work["computed"]
 
 
 @pytest.mark.parametrize("world", WORLDS)

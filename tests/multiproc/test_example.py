@@ -5,7 +5,7 @@ import pytest
 from launcher import EXAMPLES, launch_script
 
 
-@pytest.mark.parametrize("config", ["cp4_p2p.yaml", "cp4_ulysses.yaml", "cp4_hybrid.yaml"])
+@pytest.mark.parametrize("config", ["cp4_p2p.yaml", "cp4_ulysses.yaml", "cp4_hybrid.yaml", "pp2_cp2.yaml"])
 def test_training_example_matches_single_process(config):
     out = launch_script(EXAMPLES / "train_llama_cp.py", 4, "--config", EXAMPLES / "configs" / config,
                         "--steps", "3")

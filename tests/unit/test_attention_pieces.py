@@ -73,3 +73,39 @@ def test_kernel_dispatch_rule():
     assert choose_kernel_name(True, paddle.bfloat16, False) == "blockwise"
     assert choose_kernel_name(False, paddle.bfloat16, True) == "blockwise"
     assert choose_kernel_name(True, paddle.bfloat16, True, mask_fits_flash=False) == "blockwise"
+    assert choose_kernel_name(True, paddle.bfloat16, True, same_head_dims=False) == "blockwise"  # MLA
+
+
+def test_flash_takes_no_tile_a_window_or_padding_cuts():
+    """Tiles a window or padding cuts are neither empty, full nor plain causal: the blockwise kernel's."""
+    assert FlashKernel.supports(BlockMask(np.arange(8), np.arange(8), causal=True))
+    assert not FlashKernel.supports(BlockMask(np.arange(8), np.arange(8), causal=True, window=3))
+    assert FlashKernel.supports(BlockMask(np.arange(8), np.arange(8), causal=True, window=8))  # never bites
+    padded = np.ones((1, 8), bool)
+    padded[0, 6:] = False
+    assert not FlashKernel.supports(BlockMask(np.arange(8), np.arange(8), causal=True, valid=padded))
+
+
+def test_window_and_padding_visibility():
+    """Query i sees key j iff i - w < j <= i (PaddleFormers' sliding mask) and j is not padding."""
+    valid = np.ones((2, 10), bool)
+    valid[1, 8:] = False
+    mask = BlockMask(np.arange(10), np.arange(10), causal=True, window=3, valid=valid)
+    seen = mask.tile((0, 10), (0, 10)).numpy()[:, 0]
+    i, j = np.arange(10)[:, None], np.arange(10)[None]
+    expected = ((j <= i) & (j > i - 3))[None] & valid[:, None, :]
+    np.testing.assert_array_equal(seen, expected)
+    assert mask.classify((8, 10), (0, 4)) == "none"  # queries 8, 9 see keys 6..9 only
+
+
+def test_attention_input_errors_name_the_fix():
+    from paddle_cp.attention.validation import check_inputs, check_sinks, check_window
+
+    q, kv = paddle.zeros([1, 4, 4, 8]), paddle.zeros([1, 4, 2, 8])
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        check_inputs(q, kv, kv, 0.0, True, enable_gqa=False)
+    check_inputs(q, kv, paddle.zeros([1, 4, 2, 6]), 0.0, True)  # MLA: v's head dim may differ
+    with pytest.raises(ValueError, match="one logit per query head"):
+        check_sinks(paddle.zeros([2]), q)
+    with pytest.raises(ValueError, match="is_causal=True"):
+        check_window(4, False)

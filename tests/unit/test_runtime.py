@@ -20,3 +20,14 @@ def test_reset_counters_keeps_other_state():
     pcp.reset_counters()
     assert pcp.bytes_sent() == {} and runtime.state.sequence_split is True
     runtime.reset()
+
+
+def test_reset_forgets_batches_running_layers_and_attention_work():
+    from paddle_cp.attention import context
+    from paddle_cp.attention.layout import SequenceLayout
+
+    context.publish(context.SequenceInfo(SequenceLayout("p2p", 2), 8))
+    runtime.state.attention_work["computed"] += 5
+    runtime.state.running.append(object())
+    runtime.reset()
+    assert context.current() is None and pcp.attention_work()["computed"] == 0 and not runtime.state.running

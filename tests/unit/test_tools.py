@@ -9,7 +9,7 @@ import pytest
 
 from paddle_cp import planner
 from paddle_cp.config import load_config
-from paddle_cp.tools import bench, plan
+from paddle_cp.tools import bench, bench_pp, memory, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,4 +120,12 @@ def test_console_scripts_name_the_tools_mains():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     resolved = {name: getattr(importlib.import_module(target.split(":")[0]), target.split(":")[1])
                 for name, target in scripts.items()}
-    assert resolved == {"pcp-bench": bench.main, "pcp-plan": plan.main}
+    assert resolved == {"pcp-bench": bench.main, "pcp-plan": plan.main, "pcp-memory": memory.main,
+                        "pcp-bench-pp": bench_pp.main}
+
+
+def test_memory_bench_refuses_bad_arguments():
+    with pytest.raises(SystemExit):
+        memory.parse_args(["--nproc", "4", "--seq", "6"])  # shorter than 2 x N
+    with pytest.raises(SystemExit):
+        memory.parse_args(["--granularity", "0"])

@@ -127,6 +127,65 @@ def check_skipped_work(report, mesh, world):
     report.value("causal.work", pcp.attention_work(reset=True))
 
 
+def windowed_reference(q, k, v, window, sinks, scale):
+    """One process, as PaddleFormers' eager attention: causal window (i-w < j <= i), a sink logit per head."""
+    seq, group = q.shape[1], q.shape[2] // k.shape[2]
+    q, k, v = (x.transpose([0, 2, 1, 3]) for x in (q, k, v))  # [b, s, h, d] -> [b, h, s, d]
+    k, v = (paddle.repeat_interleave(x, group, axis=1) for x in (k, v))
+    scores = paddle.matmul(q, k, transpose_y=True) * scale
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None]
+    scores = paddle.where(paddle.to_tensor((j <= i) & (j > i - window)), scores, paddle.full([], -1e30))
+    sink = sinks.reshape([1, -1, 1, 1]).expand([q.shape[0], -1, seq, 1])
+    probs = F.softmax(paddle.concat([scores, sink], axis=-1), axis=-1)[..., :-1]
+    return paddle.matmul(probs, v).transpose([0, 2, 1, 3])
+
+
+def check_window_sinks_mla(report, mesh, world):
+    """Sliding window, attention sinks and a v head dim unlike q/k's (MLA) together, per backend."""
+    layouts = [("p2p", None), ("all2all", None)] + ([("hybrid", 2)] if world == 4 else [])
+    seq, window, scale = 4 * world + 3, 5, 0.3
+    for backend, degree in layouts:
+        paddle.seed(11)
+        full = [paddle.randn([2, seq, 4, HEAD_DIM]), paddle.randn([2, seq, 2, HEAD_DIM]), paddle.randn([2, seq, 2, 6])]
+        sinks = paddle.randn([4])
+        grad_out = paddle.randn([2, seq, 4, 6])
+        for t in [*full, sinks]:
+            t.stop_gradient = False
+        ref = windowed_reference(*full, window, sinks, scale)
+        ref_grads = paddle.grad([ref], [*full, sinks], [grad_out])
+        layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
+        local = [pcp.shard_sequence(t, **layout).detach() for t in full]
+        local_sinks = sinks.detach()
+        for t in [*local, local_sinks]:
+            t.stop_gradient = False
+        attention = {"p2p": pcp.ring_attention, "all2all": pcp.ulysses_attention, "hybrid": pcp.hybrid_attention}
+        extra = {"ulysses_degree": degree} if degree else {}
+        out = attention[backend](*local, is_causal=True, scale=scale, mesh=mesh, seq_len=seq, window=window,
+                                 sinks=local_sinks, **extra)
+        full_out = pcp.unshard_sequence(out, seq_len=seq, **layout)
+        grads = paddle.grad([full_out], [*local, local_sinks], [grad_out])
+        name = f"window_sinks_mla.{backend}"
+        report.diff(name + ".out", full_out, ref)
+        for label, got, want in zip("qkv", grads, ref_grads):
+            report.diff(f"{name}.d{label}", got, pcp.shard_sequence(want, **layout))
+        dsinks = grads[3].detach().clone()
+        if world > 1:
+            dist.all_reduce(dsinks)  # each rank's queries hold a part of a sink's gradient
+        report.diff(f"{name}.dsinks", dsinks, ref_grads[3])
+
+
+def check_window_work(report, mesh, world):
+    """A 16-token causal window over 512 tokens: pairs computed per rank stay O(seq * window / N)."""
+    seq, window = 512, 16
+    q = pcp.shard_sequence(paddle.randn([1, seq, 1, HEAD_DIM]), mesh=mesh)
+    pcp.attention_work(reset=True)
+    pcp.ring_attention(q, q, q, is_causal=True, mesh=mesh, seq_len=seq, window=window)
+    report.value("window.work", pcp.attention_work(reset=True))
+    pcp.ring_attention(q, q, q, is_causal=True, mesh=mesh, seq_len=seq)
+    report.value("window.causal_work", pcp.attention_work(reset=True))
+    report.value("window.seq_window", [seq, window])
+
+
 def check_sdpa_layer(report, mesh, world):
     """Paddle's documented pattern: ContextParallel on a layer that calls F.scaled_dot_product_attention;
     PrepareContextParallel splits the inputs (any length), masks and documents of the top layer."""
@@ -167,12 +226,20 @@ def check_sdpa_layer(report, mesh, world):
                 ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
                 out = pcp.unshard_sequence(model(q, k, v, mask), backend=prepare, mesh=mesh, seq_len=seq)
                 report.diff(f"layer.{backend}.dense.out", out, ref)
-        report.value(f"layer.{backend}.sdpa_restored",
-                     paddle.nn.functional.scaled_dot_product_attention is F.scaled_dot_product_attention)
     mismatched = {"": pcp.PrepareContextParallel("p2p"), "sdpa": pcp.ContextParallel("all2all")}
     model, _ = pcp.parallelize(Outer(), mesh=mesh, config={"cp_config": {"parallelize_plan": mismatched}})
     x = paddle.randn([1, 2 * world, 2 * world, 8])
     report.expect_error("mismatched_plans", lambda: model(x, x, x))
+
+    class MatmulAttention(paddle.nn.Layer):  # attention no adapter sees: [b, s, h, d] as if heads were batch
+        def forward(self, q, k, v, mask=None):
+            return paddle.matmul(F.softmax(paddle.matmul(q, k, transpose_y=True), axis=-1), v)
+
+    outer = Outer()
+    outer.sdpa = MatmulAttention()
+    bypassing = {"": pcp.PrepareContextParallel("p2p"), "sdpa": pcp.ContextParallel("p2p")}
+    model, _ = pcp.parallelize(outer, mesh=mesh, config={"cp_config": {"parallelize_plan": bypassing}})
+    report.expect_error("bypassed_attention", lambda: model(x, x, x))
 
 
 def check_unshard_learns_lengths(report, mesh, world):
@@ -241,6 +308,8 @@ def main(report):
     for case in cases(world):
         check_case(report, mesh, case)
     check_skipped_work(report, mesh, world)
+    check_window_sinks_mla(report, mesh, world)
+    check_window_work(report, mesh, world)
     check_sdpa_layer(report, mesh, world)
     check_unshard_learns_lengths(report, mesh, world)
     check_rank_dependent_gradients(report, mesh, world)

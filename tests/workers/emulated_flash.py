@@ -56,6 +56,9 @@ import paddle
 FP32 = paddle.float32
 LSE_ROWS = 128  # kBlockM of the forward kernel
 HALF = (paddle.float16, paddle.bfloat16)
+# What tests allow between two correct half-precision computations, relative to the values'
+# largest magnitude: ~5 bf16 ulps (2^-8 each), ~8 fp16 ulps (2^-11 each).
+RELATIVE_TOLERANCE = {paddle.bfloat16: 0.02, paddle.float16: 0.004}
 
 
 def _round(x, dtype):

@@ -6,6 +6,7 @@ through the blockwise kernel on the same inputs, both also against fp32 SDPA, wi
 overlap and misuse checks of the async emulation; `bf16` measures the error of a bf16 ring
 (flash path) against fp32 attention for the error-vs-N table.
 """
+import faulthandler
 import sys
 
 import emulated_async
@@ -45,22 +46,25 @@ def _observed_flash():
 
 
 def cases(n):
-    """(name, backend, ulysses_degree, causal, batch, seq, q_heads, kv_heads, docs, rotate, scale)."""
+    """(name, backend, ulysses_degree, causal, batch, seq, q_heads, kv_heads, masking, rotate, scale);
+    masking: "" (causal or full only), "docs" (packed documents) or "window" (sliding window of seq // 3)."""
     table = [
-        ("p2p.causal.uneven", "p2p", None, True, 2, 6 * n + 1, 4, 2, False, "ring", None),
-        ("p2p.causal.uneven.allgather", "p2p", None, True, 1, 6 * n + 3, 2, 1, False, "allgather", None),
-        ("p2p.full.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, False, "ring", 0.3),
-        ("p2p.docs", "p2p", None, True, 1, 5 * n + 2, 2, 1, True, "ring", None),
-        ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, False, "ring", None),
-        ("all2all.full", "all2all", None, False, 1, 4 * n, 2 * n, n, False, "ring", None),
-        ("all2all.docs", "all2all", None, True, 1, 4 * n + 3, n, n, True, "ring", None),
-        ("p2p.causal.fp16", "p2p", None, True, 1, 4 * n + 1, 2, 1, False, "ring", None),
+        ("p2p.causal.uneven", "p2p", None, True, 2, 6 * n + 1, 4, 2, "", "ring", None),
+        ("p2p.causal.uneven.allgather", "p2p", None, True, 1, 6 * n + 3, 2, 1, "", "allgather", None),
+        ("p2p.full.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, "", "ring", 0.3),
+        ("p2p.docs", "p2p", None, True, 1, 5 * n + 2, 2, 1, "docs", "ring", None),
+        ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, "", "ring", None),
+        ("all2all.full", "all2all", None, False, 1, 4 * n, 2 * n, n, "", "ring", None),
+        ("all2all.docs", "all2all", None, True, 1, 4 * n + 3, n, n, "docs", "ring", None),
+        ("p2p.causal.fp16", "p2p", None, True, 1, 4 * n + 1, 2, 1, "", "ring", None),
+        ("p2p.window", "p2p", None, True, 1, 8 * n + 3, 4, 2, "window", "ring", None),
+        ("all2all.window", "all2all", None, True, 1, 6 * n + 1, n, 1, "window", "ring", None),
     ]
     if n == 4:
         table += [
-            ("hybrid.causal.uneven", "hybrid", 2, True, 2, 29, 4, 2, False, "ring", None),
-            ("hybrid.causal.allgather", "hybrid", 2, True, 1, 30, 4, 2, False, "allgather", None),
-            ("hybrid.docs", "hybrid", 2, True, 1, 27, 2, 2, True, "ring", None),
+            ("hybrid.causal.uneven", "hybrid", 2, True, 2, 29, 4, 2, "", "ring", None),
+            ("hybrid.causal.allgather", "hybrid", 2, True, 1, 30, 4, 2, "", "allgather", None),
+            ("hybrid.docs", "hybrid", 2, True, 1, 27, 2, 2, "docs", "ring", None),
         ]
     return table
 
@@ -74,21 +78,25 @@ def doc_ids_for(batch, seq):
     return ids
 
 
-def fp32_reference(q, k, v, grad_out, causal, scale, doc_ids):
+def fp32_reference(q, k, v, grad_out, causal, scale, doc_ids, window=None):
     """fp32 SDPA on the (bf16-valued) inputs: output and q/k/v gradients."""
     full = [t.astype("float32").detach() for t in (q, k, v)]
     for t in full:
         t.stop_gradient = False
+    seq = q.shape[1]
     if doc_ids is not None:
         same = doc_ids[:, :, None] == doc_ids[:, None, :]
-        mask = paddle.to_tensor((same & np.tri(doc_ids.shape[1], dtype=bool))[:, None])
+        mask = paddle.to_tensor((same & np.tri(seq, dtype=bool))[:, None])
+        out = F.scaled_dot_product_attention(*full, attn_mask=mask, scale=scale)
+    elif window is not None:  # query i sees keys i - window < j <= i
+        mask = paddle.to_tensor((np.tri(seq, dtype=bool) & ~np.tri(seq, k=-window, dtype=bool))[None, None])
         out = F.scaled_dot_product_attention(*full, attn_mask=mask, scale=scale)
     else:
         out = F.scaled_dot_product_attention(*full, is_causal=causal, scale=scale)
     return [out, *paddle.grad([out], full, [grad_out.astype("float32")])]
 
 
-def context_parallel(mesh, case, q, k, v, grad_out, doc_ids):
+def context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window=None):
     """Output (gathered) and this rank's q/k/v gradient shards, in fp32."""
     name, backend, degree, causal, batch, seq, _, _, _, rotate, scale = case
     layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
@@ -98,7 +106,7 @@ def context_parallel(mesh, case, q, k, v, grad_out, doc_ids):
     attention = {"p2p": pcp.ring_attention, "all2all": pcp.ulysses_attention, "hybrid": pcp.hybrid_attention}[backend]
     extra = {"ulysses_degree": degree} if degree else {}
     out = attention(*local, is_causal=causal, scale=scale, mesh=mesh, seq_len=seq, doc_ids=doc_ids, rotate=rotate,
-                    **extra)
+                    window=window, **extra)
     # gathered in fp32 (exact for half values; CPU has no fp16 index_select)
     full_out = pcp.unshard_sequence(out.astype("float32"), seq_len=seq, **layout)
     grads = paddle.grad([full_out], local, [grad_out.astype("float32")])
@@ -112,21 +120,22 @@ def relative(got, want):
 
 
 def check_case(report, mesh, case):
-    name, backend, degree, causal, batch, seq, q_heads, kv_heads, docs, rotate, scale = case
+    name, backend, degree, causal, batch, seq, q_heads, kv_heads, masking, rotate, scale = case
     paddle.seed(1234)
     dtype = paddle.float16 if name.endswith(".fp16") else BF16
     q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(dtype)
                          for heads in (q_heads, kv_heads, kv_heads, q_heads))
-    doc_ids = doc_ids_for(batch, seq) if docs else None
+    doc_ids = doc_ids_for(batch, seq) if masking == "docs" else None
+    window = seq // 3 if masking == "window" else None
     layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
-    reference = fp32_reference(q, k, v, grad_out, causal, scale, doc_ids)
+    reference = fp32_reference(q, k, v, grad_out, causal, scale, doc_ids, window)
     reference = reference[:1] + [pcp.shard_sequence(g, **layout) for g in reference[1:]]
 
     kernels.flash_available = lambda: False
-    blockwise = context_parallel(mesh, case, q, k, v, grad_out, doc_ids)
+    blockwise = context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window)
     kernels.flash_available = lambda: True
     before = dict(_calls)
-    flash = context_parallel(mesh, case, q, k, v, grad_out, doc_ids)
+    flash = context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window)
     calls = {key: _calls[key] - before[key] for key in _calls}
     for label, got, block, want in zip(("out", "dq", "dk", "dv"), flash, blockwise, reference):
         report.value(f"{name}.{label}.vs_blockwise", relative(got, block))
@@ -164,7 +173,7 @@ def measure_bf16(report, mesh):
     batch, seq, heads = 1, 256, 2
     paddle.seed(99)
     q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(BF16) for _ in range(4))
-    case = ("bf16", "p2p", None, True, batch, seq, heads, heads, False, "ring", None)
+    case = ("bf16", "p2p", None, True, batch, seq, heads, heads, "", "ring", None)
     reference = fp32_reference(q, k, v, grad_out, True, None, None)
     got = context_parallel(mesh, case, q, k, v, grad_out, None)
     for label, mine, want in zip(("out", "dq", "dk", "dv"), got, reference):
@@ -192,4 +201,5 @@ def main(report):
         measure_bf16(report, mesh)
 
 
+faulthandler.enable()  # a crash in Paddle's C++ shows where it happened in the worker log
 run(main)

@@ -12,9 +12,9 @@ are split by hand with pcp.shard_sequence.
 import sys
 from typing import NamedTuple, Optional
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
+from batches import make_batch
 from llama_models import build_llama, loss_of
 from report import run
 
@@ -49,25 +49,6 @@ def adamw(model):
     # whose gradient is ~1e-8 would turn fp32 rounding into a whole-lr step.
     # epsilon=1e-5 bounds that amplification below the 1e-5 parameter budget.
     return paddle.optimizer.AdamW(learning_rate=1e-3, epsilon=1e-5, parameters=model.parameters())
-
-
-def make_batch(seq, packed):
-    """ids, labels, position ids (restarting at each packed document), the single card's mask and
-    the documents' end rows ([b, 1, s]: key j is seen by rows j..end-1)."""
-    paddle.seed(99)
-    ids = paddle.randint(0, 128, [2, seq + 1])
-    positions = np.broadcast_to(np.arange(seq), (2, seq)).copy()
-    mask = ends = None
-    if packed:
-        rng = np.random.RandomState(seq)
-        doc = np.stack([np.searchsorted(np.sort(rng.choice(np.arange(2, seq - 1), 3, replace=False)),
-                                        np.arange(seq), side="right") for _ in range(2)])
-        starts = np.maximum.accumulate(np.where(np.diff(doc, prepend=-1, axis=1) != 0, np.arange(seq), 0), axis=1)
-        positions = np.arange(seq) - starts
-        same = doc[:, :, None] == doc[:, None, :]
-        mask = paddle.to_tensor((same & np.tri(seq, dtype=bool))[:, None])
-        ends = paddle.to_tensor(seq - same[:, ::-1, :].argmax(axis=1), dtype="int32").unsqueeze(1)
-    return ids[:, :-1], ids[:, 1:], paddle.to_tensor(positions, dtype="int64"), mask, ends
 
 
 def reference(source, seq, packed):
@@ -133,17 +114,11 @@ def main(report):
             key = (seq, bool(spec.packed))
             if key not in references:
                 references[key] = reference(source, seq, bool(spec.packed))
-            ref_losses, ref_grads, ref_params = references[key]
             name = (f"{source}.{spec.backend}{'.uneven' if spec.uneven else ''}"
                     f"{'.' + spec.packed if spec.packed else ''}.{spec.rotate}")
             names.append(name)
-            losses, grads, params = parallel(source, seq, mesh, spec)
-            report.value(f"{name}.losses", losses)
-            report.diff(f"{name}.loss", np.array(losses), np.array(ref_losses))
-            for param, value in ref_grads.items():
-                report.diff(f"{name}.grad", grads[param], value)
-            for param, value in ref_params.items():
-                report.diff(f"{name}.param", params[param], value)
+            got = parallel(source, seq, mesh, spec)
+            report.training(name, got, references[key])
     report.value("runs", names)
 
 

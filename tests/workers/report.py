@@ -23,6 +23,16 @@ class Report:
             return
         self.data["max_abs"][name] = max(self.data["max_abs"].get(name, 0.0), float(np.abs(got - want).max()))
 
+    def training(self, name, got, want):
+        """A training run's (losses, first-step gradients, final parameters) against a reference's."""
+        (losses, grads, params), (ref_losses, ref_grads, ref_params) = got, want
+        self.value(f"{name}.losses", losses)
+        self.diff(f"{name}.loss", np.array(losses), np.array(ref_losses))
+        for param, value in ref_grads.items():
+            self.diff(f"{name}.grad", grads[param], value)
+        for param, value in ref_params.items():
+            self.diff(f"{name}.param", params[param], value)
+
     def value(self, name, value):
         self.data["values"][name] = value
 

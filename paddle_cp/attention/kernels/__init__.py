@@ -17,9 +17,11 @@ from .flash import FlashKernel, flash_available
 _HALF = (paddle.float16, paddle.bfloat16)
 
 
-def choose_kernel_name(on_gpu, dtype, has_flash, mask_fits_flash=True):
-    """The dispatch rule, free of devices so it can be tested anywhere."""
-    return "flash" if on_gpu and has_flash and dtype in _HALF and mask_fits_flash else "blockwise"
+def choose_kernel_name(on_gpu, dtype, has_flash, mask_fits_flash=True, same_head_dims=True):
+    """The dispatch rule, free of devices so it can be tested anywhere: flash for half-precision GPU
+    tensors when the op exists, the mask is one it expresses and q/k/v share a head dim (not MLA)."""
+    flash = on_gpu and has_flash and dtype in _HALF and mask_fits_flash and same_head_dims
+    return "flash" if flash else "blockwise"
 
 
 _KERNELS = {"flash": FlashKernel, "blockwise": BlockwiseKernel}
@@ -30,10 +32,17 @@ def on_gpu(tensor):
     return not tensor.place.is_cpu_place()
 
 
-def select_kernel(q, mask=None):
+def select_kernel(q, v, mask=None):
     gpu, has_flash = on_gpu(q), flash_available()
     fits = mask is None or not (gpu and has_flash) or FlashKernel.supports(mask)
-    return _KERNELS[choose_kernel_name(gpu, q.dtype, has_flash, fits)]()
+    return _KERNELS[choose_kernel_name(gpu, q.dtype, has_flash, fits, q.shape[-1] == v.shape[-1])]()
+
+
+def saveable(*tensors):
+    """The tensors, views (transpose, slice, unbind) copied into their own memory: a PyLayer
+    saves the caller's tensors, and Paddle's non-reentrant recompute restores a saved view
+    without its strides and offset."""
+    return [t if t.is_contiguous() and t.offset == 0 else t.clone() for t in tensors]
 
 
 class LocalAttention(PyLayer):
@@ -42,7 +51,7 @@ class LocalAttention(PyLayer):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, kernel):
         out, lse = kernel.forward(q, k, v, mask, scale)
-        out = out.astype(q.dtype)
+        out, lse = saveable(out.astype(q.dtype), lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (mask, scale, kernel)
         return out
@@ -59,7 +68,8 @@ def local_attention(q, k, v, causal, scale, kernel=None, mask=None):
     """Attention of one process's q over its k/v, at consecutive positions unless `mask` says otherwise."""
     if mask is None:
         mask = BlockMask(np.arange(q.shape[1]), np.arange(k.shape[1]), causal)
-    return LocalAttention.apply(q, k, v, mask, scale, kernel or select_kernel(q, mask))
+    q, k, v = saveable(q, k, v)
+    return LocalAttention.apply(q, k, v, mask, scale, kernel or select_kernel(q, v, mask))
 
 
-__all__ = ["BlockwiseKernel", "FlashKernel", "select_kernel", "choose_kernel_name", "local_attention"]
+__all__ = ["saveable", "BlockwiseKernel", "FlashKernel", "select_kernel", "choose_kernel_name", "local_attention"]

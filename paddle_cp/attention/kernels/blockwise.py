@@ -19,8 +19,6 @@ def _finite(x):
 
 
 class BlockwiseKernel:
-    name = "blockwise"
-
     def __init__(self, block_size=512):
         self.block_size = block_size
 
@@ -34,9 +32,10 @@ class BlockwiseKernel:
     def _heads_first(x):
         return x.astype(FP32).transpose([0, 2, 1, 3])
 
-    def _tiles(self, row_runs):
-        return [(start, min(start + self.block_size, end))
-                for a, end in row_runs for start in range(a, end, self.block_size)]
+    def _tiles(self, row_runs, window):
+        # Tiles no longer than a sliding window (not below 32 rows) let the mask skip what it hides.
+        size = self.block_size if window is None else min(self.block_size, max(window, 32))
+        return [(start, min(start + size, end)) for a, end in row_runs for start in range(a, end, size)]
 
     @staticmethod
     def _scores(qb, kb, scale, mask):
@@ -54,9 +53,9 @@ class BlockwiseKernel:
 
     def _plan(self, mask, record):
         """[(q tile, [(k tile, tile mask or None), ...]), ...] for the tiles anyone sees."""
-        k_tiles = self._tiles(mask.k_runs())
+        k_tiles = self._tiles(mask.k_runs(), mask.window)
         plan = []
-        for q_tile in self._tiles(mask.q_runs()):
+        for q_tile in self._tiles(mask.q_runs(), mask.window):
             seen = []
             for k_tile in k_tiles:
                 kind = mask.classify(q_tile, k_tile, record)
@@ -66,20 +65,20 @@ class BlockwiseKernel:
         return plan
 
     def forward(self, q, k, v, mask, scale):
-        """-> out [b, sq, hq, d] fp32, lse [b, hq, sq] fp32."""
-        b, sq, hq, d = q.shape
-        hk = k.shape[2]
+        """-> out [b, sq, hq, dv] fp32, lse [b, hq, sq] fp32 (dv: v's head dim, may differ from q/k's)."""
+        b, sq, hq, _ = q.shape
+        hk, dv = k.shape[2], v.shape[3]
         qg, kh, vh = self._grouped(q, hk), self._heads_first(k), self._heads_first(v)
         outs, lses = [], []
         for (qs, qe), seen in self._plan(mask, record=True):
             qb = qg[:, :, :, qs:qe]
             m = paddle.full([b, hk, hq // hk, qe - qs, 1], NEG_INF, FP32)
-            l, acc = paddle.zeros(m.shape, FP32), paddle.zeros(qb.shape, FP32)
+            l, acc = paddle.zeros(m.shape, FP32), paddle.zeros([b, hk, hq // hk, qe - qs, dv], FP32)
             for (ks, ke), tile_mask in seen:
                 s = self._scores(qb, kh[:, :, ks:ke], scale, tile_mask)
                 m_new = paddle.maximum(m, s.max(axis=-1, keepdim=True))
                 p = paddle.exp(s - _finite(m_new))
-                pv = paddle.matmul(p.reshape([b, hk, -1, ke - ks]), vh[:, :, ks:ke]).reshape(qb.shape)
+                pv = paddle.matmul(p.reshape([b, hk, -1, ke - ks]), vh[:, :, ks:ke]).reshape(acc.shape)
                 correction = paddle.exp(m - _finite(m_new))
                 l = l * correction + p.sum(axis=-1, keepdim=True)
                 acc = acc * correction + pv
@@ -88,19 +87,28 @@ class BlockwiseKernel:
             empty = paddle.isinf(m)
             outs.append(paddle.where(empty, paddle.zeros_like(acc), acc / paddle.where(empty, paddle.ones_like(l), l)))
             lses.append(paddle.where(empty, m, m + paddle.log(l)).squeeze(-1))
-        out = paddle.concat(outs, axis=3).reshape([b, hq, sq, d]).transpose([0, 2, 1, 3])
+        # [b, hk, g, sq, dv] -> [b, sq, hq, dv]
+        out = paddle.concat(outs, axis=3).reshape([b, hq, sq, dv]).transpose([0, 2, 1, 3])
         lse = paddle.concat(lses, axis=3).reshape([b, hq, sq])
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
-        """Gradients (fp32) given the final out and lse of these queries."""
+        """Gradients (fp32) given the final out and lse of these queries (lse may include sinks).
+
+        With S = scale * q k^T (masked), L = lse, O = out and dO = dout:
+          (1) P  = exp(S - L)             the final probabilities, recomputed per tile
+          (2) D  = rowsum(dO * O)         one number per query
+          (3) dP = dO v^T
+          (4) dS = P * (dP - D)           softmax backward, D standing for sum_j P dP
+          (5) dq = scale * dS k,  dk = scale * dS^T q,  dv = P^T dO
+        """
         b, sq, hq, d = q.shape
-        hk = k.shape[2]
+        hk, dv_dim = k.shape[2], v.shape[3]
         g = hq // hk
         qg, kh, vh = self._grouped(q, hk), self._heads_first(k), self._heads_first(v)
         dog = self._grouped(dout, hk)
         lse_g = _finite(lse.astype(FP32)).reshape([b, hk, g, sq, 1])
-        delta = (dog * self._grouped(out, hk)).sum(axis=-1, keepdim=True)
+        delta = (dog * self._grouped(out, hk)).sum(axis=-1, keepdim=True)  # (2)
         dk = paddle.zeros(kh.shape, FP32)
         dv = paddle.zeros(vh.shape, FP32)
         dqs = []
@@ -111,14 +119,15 @@ class BlockwiseKernel:
             dq = paddle.zeros(qb.shape, FP32)
             for (ks, ke), tile_mask in seen:
                 kb, vb = kh[:, :, ks:ke], vh[:, :, ks:ke]
-                p = paddle.exp(self._scores(qb, kb, scale, tile_mask) - lse_b)
-                p2 = p.reshape([b, hk, rows, ke - ks])
-                do2 = dob.reshape([b, hk, rows, d])
-                dp = paddle.matmul(do2, vb, transpose_y=True).reshape(p.shape)
-                ds = (p * (dp - delta_b)).reshape([b, hk, rows, ke - ks]) * scale
-                dq = dq + paddle.matmul(ds, kb).reshape(qb.shape)
-                dk[:, :, ks:ke] += paddle.matmul(ds, qb.reshape([b, hk, rows, d]), transpose_x=True)
-                dv[:, :, ks:ke] += paddle.matmul(p2, do2, transpose_x=True)
+                p = paddle.exp(self._scores(qb, kb, scale, tile_mask) - lse_b)  # (1)
+                p2 = p.reshape([b, hk, rows, ke - ks])  # GQA groups' rows stacked: [b, hk, g*Bq, Bk]
+                do2 = dob.reshape([b, hk, rows, dv_dim])
+                dp = paddle.matmul(do2, vb, transpose_y=True).reshape(p.shape)  # (3)
+                ds = (p * (dp - delta_b)).reshape([b, hk, rows, ke - ks]) * scale  # (4), scaled for (5)
+                dq = dq + paddle.matmul(ds, kb).reshape(qb.shape)  # (5)
+                dk[:, :, ks:ke] += paddle.matmul(ds, qb.reshape([b, hk, rows, d]), transpose_x=True)  # (5)
+                dv[:, :, ks:ke] += paddle.matmul(p2, do2, transpose_x=True)  # (5)
             dqs.append(dq)
+        # [b, hk, g, sq, d] -> [b, sq, hq, d]
         dq = paddle.concat(dqs, axis=3).reshape([b, hq, sq, d]).transpose([0, 2, 1, 3])
         return dq, dk.transpose([0, 2, 1, 3]), dv.transpose([0, 2, 1, 3])

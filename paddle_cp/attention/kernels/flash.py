@@ -3,7 +3,9 @@
 flash_attn knows only "all keys" and "causal on the diagonal", so the BlockMask
 is cut into runs of consecutive positions and each pair of runs is one call,
 merged by log-sum-exp. Masks needing finer tiles go to the blockwise kernel
-(see `supports`).
+(see `supports`), and so does MLA (v head dim != q/k head dim, which the v2
+op refuses); the `flash_attn` op takes no sliding window. Attention sinks are
+merged after any kernel (ring.py), so they need nothing here.
 
 What the op returns and expects (Paddle 3.3.1 and the FlashAttention-2 fork it
 loads; tests/workers/emulated_flash.py cites the source lines): out like q;
@@ -23,10 +25,10 @@ from ..merge import merge
 
 
 class FlashKernel:
-    name = "flash"
-
     @staticmethod
     def supports(mask):
+        """Whether every tile is empty, full or plain causal: a sliding window that cuts a tile,
+        padding, documents or a dense mask inside a tile need the blockwise kernel."""
         return all(mask.classify(qr, kr) in ("none", "all", "diagonal") for qr in mask.q_runs() for kr in mask.k_runs())
 
     @staticmethod

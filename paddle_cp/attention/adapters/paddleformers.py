@@ -1,0 +1,92 @@
+"""PaddleFormers' attention functions, routed to paddle_cp for modules ContextParallel covers.
+
+Every PaddleFormers attention layer looks its function up at call time in
+`paddleformers.nn.attention.interface.ALL_ATTENTION_FUNCTIONS[_attn_implementation]`
+and calls it as `fn(module, query, key, value, attention_mask, ..., sink=, scaling=)`
+with [b, heads, s, d] tensors, returning ([b, s, heads * d_v], None). Each entry
+("eager", "sdpa", "flashmask", any registered one) is wrapped so a routed call
+(routing.plan_for) runs paddle_cp and any other the original; "paddle_cp" is
+registered too. PaddleFormers is never imported here: the wrap happens when
+it already is (a model of it exists), else paddle_cp works without it.
+
+Semantics of a routed call, from the module and the batch paddle_cp knows:
+causal unless the module says `is_causal=False`; the sliding window from the
+`sliding_window` keyword (Phi3) or `module.sliding_window`; sinks from `sink`;
+scale from `scaling` (as "eager"; "sdpa" drops it, a PaddleFormers bug that
+one card shows), except "flashmask" without sinks, whose op uses
+1/sqrt(head_dim) and whose callers (DeepSeek-V3) pre-scale q for it. Masks the
+model built from local lengths are dropped (paddle_cp applies causality, the
+window, documents and the padding of the 2-D attention_mask given to the top
+layer); a full dense mask the user gave (its rows split by PrepareContextParallel)
+is applied instead of causality, as "eager" does.
+"""
+from __future__ import annotations
+
+import sys
+
+from .. import context, routing
+
+INTERFACE_MODULE = "paddleformers.nn.attention.interface"
+NAME = "paddle_cp"
+
+
+def _attend(plan, implementation, module, query, key, value, attention_mask=None, dropout=0.0, sink=None,
+            scaling=None, is_causal=None, attn_mask_startend_row_indices=None, **kwargs):
+    if attn_mask_startend_row_indices is not None:  # PrepareContextParallel turns the top layer's into documents
+        raise ValueError(
+            "attn_mask_startend_row_indices reached a context-parallel attention: pass them to the layer "
+            "PrepareContextParallel hooks (the top model), which turns them into documents over global positions"
+        )
+    # q/k/v [b, h, s, d] -> [b, s, h, d]
+    query, key, value = (x.transpose([0, 2, 1, 3]) for x in (query, key, value))
+    scale = None if implementation == "flashmask" and sink is None else scaling
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    info = context.current()
+    seq_len = info.seq_len if info is not None else query.shape[1] * plan._layout.world
+    full_mask = attention_mask is not None and attention_mask.shape[-1] == seq_len  # else built from local lengths
+    causal = not full_mask and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = routing.attend(plan, query, key, value, attention_mask if full_mask else None, dropout, causal,
+                         module.training, scale, window=window if causal else None, sinks=sink)
+    b, s, h, dv = out.shape
+    return out.reshape([b, s, h * dv]), None  # [b, s, h, dv] -> [b, s, h * dv]
+
+
+def _routed(implementation, original):
+    def attention(module, query, key, value, *args, **kwargs):
+        plan = routing.plan_for(module)
+        if plan is None:
+            return original(module, query, key, value, *args, **kwargs)
+        if args:
+            raise TypeError(f"paddle_cp's {implementation!r} attention takes its arguments after q/k/v by keyword, "
+                            "as PaddleFormers' layers pass them")
+        return _attend(plan, implementation, module, query, key, value, **kwargs)
+
+    attention.paddle_cp_original = original
+    return attention
+
+
+def paddle_cp_attention(module, query, key, value, **kwargs):
+    """The "paddle_cp" implementation: context-parallel under a plan, else a clear error."""
+    plan = routing.plan_for(module)
+    if plan is None:
+        raise ValueError("_attn_implementation='paddle_cp' runs only in layers ContextParallel covers: "
+                         "parallelize the model with a ContextParallel plan on its attention layers")
+    return _attend(plan, "eager", module, query, key, value, **kwargs)
+
+
+def install():
+    """Wrap every entry of ALL_ATTENTION_FUNCTIONS once, if PaddleFormers is imported."""
+    interface = sys.modules.get(INTERFACE_MODULE)
+    if interface is None:
+        return
+    functions = interface.ALL_ATTENTION_FUNCTIONS
+    for implementation in list(functions):
+        original = functions[implementation]
+        if implementation == NAME or hasattr(original, "paddle_cp_original"):
+            continue
+        wrapped = _routed(implementation, original)
+        if implementation in functions._local_mapping:
+            functions[implementation] = wrapped
+        else:
+            interface.AttentionInterface.register(implementation, wrapped)
+    interface.AttentionInterface.register(NAME, paddle_cp_attention)

@@ -1,0 +1,29 @@
+"""`paddle.nn.functional.scaled_dot_product_attention`, routed while a ContextParallel layer runs.
+
+Installed once (first ContextParallel applied) and looked up at call time by
+models that call `F.scaled_dot_product_attention(...)`; calls made while no
+ContextParallel layer runs go to Paddle's own function.
+"""
+from __future__ import annotations
+
+import paddle.nn.functional as F
+
+from .. import routing
+
+_original = None
+
+
+def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True, backend=None,
+                scale=None, enable_gqa=True, name=None):
+    plan = routing.plan_for()
+    if plan is None:
+        return _original(query, key, value, attn_mask, dropout_p, is_causal, training, backend, scale, enable_gqa,
+                         name)
+    return routing.attend(plan, query, key, value, attn_mask, dropout_p, is_causal, training, scale, enable_gqa)
+
+
+def install():
+    global _original
+    if _original is None:
+        _original = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = routed_sdpa

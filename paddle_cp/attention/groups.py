@@ -1,0 +1,45 @@
+"""The process groups context-parallel attention runs over: `sep`, split into Ulysses and ring parts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import mesh as mesh_lib
+
+
+@dataclass(frozen=True)
+class CPGroups:
+    """The sep group and its Ulysses (inner) and ring (outer) parts."""
+
+    sep: mesh_lib.MeshGroup
+    ulysses: mesh_lib.MeshGroup
+    ring: mesh_lib.MeshGroup
+
+
+def _alone(group):
+    rank = group.ranks[group.index]
+    return mesh_lib.MeshGroup((rank,), 0, None)
+
+
+def resolve_group(mesh=None, group=None):
+    """The context-parallel MeshGroup: `group` (MeshGroup or Paddle Group), else the mesh's `sep` slice."""
+    if group is not None:
+        if isinstance(group, mesh_lib.MeshGroup):
+            return group
+        return mesh_lib.MeshGroup(tuple(group.ranks), group.rank, group)
+    mesh = mesh_lib.resolve_mesh(mesh)
+    mesh_lib.require_dim(mesh, "sep", "context parallelism")
+    return mesh_lib.mesh_group(mesh, ["sep"], p2p=True)
+
+
+def resolve_groups(layout, mesh=None, group=None):
+    """CPGroups for a layout; hybrid groups come from the mesh (all slices are made collectively)."""
+    sep = resolve_group(mesh, group)
+    if layout.ulysses == 1:
+        return CPGroups(sep, _alone(sep), sep)
+    if layout.ring == 1:
+        return CPGroups(sep, sep, _alone(sep))
+    if group is not None:
+        raise ValueError("backend='hybrid' builds its Ulysses and ring groups from the mesh: pass mesh=, not group=")
+    mesh = mesh_lib.resolve_mesh(mesh)
+    ulysses, ring = mesh_lib.split_dim_groups(mesh, "sep", layout.ulysses)
+    return CPGroups(sep, ulysses, ring)

@@ -1,0 +1,158 @@
+"""`save_checkpoint`, `load_checkpoint`, `wait_checkpoint`: collective, arguments checked on every
+rank before any data moves."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import paddle
+import paddle.distributed as dist
+
+from . import commit, gather, layout, restore
+from .agree import count_failures, same_everywhere
+from .format import (MODEL_DIR, OPTIMIZER_DIR, BoxReader, global_specs, local_boxes, metadata, read_metadata,
+                     write_state)
+
+_pending = []  # the async save whose files are still being written (at most one)
+
+
+def _check_common(path, model, optimizer):
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TypeError(f"checkpoint path must be a non-empty str or os.PathLike, got {path!r}")
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"model must be a paddle.nn.Layer, got {type(model).__name__}")
+    if optimizer is not None:
+        layout.accumulator_names(optimizer)
+
+
+def _check_save(path, model, optimizer, extra, async_save):
+    _check_common(path, model, optimizer)
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save must be True or False, got {async_save!r}")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"extra must be JSON-serializable (numbers, strings, lists, dicts): {exc}; "
+                        "convert tensors and arrays with .tolist()") from exc
+    if os.path.exists(path):
+        raise ValueError(f"checkpoint path {path} exists already: save each checkpoint to a new path "
+                         "(e.g. root/checkpoint-<step>) or delete the old one first")
+
+
+def _call_description(path, model, optimizer):
+    names = None if optimizer is None else layout.accumulator_names(optimizer)
+    return os.path.abspath(path), sorted(restore.expected_model_specs(model).items()), names
+
+
+class _Save:
+    """One save's file writing (in a background thread when async) and its publication."""
+
+    def __init__(self, path, extra, states, group, async_save):
+        """`states`: {folder: (key, full array) pairs}, consumed here (collectively)."""
+        self.path, self.extra, self.group = path, extra, group
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.jobs, self.has_optimizer = [], False
+        for folder, values in states.items():
+            boxes, specs = local_boxes(values, world, rank)  # copies: training may go on while a thread writes
+            if specs:
+                meta = metadata(specs, world) if rank == 0 else None
+                self.jobs.append((os.path.join(commit.partial_path(path), folder), boxes, meta))
+                self.has_optimizer = self.has_optimizer or folder == OPTIMIZER_DIR
+        self.error = None
+        self.thread = threading.Thread(target=self._write, name="paddle_cp-checkpoint-writer", daemon=True)
+        if async_save:
+            self.thread.start()
+        else:
+            self._write()
+
+    def _write(self):
+        try:
+            for directory, boxes, meta in self.jobs:
+                write_state(directory, boxes, meta)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank in finish()
+            self.error = exc
+
+    def finish(self):
+        """Every rank reports; all succeeded: the coordinator publishes; else all raise."""
+        if self.thread.ident is not None:  # started: async
+            self.thread.join()
+        failed = count_failures(self.group, self.error is None, "checkpoint_written")
+        if failed:
+            if dist.get_rank() == 0:
+                commit.clear_partial(self.path)
+            count_failures(self.group, True, "checkpoint_cleared")  # gone for every rank when the error arrives
+            raise RuntimeError(f"saving checkpoint {self.path} failed on {failed} rank(s) (the cause is chained "
+                               "on those ranks): it was not published; the previous checkpoint is still the "
+                               "latest") from self.error
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                commit.publish(self.path, self.extra, self.has_optimizer)
+            except OSError as exc:  # e.g. the path appeared meanwhile: every rank must hear of it
+                error = exc
+        if count_failures(self.group, error is None, "checkpoint_published"):  # also: visible to every rank on return
+            raise RuntimeError(f"publishing checkpoint {self.path} failed on rank 0 (the cause is chained there); "
+                               f"its files stay in {commit.partial_path(self.path)}") from error
+
+
+def wait_checkpoint():
+    """Finish an async save (collective): returns once it is published, raises on every rank if it failed."""
+    while _pending:
+        _pending.pop().finish()
+
+
+def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
+    """Save `model` (and `optimizer`'s state, and JSON-able `extra`) to the new directory `path`."""
+    wait_checkpoint()  # first: the pending save may be publishing `path`
+    _check_save(path, model, optimizer, extra, async_save)
+    group = layout.world_group()
+    if dist.get_rank() == 0:
+        commit.clear_partial(path)
+    # also a barrier: no rank writes before a stale partial save is gone
+    same_everywhere(group, (_call_description(path, model, optimizer), extra, async_save))
+    states = {MODEL_DIR: gather.model_values(model)}
+    if optimizer is not None:
+        states[OPTIMIZER_DIR] = gather.optimizer_values(model, optimizer)
+    save = _Save(path, extra, states, group, async_save)
+    if async_save:
+        _pending.append(save)
+    else:
+        save.finish()
+
+
+def _check_specs(found, wanted, what, path, allow_missing=False):
+    """Same keys (checkpoint keys a subset when allow_missing), global shapes and dtypes, else ValueError."""
+    unexpected = sorted(set(found) - set(wanted))
+    missing = [] if allow_missing else sorted(set(wanted) - set(found))
+    if unexpected or missing:
+        raise ValueError(f"checkpoint {path} does not fit this {what}: keys only in the checkpoint "
+                         f"{unexpected[:5]}, keys it lacks {missing[:5]}; build the same model (and optimizer) "
+                         "that saved it")
+    for key, (shape, dtype) in sorted(found.items()):
+        if tuple(wanted[key][0]) != tuple(shape) or wanted[key][1] != dtype:
+            raise ValueError(f"checkpoint {path} holds '{key}' as {dtype}{list(shape)}, this {what} needs "
+                             f"{wanted[key][1]}{list(wanted[key][0])}: build the model with the config that "
+                             "saved it (or cast after loading)")
+
+
+def load_checkpoint(path, model, optimizer=None):
+    """Restore `model` (and `optimizer`) from `path` onto the current mesh and plans; returns `extra`."""
+    _check_common(path, model, optimizer)
+    wait_checkpoint()
+    same_everywhere(layout.world_group(), _call_description(path, model, optimizer))
+    marker = commit.read_marker(path)
+    model_dir = os.path.join(path, MODEL_DIR)
+    model_meta = read_metadata(model_dir)
+    _check_specs(global_specs(model_meta), restore.expected_model_specs(model), "model", path)
+    optimizer_meta = None
+    if optimizer is not None and marker["has_optimizer"]:
+        names = layout.accumulator_names(optimizer)
+        optimizer_meta = read_metadata(os.path.join(path, OPTIMIZER_DIR))
+        _check_specs(global_specs(optimizer_meta), restore.expected_optimizer_specs(model, names),
+                     "optimizer", path, allow_missing=True)
+    restore.restore_model(model, BoxReader(model_dir, model_meta))
+    if optimizer_meta is not None:
+        restore.restore_optimizer(model, optimizer, BoxReader(os.path.join(path, OPTIMIZER_DIR), optimizer_meta),
+                                  names)
+    return marker["extra"]

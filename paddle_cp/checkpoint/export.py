@@ -1,0 +1,30 @@
+"""`export_pretrained(model, directory)`: the single-card weights as PaddleFormers writes them
+(safetensors + config.json), for `ModelClass.from_pretrained(directory)`. Collective."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+from ..state_dict import full_state_dict
+from . import layout
+from .agree import count_failures
+
+
+def export_pretrained(model, directory):
+    if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+        raise TypeError(f"export_pretrained(model, directory) takes a directory path, got {directory!r}")
+    if not callable(getattr(model, "save_pretrained", None)) or getattr(model, "config", None) is None:
+        raise TypeError(f"export_pretrained needs a PaddleFormers PretrainedModel (with .config and "
+                        f".save_pretrained), got {type(model).__name__}: save a plain Layer with "
+                        "pcp.save_checkpoint")
+    if os.path.isfile(directory):
+        raise ValueError(f"export directory {directory} is a file: pass a directory path")
+    state = full_state_dict(model)
+    if dist.get_rank() == 0:
+        tensors = {key: paddle.to_tensor(np.ascontiguousarray(value)) for key, value in state.items()}
+        # the state_dict path of save_pretrained (its flex-checkpoint path saves the local shards and is collective)
+        model.save_pretrained(directory, state_dict=tensors, safe_serialization=True, save_checkpoint_format="unified")
+    count_failures(layout.world_group(), True, "export_written")  # every rank returns once the files exist

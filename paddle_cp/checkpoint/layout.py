@@ -1,0 +1,82 @@
+"""How the current run holds each parameter and its optimizer state: the link between local
+tensors and the single-card (global) tensors a checkpoint stores.
+
+Everything comes from the parameter's `ParamRecord` (paddle_cp/params.py): its local
+tensor is its tensor-parallel slice, of which at sharding level 3 only the dp owner keeps
+a copy; its optimizer state exists only where the optimizer steps it (every rank at
+level 0, the dp owner at levels 1-3). Buffers and unparallelized models have no record.
+"""
+from __future__ import annotations
+
+import paddle
+import paddle.distributed as dist
+
+from .. import mesh as mesh_lib
+from ..params import find_record
+
+# Adam's step powers are one number per parameter; every other accumulator has the parameter's shape.
+SCALAR_ACCUMULATORS = ("beta1_pow_acc", "beta2_pow_acc")
+
+
+def inner_optimizer(optimizer):
+    """The Paddle optimizer holding the state (parallelize's wrapper or a plain optimizer)."""
+    return getattr(optimizer, "inner", optimizer)
+
+
+def global_shape(tensor):
+    """The single-card shape of a parameter or buffer held by this rank."""
+    record = find_record(tensor)
+    return tuple(tensor.shape) if record is None else tuple(record.full_shape)
+
+
+def dtype_name(dtype):
+    return str(dtype).replace("paddle.", "")
+
+
+def holds_value(tensor):
+    """False for a level-3 placeholder: the owner holds the value."""
+    record = find_record(tensor)
+    return record is None or record.holds_value()
+
+
+def steps_here(param):
+    """Whether this rank's optimizer steps `param` (and so holds its state)."""
+    record = find_record(param)
+    return record is None or record.owned_here()
+
+
+def accumulator_shape(param, name):
+    """The shape of this rank's accumulator (the tensor-parallel slice's shape, or one number)."""
+    record = find_record(param)
+    return [1] if name in SCALAR_ACCUMULATORS else list(param.shape if record is None else record.tp_shape())
+
+
+def accumulator_dtype(param, name):
+    return paddle.float32 if name in SCALAR_ACCUMULATORS else param.dtype
+
+
+def accumulator_names(optimizer):
+    """The accumulators the optimizer keeps per parameter; TypeError for optimizers checkpoints do not cover."""
+    inner = inner_optimizer(optimizer)
+    if isinstance(inner, (paddle.optimizer.Adam, paddle.optimizer.AdamW)):
+        names = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
+        names += ("moment2_max",) if getattr(inner, "_amsgrad", False) else ()
+    elif isinstance(inner, paddle.optimizer.Momentum):
+        names = ("velocity",)
+    else:
+        raise TypeError(f"checkpoints save the state of Adam, AdamW and Momentum, not {type(inner).__name__}: "
+                        "use one of those, or save without optimizer=")
+    if getattr(inner, "_multi_precision", False):
+        raise TypeError("checkpoints do not save fp32 master weights yet: create the optimizer with "
+                        "multi_precision=False")
+    return names
+
+
+def world_group():
+    """The MeshGroup of every launched rank, or None in one process."""
+    if dist.get_world_size() == 1:
+        return None
+    mesh = mesh_lib.get_mesh()
+    if mesh is None:
+        raise ValueError("a multi-rank checkpoint needs the mesh: call pcp.set_mesh(mesh) or pcp.parallelize first")
+    return mesh_lib.mesh_group(mesh, list(mesh.dim_names))

@@ -1,0 +1,56 @@
+"""Put single-card values from a checkpoint into the current run's local tensors.
+
+Every rank reads the boxes it needs straight from the files (one machine or a
+shared filesystem), so loading issues no collective: whatever mesh, plans or
+sharding level saved the checkpoint, each rank cuts its own slices.
+"""
+from __future__ import annotations
+
+import paddle
+
+from ..params import find_record, set_local_value
+from . import layout
+from .format import optimizer_key
+
+
+def _local(tensor, full):
+    """This rank's tensor-parallel slice of a single-card value."""
+    record = find_record(tensor)
+    return full if record is None or record.tp_axis is None else record.local(full)
+
+
+def expected_model_specs(model):
+    """{key: (global shape, dtype)} the current model needs."""
+    return {key: (layout.global_shape(value), layout.dtype_name(value.dtype))
+            for key, value in model.state_dict().items()}
+
+
+def expected_optimizer_specs(model, names):
+    """{key: (global shape, dtype)} of optimizer state for accumulators `names`."""
+    specs = {}
+    for key, param in model.named_parameters():
+        for name in names:
+            shape = (1,) if name in layout.SCALAR_ACCUMULATORS else layout.global_shape(param)
+            specs[optimizer_key(key, name)] = (shape, layout.dtype_name(layout.accumulator_dtype(param, name)))
+    return specs
+
+
+def restore_model(model, reader):
+    for key, tensor in model.state_dict().items():
+        if layout.holds_value(tensor):
+            set_local_value(tensor, _local(tensor, reader.full(key)))
+
+
+def restore_optimizer(model, optimizer, reader, names):
+    """Create the optimizer's state where it is missing (a fresh optimizer) and fill it."""
+    inner = layout.inner_optimizer(optimizer)
+    mine = [(key, p) for key, p in model.named_parameters()
+            if layout.steps_here(p) and optimizer_key(key, names[0]) in reader.metadata.state_dict_metadata]
+    missing = [p for _, p in mine if any(p.name not in inner._accumulators.get(n, {}) for n in names)]
+    if missing:
+        inner._create_accumulators(paddle.static.default_main_program().global_block(), missing)
+    for key, param in mine:
+        for name in names:
+            full = reader.full(optimizer_key(key, name))
+            value = full if name in layout.SCALAR_ACCUMULATORS else _local(param, full)
+            inner._accumulators[name][param.name].set_value(value)

@@ -1,0 +1,113 @@
+"""A bound on every collective paddle_cp issues: a rank that waits past the timeout says what it
+waited for and exits non-zero, so `paddle.distributed.launch` stops the whole job.
+
+Gloo gives up only after its fixed 30 s and NCCL never does, so a stalled peer would
+otherwise hang the job (on NCCL forever). The guard on each collective is cheap: it
+stores what is in flight in one slot; a daemon thread polls that slot. On GPU a
+collective returns before it completes: the guard records an event on the current
+stream and the in-flight entry stays until the event has passed.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import paddle
+
+DEFAULT_TIMEOUT = 1800.0  # fits slow first steps (compilation, data loading) yet never waits forever
+ENV_VAR = "PCP_TIMEOUT"
+_POLL = 0.2
+
+_state = {"timeout": None, "thread": None}
+_in_flight = {}  # token -> (started, op, (group ranks, peers or None), completion event or None)
+_tokens = itertools.count()
+
+
+def _checked(seconds, source):
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+            or seconds <= 0:
+        raise ValueError(f"{source} must be a positive number of seconds, got {seconds!r}")
+    return float(seconds)
+
+
+def set_timeout(seconds):
+    """Bound every paddle_cp collective on this rank to `seconds` (call it on every rank)."""
+    _state["timeout"] = _checked(seconds, "set_timeout(seconds)")
+
+
+def get_timeout():
+    """The timeout in seconds: set_timeout's, else the PCP_TIMEOUT environment variable, else the default."""
+    if _state["timeout"] is not None:
+        return _state["timeout"]
+    raw = os.environ.get(ENV_VAR)
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = raw
+    return _checked(value, f"environment variable {ENV_VAR}")
+
+
+@contextmanager
+def guard(op, ranks, peers=None):
+    """Mark a collective `op` over the group of global `ranks` as in flight while the block runs;
+    `peers`: the ranks it waits for (default: the others in the group)."""
+    _ensure_thread()
+    token = next(_tokens)
+    _in_flight[token] = entry = (time.monotonic(), op, (tuple(ranks), peers), None)
+    try:
+        yield
+    finally:
+        event = _completion_event()
+        if event is None:
+            _in_flight.pop(token, None)
+        else:
+            _in_flight[token] = (*entry[:3], event)
+
+
+_CUDA = paddle.is_compiled_with_cuda()
+
+
+def _completion_event():
+    if not _CUDA or not paddle.get_device().startswith("gpu"):
+        return None
+    event = paddle.device.cuda.Event()
+    event.record()
+    return event
+
+
+def _ensure_thread():
+    if _state["thread"] is None:
+        get_timeout()  # a bad PCP_TIMEOUT raises here, on every rank, before the first collective
+        thread = threading.Thread(target=_watch, name="paddle_cp-watchdog", daemon=True)
+        _state["thread"] = thread
+        thread.start()
+
+
+def _watch():
+    while True:
+        time.sleep(_POLL)
+        limit, now = get_timeout(), time.monotonic()
+        for key, (started, op, group, event) in list(_in_flight.items()):
+            if event is not None and event.query():
+                _in_flight.pop(key, None)
+            elif now - started > limit:
+                _give_up(op, group, now - started, limit)
+
+
+def _give_up(op, group, waited, limit):
+    rank = paddle.distributed.get_rank()
+    ranks, peers = group
+    peers = sorted(set(peers or ranks) - {rank})
+    sys.stderr.write(f"paddle_cp: rank {rank} waited {waited:.1f} s (timeout {limit:g} s, set by "
+                     f"pcp.set_timeout or {ENV_VAR}) in collective '{op}' over group {list(ranks)} "
+                     f"waiting for ranks {peers}: a peer stalled or died; exiting\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(17)

@@ -1,0 +1,75 @@
+"""State that a recomputed function needs again when backward replays it.
+
+Paddle's recompute (`fleet.utils.recompute`, reentrant or not, and the hybrid
+`recompute_hybrid`) runs a function in forward and again in backward, after the
+state it first ran under is gone: the batch's SequenceInfo ends with the top
+layer's forward, and ContextParallel's SDPA interception with the attention
+layer's. Every recompute call made while such state exists captures it, and its
+replay runs under it again, so each call replays with its own batch's facts
+(gradient accumulation, several forwards before one backward).
+
+Paddle's `recompute` functions look their PyLayer (or non-reentrant helper) up
+in their module at call time, so wrapping those names covers every caller,
+however it imported `recompute` (PaddleFormers binds it at import).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+
+_captures = []  # functions returning a context manager factory that re-establishes state as it is now, or None
+_installed = []
+
+
+def carry(capture):
+    """Register `capture() -> (() -> context manager) | None`, called at every recompute call."""
+    _captures.append(capture)
+
+
+def with_current_state(function):
+    """`function`, run under the carried state as it is now (itself when nothing is carried)."""
+    restores = [restore for restore in (capture() for capture in _captures) if restore is not None]
+    if not restores:
+        return function
+
+    @functools.wraps(function)  # recompute binds arguments by the function's signature
+    def replay(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for restore in restores:
+                stack.enter_context(restore())
+            return function(*args, **kwargs)
+
+    return replay
+
+
+class _CarryingPyLayer:
+    """Stands in for a recompute PyLayer whose apply takes the function first."""
+
+    def __init__(self, pylayer):
+        self.pylayer = pylayer
+
+    def apply(self, function, *args, **kwargs):
+        return self.pylayer.apply(with_current_state(function), *args, **kwargs)
+
+
+def _carrying(helper):
+    @functools.wraps(helper)
+    def call(function, *args, **kwargs):
+        return helper(with_current_state(function), *args, **kwargs)
+
+    return call
+
+
+def install():
+    """Wrap Paddle's recompute entry points once per process."""
+    if _installed:
+        return
+    # by module path: the package re-exports a function named `recompute` over its module
+    plain = importlib.import_module("paddle.distributed.fleet.recompute.recompute")
+    hybrid = importlib.import_module("paddle.distributed.fleet.recompute.recompute_hybrid")
+
+    plain.RecomputeFunction = _CarryingPyLayer(plain.RecomputeFunction)
+    plain._recompute_without_reentrant = _carrying(plain._recompute_without_reentrant)
+    hybrid._HPRecomputeFunction = _CarryingPyLayer(hybrid._HPRecomputeFunction)
+    _installed.append(True)

@@ -1,0 +1,45 @@
+"""pcp-bench-pp (paddle_cp/tools/bench_pp.py) run for real on 2 CPU ranks: stage-to-stage bytes are
+exactly the formula's, bubbles are fractions next to their formula, every stage reports its memory."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_pp") / "out.json"
+    cmd = [sys.executable, "-m", "paddle_cp.tools.bench_pp", "--nproc", "2", "--micro", "2", "4", "--steps", "1",
+           "--layers", "4", "--hidden", "32", "--seq", "8", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_every_schedule_and_micro_batch_count_is_measured(result):
+    assert [(c["schedule"], c["m"], c["v"]) for c in result["cases"]] == [
+        ("FThenB", 2, 1), ("FThenB", 4, 1), ("1F1B", 2, 1), ("1F1B", 4, 1), ("VPP", 2, 2), ("VPP", 4, 2)]
+
+
+def test_p2p_bytes_are_the_formula(result):
+    """Stage s sends m activations per boundary it crosses forward and m gradients back:
+    2(pv-1) m b s h 4 bytes over all stages (b the micro-batch)."""
+    for case in result["cases"]:
+        assert case["p2p_bytes"] == case["p2p_predicted"], case
+        assert sum(case["p2p_bytes"]) == case["p2p_total_formula"]
+        meta = case["meta_bytes"]  # shapes only, with each forward transfer: small, and none from the last stage
+        assert meta[0] > 0 and max(meta) < 1000 * case["m"] * case["v"]
+        assert (meta[-1] == 0) == (case["v"] == 1)
+
+
+def test_bubbles_and_memory_are_reported(result):
+    for case in result["cases"]:
+        assert 0 <= case["bubble"] < 1
+        assert case["bubble_formula"] == pytest.approx((2 - 1) / (case["m"] + 2 - 1) / case["v"])
+        assert len(case["peak_mb"]) == 2 and min(case["peak_mb"]) > 0

@@ -1,0 +1,64 @@
+"""Checkpoints in one process (no launch): async save and wait, latest_checkpoint, export to
+PaddleFormers, and the collective timeout's settings."""
+import json
+import sys
+
+import numpy as np
+import paddle.distributed as dist
+import pytest
+from launcher import WORKERS
+
+import paddle_cp as pcp
+
+sys.path.insert(0, str(WORKERS))
+from one_card import trained  # noqa: E402
+from tensor_parallel import batches  # noqa: E402
+
+
+def test_one_process_async_save_latest_and_export(tmp_path):
+    """No launch: async save publishes at wait_checkpoint, latest_checkpoint skips unfinished saves,
+    export_pretrained loads back with PaddleFormers' from_pretrained."""
+    from paddleformers.transformers import LlamaForCausalLM
+
+    model, optimizer = trained(2)
+    pcp.save_checkpoint(str(tmp_path / "a"), model, optimizer, extra={"step": 2})
+    pcp.save_checkpoint(str(tmp_path / "b"), model, optimizer, extra={"step": 3}, async_save=True)
+    assert pcp.latest_checkpoint(str(tmp_path)) == str(tmp_path / "a")
+    pcp.wait_checkpoint()
+    assert pcp.latest_checkpoint(str(tmp_path)) == str(tmp_path / "b")
+    (tmp_path / "c.partial" / "model_state").mkdir(parents=True)  # a save that died
+    assert pcp.latest_checkpoint(str(tmp_path)) == str(tmp_path / "b")
+    assert pcp.latest_checkpoint(str(tmp_path / "nothing")) is None
+    with open(tmp_path / "b" / "pcp_checkpoint.json") as f:
+        assert sorted(json.load(f)["files"]) == ["model_state/0.metadata", "model_state/0_0.distcp",
+                                                 "optimizer_state/0.metadata", "optimizer_state/0_0.distcp"]
+    optimizer_state = dist.load_merged_state_dict(str(tmp_path / "b" / "optimizer_state"))
+    assert "model.layers.0.self_attn.q_proj.weight.moment1_0" in optimizer_state
+    pcp.export_pretrained(model, str(tmp_path / "export"))
+    loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "export"))
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[key].numpy(), value.numpy())
+    ids, labels = next(iter(batches("llama")))
+    np.testing.assert_allclose(float(loaded(input_ids=ids, labels=labels)[0]),
+                               float(model(input_ids=ids, labels=labels)[0]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "inf", "never"])
+def test_timeout_environment_variable_is_checked(monkeypatch, value):
+    monkeypatch.setenv("PCP_TIMEOUT", value)
+    with pytest.raises(ValueError, match="PCP_TIMEOUT must be a positive number"):
+        pcp.get_timeout()
+
+
+def test_timeout_from_environment_or_set_timeout(monkeypatch):
+    from paddle_cp.comm import watchdog
+
+    monkeypatch.setitem(watchdog._state, "timeout", None)
+    monkeypatch.delenv("PCP_TIMEOUT", raising=False)
+    assert pcp.get_timeout() == watchdog.DEFAULT_TIMEOUT
+    monkeypatch.setenv("PCP_TIMEOUT", "12.5")
+    assert pcp.get_timeout() == 12.5
+    pcp.set_timeout(3)
+    assert pcp.get_timeout() == 3.0
+
+

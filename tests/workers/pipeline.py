@@ -1,0 +1,233 @@
+"""Pipeline parallel vs one card: each run builds the model from one seed, trains three AdamW
+steps (epsilon 1e-3, ClipGradByGlobalNorm) on a global batch and compares the loss of
+every step (on every rank) and the final full_state_dict with one process doing the same.
+argv[1] names the group of runs (one launch each).
+"""
+import sys
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from doc_llama import LlamaForCausalLM, cross_entropy
+from doc_llama import VOCAB as DOC_VOCAB
+from report import run
+
+import paddle_cp as pcp
+from paddle_cp import mesh as mesh_lib
+from paddle_cp.comm import collectives
+
+BATCH, SEQ, STEPS, CLIP, EPSILON = 4, 8, 3, 0.5, 1e-3
+
+
+def doc_model():
+    return LlamaForCausalLM(num_layers=3)
+
+
+def llama(tie=True):
+    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM as PFLlama
+    return PFLlama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+                               fuse_rms_norm=False,  # no fused CPU kernel
+                               _attn_implementation="sdpa"))  # what ContextParallel intercepts
+
+
+def build(make):
+    paddle.seed(2024)
+    model = make()
+    optimizer = paddle.optimizer.AdamW(learning_rate=1e-2, weight_decay=0.1, epsilon=EPSILON,
+                                       grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP),
+                                       parameters=model.parameters())
+    return model, optimizer
+
+
+def batches(vocab, seq=SEQ):
+    rng = np.random.RandomState(7)
+    for _ in range(STEPS):
+        yield (paddle.to_tensor(rng.randint(0, vocab, [BATCH, seq]), dtype="int64"),
+               paddle.to_tensor(rng.randint(0, vocab, [BATCH, seq]), dtype="int64"))
+
+
+def train(model, optimizer, vocab, step_loss, data_parallel=False, seq=SEQ):
+    losses = []
+    for ids, labels in batches(vocab, seq):
+        if data_parallel:
+            ids, labels = pcp.shard_batch((ids, labels))
+        loss = step_loss(model, ids, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.clear_grad()
+        losses.append(float(loss))
+    return np.array(losses)
+
+
+def user_loop(model, ids, labels):
+    """The plain loop: the model returns logits, the script computes the loss."""
+    return cross_entropy(model(ids), labels)
+
+
+def model_loss(model, ids, labels):
+    """The model (or pp_config's loss_fn) computes the loss: `model(..., labels=...)[0]`."""
+    return model(ids, labels=labels)[0]
+
+
+def reference(make, vocab, step_loss, seq=SEQ):
+    model, optimizer = build(make)
+    losses = train(model, optimizer, vocab, step_loss, seq=seq)
+    return losses, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def last_stage(mesh):
+    return mesh.get_mesh_with_dim("pp")[-1].process_ids.count(dist.get_rank()) > 0
+
+
+def held_parameters(model):
+    """Names of the parameters this rank keeps (the others are freed)."""
+    return sorted(n for n, p in model.named_parameters() if p._is_initialized())
+
+
+def replica_mean(values, mesh):
+    """The global loss from each rank's mean over its own samples and tokens (equal counts)."""
+    group = mesh_lib.mesh_group(mesh, ["dp", "sep"])
+    total = collectives.all_reduce(group, paddle.to_tensor(values, dtype="float32"))
+    return total.numpy() / group.size
+
+
+def compare(report, name, make, vocab, mesh, config, step_loss, ref_loss=None, seq=SEQ):
+    """Losses on the last stage (every stage when the model computes the loss), the state on every rank,
+    and (without tensor parallel) the parameters each rank holds itself, tied copies included."""
+    want_losses, want_state = reference(make, vocab, ref_loss or step_loss, seq)
+    model, optimizer = build(make)
+    model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
+    report.value(f"{name}.held", held_parameters(model))
+    losses = train(model, optimizer, vocab, step_loss, data_parallel="dp" in mesh.dim_names, seq=seq)
+    losses = replica_mean(losses, mesh)
+    if step_loss is model_loss or last_stage(mesh):
+        report.diff(f"{name}.loss", losses, want_losses)
+    if "mp" not in mesh.dim_names:
+        for key, p in model.state_dict().items():
+            if p._is_initialized():
+                report.diff(f"{name}.local.{key}", p, want_state[key])
+    state = pcp.full_state_dict(model)
+    report.value(f"{name}.state_keys_match", sorted(state) == sorted(want_state))
+    for key, value in want_state.items():
+        report.diff(f"{name}.state.{key}", state[key], value)
+
+
+def pp_mesh(shape, names):
+    return dist.ProcessMesh(np.arange(int(np.prod(shape))).reshape(shape).tolist(), dim_names=names)
+
+
+def doc_pp2(report):
+    mesh = pp_mesh([2], ["pp"])
+    compare(report, "doc_pp2", doc_model, DOC_VOCAB, mesh, {"pp_config": {"split_spec": "llama.layers"}}, user_loop)
+    for schedule, m in (("FThenB", 2), ("1F1B", 4)):
+        compare(report, f"doc_pp2_{schedule}_m{m}", doc_model, DOC_VOCAB, mesh,
+                {"pp_config": {"split_spec": "llama.layers", "schedule_mode": schedule, "accumulate_steps": m,
+                               "loss_fn": cross_entropy}}, model_loss, ref_loss=user_loop)
+
+
+def llama_pp2(report):
+    """PaddleFormers Llama (4 layers, tied embeddings by default) on 2 stages, m = 4."""
+    mesh = pp_mesh([2], ["pp"])
+    base = {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 4}
+    runs = {"llama_1f1b": ({**base, "schedule_mode": "1F1B"}, llama),
+            "llama_vpp": ({**base, "schedule_mode": "VPP", "vpp_degree": 2}, llama),
+            "llama_untied_fthenb": ({**base, "schedule_mode": "FThenB"}, lambda: llama(tie=False))}
+    for name, (pp_config, make) in runs.items():
+        compare(report, name, make, 64, mesh, {"pp_config": pp_config}, model_loss)
+
+
+def llama_cp(report):
+    """pp2 x sep2: ring attention inside each stage; activations cross stages in the CP layout."""
+    mesh = pp_mesh([2, 2], ["pp", "sep"])
+    cp = {"cp_config": {"parallelize_plan": {"": pcp.PrepareContextParallel("p2p"),
+                                             "model.layers.*.self_attn": pcp.ContextParallel("p2p")}}}
+    base = {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 4}
+    for name, pp_config in {"llama_cp_1f1b": {**base, "schedule_mode": "1F1B"},
+                            "llama_cp_vpp": {**base, "schedule_mode": "VPP", "vpp_degree": 2}}.items():
+        compare(report, name, llama, 64, mesh, {**cp, "pp_config": pp_config}, model_loss)
+
+
+def llama_cp_uneven(report):
+    """pp2 x sep2 on 9 tokens (5 + 4 per sep rank): each micro-batch loss weighted by pcp.loss_weight
+    inside pp_config's loss_fn, so the averaged gradient is the global token mean's."""
+    mesh = pp_mesh([2, 2], ["pp", "sep"])
+    prepare = pcp.PrepareContextParallel("p2p")
+    local = int(pcp.shard_sequence(paddle.zeros([BATCH, 9]), backend=prepare, mesh=mesh).numel())
+    weight = pcp.loss_weight(local, mesh)
+
+    def weighted_loss(output, labels):
+        return llama_loss(output, labels) * weight
+
+    config = {"cp_config": {"parallelize_plan": {"": prepare, "model.layers.*.self_attn": pcp.ContextParallel("p2p")}},
+              "pp_config": {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 2,
+                            "loss_fn": weighted_loss}}
+    compare(report, "llama_cp_uneven", llama, 64, mesh, config, model_loss, seq=9)
+
+
+def llama_loss(output, labels):
+    """PaddleFormers' own criterion on the logits (what the model computes when given labels)."""
+    import paddle.nn.functional as F
+    logits = output[0] if isinstance(output, (tuple, list)) else output
+    return F.cross_entropy(logits.reshape([-1, logits.shape[-1]]), labels.reshape([-1, 1])).mean()
+
+
+def doc_tensor_plan(sequence_parallel):
+    """The seed's mp plan (its `llama.position_embedding` key names no layer of the doc model: left out)."""
+    plan = {"llama.embed_tokens": pcp.ColWiseParallel(),
+            "llama.layers.*.self_attn.qkv_proj": pcp.ColWiseParallel(),
+            "llama.layers.*.self_attn.o_proj": pcp.RowWiseParallel(),
+            "llama.layers.*.mlp.gate_up_proj": pcp.ColWiseParallel(),
+            "llama.layers.*.mlp.down_proj": pcp.RowWiseParallel(),
+            "lm_head.weight": pcp.ColWiseParallel()}
+    if sequence_parallel:
+        plan.update({"llama.embed_tokens": [pcp.ColWiseParallel(), pcp.SequenceParallelBegin()],
+                     "llama.layers.*.self_attn": pcp.SequenceParallelDisable(),
+                     "llama.layers.*.mlp": pcp.SequenceParallelDisable(need_transpose=False),
+                     "lm_head": pcp.SequenceParallelEnd()})
+    return {"parallelize_plan": plan}
+
+
+def doc_pp4(report):
+    """Four stages of the doc model (8 layers): 1F1B with m = p, and VPP (2 chunks) with m = 2 < p."""
+    mesh = pp_mesh([4], ["pp"])
+    for name, extra in {"doc_pp4_1f1b_m4": {"accumulate_steps": 4},
+                        "doc_pp4_vpp_m2": {"schedule_mode": "VPP", "vpp_degree": 2, "accumulate_steps": 2}}.items():
+        compare(report, name, lambda: LlamaForCausalLM(num_layers=8), DOC_VOCAB, mesh,
+                {"pp_config": {"split_spec": "llama.layers", "loss_fn": cross_entropy, **extra}},
+                model_loss, ref_loss=user_loop)
+
+
+def doc_mp2_pp2(report):
+    mesh = pp_mesh([2, 2], ["mp", "pp"])
+    compare(report, "doc_mp2_pp2", doc_model, DOC_VOCAB, mesh,
+            {"mp_config": doc_tensor_plan(False), "pp_config": {"split_spec": "llama.layers"}}, user_loop)
+    compare(report, "doc_mp2_pp2_sp_1f1b", doc_model, DOC_VOCAB, mesh,
+            {"mp_config": doc_tensor_plan(True), "pp_config": {
+                "split_spec": "llama.layers", "accumulate_steps": 2, "loss_fn": cross_entropy}},
+            model_loss, ref_loss=user_loop)
+
+
+def doc_dp2_mp2_pp2(report):
+    """The seed's whole config: dp2 x mp2 x pp2, sharding level 1, sequence parallel."""
+    mesh = pp_mesh([2, 2, 2], ["dp", "mp", "pp"])
+    for level in (1, 2, 3):
+        compare(report, f"doc_dp2_mp2_pp2_l{level}", doc_model, DOC_VOCAB, mesh,
+                {"dp_config": {"sharding_level": level}, "mp_config": doc_tensor_plan(True), "pp_config": {
+                    "split_spec": "llama.layers", "accumulate_steps": 2, "loss_fn": cross_entropy}},
+                model_loss, ref_loss=user_loop)
+
+
+RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, doc_mp2_pp2, doc_pp4],
+        "eight": [doc_dp2_mp2_pp2]}
+
+
+def main(report):
+    dist.init_parallel_env()
+    for fn in RUNS[sys.argv[1]]:
+        fn(report)
+
+
+
+if __name__ == "__main__":
+    run(main)

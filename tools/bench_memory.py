@@ -1,0 +1,10 @@
+"""`pcp-memory` from a checkout, without installing: `python tools/bench_memory.py --help`."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from paddle_cp.tools.memory import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()
