@@ -84,7 +84,7 @@ def test_stalled_rank_makes_the_others_exit(tmp_path):
 
 EXPECTED_ERRORS = {  # case -> (error type, what the message must say)
     "unknown_config_key": ("ValueError", "unknown parallelize config keys"),
-    "pp_config": ("ValueError", "pp_config is not supported"),
+    "pp_config": ("ValueError", "pp_config needs a mesh dim named 'pp'"),  # pipelines are supported now
     "dp_config_type": ("TypeError", "dp_config must be a dict"),
     "dp_config_key": ("ValueError", "it takes only 'sharding_level'"),
     "sharding_level": ("ValueError", "sharding_level must be one of"),
