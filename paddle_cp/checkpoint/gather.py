@@ -4,7 +4,8 @@ holds one full tensor at a time, not the whole model.
 
 Collective: every rank consumes these in the same order. The optimizer state of a
 parameter comes from the rank that steps it (a broadcast over dp from the owner at
-sharding levels 1-3), then its tensor-parallel slices are gathered over mp.
+sharding levels 1-3, then over pp from its first stage), then its tensor-parallel
+slices are gathered over mp.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import paddle
 
 from ..comm import collectives
 from ..params import find_record
+from ..pipeline.ownership import stage_value
 from ..state_dict import full_value
 from . import layout
 from .format import optimizer_key
@@ -48,12 +50,17 @@ def _present(accumulators, params, names):
 
 
 def _full_accumulator(accumulators, name, param):
+    """Sent by the rank that steps `param`: its dp owner (levels 1-3), on its first pipeline stage."""
     record = find_record(param)
-    local = accumulators[name][param.name] if record is None or record.owned_here() else None
-    if record is not None and record.dp_owner is not None:
-        local = local.clone() if local is not None else paddle.empty(
-            layout.accumulator_shape(param, name), layout.accumulator_dtype(param, name))
+    if layout.steps_here(param):
+        local = accumulators[name][param.name]
+    else:  # another dp rank or another stage steps it (any state here is a placeholder): receive
+        local = paddle.empty(layout.accumulator_shape(param, name), layout.accumulator_dtype(param, name))
+    if record is None:
+        return local.numpy()
+    if record.dp_owner is not None:
         collectives.broadcast(record.dp_group, local, record.dp_owner, tag="checkpoint_state")
-    if record is None or record.tp_axis is None or name in layout.SCALAR_ACCUMULATORS:
+    local = stage_value(param, record, local)
+    if record.tp_axis is None or name in layout.SCALAR_ACCUMULATORS:
         return local.numpy()
     return record.assemble([s.numpy() for s in collectives.all_gather(record.mp_group, local, tag="checkpoint_state")])

@@ -4,7 +4,8 @@ tensors and the single-card (global) tensors a checkpoint stores.
 Everything comes from the parameter's `ParamRecord` (paddle_cp/params.py): its local
 tensor is its tensor-parallel slice, of which at sharding level 3 only the dp owner keeps
 a copy; its optimizer state exists only where the optimizer steps it (every rank at
-level 0, the dp owner at levels 1-3). Buffers and unparallelized models have no record.
+level 0, the dp owner at levels 1-3), on the pipeline stages that hold it. Buffers and
+unparallelized models have no record.
 """
 from __future__ import annotations
 
@@ -40,9 +41,13 @@ def holds_value(tensor):
 
 
 def steps_here(param):
-    """Whether this rank's optimizer steps `param` (and so holds its state)."""
+    """Whether this rank's optimizer steps `param` (and so holds its state): its dp owner, on a
+    pipeline stage that holds it."""
     record = find_record(param)
-    return record is None or record.owned_here()
+    if record is None:
+        return True
+    on_stage = record.pp_group is None or record.pp_group.index in record.pp_stages
+    return on_stage and record.owned_here()
 
 
 def accumulator_shape(param, name):

@@ -89,9 +89,18 @@ def send_value(pair, value, tag="pp_activation"):
         _send(pair, t.detach(), tag)
 
 
-def recv_value(pair):
-    """Receive what send_value sent: the same nesting, with fresh tensors."""
-    return fill(recv_skeleton(pair), lambda spec: _recv(pair, spec.shape, spec.dtype))
+def float_tensors(value):
+    """The floating-point tensors of a value (what carries gradients), in order of appearance."""
+    return [t for t in skeleton(value)[1] if t.is_floating_point()]
+
+
+def recv_value(pair, requires_grad=False):
+    """Receive what send_value sent: the same nesting, with fresh tensors; with `requires_grad` its
+    floating tensors are leaves that collect their gradient (the one to send back)."""
+    value = fill(recv_skeleton(pair), lambda spec: _recv(pair, spec.shape, spec.dtype))
+    for t in float_tensors(value) if requires_grad else ():
+        t.stop_gradient = False
+    return value
 
 
 def send_tensors(pair, tensors, tag="pp_gradient"):

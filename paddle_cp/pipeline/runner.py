@@ -16,11 +16,7 @@ Two ways to run a step:
   on every stage (sent from the last). Its `backward()` is a no-op: the gradients
   are already accumulated, so the user's `loss.backward(); opt.step()` completes
   the step.
-- immediate (no loss known, accumulate_steps 1, one chunk): the forward runs and the
-  last stage returns the model's real output. Earlier stages return zeros of the
-  same structure and shapes (sent back from the last stage), tied to this stage's
-  output: the user's `loss_fn(out, y).backward()` fetches the true gradient from the
-  next stage and continues the backward here. Their loss value is meaningless.
+- immediate (no loss known, accumulate_steps 1, one chunk): immediate.py.
 """
 from __future__ import annotations
 
@@ -31,6 +27,7 @@ from paddle.autograd import PyLayer
 
 from .. import runtime
 from ..comm import collectives, stage_p2p
+from .immediate import run_immediate
 from .microbatch import split_micro_batches
 from .schedule import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, action_lists
 
@@ -55,48 +52,6 @@ def _unit_class(cls):
     return _unit_classes[cls]
 
 
-def _floats(tensors):
-    return [t for t in tensors if t.is_floating_point()]
-
-
-def _as_leaves(value):
-    """Received tensors as leaves that collect their gradient (the one to send back)."""
-    for t in _floats(stage_p2p.skeleton(value)[1]):
-        t.stop_gradient = False
-    return value
-
-
-class _GradientFromNext(PyLayer):
-    """Immediate mode, non-last stage: zeros in the shape of the model's output, whose backward
-    receives the gradient of this stage's output from the next stage."""
-
-    @staticmethod
-    def forward(ctx, peer, specs, mask, zeros_specs, *outputs):
-        ctx.peer, ctx.specs, ctx.mask = peer, specs, mask
-        return tuple(stage_p2p.zeros(s) for s in zeros_specs)
-
-    @staticmethod
-    def backward(ctx, *unused):
-        grads = stage_p2p.recv_tensors(ctx.peer, ctx.specs)
-        return tuple(g for g, needed in zip(grads, ctx.mask) if needed)
-
-
-class _GradientToPrevious(PyLayer):
-    """Immediate mode: identity on the received activation; its backward sends the gradient back."""
-
-    @staticmethod
-    def forward(ctx, peer, *received):
-        ctx.peer = peer
-        ctx.shapes = [(t.shape, t.dtype) for t in received]
-        return tuple(t.clone() for t in received)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        grads = [g if g is not None else paddle.zeros(s, d) for g, (s, d) in zip(grads, ctx.shapes)]
-        stage_p2p.send_tensors(ctx.peer, grads)
-        return tuple(grads)
-
-
 class _LossAfterBackward(PyLayer):
     """The loss a scheduled step returns: its backward has already run, inside the schedule.
     A plain `loss.backward()` is a no-op; a scaled one would be silently ignored, so it is an error."""
@@ -114,25 +69,12 @@ class _LossAfterBackward(PyLayer):
         return paddle.zeros([], "float32")
 
 
-def _tuple(result):
-    """PyLayer.apply returns a lone tensor for a single output."""
-    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
-
-
-def _replace_floats(value, replacements):
-    """`value` with its floating tensors replaced, in order."""
-    it = iter(replacements)
-    skel, tensors = stage_p2p.skeleton(value)
-    swapped = iter([next(it) if t.is_floating_point() else t for t in tensors])
-    return stage_p2p.fill(skel, lambda spec: next(swapped))
-
-
 class Pipeline:
     """Runs this rank's stage of `model`; installed by `apply_pipeline`."""
 
     def __init__(self, model, plan, settings, stage, peers, pp_group):
         self.plan, self.settings, self.stage = plan, settings, stage
-        self._peers, self._pp_group = peers, pp_group  # pp position -> stage_p2p Peer
+        self.peers, self._pp_group = peers, pp_group  # pp position -> mesh.Peer
         self._forward = model.forward
         self._unit_stage = {id(layer): v for _, layer, v in plan.units}
         self._exits = {id(plan.exit_unit(v)) for v in range(plan.virtual_stages - 1)}
@@ -178,7 +120,7 @@ class Pipeline:
             return received
         return stage_p2p.skeleton(received)[1][0]
 
-    def _run_chunk(self, virtual, args, kwargs, received):
+    def run_chunk(self, virtual, args, kwargs, received):
         """One forward of virtual stage `virtual`. `received`: (output, whether the sequence is split over
         mp there) from the stage before. Returns the model's output (last stage) or that pair for the next."""
         self._current, self._received = virtual, received
@@ -201,11 +143,8 @@ class Pipeline:
                     f"pp_config accumulate_steps={settings.accumulate_steps}, vpp_degree={self.plan.chunks} runs a "
                     "schedule, which needs the loss of each micro-batch: call model(..., labels=labels) on a model "
                     "that returns its loss first, or set pp_config['loss_fn'] = fn(output, labels)")
-            return self._immediate(args, kwargs)
+            return run_immediate(self, args, kwargs)
         return self._scheduled(split_micro_batches(args, kwargs, labels, settings.accumulate_steps))
-
-    def _peer(self, virtual):
-        return self._peers[self.plan.rank_of(virtual)]
 
     def _scheduled(self, micro):
         m, grad = len(micro), paddle.is_grad_enabled()
@@ -218,27 +157,26 @@ class Pipeline:
         for a in self._lists[key]:
             start, at = time.time(), (a.virtual, a.micro)
             if a.kind == RECV_F:
-                value = stage_p2p.recv_value(self._peers[a.peer])
-                inputs[at] = _as_leaves(value) if grad else value
+                inputs[at] = stage_p2p.recv_value(self.peers[a.peer], requires_grad=grad)
             elif a.kind == FORWARD:
                 args, kwargs, labels = micro[a.micro]
-                out = self._run_chunk(a.virtual, args, kwargs, inputs.get(at))
+                out = self.run_chunk(a.virtual, args, kwargs, inputs.get(at))
                 if a.virtual == self.last:
                     losses[a.micro] = self._loss(out, labels)
                 else:
                     outputs[at] = out
             elif a.kind == SEND_F:
-                stage_p2p.send_value(self._peers[a.peer], outputs[at] if grad else outputs.pop(at))
+                stage_p2p.send_value(self.peers[a.peer], outputs[at] if grad else outputs.pop(at))
             elif a.kind == RECV_B:
-                specs = [stage_p2p.spec_of(t) for t in _floats(stage_p2p.skeleton(outputs[at])[1])]
-                grads_in[at] = stage_p2p.recv_tensors(self._peers[a.peer], specs)
+                specs = [stage_p2p.spec_of(t) for t in stage_p2p.float_tensors(outputs[at])]
+                grads_in[at] = stage_p2p.recv_tensors(self.peers[a.peer], specs)
             elif a.kind == BACKWARD:
                 self._backward(at, m, losses, outputs, grads_in)
                 if a.virtual > 0:
-                    leaves = _floats(stage_p2p.skeleton(inputs.pop(at))[1])
+                    leaves = stage_p2p.float_tensors(inputs.pop(at))
                     grads_out[at] = [t.grad if t.grad is not None else paddle.zeros_like(t) for t in leaves]
             elif a.kind == SEND_B:
-                stage_p2p.send_tensors(self._peers[a.peer], grads_out.pop(at))
+                stage_p2p.send_tensors(self.peers[a.peer], grads_out.pop(at))
             self.timeline.append((a.kind, a.virtual, a.micro, start, time.time()))
         return (self._mean_loss(losses, m),)
 
@@ -248,7 +186,7 @@ class Pipeline:
             (losses[micro] / m).backward()
             losses[micro] = float(losses[micro])
             return
-        pairs = [(t, g) for t, g in zip(_floats(stage_p2p.skeleton(outputs.pop(at))[1]), grads_in.pop(at))
+        pairs = [(t, g) for t, g in zip(stage_p2p.float_tensors(outputs.pop(at)), grads_in.pop(at))
                  if not t.stop_gradient]
         if pairs:
             paddle.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
@@ -270,34 +208,3 @@ class Pipeline:
         anchor = paddle.zeros([], "float32")
         anchor.stop_gradient = False
         return _LossAfterBackward.apply(anchor, value.reshape([]))
-
-    def _immediate(self, args, kwargs):
-        grad, stage, last_stage = paddle.is_grad_enabled(), self.stage, self.plan.stages - 1
-        received = None
-        if stage > 0:
-            received = stage_p2p.recv_value(self._peers[stage - 1])
-            if grad:
-                leaves = _floats(stage_p2p.skeleton(_as_leaves(received))[1])
-                received = _replace_floats(received, _tuple(_GradientToPrevious.apply(self._peers[stage - 1], *leaves)))
-        out = self._run_chunk(stage, args, kwargs, received)
-        if stage == last_stage:
-            stage_p2p.send_skeleton(self._peers[stage - 1], stage_p2p.skeleton(out)[0])
-            return out
-        nxt = self._peers[stage + 1]
-        stage_p2p.send_value(nxt, out)
-        skel = stage_p2p.recv_skeleton(nxt)
-        if stage > 0:
-            stage_p2p.send_skeleton(self._peers[stage - 1], skel)
-        return self._tied_zeros(out, skel, nxt) if grad else stage_p2p.fill(skel, stage_p2p.zeros)
-
-    @staticmethod
-    def _tied_zeros(out, skel, nxt):
-        """Zeros shaped like the last stage's output; their backward pulls this stage's output gradient."""
-        floats = _floats(stage_p2p.skeleton(out)[1])
-        needed = [not t.stop_gradient for t in floats]
-        wanted = []
-        stage_p2p.fill(skel, wanted.append)
-        zeros = iter(_tuple(_GradientFromNext.apply(nxt, [stage_p2p.spec_of(t) for t in floats], needed,
-                                                    [s for s in wanted if s.is_float],
-                                                    *[t for t, n in zip(floats, needed) if n])))
-        return stage_p2p.fill(skel, lambda s: next(zeros) if s.is_float else stage_p2p.zeros(s))

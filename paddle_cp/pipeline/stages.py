@@ -103,7 +103,8 @@ def build_stage_plan(model, split_spec, global_spec, stages, chunks):
     globals_ = [global_spec] if isinstance(global_spec, str) else list(global_spec or [])
     missing = [g for g in globals_ if g not in names]
     if missing:
-        raise ValueError(f"pp_config global_spec names unknown layers {missing}: use names from model.named_sublayers()")
+        raise ValueError(f"pp_config global_spec names unknown layers {missing}: "
+                         "use names from model.named_sublayers()")
     units = _units(named, split_layers)
     virtual, assigned = 0, []
     for name, layer in units:

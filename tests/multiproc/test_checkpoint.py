@@ -17,6 +17,7 @@ RESUMES = [  # (layout, ranks, load from, save to, flags)
     ("dp2xmp2_l3", 4, "-", "checkpoint-1", []),
     ("sep2", 2, "checkpoint-1", "checkpoint-2", ["async"]),
     ("dp2xmp2_l1", 4, "checkpoint-2", "-", ["export"]),
+    ("pp2", 2, "checkpoint-2", "checkpoint-3", []),
 ]
 
 
@@ -31,8 +32,9 @@ def assert_close(reports, min_checks):
 
 def test_resume_on_other_layouts_matches_one_card(tmp_path):
     """Save on dp2 x mp2 (level 3), resume on sep2 and in one process; save on sep2 (async), resume on
-    dp2 x mp2 (level 1) and in one process: each next step's loss and state equal one card's.
-    The last run exports its weights for PaddleFormers' from_pretrained."""
+    dp2 x mp2 (level 1), on 2 pipeline stages and in one process: each next step's loss and state
+    equal one card's. The dp2 x mp2 run exports its weights for PaddleFormers' from_pretrained; what
+    the pipeline saves loads in one process with every optimizer accumulator equal to one card's."""
     for layout, ranks, load_from, save_to, flags in RESUMES:
         reports = launch("checkpoint_resume.py", ranks, layout, tmp_path, load_from, 1, save_to, *flags)
         assert_close(reports, 4 if load_from != "-" else 2)
@@ -49,9 +51,20 @@ def test_resume_on_other_layouts_matches_one_card(tmp_path):
     from paddleformers.transformers import LlamaForCausalLM
 
     exported = LlamaForCausalLM.from_pretrained(str(tmp_path / "export")).state_dict()
-    want, _ = trained(3)
+    want, want_optimizer = trained(3)
     for key, value in want.state_dict().items():
         np.testing.assert_allclose(exported[key].numpy(), value.numpy(), atol=TOL, rtol=0)
+    # what the pipeline stages saved: the model and every accumulator of one card after 3 steps
+    model, optimizer = build("llama", WELL_CONDITIONED_EPSILON)
+    assert pcp.load_checkpoint(str(tmp_path / "checkpoint-3"), model, optimizer) == {"step": 3}
+    for key, value in want.state_dict().items():
+        np.testing.assert_allclose(model.state_dict()[key].numpy(), value.numpy(), atol=TOL, rtol=0)
+    names = {id(p): n for n, p in want.named_parameters()}
+    loaded = dict(model.named_parameters())
+    for accumulator, per_param in want_optimizer._accumulators.items():
+        for param in want.parameters():
+            got = optimizer._accumulators[accumulator][loaded[names[id(param)]].name]
+            np.testing.assert_allclose(got.numpy(), per_param[param.name].numpy(), atol=TOL, rtol=0)
 
 
 def test_rank_killed_while_saving_leaves_previous_checkpoint(tmp_path):
@@ -84,7 +97,7 @@ def test_stalled_rank_makes_the_others_exit(tmp_path):
 
 EXPECTED_ERRORS = {  # case -> (error type, what the message must say)
     "unknown_config_key": ("ValueError", "unknown parallelize config keys"),
-    "pp_config": ("ValueError", "pp_config needs a mesh dim named 'pp'"),  # pipelines are supported now
+    "pp_without_pp_dim": ("ValueError", "needs a mesh dim named 'pp'"),
     "dp_config_type": ("TypeError", "dp_config must be a dict"),
     "dp_config_key": ("ValueError", "it takes only 'sharding_level'"),
     "sharding_level": ("ValueError", "sharding_level must be one of"),

@@ -1,11 +1,10 @@
 """Checkpoints in one process (no launch): async save and wait, latest_checkpoint, export to
-PaddleFormers, and the collective timeout's settings."""
+PaddleFormers."""
 import json
 import sys
 
 import numpy as np
 import paddle.distributed as dist
-import pytest
 from launcher import WORKERS
 
 import paddle_cp as pcp
@@ -41,24 +40,3 @@ def test_one_process_async_save_latest_and_export(tmp_path):
     ids, labels = next(iter(batches("llama")))
     np.testing.assert_allclose(float(loaded(input_ids=ids, labels=labels)[0]),
                                float(model(input_ids=ids, labels=labels)[0]), rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("value", ["0", "-3", "inf", "never"])
-def test_timeout_environment_variable_is_checked(monkeypatch, value):
-    monkeypatch.setenv("PCP_TIMEOUT", value)
-    with pytest.raises(ValueError, match="PCP_TIMEOUT must be a positive number"):
-        pcp.get_timeout()
-
-
-def test_timeout_from_environment_or_set_timeout(monkeypatch):
-    from paddle_cp.comm import watchdog
-
-    monkeypatch.setitem(watchdog._state, "timeout", None)
-    monkeypatch.delenv("PCP_TIMEOUT", raising=False)
-    assert pcp.get_timeout() == watchdog.DEFAULT_TIMEOUT
-    monkeypatch.setenv("PCP_TIMEOUT", "12.5")
-    assert pcp.get_timeout() == 12.5
-    pcp.set_timeout(3)
-    assert pcp.get_timeout() == 3.0
-
-

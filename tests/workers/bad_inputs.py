@@ -51,7 +51,7 @@ def parallel_cases():
     llama = build_llama("paddleformers")
     return {
         "unknown_config_key": lambda: parallelize_small({"tp_config": {}}),
-        "pp_config": lambda: parallelize_small({"pp_config": {"split_spec": "layers"}}),  # on a mesh without pp
+        "pp_without_pp_dim": lambda: parallelize_small({"pp_config": {"split_spec": "layers"}}),
         "dp_config_type": lambda: parallelize_small({"dp_config": [1]}),
         "dp_config_key": lambda: parallelize_small({"dp_config": {"level": 1}}),
         "sharding_level": lambda: parallelize_small({"dp_config": {"sharding_level": 5}}),

@@ -23,7 +23,10 @@ LAYOUTS = {
     "dp2xmp2_l3": dict(dims=DP2_MP2, mp=True, level=3),
     "dp2xmp2_l1": dict(dims=DP2_MP2, mp=True, level=1),
     "sep2": dict(dims=[("sep", 2)], cp=True),
+    "pp2": dict(dims=[("pp", 2)], pp=True),
 }
+PP_CONFIG = {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "schedule_mode": "1F1B",
+             "accumulate_steps": 2}
 
 
 def reference():
@@ -48,7 +51,7 @@ def model_to_resume():
     return model, optimizer
 
 
-def parallel_model(resuming, dims, mp=False, cp=False, level=0):
+def parallel_model(resuming, dims, mp=False, cp=False, level=0, pp=False):
     world = dist.get_world_size()
     mesh = dist.ProcessMesh(np.arange(world).reshape([d for _, d in dims]).tolist(), dim_names=[n for n, _ in dims])
     model, optimizer = model_to_resume() if resuming else build(MODEL, WELL_CONDITIONED_EPSILON)
@@ -57,6 +60,8 @@ def parallel_model(resuming, dims, mp=False, cp=False, level=0):
         config["mp_config"] = {"parallelize_plan": paddle_plan(model)}
     if cp:
         config["cp_config"] = {"parallelize_plan": CP_PLAN}
+    if pp:
+        config["pp_config"] = PP_CONFIG
     model, optimizer = pcp.parallelize(model, optimizer, mesh=mesh, config=config)
     return model, optimizer, mesh, cp
 

@@ -36,7 +36,9 @@ Written from Paddle 3.3.1's kernels and the FlashAttention-2 fork they load
   is never written: the emulation fills it with NaN so a wrong read shows.
   A row that sees no key gets lse +inf and out 0 (flash_fwd_kernel.h:514).
 - seed_offset: int64 [2] = (0, 0) when dropout == 0 (flash_attn_utils.h,
-  FlashAttnFwdParamsV2).
+  FlashAttnFwdParamsV2); the grad kernel reads it as int64 on the host
+  (`seed_offset.data<int64_t>()`; flash_attn_grad_kernel.cu registers
+  `InputAt(5).SetBackend(phi::Backend::CPU)`).
 - Rounding: scores and softmax in fp32; P is converted to the input dtype
   before P @ V (flash_fwd_kernel.h:413 `rP = convert_type<Element>(scores)`),
   accumulated in fp32, normalised, and the output converted (line 523). The
@@ -138,6 +140,8 @@ def flash_attn_grad(q, k, v, out, softmax_lse, seed_offset, attn_mask, out_grad,
     if not isinstance(seed_offset, paddle.Tensor):
         raise ValueError("(InvalidArgument) flash_attn_grad(): argument 'seed_offset' (position 5) must be Tensor, "
                          f"but got {type(seed_offset).__name__}")
+    if seed_offset.dtype != paddle.int64 or seed_offset.shape != [2]:
+        raise ValueError(f"flash_attn_grad: seed_offset must be int64 [2], got {seed_offset.dtype} {seed_offset.shape}")
     _check(q, k, v, dropout, attn_mask)
     dtype, (b, sq, hq, d), hk = q.dtype, q.shape, k.shape[2]
     group = hq // hk

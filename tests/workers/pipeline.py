@@ -27,8 +27,7 @@ def llama(tie=True):
     from paddleformers.transformers import LlamaConfig, LlamaForCausalLM as PFLlama
     return PFLlama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
-                               fuse_rms_norm=False,  # no fused CPU kernel
-                               _attn_implementation="sdpa"))  # what ContextParallel intercepts
+                               fuse_rms_norm=False))  # no fused CPU kernel; attention: the default (eager)
 
 
 def build(make):

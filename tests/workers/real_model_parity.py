@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddleformers_models import build
-from report import run
+from report import mean_over_ranks, run
 
 import paddle_cp as pcp
 
@@ -85,18 +85,12 @@ def parallel(family, seq, mesh, backend, degree, padded, packed, rotate, impleme
     ids, labels, extra = make_batch(seq, padded, packed)
     labels = pcp.shard_sequence(labels, backend=prepare, mesh=mesh)
     weight = pcp.loss_weight(int((labels != -100).sum()), mesh)
-    world = mesh.shape[mesh.dim_names.index("sep")]
 
     def step_loss(m):
         return m(input_ids=ids, labels=labels, **extra)[0] * weight
 
     losses, grads, params = train(model, opt, step_loss)
-    means = []
-    for loss in losses:
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        means.append(float(mean) / world)
-    return means, grads, params
+    return mean_over_ranks(losses, mesh), grads, params
 
 
 def check_length_dependent_rope(report, mesh):

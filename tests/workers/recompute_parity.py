@@ -18,7 +18,7 @@ import paddle.distributed as dist
 from batches import make_batch
 from llama_models import build_llama, loss_of
 from paddle.distributed.fleet.utils import recompute
-from report import run
+from report import mean_over_ranks, run
 
 import paddle_cp as pcp
 
@@ -118,13 +118,7 @@ def parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate, loss
         return loss_of(m(labels=labels, **inputs(batch, packed))) * pcp.loss_weight(labels.numel(), mesh)
 
     losses, grads, params = train(model, opt, micro_batches(seq, packed, accumulate), weighted_loss)
-    world = mesh.shape[mesh.dim_names.index("sep")]
-    total = []
-    for loss in losses:
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        total.append(float(loss) / world)
-    return total, grads, params
+    return mean_over_ranks(losses, mesh), grads, params
 
 
 def main(report):

@@ -51,6 +51,19 @@ class Report:
             json.dump(self.data, f)
 
 
+def mean_over_ranks(losses, mesh):
+    """Each step's loss averaged over the sep ranks (each holds its weighted share of the mean)."""
+    import paddle.distributed as dist
+
+    world = mesh.shape[mesh.dim_names.index("sep")]
+    means = []
+    for loss in losses:
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        means.append(float(total) / world)
+    return means
+
+
 def run(main):
     report = Report()
     try:

@@ -82,8 +82,8 @@ _seed = []
 
 
 def _no_dropout_seed():
-    """The (seed, offset) = (0, 0) the forward reports without dropout: a host int64 [2] tensor, as
-    flash_attn_grad requires (None is refused) and reads on the host."""
+    """The (seed, offset) = (0, 0) the forward reports without dropout: an int64 [2] tensor, which
+    flash_attn_grad requires (None is refused) and takes on the CPU (its kernel registration)."""
     if not _seed:
         _seed.append(paddle.to_tensor([0, 0], dtype="int64", place=paddle.CPUPlace()))
     return _seed[0]
