@@ -43,9 +43,11 @@ ADAM_BYTES_PER_PARAM = 16
 
 # ---- attention: traffic and memory -------------------------------------------------
 
-def kv_heads_sent(kv_heads, ulysses):
-    """K/V heads after Ulysses repeats them so every one of `ulysses` ranks gets one."""
-    return ulysses if kv_heads < ulysses else kv_heads
+def kv_heads_sent(heads, kv_heads, ulysses):
+    """K/V heads after Ulysses repeats them so every one of `ulysses` ranks gets one: by the
+    smallest factor dividing the GQA group that reaches `ulysses` (attention/ulysses.head_split)."""
+    group = heads // kv_heads
+    return kv_heads * next((t for t in range(1, group + 1) if group % t == 0 and kv_heads * t >= ulysses), group)
 
 
 def ring_bytes(batch, seq, kv_heads, head_dim, ring, elem=FP32):
@@ -60,7 +62,7 @@ def ulysses_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, elem=FP32):
     if ulysses == 1:
         return 0
     local = batch * (seq // ulysses) * head_dim * elem
-    sent_heads = 2 * heads + 2 * kv_heads_sent(kv_heads, ulysses)
+    sent_heads = 2 * heads + 2 * kv_heads_sent(heads, kv_heads, ulysses)
     return 2 * (ulysses - 1) * local * sent_heads // ulysses
 
 
@@ -72,7 +74,7 @@ def attention_traffic(batch, seq, heads, kv_heads, head_dim, ring, ulysses, elem
     when there are fewer k/v heads than Ulysses ranks).
     """
     inner = ulysses_bytes(batch, seq // ring, heads, kv_heads, head_dim, ulysses, elem)
-    ring_heads = kv_heads_sent(kv_heads, ulysses) // ulysses
+    ring_heads = kv_heads_sent(heads, kv_heads, ulysses) // ulysses
     return inner, ring_bytes(batch, seq, ring_heads, head_dim, ring, elem)
 
 
@@ -103,7 +105,7 @@ def attention_held_bytes(backend, batch, seq, heads, kv_heads, head_dim, world, 
     qkvo = tokens * (2 * heads + 2 * kv_heads) * head_dim * elem
     lse = tokens * heads * LSE_BYTES
     if ulysses > 1:
-        split = tokens * (2 * heads + 2 * kv_heads_sent(kv_heads, ulysses)) * head_dim * elem
+        split = tokens * (2 * heads + 2 * kv_heads_sent(heads, kv_heads, ulysses)) * head_dim * elem
         return qkvo + split + lse
     return qkvo + lse
 

@@ -62,6 +62,15 @@ def test_planner_traffic_formulas():
     assert planner.attention_bytes("hybrid", b, s, h, hk, d, 4, e, ulysses_degree=2) == uly + ring
 
 
+def test_planner_repeats_kv_heads_as_ulysses_does():
+    from paddle_cp.attention.ulysses import head_split
+
+    for heads, kv_heads in ((8, 8), (8, 2), (6, 3), (8, 1), (12, 4)):
+        for ulysses in range(1, heads + 1):
+            assert planner.kv_heads_sent(heads, kv_heads, ulysses) == sum(
+                head_split(heads, kv_heads, ulysses).kv_counts), (heads, kv_heads, ulysses)
+
+
 def test_planner_hybrid_holds_ulysses_copies_over_its_group_only():
     """kv_heads=1 is repeated to U=2 for hybrid, to 4 for all2all over 4 ranks."""
     b, s, h, hk, d = 1, 1024, 8, 1, 64
