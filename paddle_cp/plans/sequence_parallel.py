@@ -3,8 +3,8 @@
 the work); layers marked Disable see the whole sequence again.
 
 A parameter used while the sequence is split only sees this rank's tokens, so its
-gradient is partial over `mp`: `watch_partial_gradients` records which parameters
-those are on the first forward, and the optimizer sums their gradients over `mp`.
+gradient is partial over `mp`: `watch_partial_gradients` marks those parameters in
+every forward (a mark is never cleared), and the optimizer sums their gradients over `mp`.
 """
 from __future__ import annotations
 
