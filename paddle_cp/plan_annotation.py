@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import paddle
 
 from . import mesh as mesh_lib
-from .plans.tensor_parallel import ColumnInfo, ColWiseParallel, RowWiseParallel
+from .plans.column_info import ColumnInfo, set_column_info
+from .plans.tensor_parallel import ColWiseParallel, RowWiseParallel
 
 HEAD_COUNT_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads")
 SPLIT_AXIS = {ColWiseParallel: 1, RowWiseParallel: 0}  # which weight axis each plan splits
@@ -27,7 +28,7 @@ class PlanAnnotation:
 
     def apply(self):
         for layer, info in self.columns:
-            layer.pcp_column = info
+            set_column_info(layer, info)
         for layer, attr, value in self.head_counts:
             setattr(layer, attr, value)
 

@@ -10,14 +10,13 @@ whole plan before the plans are applied and gives each ColWise layer its ColumnI
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import paddle
 
 from .. import mesh as mesh_lib
 from ..comm.autograd import copy_to_group, gather_replicated, reduce_from_group, split_to_group
 from ..params import shard_parameter
 from .base import Plan
+from .column_info import column_info
 from .hook_args import map_first_input
 
 def _mp_group(plan, mesh):
@@ -54,7 +53,7 @@ class ColWiseParallel(Plan):
     def apply(self, layer, mesh, param_names=()):
         self.check(layer, mesh, param_names)
         group = _mp_group(self, mesh)
-        info = getattr(layer, "pcp_column", None) or ColumnInfo()
+        info = column_info(layer)
         weight = shard_parameter(layer.weight, 1, group, info.parts)
         bias = getattr(layer, "bias", None)
         if isinstance(layer, paddle.nn.Linear) and bias is not None:
@@ -157,11 +156,3 @@ class RowWiseParallel(Plan):
         layer.register_forward_pre_hook(before, with_kwargs=True)
         layer.register_forward_post_hook(after)
         return layer.register_forward_post_hook(restore, always_call=True)
-
-
-@dataclass(frozen=True)
-class ColumnInfo:  # set on the layer by plan_annotation.py
-    """What the whole plan says about one ColWise layer."""
-
-    feeds_row_parallel: bool = False
-    parts: tuple = None
