@@ -10,6 +10,7 @@ counted once (tensor-parallel slices on each `mp` rank, replicated ones on one).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import paddle
@@ -42,13 +43,14 @@ def _reduce_gradients(parameters, mesh_group, tag, average):
         return
     _agree_on_gradients(parameters, mesh_group)
     # dropped gradients (another dp rank owns them) are empty: nothing to reduce
-    grads = [p.grad for p in parameters if p.grad is not None and p.grad._is_initialized() and int(p.grad.numel())]
+    # sizes from shapes: int(numel()) would read a device tensor, a host sync per parameter per step
+    grads = [p.grad for p in parameters if p.grad is not None and p.grad._is_initialized() and math.prod(p.grad.shape)]
     for same_dtype in _coalesced(grads):
         flat = paddle.concat([g.reshape([-1]) for g in same_dtype])
         collectives.all_reduce(mesh_group, flat, tag=tag)
         if average:
             flat = flat / mesh_group.size
-        for grad, part in zip(same_dtype, paddle.split(flat, [int(g.numel()) for g in same_dtype])):
+        for grad, part in zip(same_dtype, paddle.split(flat, [math.prod(g.shape) for g in same_dtype])):
             paddle.assign(part.reshape(grad.shape), grad)
 
 

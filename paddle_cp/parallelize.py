@@ -16,7 +16,8 @@ from .pipeline import apply_pipeline, plan_pipeline
 from .optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
 from .plan_annotation import annotate_plan
 from .plan_keys import resolve_plan
-from .plans.sequence_parallel import is_sequence_plan, supply_positions, watch_partial_gradients
+from .plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
+from .positions import supply_positions
 from .sharding import Sharding, check_level
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config")

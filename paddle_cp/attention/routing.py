@@ -43,7 +43,10 @@ def enter(plan, layer):
 
 def leave(layer):
     """Pop `layer`'s frame; raise if its forward completed without a context-parallel attention."""
-    frame = runtime.state.running.pop()
+    running = runtime.state.running
+    if not running or running[-1].layer is not layer:
+        return  # an earlier pre-hook raised before enter(layer): there is no frame of it to pop
+    frame = running.pop()
     if frame.ran or sys.exc_info()[1] is not None:  # an error already on its way: do not hide it
         return
     name = f"{type(layer).__name__} ({layer.full_name()})"

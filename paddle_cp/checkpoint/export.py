@@ -23,8 +23,15 @@ def export_pretrained(model, directory):
     if os.path.isfile(directory):
         raise ValueError(f"export directory {directory} is a file: pass a directory path")
     state = full_state_dict(model)
+    error = None
     if dist.get_rank() == 0:
         tensors = {key: paddle.to_tensor(np.ascontiguousarray(value)) for key, value in state.items()}
-        # the state_dict path of save_pretrained (its flex-checkpoint path saves the local shards and is collective)
-        model.save_pretrained(directory, state_dict=tensors, safe_serialization=True, save_checkpoint_format="unified")
-    count_failures(layout.world_group(), True, "export_written")  # every rank returns once the files exist
+        try:
+            # the state_dict path of save_pretrained (its flex-checkpoint path saves the local shards and is collective)
+            model.save_pretrained(directory, state_dict=tensors, safe_serialization=True,
+                                  save_checkpoint_format="unified")
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not wait for rank 0
+            error = exc
+    # every rank returns once the files exist, or raises the same error
+    if count_failures(layout.world_group(), error is None, "export_written"):
+        raise RuntimeError(f"export_pretrained to {directory} failed on rank 0 (the cause is chained there)") from error

@@ -57,7 +57,11 @@ def accumulator_shape(param, name):
 
 
 def accumulator_dtype(param, name):
-    return paddle.float32 if name in SCALAR_ACCUMULATORS else param.dtype
+    """Adam keeps every accumulator of a float16/bfloat16 parameter (step powers too) in float32, of
+    others in the parameter's dtype; Momentum's velocity has the parameter's dtype."""
+    if name != "velocity" and param.dtype in (paddle.float16, paddle.bfloat16):
+        return paddle.float32
+    return param.dtype
 
 
 def accumulator_names(optimizer):

@@ -18,13 +18,13 @@ import paddle
 import paddle.distributed as dist
 
 from . import counters
+from .watchdog import guard
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     shape: tuple
     dtype: str
-
 
     @property
     def is_float(self):
@@ -58,15 +58,21 @@ def fill(skel, make):
     return skel
 
 
+def _pair_ranks(pair):
+    return tuple(sorted((dist.get_rank(), pair.peer)))
+
+
 def _send(pair, tensor, tag):
     tensor = tensor.contiguous()
     counters.record(tag, counters.nbytes(tensor))
-    dist.send(tensor, dst=pair.peer, group=pair.group)
+    with guard(tag, _pair_ranks(pair)):  # a dead peer stage must not hang this one
+        dist.send(tensor, dst=pair.peer, group=pair.group)
 
 
-def _recv(pair, shape, dtype):
+def _recv(pair, shape, dtype, tag="pp_recv"):
     buffer = paddle.empty(list(shape), dtype)
-    dist.recv(buffer, src=pair.peer, group=pair.group)
+    with guard(tag, _pair_ranks(pair)):
+        dist.recv(buffer, src=pair.peer, group=pair.group)
     return buffer
 
 

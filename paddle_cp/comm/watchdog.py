@@ -3,7 +3,7 @@ waited for and exits non-zero, so `paddle.distributed.launch` stops the whole jo
 
 Gloo gives up only after its fixed 30 s and NCCL never does, so a stalled peer would
 otherwise hang the job (on NCCL forever). The guard on each collective is cheap: it
-stores what is in flight in one slot; a daemon thread polls that slot. On GPU a
+stores what is in flight in a dict entry; a daemon thread polls the entries. On GPU a
 collective returns before it completes: the guard records an event on the current
 stream and the in-flight entry stays until the event has passed.
 """

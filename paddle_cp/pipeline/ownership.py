@@ -9,6 +9,8 @@ broadcast. Only the lowest holder counts the parameter in the global gradient no
 """
 from __future__ import annotations
 
+import math
+
 import paddle
 
 from .. import mesh as mesh_lib
@@ -63,7 +65,7 @@ class SharedGradients:
             grads = [p.grad if p.grad is not None else paddle.zeros(p.shape, p.dtype) for p in params]
             flat = paddle.concat([g.reshape([-1]) for g in grads])
             collectives.all_reduce(group, flat, tag="pp_shared_grad_all_reduce")
-            for p, part in zip(params, paddle.split(flat, [int(g.numel()) for g in grads])):
+            for p, part in zip(params, paddle.split(flat, [math.prod(g.shape) for g in grads])):
                 if p.grad is None:
                     p.grad = part.reshape(p.shape)
                 else:

@@ -20,6 +20,7 @@ Two ways to run a step:
 """
 from __future__ import annotations
 
+import math
 import time
 
 import paddle
@@ -184,7 +185,7 @@ class Pipeline:
         virtual, micro = at
         if virtual == self.last:
             (losses[micro] / m).backward()
-            losses[micro] = float(losses[micro])
+            losses[micro] = losses[micro].detach()  # its graph is spent; no host sync per micro-batch
             return
         pairs = [(t, g) for t, g in zip(stage_p2p.float_tensors(outputs.pop(at)), grads_in.pop(at))
                  if not t.stop_gradient]
@@ -194,14 +195,17 @@ class Pipeline:
     def _loss(self, out, labels):
         loss = self.settings.loss_fn(out, labels) if self.settings.loss_fn is not None else (
             out if isinstance(out, paddle.Tensor) else out[0])
-        if not isinstance(loss, paddle.Tensor) or int(loss.numel()) != 1:
+        if not isinstance(loss, paddle.Tensor) or math.prod(loss.shape) != 1:
             raise RuntimeError("pipeline: the model's first output is not a scalar loss; pass labels= to a model "
                                "that returns its loss first, or set pp_config['loss_fn'] = fn(output, labels)")
         return loss
 
     def _mean_loss(self, losses, m):
         """The mean micro-batch loss on every stage; `backward()` on it does nothing (already done)."""
-        value = paddle.to_tensor([sum(float(v) for v in losses.values()) / m if losses else 0.0], "float32")
+        if losses:  # the last stage: one device-side sum of the micro-batch losses
+            value = paddle.add_n([v.detach().astype("float32").reshape([1]) for v in losses.values()]) / m
+        else:
+            value = paddle.zeros([1], "float32")
         collectives.broadcast(self._pp_group, value, self.plan.stages - 1, tag="pp_loss_broadcast")
         if not paddle.is_grad_enabled():
             return value.reshape([])

@@ -37,9 +37,6 @@ class StagePlan:
         """The last unit of a virtual stage: its output is what the next one receives."""
         return [layer for _, layer, v in self.units if v == virtual][-1]
 
-    def owned_virtual_stages(self, stage):
-        return [c * self.stages + stage for c in range(self.chunks)]
-
 
 def _split_layers_from_prefix(names, prefix):
     pattern = re.compile(rf"{re.escape(prefix)}\.\d+")

@@ -148,6 +148,7 @@ EXPECTED_ERRORS = {  # case -> (error type, what the message must say)
     "ranks_disagree_load": ("ValueError", "ranks disagree on the checkpoint call"),
     "save_write_fails": ("RuntimeError", "failed on 1 rank(s)"),
     "async_save_write_fails": ("RuntimeError", "failed on 1 rank(s)"),
+    "export_write_fails": ("RuntimeError", "failed on rank 0"),
 }
 
 
@@ -163,7 +164,7 @@ def test_bad_inputs_raise_the_same_clear_error_on_every_rank(tmp_path):
         for case, (kind, words) in EXPECTED_ERRORS.items():
             assert report["errors"][case][0] == kind and words in report["errors"][case][1], (case, report["errors"][case])
     assert reports[0]["errors"] == reports[1]["errors"]
-    assert len(EXPECTED_ERRORS) - 2 >= 30  # two are failed writes, not bad inputs
+    assert len(EXPECTED_ERRORS) - 3 >= 30  # three are failed writes, not bad inputs
 
 
 def test_training_example_saves_and_resumes(tmp_path):

@@ -38,3 +38,18 @@ def test_startend_indices_reaching_a_routed_attention_are_refused():
                 module, q, q, q, attn_mask_startend_row_indices=paddle.full([1, 1, 6], 6, "int32"), scaling=0.5)
     finally:
         runtime.reset()
+
+
+def test_leave_without_enter_keeps_the_outer_frame():
+    """A pre-hook raising before ContextParallel's enter: its always-called leave must not pop
+    the frame of an outer ContextParallel layer."""
+    from paddle_cp import runtime
+    from paddle_cp.attention import routing
+
+    outer, inner = paddle.nn.Layer(), paddle.nn.Layer()
+    routing.enter(object(), outer)
+    try:
+        routing.leave(inner)
+        assert [frame.layer for frame in runtime.state.running] == [outer]
+    finally:
+        runtime.reset()

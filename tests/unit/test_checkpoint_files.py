@@ -40,3 +40,22 @@ def test_one_process_async_save_latest_and_export(tmp_path):
     ids, labels = next(iter(batches("llama")))
     np.testing.assert_allclose(float(loaded(input_ids=ids, labels=labels)[0]),
                                float(model(input_ids=ids, labels=labels)[0]), rtol=0, atol=1e-5)
+
+
+def test_accumulator_dtypes_match_paddles_optimizers():
+    """The dtype a checkpoint expects (and receives into) for each accumulator is the one Paddle creates."""
+    import paddle
+
+    from paddle_cp.checkpoint import layout
+
+    for dtype in ("float32", "float64", "bfloat16", "float16"):
+        for make in (paddle.optimizer.AdamW, paddle.optimizer.Momentum):
+            layer = paddle.nn.Linear(2, 2)
+            layer.to(dtype=dtype)
+            optimizer = make(parameters=layer.parameters())
+            optimizer._create_accumulators(paddle.static.default_main_program().global_block(),
+                                           layer.parameters())
+            for name in layout.accumulator_names(optimizer):
+                for param in layer.parameters():
+                    assert optimizer._accumulators[name][param.name].dtype == layout.accumulator_dtype(param, name), \
+                        (dtype, make.__name__, name)

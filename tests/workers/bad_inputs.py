@@ -188,6 +188,16 @@ def write_failures(report, root):
     report.value("saved", sorted(os.listdir(root)))
 
 
+def export_failure(report, root):
+    """Rank 0 cannot write the export: every rank raises the same error (none waits for rank 0)."""
+    model = build_llama("paddleformers")
+    if dist.get_rank() == 0:
+        def fail(*args, **kwargs):
+            raise OSError("disk full")
+        model.save_pretrained = fail
+    report.expect_error("export_write_fails", lambda: pcp.export_pretrained(model, os.path.join(root, "export")))
+
+
 def disagreeing_ranks(report, root, good):
     """Rank 1 builds a wider model than rank 0: both ranks raise the same error, at the first step."""
     model = small() if dist.get_rank() == 0 else paddle.nn.Sequential(paddle.nn.Linear(4, 8), paddle.nn.Linear(8, 3))
@@ -203,6 +213,7 @@ def main(report):
         report.expect_error(name, fn)
     disagreeing_ranks(report, sys.argv[1], good)
     write_failures(report, os.path.join(sys.argv[1], "failures"))
+    export_failure(report, sys.argv[1])
     flag = paddle.to_tensor(np.array([1], dtype="int32"))
     dist.all_reduce(flag)
     report.value("ranks_in_step", int(flag.numpy()[0]))

@@ -16,7 +16,7 @@ import paddle
 import paddle.distributed as dist
 from batches import make_batch
 from llama_models import build_llama, loss_of
-from report import run
+from report import mean_over_ranks, run
 
 import paddle_cp as pcp
 
@@ -86,7 +86,6 @@ def parallel(source, seq, mesh, spec):
     if source != "tiny":
         labels = local_labels
     weight = pcp.loss_weight(local_labels.numel(), mesh)
-    world = mesh.shape[mesh.dim_names.index("sep")]
     losses, grads = [], None
     for step in range(STEPS):
         loss = loss_of(model(input_ids=ids, labels=labels, position_ids=positions, **extra)) * weight
@@ -95,10 +94,8 @@ def parallel(source, seq, mesh, spec):
         if step == 0:
             grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
         opt.clear_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / world)
-    return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+        losses.append(loss.detach())
+    return mean_over_ranks(losses, mesh), grads, {n: p.numpy() for n, p in model.named_parameters()}
 
 
 def main(report):
