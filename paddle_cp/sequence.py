@@ -8,7 +8,7 @@ from __future__ import annotations
 import paddle
 
 from .attention import SequenceLayout, resolve_group
-from .comm import collectives
+from .attention.lengths import agreed_seq_len
 from .comm.autograd import gather_replicated
 from .plans.context_parallel import PrepareContextParallel
 
@@ -38,22 +38,10 @@ def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses
     gradient.
     """
     layout, group = _layout(backend, ulysses_degree, mesh, group)
-    held = _local_lengths(x.shape[seq_dim], group)
-    seq_len = seq_len or sum(held)
+    seq_len = agreed_seq_len(layout, group, x.shape[seq_dim], seq_len, seq_dim)
     lengths = layout.lengths(seq_len)
-    if lengths != held:
-        raise ValueError(f"the ranks hold {held} tokens along dim {seq_dim}, but a {seq_len}-token sequence in "
-                         f"this layout is split {lengths}: pass the seq_len and backend the tensor was sharded with")
     gathered = gather_replicated(x, group, seq_dim, lengths)
     return paddle.index_select(gathered, paddle.to_tensor(layout.restore_order(seq_len)), axis=seq_dim)
-
-
-def _local_lengths(length, group):
-    """Every rank's length along the sequence dim (one all-gather of one int)."""
-    if group.size == 1:
-        return [length]
-    parts = collectives.all_gather(group, paddle.to_tensor([length], dtype="int64"), tag="unshard_lengths")
-    return [int(p.item()) for p in parts]
 
 
 def sequence_positions(seq_len, backend="p2p", mesh=None, group=None, ulysses_degree=None):

@@ -11,6 +11,7 @@ import numpy as np
 
 from .groups import resolve_group, resolve_groups
 from .layout import SequenceLayout
+from .lengths import agreed_seq_len
 from .mask import Documents
 from .ring import RingMasks, ring_attention_local
 from .rotation import check_rotation
@@ -32,7 +33,8 @@ def context_parallel_attention(
     check_rotation(rotate)
     check_sinks(sinks, query)
     check_window(window, is_causal)
-    # The global length: given, else the documents', else an even split (each rank cannot see the others').
+    # The global length: given, else the documents', else an even split (the plan path, whose
+    # PrepareContextParallel publishes the length; the functional APIs agree on it first).
     seq_len = seq_len or (documents.seq_len if documents is not None else query.shape[1] * layout.world)
     layout.check_length(seq_len)
     check_local_length(layout, seq_len, groups.sep.index, query.shape[1])
@@ -73,6 +75,8 @@ def _functional(backend):
         layout = SequenceLayout(backend, sep.size, ulysses_degree)
         groups = resolve_groups(layout, mesh, group)
         documents = None if doc_ids is None else Documents.from_ids(np.asarray(doc_ids))
+        if seq_len is None and documents is None:  # each rank sees only its shard: ask the others
+            seq_len = agreed_seq_len(layout, sep, query.shape[1])
         return context_parallel_attention(layout, groups, query, key, value, attn_mask, dropout_p, is_causal,
                                           training, scale, seq_len, documents, rotate, enable_gqa=enable_gqa,
                                           window=window, sinks=sinks)
@@ -83,8 +87,9 @@ def _functional(backend):
 _FUNCTIONAL_DOC = """{what} over this rank's [b, s_local, h, d] shards in the {backend!r} layout.
 
 Takes F.scaled_dot_product_attention's arguments plus `mesh` (its `sep` dim) or
-`group`. `seq_len`: the global length, needed when it does not divide evenly
-(and no `doc_ids` give it);
+`group`. `seq_len`: the global length; without it (and without `doc_ids`)
+the ranks exchange their local lengths (one tiny all-gather), and shards that
+do not form the layout raise the same error on every rank;
 `doc_ids` ([b, seq_len], global): attention stays inside each document;
 `attn_mask`: this rank's rows against all keys, [b, 1|h, s_local, seq_len];
 `rotate`: 'ring' or 'allgather' k/v exchange; `window`: causal sliding window

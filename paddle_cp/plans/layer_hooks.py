@@ -1,6 +1,8 @@
 """User hooks as plans: `fn(process_mesh=mesh)` returns the hook to register."""
 from __future__ import annotations
 
+import weakref
+
 from .base import Plan, refuse_param_plan
 
 
@@ -16,15 +18,22 @@ class _UserHook(Plan):
             raise TypeError(f"{type(self).__name__} needs a callable fn(process_mesh) returning a hook, "
                             f"got {type(fn).__name__}")
         self.fn = fn
+        self._hooks = weakref.WeakKeyDictionary()  # layer -> (mesh, hook) resolved by check, taken by apply
 
     def check(self, layer, mesh, param_names=()):
+        """Call the user's factory now, so a bad hook fails before parallelize changes anything."""
         refuse_param_plan(self, param_names)
-
-    def apply(self, layer, mesh, param_names=()):
-        self.check(layer, mesh, param_names)
         hook = self.fn(process_mesh=mesh)
         if not callable(hook):
-            raise TypeError(f"{type(self).__name__}: fn(process_mesh=...) must return a hook, got {type(hook).__name__}")
+            raise TypeError(f"{type(self).__name__}: fn(process_mesh=...) must return a hook "
+                            f"(a callable), got {type(hook).__name__}")
+        self._hooks[layer] = (mesh, hook)
+
+    def apply(self, layer, mesh, param_names=()):
+        checked_mesh, _ = self._hooks.get(layer, (None, None))
+        if checked_mesh is not mesh:  # applied directly, not after parallelize's check
+            self.check(layer, mesh, param_names)
+        _, hook = self._hooks.pop(layer)
         return self._register(layer, hook)
 
 

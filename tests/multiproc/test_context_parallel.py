@@ -30,6 +30,7 @@ ERRORS = [
     ErrorCase("ulysses_heads", "use ulysses_degree <=", min_world=2),
     ErrorCase("wrong_seq_len", "pass seq_len=", min_world=2),
     ErrorCase("degree_not_dividing", "positive divisor", only_world=4),
+    ErrorCase("shards_not_layout", "shard with PrepareContextParallel or paddle_cp.shard_sequence", min_world=2),
     ErrorCase("unshard_wrong_seq_len", "pass the seq_len and backend the tensor was sharded with", min_world=2),
     ErrorCase("bypassed_attention", "without paddle_cp computing its attention"),
 ]
@@ -59,9 +60,9 @@ def test_attention_matches_single_process(world):
     hybrid = world == 4
     for report in reports:
         # functional cases x (out, dq, dk, dv); per backend: window+sinks+MLA x (out, dq, dk, dv, dsinks),
-        # layer plans (plain, docs, dense) and unshard; a branch only rank 0 takes
+        # layer plans (plain, docs, dense), unshard and the output without seq_len; a branch only rank 0 takes
         cases = 11 + 3 * hybrid
-        assert len(report["max_abs"]) == 4 * cases + (5 + 3 + 1) * (2 + hybrid) + 1
+        assert len(report["max_abs"]) == 4 * cases + (5 + 3 + 1 + 1) * (2 + hybrid) + 1
         if world > 1:
             assert report["values"]["bytes"]["ring"] > 0 and report["values"]["bytes"]["ulysses"] > 0
 
@@ -105,6 +106,12 @@ def test_error_names_the_fix_on_every_rank(world, case):
         kind, message = report["errors"][case.check]
         assert kind == "ValueError", (case.check, kind, message)
         assert case.message in message, (case.check, message)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shards_not_forming_the_layout_fail_alike_on_every_rank(world):
+    """The functional attention without seq_len agrees on the lengths first: no rank waits on another."""
+    assert len({tuple(r["errors"]["shards_not_layout"]) for r in attention_reports(world)}) == 1
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

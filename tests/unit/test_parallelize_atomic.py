@@ -29,6 +29,7 @@ class FailingCall(NamedTuple):
     mesh: Callable[[], dist.ProcessMesh]
     config: Callable[[], dict]
     message: str
+    error: type = ValueError
 
 
 FAILING_CALLS = [
@@ -44,6 +45,11 @@ FAILING_CALLS = [
                 lambda: {"mp_config": {"parallelize_plan": {"model.layers.0.mlp.up_proj": pcp.ColWiseParallel(),
                                                             "model.layers.1.mlp.up_proj": pcp.RowWiseParallel()}}},
                 "split on different axes"),
+    # valid tensor-parallel plans (applied first), then a hook factory that returns no hook
+    FailingCall("hook_factory_returns_no_hook", lambda: dist.ProcessMesh([0, 1], dim_names=["mp"]),
+                lambda: {"mp_config": {"parallelize_plan": _tp_plan() | {
+                    "model.layers.1.mlp": pcp.PrepareLayerOutput(lambda process_mesh: None)}}},
+                "must return a hook", TypeError),
 ]
 
 
@@ -69,7 +75,7 @@ def test_failed_parallelize_leaves_the_model_as_it_was(case):
         model.model.layers[1].mlp.up_proj.weight = model.model.layers[0].mlp.up_proj.weight
     ids = paddle.randint(0, 128, [1, 12])
     before = _snapshot(model, ids)
-    with pytest.raises(ValueError, match=case.message):
+    with pytest.raises(case.error, match=case.message):
         pcp.parallelize(model, mesh=case.mesh(), config=case.config())
     after = _snapshot(model, ids)
     assert after["attributes"] == before["attributes"]
@@ -78,3 +84,19 @@ def test_failed_parallelize_leaves_the_model_as_it_was(case):
     for name, value in before["params"].items():
         np.testing.assert_array_equal(after["params"][name], value, err_msg=name)
     np.testing.assert_array_equal(after["output"], before["output"])
+
+
+def test_hook_factory_runs_once_at_check_and_apply_registers_its_hook():
+    calls, hook = [], lambda layer, inputs: None
+
+    def factory(process_mesh):
+        calls.append(process_mesh)
+        return hook
+
+    layer, mesh = paddle.nn.Linear(2, 2), dist.ProcessMesh([0], dim_names=["mp"])
+    plan = pcp.PrepareLayerInput(factory)
+    plan.check(layer, mesh)
+    assert calls == [mesh]  # resolved before parallelize changes anything
+    plan.apply(layer, mesh)
+    assert calls == [mesh]
+    assert list(layer._forward_pre_hooks.values()) == [hook]

@@ -257,6 +257,25 @@ def check_unshard_learns_lengths(report, mesh, world):
         report.expect_error("unshard_wrong_seq_len", lambda: pcp.unshard_sequence(local, mesh=mesh, seq_len=seq + 1))
 
 
+def check_functional_learns_lengths(report, mesh, world):
+    """The functional attention without seq_len on a length that does not divide (29 tokens on 4
+    ranks): the ranks agree on the length; shards that are not the layout fail alike everywhere."""
+    seq = 7 * world + 1  # uneven local lengths at every world > 1
+    paddle.seed(5)
+    q, k, v = (paddle.randn([1, seq, 4, HEAD_DIM]) for _ in range(3))  # 4 heads: Ulysses over up to 4 ranks
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    attention = {"p2p": pcp.ring_attention, "all2all": pcp.ulysses_attention, "hybrid": pcp.hybrid_attention}
+    for backend, degree in [("p2p", None), ("all2all", None)] + ([("hybrid", 2)] if world == 4 else []):
+        layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
+        local = [pcp.shard_sequence(t, **layout) for t in (q, k, v)]
+        out = attention[backend](*local, is_causal=True, mesh=mesh, ulysses_degree=degree)
+        report.diff(f"attention.{backend}.no_seq_len.out", pcp.unshard_sequence(out, **layout), ref)
+    if world > 1:
+        # rank 0 holds 3N tokens, the others one each: no layout splits a sequence so
+        lopsided = q[:, :3 * world] if dist.get_rank() == 0 else q[:, :1]
+        report.expect_error("shards_not_layout", lambda: pcp.ring_attention(lopsided, lopsided, lopsided, mesh=mesh))
+
+
 def check_rank_dependent_gradients(report, mesh, world):
     """A layer only rank 0 uses has a gradient there alone: the optimizer still reduces buffers of one
     size on every rank (no rank waits), and every rank steps it by rank 0's gradient / world."""
@@ -312,6 +331,7 @@ def main(report):
     check_window_work(report, mesh, world)
     check_sdpa_layer(report, mesh, world)
     check_unshard_learns_lengths(report, mesh, world)
+    check_functional_learns_lengths(report, mesh, world)
     check_rank_dependent_gradients(report, mesh, world)
     check_errors(report, mesh, world)
     report.value("bytes", pcp.bytes_sent())
