@@ -340,12 +340,12 @@ def _config(args):
 
 
 def table(result):
+    from paddle_cp.tools.text import ruled_table  # here: the ranks run this file as a script
+
     head = f"{'backend':8} {'seq':>6} {'N':>2} {'T_single':>9} {'T_rank':>9}" + "".join(f" {m:>12}" for m in TABLE)
-    rows = [head, "-" * len(head)]
-    for c in result["cases"]:
-        rows.append(f"{c['backend']:8} {c['seq']:>6} {c['nproc']:>2} {c['t_single']:>8.3f}s {c['t_rank']:>8.3f}s"
-                    + "".join(f" {c[m]:>12.3f}" for m in TABLE))
-    return "\n".join(rows)
+    return ruled_table(head, [
+        f"{c['backend']:8} {c['seq']:>6} {c['nproc']:>2} {c['t_single']:>8.3f}s {c['t_rank']:>8.3f}s"
+        + "".join(f" {c[m]:>12.3f}" for m in TABLE) for c in result["cases"]])
 
 
 def plot(result, path):

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from paddle_cp.tools.bench import launch, progress
+from paddle_cp.tools.text import ruled_table
 
 VARIANTS = {"plain": {}, "recompute": {"recompute": True}, "chunked": {"chunked": True},
             "recompute+chunked": {"recompute": True, "chunked": True}}
@@ -230,16 +231,14 @@ def _config(args):
 
 def table(result):
     head = f"{'N':>6} {'variant':18} {'seq':>6}" + "".join(f" {p + ' MiB':>15}" for p in PARTS)
-    rows = [head, "-" * len(head)]
-    for c in result["cases"]:
-        rows.append(f"{c['nproc']!s:>6} {c['variant']:18} {c['seq']:>6}"
-                    + "".join(f" {c[p] / MIB:>15.2f}" for p in PARTS))
+    rows = [f"{c['nproc']!s:>6} {c['variant']:18} {c['seq']:>6}" + "".join(f" {c[p] / MIB:>15.2f}" for p in PARTS)
+            for c in result["cases"]]
     for key, ratios in result["activation_ratio"].items():
         rows.append(f"activations vs N=1, {key}: " + ", ".join(f"N={n} {r:.3f}" for n, r in ratios.items()))
     for n, fits in result["fits"].items():
         for variant, fit in fits.items():
             rows.append(f"longest fit, N={n} {variant}: {fit['tokens']} tokens")
-    return "\n".join(rows)
+    return ruled_table(head, rows)
 
 
 def activation_ratios(result):

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from paddle_cp import planner
+from paddle_cp.tools.text import ruled_table
 
 GB = 1e9
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate")
@@ -63,12 +64,12 @@ def model_shape(args):
 
 def table(estimates, top):
     head = f"{'layout':24} {'backend':8} {'mem GB':>8} {'fits':>5} {'step s':>8} {'tok/s':>10}  time split (s)"
-    rows = [head, "-" * len(head)]
+    rows = []
     for e in estimates[:top]:
         split = " ".join(f"{k}={v:.3g}" for k, v in e["time"].items() if v)
         rows.append(f"{e['name']:24} {e['backend']:8} {e['memory_total'] / GB:>8.1f} {'yes' if e['fits'] else 'no':>5}"
                     f" {e['step_time']:>8.3f} {e['tokens_per_second']:>10.0f}  {split}")
-    return "\n".join(rows)
+    return ruled_table(head, rows)
 
 
 def main(argv=None):
