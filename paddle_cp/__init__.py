@@ -4,12 +4,12 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, wai
 from .checkpoint.export import export_pretrained
 from .comm import bytes_sent, reset_counters
 from .comm.watchdog import get_timeout, set_timeout
-from .config import load_config
+from .api.config import load_config
 from .mesh import get_mesh, set_mesh
-from .parallelize import parallelize
+from .api.parallelize import parallelize
 from .pipeline import SplitPoint
-from .data import shard_batch, shard_dataloader
-from .loss import loss_weight
+from .sequence.batches import shard_batch, shard_dataloader
+from .sequence.loss import loss_weight
 from .plans import (
     ColWiseParallel,
     ContextParallel,
@@ -22,8 +22,8 @@ from .plans import (
     SequenceParallelEnable,
     SequenceParallelEnd,
 )
-from .sequence import sequence_positions, shard_sequence, unshard_sequence
-from .state_dict import full_state_dict
+from .sequence.shard import sequence_positions, shard_sequence, unshard_sequence
+from .checkpoint.full_state import full_state_dict
 
 __version__ = "0.1.0"
 

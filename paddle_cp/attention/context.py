@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import recompute, runtime
+from .. import runtime
+from . import recompute
 from .layout import SequenceLayout
 from .mask import Documents
 

@@ -15,7 +15,8 @@ import sys
 import weakref
 from dataclasses import dataclass
 
-from .. import recompute, runtime
+from .. import runtime
+from . import recompute
 from . import context
 from .api import context_parallel_attention
 

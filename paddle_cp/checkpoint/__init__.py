@@ -1,3 +1,3 @@
-"""Checkpoints in Paddle's distributed-checkpoint format: save, resume on any layout, export."""
+"""State I/O: checkpoints in Paddle's distributed format, full_state_dict, export to PaddleFormers."""
 from .api import load_checkpoint, save_checkpoint, wait_checkpoint  # noqa: F401
 from .commit import latest_checkpoint  # noqa: F401

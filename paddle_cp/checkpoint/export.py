@@ -8,7 +8,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from ..state_dict import full_state_dict
+from .full_state import full_state_dict
 from . import layout
 from .agree import count_failures
 

@@ -15,7 +15,7 @@ import paddle
 from ..comm import collectives
 from ..params import find_record
 from ..pipeline.ownership import stage_value
-from ..state_dict import full_value
+from .full_state import full_value
 from . import layout
 from .format import optimizer_key
 

@@ -6,7 +6,7 @@ import inspect
 import paddle
 
 from .. import mesh as mesh_lib
-from .. import recompute
+from ..attention import recompute
 from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, resolve_groups, routing
 from ..attention import ulysses_size
 from .base import Plan, refuse_param_plan

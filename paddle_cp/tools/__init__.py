@@ -1,1 +1,1 @@
-"""Command-line tools: `pcp-bench` (tools/bench.py) and `pcp-plan` (tools/plan.py)."""
+"""Command-line tools and the cost model they share: pcp-bench, pcp-bench-pp, pcp-memory, pcp-plan."""

@@ -22,7 +22,7 @@ For every sequence length and backend it runs forward+backward of attention on
 - balance = max / mean over ranks of the visible score-matrix entries each rank
   computes: from the layout's token positions for p2p, the head split for all2all.
 - bytes_ratio = bytes sent per rank (paddle_cp.bytes_sent(), one forward+backward)
-  / the algorithm's minimum (`bytes_min`, paddle_cp.planner): ring 3(N-1) x
+  / the algorithm's minimum (`bytes_min`, paddle_cp.tools.planner): ring 3(N-1) x
   bytes(local k, v); Ulysses 2 x (N-1)/N x bytes(q, k, v, out); hybrid the
   Ulysses figure over U ranks plus the ring's over N/U groups on h_k/U heads.
 - mem_ratio = peak bytes allocated per rank during forward+backward (inputs,
@@ -80,7 +80,7 @@ def _check(parser, args):
     """Refuse bad shapes here, with the library's own checks, before any rank starts waiting for another."""
     from paddle_cp.attention.layout import SequenceLayout
     from paddle_cp.attention.ulysses import head_split
-    from paddle_cp.planner import degrees
+    from paddle_cp.tools.planner import degrees
 
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
@@ -290,7 +290,7 @@ def work_per_rank(backend, world, seq, heads, causal, ulysses_degree=None):
     """Visible score-matrix entries each rank computes (per batch element): the rows of its ring
     group (the p2p layout over groups of U adjacent ranks) times its share of the heads."""
     from paddle_cp.attention.layout import SequenceLayout, even_sizes
-    from paddle_cp.planner import degrees
+    from paddle_cp.tools.planner import degrees
 
     ring, ulysses = degrees(backend, world, ulysses_degree)
     head_counts, groups = even_sizes(heads, ulysses), SequenceLayout("p2p", ring)
@@ -303,7 +303,7 @@ def work_per_rank(backend, world, seq, heads, causal, ulysses_degree=None):
 
 
 def summarise(args, backend, seq, single, single_rate, per_rank, rates):
-    from paddle_cp import planner
+    from paddle_cp.tools import planner
 
     n, degree = args.nproc, _degree(args, backend)
     shape = (args.batch, seq, args.heads, args.kv_heads, args.head_dim)

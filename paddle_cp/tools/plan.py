@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from paddle_cp import planner
+from paddle_cp.tools import planner
 from paddle_cp.tools.text import ruled_table
 
 GB = 1e9

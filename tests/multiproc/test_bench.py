@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from paddle_cp import planner
+from paddle_cp.tools import planner
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")

@@ -4,8 +4,8 @@ from typing import NamedTuple
 import pytest
 import yaml
 
-from paddle_cp import planner
-from paddle_cp.config import known_plans, load_config
+from paddle_cp.tools import planner
+from paddle_cp.api.config import known_plans, load_config
 from paddle_cp.plans import ContextParallel, PrepareContextParallel
 
 EXAMPLE = {

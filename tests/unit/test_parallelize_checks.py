@@ -7,7 +7,7 @@ import paddle.distributed as dist
 import pytest
 
 import paddle_cp as pcp
-from paddle_cp.plan_keys import resolve_plan
+from paddle_cp.api.plan_keys import resolve_plan
 
 
 class Block(paddle.nn.Layer):

@@ -1,8 +1,8 @@
 """The planner's pipeline terms: memory per stage, 1F1B's bubble, and the config it writes runs."""
 import yaml
 
-from paddle_cp import planner
-from paddle_cp.config import load_config
+from paddle_cp.tools import planner
+from paddle_cp.api.config import load_config
 
 MODEL = planner.ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000, intermediate=11008)
 CLUSTER = planner.Cluster(devices=8, memory=80e9, flops=300e12, intra_bandwidth=200e9, inter_bandwidth=25e9,

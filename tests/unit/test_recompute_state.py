@@ -3,7 +3,7 @@ import paddle
 import pytest
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
-from paddle_cp import recompute
+from paddle_cp.attention import recompute
 from paddle_cp.attention import SequenceLayout, context
 
 

@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import pytest
 
-from paddle_cp import planner
-from paddle_cp.config import load_config
+from paddle_cp.tools import planner
+from paddle_cp.api.config import load_config
 from paddle_cp.tools import bench, bench_pp, memory, plan
 
 ROOT = Path(__file__).resolve().parents[2]

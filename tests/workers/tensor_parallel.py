@@ -18,7 +18,7 @@ from report import run
 
 import paddle_cp as pcp
 from paddle_cp.comm import collectives
-from paddle_cp.parameter_fetch import full_nbytes
+from paddle_cp.data_parallel.parameter_fetch import full_nbytes
 from paddle_cp.params import record_of
 
 BATCH, SEQ, STEPS, CLIP = 4, 16, 3, 0.5

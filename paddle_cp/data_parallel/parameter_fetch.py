@@ -17,8 +17,8 @@ import weakref
 import paddle
 from paddle.autograd import PyLayer
 
-from .comm import collectives
-from .params import record_of, share_record
+from ..comm import collectives
+from ..params import record_of, share_record
 
 
 class GatheredBytes:

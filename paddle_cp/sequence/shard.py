@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import paddle
 
-from .attention import SequenceLayout, resolve_group
-from .attention.lengths import agreed_seq_len
-from .comm.autograd import gather_replicated
-from .plans.context_parallel import PrepareContextParallel
+from ..attention import SequenceLayout, resolve_group
+from ..attention.lengths import agreed_seq_len
+from ..comm.autograd import gather_replicated
+from ..plans.context_parallel import PrepareContextParallel
 
 
 def _layout(backend, ulysses_degree, mesh, group):

@@ -6,7 +6,7 @@ import inspect
 
 import paddle
 
-from .plans.sequence_parallel import SequenceParallelBegin
+from ..plans.sequence_parallel import SequenceParallelBegin
 
 _STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' causal document input: no mask is built
 

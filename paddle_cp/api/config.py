@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import paddle.distributed as dist
 
-from . import plans as plans_lib
+from .. import plans as plans_lib
 from .parallelize import CONFIG_KEYS
 
 

@@ -314,7 +314,7 @@ def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True):
 
 
 def parallelize_config(layout, model_prefix="model"):
-    """The YAML-able config (see paddle_cp.config.load_config) that runs `layout`."""
+    """The YAML-able config (see paddle_cp.api.config.load_config) that runs `layout`."""
     dims = [(name, size) for name, size in (("pp", layout.pp), ("dp", layout.dp), ("sep", layout.cp), ("mp", layout.tp))
             if size > 1]
     dims = dims or [("dp", 1)]

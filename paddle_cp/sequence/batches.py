@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import paddle
 
-from . import mesh as mesh_lib
+from .. import mesh as mesh_lib
 
 
 def shard_batch(batch, mesh=None, axis=0):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import paddle
 
-from . import mesh as mesh_lib
-from .comm import collectives
+from .. import mesh as mesh_lib
+from ..comm import collectives
 
 
 def loss_weight(local_tokens, mesh=None):

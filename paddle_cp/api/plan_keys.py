@@ -7,7 +7,7 @@ import warnings
 
 import paddle
 
-from .plans.base import Plan
+from ..plans.base import Plan
 
 ROOT_KEY = ""  # extension: plans keyed "" apply to the model itself (Paddle excludes the root)
 

@@ -10,15 +10,15 @@ optimizer that reduces gradients.
 """
 from __future__ import annotations
 
-from . import mesh as mesh_lib
-from .comm import collectives
-from .pipeline import apply_pipeline, plan_pipeline
-from .optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
+from .. import mesh as mesh_lib
+from ..comm import collectives
+from ..pipeline import apply_pipeline, plan_pipeline
+from ..data_parallel.optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
 from .plan_annotation import annotate_plan
 from .plan_keys import resolve_plan
-from .plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
-from .positions import supply_positions
-from .sharding import Sharding, check_level
+from ..plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
+from ..sequence.positions import supply_positions
+from ..data_parallel.sharding import Sharding, check_level
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config")
 

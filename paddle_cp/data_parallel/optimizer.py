@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import paddle
 
-from .comm import collectives
-from .mesh import MeshGroup
-from .params import record_of
+from ..comm import collectives
+from ..mesh import MeshGroup
+from ..params import record_of
 
 
 def _coalesced(tensors):

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import paddle
 
-from . import mesh as mesh_lib
-from .plans.column_info import ColumnInfo, set_column_info
-from .plans.tensor_parallel import ColWiseParallel, RowWiseParallel
+from .. import mesh as mesh_lib
+from ..plans.column_info import ColumnInfo, set_column_info
+from ..plans.tensor_parallel import ColWiseParallel, RowWiseParallel
 
 HEAD_COUNT_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads")
 SPLIT_AXIS = {ColWiseParallel: 1, RowWiseParallel: 0}  # which weight axis each plan splits

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from .comm import collectives
+from ..comm import collectives
 from .parameter_fetch import GatheredBytes, fetch_around
-from .params import record_of, set_local_value
+from ..params import record_of, set_local_value
 
 LEVELS = (0, 1, 2, 3)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .comm import collectives
-from .parameter_fetch import broadcast_full
-from .params import find_record
-from .pipeline.ownership import stage_value
+from ..comm import collectives
+from ..data_parallel.parameter_fetch import broadcast_full
+from ..params import find_record
+from ..pipeline.ownership import stage_value
 
 
 def full_value(tensor):

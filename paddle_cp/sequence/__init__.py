@@ -1,0 +1,1 @@
+"""Sequence helpers: shard/unshard sequences, whole-sequence positions, loss weights, dp batches."""
