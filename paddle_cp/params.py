@@ -169,10 +169,16 @@ def local_part(param, full):
         return None
     if len(boxes) == 1 and boxes[0].local_shape == tuple(full.shape):
         return full
-    # full[box] is a view into `full`: clone it, so `full` can be freed once the slice is cut
-    pieces = [full[tuple(slice(o, o + n) for o, n in zip(box.global_offset, box.local_shape))].clone()
+    pieces = [_copied(full[tuple(slice(o, o + n) for o, n in zip(box.global_offset, box.local_shape))])
               for box in boxes]
     return pieces[0] if len(pieces) == 1 else paddle.concat(pieces, axis=record_of(param).tp_axis)
+
+
+def _copied(view):
+    """A new tensor with the values of `view` (a view into another tensor, which may then be freed), in one
+    copy: `contiguous()` copies a strided view once (`clone()` would copy it twice) but returns a contiguous one
+    itself."""
+    return view.clone() if view.is_contiguous() else view.contiguous()
 
 
 def store_local_value(param, local):
