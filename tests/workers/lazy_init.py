@@ -17,6 +17,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle.base import core
+from checkpoint_resume import parallel_step
 from report import run
 from tensor_parallel import CP_PLAN, fused_plan, paddle_plan
 
@@ -144,19 +145,7 @@ def compare_initial(report, name, model, initial):
 
 
 def train(model, optimizer, mesh, shard_labels):
-    losses = []
-    for ids, labels in batches():
-        ids, labels = pcp.shard_batch((ids, labels), mesh=mesh)
-        if shard_labels:
-            labels = pcp.shard_sequence(labels, mesh=mesh)
-        loss = model(input_ids=ids, labels=labels)[0]
-        loss.backward()
-        optimizer.step()
-        optimizer.clear_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)  # mp and pp copies are equal: the world mean is the dp x sep mean
-        losses.append(float(total) / dist.get_world_size())
-    return np.array(losses)
+    return np.array([parallel_step(model, optimizer, mesh, shard_labels, ids, labels) for ids, labels in batches()])
 
 
 def mesh_of(dims):
