@@ -1,9 +1,9 @@
 """PaddleFormers' own LoRAModel on a PaddleFormers Llama (tiny config, eager attention) trained 3 AdamW
 steps under parallelize vs one card with the same LoRA model; then checkpoints and export_pretrained.
 
-argv: the runs, each a mesh ("mp4", "sep4", "dp4", "dp2xmp2", "mp2xsep2"; dims joined by "x") with an
-optional ":gather" (Paddle's LoRA plan exactly as its test writes it: q/k/v gather their output, o_proj
-splits its input) . mp uses Paddle's LoRA plan keys (a plan on lora_B of every ColWise projection, on
+argv: the runs, each a mesh ("mp4", "sep4", "dp4", "dp2xmp2", "mp2xsep2"; dims joined by "x") with
+options ":gather" (Paddle's LoRA plan exactly as its test writes it: q/k/v gather their output, o_proj
+splits its input) and ":l<level>" (dp sharding level). mp uses Paddle's LoRA plan keys (a plan on lora_B of every ColWise projection, on
 lora_A of every RowWise one), sep the ring. The optimizer holds every parameter, frozen ones too; the
 sequence (8N+3 tokens) does not divide. The first run also saves a checkpoint, which the second loads
 (another mesh) and every rank loads into an unparallelized LoRA model; the last run exports.
@@ -21,7 +21,7 @@ import paddle_cp as pcp
 from paddle_cp.comm import collectives
 from paddle_cp.params import record_of
 
-STEPS, BATCH = 3, 2
+STEPS, BATCH = 3, 4
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
 COLUMN, ROW = PROJECTIONS[:3] + PROJECTIONS[4:6], (PROJECTIONS[3], PROJECTIONS[6])
@@ -114,13 +114,14 @@ def mesh_of(spec):
 
 
 def parallel(spec):
-    mesh_spec, _, variant = spec.partition(":")
+    mesh_spec, *options = spec.split(":")
     mesh = mesh_of(mesh_spec)
     model = lora_model()
     optimizer = adamw(model)
-    config = {"dp_config": {"sharding_level": 0}}
+    level = next((int(o[1:]) for o in options if o.startswith("l")), 0)
+    config = {"dp_config": {"sharding_level": level}}
     if "mp" in mesh.dim_names:
-        config["mp_config"] = {"parallelize_plan": lora_plan(variant == "gather")}
+        config["mp_config"] = {"parallelize_plan": lora_plan("gather" in options)}
     if "sep" in mesh.dim_names:
         config["cp_config"] = {"parallelize_plan": CP_PLAN}
     model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
