@@ -14,7 +14,10 @@ its layer's plan makes:
     whole. The branch is a partial sum, summed over `mp` with the base output by RowWise's
     hook. lora_B's gradient only sees this rank's rows: it is summed over `mp`.
   * layer without a tensor-parallel plan: both factors whole.
-Everything else is refused, naming the fix.
+A factor the plan leaves out under a ColWise / RowWise layer (Paddle's sequence-parallel
+LoRA plans name no factor) is given the split above (`implied_lora_plans`): Paddle keeps it
+whole and reshards, which gives the same numbers, and a checkpoint holds the same global
+tensor. Everything else is refused, naming the fix.
 """
 from __future__ import annotations
 
@@ -88,24 +91,40 @@ class _LayerPlans:
                 continue
             if axis is None:
                 raise ValueError(f"{self.name} has {layer_plan}, so its {factor} must stay whole (split on dim "
-                                 f"{got} the LoRA branch would not match the base output): remove the plan key "
-                                 f"'{self.name}.{factor}'")
-            raise ValueError(f"{self.name} has {layer_plan}, which {WHAT_IT_DOES[self.kind]}; its LoRA branch must "
-                             f"be split alike: add '{self.name}.{factor}': {layer_plan}() to the plan (as Paddle's "
-                             "LoRA plan does)")
+                                 f"{got}, the LoRA branch would no longer match the base output): remove the plan "
+                                 f"key '{self.name}.{factor}'")
+            raise ValueError(f"{self.name} has {layer_plan}, which {WHAT_IT_DOES[self.kind]}; its {factor} must be "
+                             f"split on dim {axis} to match, not {got}: key '{self.name}.{factor}' with "
+                             f"{layer_plan}()")
         return [getattr(self.layer, partial)] if partial else []
 
 
-def check_parameter_plans(matched):
-    """Parameters whose gradients are partial over mp, for `matched` (resolve_plan's list); raises on a
-    parameter plan the layer's forward cannot honour exactly, before anything changes."""
+def _by_layer(matched):
     layers = {}
     for name, layer, plans, param_names in matched:
         entry = layers.setdefault(id(layer), _LayerPlans(name, layer))
         for plan in plans:
             entry.add(plan, param_names)
+    return layers.values()
+
+
+def implied_lora_plans(matched):
+    """Entries like resolve_plan's for the LoRA factor each ColWise / RowWise LoRA linear needs split and
+    the plan does not name (lora_B on columns, lora_A on rows)."""
+    implied = []
+    for entry in _by_layer(matched):
+        if entry.kind is not None and _is_lora_linear(entry.layer):
+            for factor, axis in LORA_LAYOUT[entry.kind][0].items():
+                if axis is not None and factor not in entry.splits:
+                    implied.append((entry.name, entry.layer, [entry.kind()], [factor]))
+    return implied
+
+
+def check_parameter_plans(matched):
+    """Parameters whose gradients are partial over mp, for `matched` (resolve_plan's list with the implied
+    LoRA plans); raises on a parameter plan the layer's forward cannot honour exactly, before anything changes."""
     partial = []
-    for entry in layers.values():
+    for entry in _by_layer(matched):
         if entry.splits or _is_lora_linear(entry.layer):
             partial += entry.check()
     return partial

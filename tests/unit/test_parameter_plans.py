@@ -55,17 +55,19 @@ def test_named_parameter_of_another_rank_is_refused(plan, layer, name, message):
         plan.param_axis(layer, name)
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["factor_named", "factor_implied"])
 @pytest.mark.parametrize("layer_plan, factor_plan, split, summed", [
     (pcp.ColWiseParallel(), "lora_B", {"weight": 1, "lora_B": 1, "lora_A": None}, "lora_A"),
     (pcp.RowWiseParallel(), "lora_A", {"weight": 0, "lora_A": 0, "lora_B": None}, "lora_B"),
 ])
-def test_lora_factor_plan_splits_that_factor_only(layer_plan, factor_plan, split, summed):
+def test_lora_factor_plan_splits_that_factor_only(layer_plan, factor_plan, split, summed, named):
     """On a one-rank mp mesh: the records say which tensor each key split (the weight by the layer's key,
-    the factor by its own), and which factor's gradient is summed over mp; the output is unchanged."""
+    the factor by its own key or, when the plan leaves it out, as the layer's forward needs), and which
+    factor's gradient is summed over mp; the output is unchanged."""
     model = _lora()
     x = paddle.rand([3, 8])
     want = model(x).numpy()
-    plan = {"0": layer_plan, f"0.{factor_plan}": type(layer_plan)()}
+    plan = {"0": layer_plan, **({f"0.{factor_plan}": type(layer_plan)()} if named else {})}
     pcp.parallelize(model, None, dist.ProcessMesh([0], dim_names=["mp"]), _mp_plan(plan))
     layer = model[0]
     for name, axis in split.items():
@@ -76,8 +78,8 @@ def test_lora_factor_plan_splits_that_factor_only(layer_plan, factor_plan, split
 
 
 REFUSED = [
-    ("colwise_layer_without_lora_B", {"0": pcp.ColWiseParallel()}, "add '0.lora_B': ColWiseParallel()"),
-    ("rowwise_layer_without_lora_A", {"0": pcp.RowWiseParallel()}, "add '0.lora_A': RowWiseParallel()"),
+    ("colwise_layer_with_lora_B_split_on_rows", {"0": pcp.ColWiseParallel(), "0.lora_B": pcp.RowWiseParallel()},
+     "lora_B must be split on dim 1 to match, not 0"),
     ("colwise_layer_with_lora_A_split", {"0": pcp.ColWiseParallel(), "0.lora_B": pcp.ColWiseParallel(),
                                          "0.lora_A": pcp.ColWiseParallel()}, "lora_A must stay whole"),
     ("lora_B_split_without_layer_plan", {"0.lora_B": pcp.ColWiseParallel()}, "no tensor-parallel plan"),
@@ -110,7 +112,8 @@ def test_key_naming_no_tensor_is_warned_about_and_applies_nowhere(key, message):
     model = _lora()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(ValueError, match="add '0.lora_B'"):  # the key did not stand in for lora_B
-            pcp.parallelize(model, None, _mp2(), _mp_plan({"0": pcp.ColWiseParallel(), key: pcp.ColWiseParallel()}))
+        with pytest.raises(ValueError, match="no tensor-parallel plan"):  # the key did not stand in for the layer
+            pcp.parallelize(model, None, _mp2(), _mp_plan({"0.lora_A": pcp.RowWiseParallel(),
+                                                           key: pcp.ColWiseParallel()}))
     assert any(message in str(w.message) and key in str(w.message) for w in caught), [str(w.message) for w in caught]
     assert all(find_record(p) is None or find_record(p).tp_axis is None for p in model.parameters())

@@ -3,10 +3,13 @@ steps under parallelize vs one card with the same LoRA model; then checkpoints a
 
 argv: the runs, each a mesh ("mp4", "sep4", "dp4", "dp2xmp2", "mp2xsep2"; dims joined by "x") with
 options ":gather" (Paddle's LoRA plan exactly as its test writes it: q/k/v gather their output, o_proj
-splits its input) and ":l<level>" (dp sharding level). mp uses Paddle's LoRA plan keys (a plan on lora_B of every ColWise projection, on
-lora_A of every RowWise one), sep the ring. The optimizer holds every parameter, frozen ones too; the
-sequence (8N+3 tokens) does not divide. The first run also saves a checkpoint, which the second loads
-(another mesh) and every rank loads into an unparallelized LoRA model; the last run exports.
+splits its input), ":sp" (Paddle's sequence-parallel plan, which names no LoRA factor; sdpa attention,
+which sequence parallelism needs, against the eager one card) and ":l<level>" (dp sharding level).
+mp uses Paddle's LoRA plan keys (a plan on lora_B of every ColWise projection, on lora_A of every
+RowWise one), sep the ring. The optimizer holds every parameter, frozen ones too; the sequence (8N+4
+tokens) does not divide into the 2 x sep chunks of the sep4 ring. The first run also saves a
+checkpoint, which the second loads (another mesh) and every rank loads into an unparallelized LoRA
+model; the last run exports.
 """
 import os
 import sys
@@ -28,11 +31,11 @@ COLUMN, ROW = PROJECTIONS[:3] + PROJECTIONS[4:6], (PROJECTIONS[3], PROJECTIONS[6
 LAYERS = "model.model.layers.*."  # LoRAModel keeps the model as .model: Paddle's test's `prefix = "model."`
 
 
-def lora_model():
+def lora_model(attention="eager"):
     from paddleformers.peft import LoRAConfig, LoRAModel
 
     paddle.seed(2024)
-    model = build("llama", num_key_value_heads=4)  # 4 k/v heads: mp4 divides them
+    model = build("llama", num_key_value_heads=4, _attn_implementation=attention)  # 4 k/v heads: mp4 divides them
     config = LoRAConfig(target_modules=[f".*{proj}" for proj in PROJECTIONS], r=8, lora_alpha=16)
     return LoRAModel(model, config)
 
@@ -52,6 +55,20 @@ def lora_plan(gather):
         plan[LAYERS + proj] = pcp.RowWiseParallel(is_input_parallel=not (gather and proj.startswith("self_attn")))
         plan[LAYERS + proj + ".lora_A"] = pcp.RowWiseParallel()
     return plan
+
+
+def sequence_parallel_plan():
+    """Paddle's sequence-parallel plan from the same test: with test_lora it names no LoRA factor."""
+    model = "model.model."
+    return {
+        model + "embed_tokens": [pcp.ColWiseParallel(), pcp.SequenceParallelBegin()],
+        **{LAYERS + proj: pcp.ColWiseParallel() for proj in COLUMN},
+        **{LAYERS + proj: pcp.RowWiseParallel() for proj in ROW},
+        LAYERS + "self_attn": pcp.SequenceParallelDisable(),
+        LAYERS + "mlp": pcp.SequenceParallelDisable(need_transpose=False),
+        "model.lm_head.weight": pcp.ColWiseParallel(),
+        "model.lm_head": pcp.SequenceParallelEnd(),
+    }
 
 
 CP_PLAN = {"model.model": pcp.PrepareContextParallel("p2p"),
@@ -116,12 +133,13 @@ def mesh_of(spec):
 def parallel(spec):
     mesh_spec, *options = spec.split(":")
     mesh = mesh_of(mesh_spec)
-    model = lora_model()
+    model = lora_model("sdpa" if "sp" in options else "eager")  # eager attention refuses the [s, b, h] layout
     optimizer = adamw(model)
     level = next((int(o[1:]) for o in options if o.startswith("l")), 0)
     config = {"dp_config": {"sharding_level": level}}
     if "mp" in mesh.dim_names:
-        config["mp_config"] = {"parallelize_plan": lora_plan("gather" in options)}
+        plan = sequence_parallel_plan() if "sp" in options else lora_plan("gather" in options)
+        config["mp_config"] = {"parallelize_plan": plan}
     if "sep" in mesh.dim_names:
         config["cp_config"] = {"parallelize_plan": CP_PLAN}
     model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
@@ -180,7 +198,7 @@ def check_export(report, model, reference, directory):
 
 
 def main(report):
-    seq = 8 * dist.get_world_size() + 3
+    seq = 8 * dist.get_world_size() + 4  # sequence parallelism needs mp to divide it; the sep4 ring splits it unevenly
     reference = one_card(seq)
     report.value("one_card.losses", reference[2].tolist())
     specs = sys.argv[1:]
