@@ -21,8 +21,13 @@ FIRST_LAYER_SHAPES = {  # this rank's lora_A / lora_B of layer 0's q_proj and o_
 
 
 @pytest.fixture(scope="module")
-def reports():
-    reports = launch("lora_parity.py", 4, *RUNS)
+def merged_directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("lora") / "merged"
+
+
+@pytest.fixture(scope="module")
+def reports(merged_directory):
+    reports = launch("lora_parity.py", 4, merged_directory, *RUNS)
     for report in reports:
         assert not report["values"].get("crash"), report["values"]["crash"]
     return reports
@@ -68,3 +73,15 @@ def test_export_holds_the_trained_adapter_as_lora_model_names_it(reports):
         assert all(k.startswith("model.layers.") and k.rsplit(".", 1)[1] in ("lora_A", "lora_B")
                    for k in values["export.saved_keys"])
         assert report["max_abs"]["export.lora"] <= TOL
+
+
+def test_merged_export_is_the_model_one_card_would_merge(reports, merged_directory):
+    """export_pretrained(merge_lora=True) loads into a plain LlamaForCausalLM as one card's W + A @ B * scaling."""
+    import numpy as np
+    from paddleformers.transformers import LlamaForCausalLM
+
+    want = dict(np.load(merged_directory / "expected.npz"))
+    loaded = {name: value.numpy() for name, value in LlamaForCausalLM.from_pretrained(str(merged_directory))
+              .state_dict().items()}
+    assert sorted(loaded) == sorted(want)
+    assert max(float(np.abs(loaded[name] - value).max()) for name, value in want.items()) <= TOL

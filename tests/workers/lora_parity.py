@@ -1,7 +1,7 @@
 """PaddleFormers' own LoRAModel on a PaddleFormers Llama (tiny config, eager attention) trained 3 AdamW
 steps under parallelize vs one card with the same LoRA model; then checkpoints and export_pretrained.
 
-argv: the runs, each a mesh ("mp4", "sep4", "dp4", "dp2xmp2", "mp2xsep2"; dims joined by "x") with
+argv: the directory for the merged export, then the runs, each a mesh ("mp4", "sep4", "dp4", "dp2xmp2", "mp2xsep2"; dims joined by "x") with
 options ":gather" (Paddle's LoRA plan exactly as its test writes it: q/k/v gather their output, o_proj
 splits its input), ":sp" (Paddle's sequence-parallel plan, which names no LoRA factor; sdpa attention,
 which sequence parallelism needs, against the eager one card) and ":l<level>" (dp sharding level).
@@ -197,11 +197,24 @@ def check_export(report, model, reference, directory):
     report.value("export.saved_keys", sorted(saved))
 
 
+def check_merged_export(report, model, one_card_model, directory):
+    """merge_lora=True: the files hold W + lora_A @ lora_B * scaling of one card's trained model; the pytest
+    side loads them with LlamaForCausalLM.from_pretrained (one process) and compares with `expected.npz`."""
+    pcp.export_pretrained(model, directory, merge_lora=True)
+    want = {name: value.numpy() for name, value in one_card_model.model.state_dict().items()}
+    for name, layer in one_card_model.model.named_sublayers():
+        if hasattr(layer, "lora_A"):
+            want[f"{name}.weight"] = want[f"{name}.weight"] + want.pop(f"{name}.lora_A") @ want.pop(
+                f"{name}.lora_B") * layer.scaling
+    if dist.get_rank() == 0:
+        np.savez(os.path.join(directory, "expected.npz"), **want)
+
+
 def main(report):
     seq = 8 * dist.get_world_size() + 4  # sequence parallelism needs mp to divide it; the sep4 ring splits it unevenly
     reference = one_card(seq)
     report.value("one_card.losses", reference[2].tolist())
-    specs = sys.argv[1:]
+    merged_directory, *specs = sys.argv[1:]
     root = os.path.join(os.environ["PCP_REPORT_DIR"], "lora_checkpoint")
     model = None
     for i, spec in enumerate(specs):
@@ -210,6 +223,7 @@ def main(report):
             pcp.save_checkpoint(root, model, optimizer)
     check_checkpoint(report, specs[0], specs[1], reference, root)
     check_export(report, model, reference, os.path.join(os.environ["PCP_REPORT_DIR"], "lora_export"))
+    check_merged_export(report, model, reference[0], merged_directory)
     report.value("runs", specs)
 
 
