@@ -60,8 +60,8 @@ def width_geometry(layer):
     if data_format not in WIDTH_AXIS:
         raise ValueError(f"ConvParallel: data_format {data_format!r} is not supported: use 'NCHW' or 'NHWC'")
     if layer._padding_mode != "zeros":
-        raise ValueError(f"ConvParallel: padding_mode={layer._padding_mode!r} is not supported: use padding_mode='zeros' "
-                         "(or pad the input before the layer)")
+        raise ValueError(f"ConvParallel: padding_mode={layer._padding_mode!r} is not supported: "
+                         "use padding_mode='zeros' (or pad the input before the layer)")
     if layer._dilation[1] != 1:
         raise ValueError(f"ConvParallel: dilation along W must be 1, got {layer._dilation[1]}: use dilation 1 on W "
                          "or leave this layer out of the plan")
