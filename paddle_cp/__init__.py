@@ -13,6 +13,7 @@ from .sequence.loss import loss_weight
 from .plans import (
     ColWiseParallel,
     ContextParallel,
+    ConvParallel,
     PrepareContextParallel,
     PrepareLayerInput,
     PrepareLayerOutput,
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "parallelize", "set_mesh", "get_mesh", "SplitPoint",
     "PrepareContextParallel", "ContextParallel",
-    "ColWiseParallel", "RowWiseParallel",
+    "ColWiseParallel", "RowWiseParallel", "ConvParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
     "PrepareLayerInput", "PrepareLayerOutput",
     "full_state_dict", "shard_batch", "shard_dataloader", "loss_weight",
