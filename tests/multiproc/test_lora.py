@@ -1,6 +1,6 @@
 """PaddleFormers' LoRAModel on a PaddleFormers Llama under mp (Paddle's LoRA plan keys; its sequence-parallel
-plan, which names no factor), sep, dp (sharding levels with frozen parameters in the optimizer) and combined
-meshes: 3 AdamW steps against one card with the
+plan, which names no factor), sep, dp (sharding levels with frozen parameters in the optimizer), pp and
+combined meshes: 3 AdamW steps against one card with the
 same LoRA model; checkpoints across meshes and export_pretrained of the trained adapter.
 
 One 4-rank launch (tests/workers/lora_parity.py); the reference is computed in the worker.
@@ -11,7 +11,7 @@ from launcher import launch
 pytest.importorskip("paddleformers")
 
 TOL = 1e-5
-RUNS = ("mp4:gather", "sep4", "dp4:l3", "dp2xmp2:l2:sp", "mp2xsep2")
+RUNS = ("mp4:gather", "sep4", "dp4:l3", "dp2xmp2:l2:sp", "mp2xsep2", "pp2xmp2")
 FIRST_LAYER_SHAPES = {  # this rank's lora_A / lora_B of layer 0's q_proj and o_proj, by run
     "mp4:gather": ([64, 8], [8, 16], [16, 8], [8, 64]),
     "sep4": ([64, 8], [8, 64], [64, 8], [8, 64]),

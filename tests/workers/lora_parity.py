@@ -1,7 +1,8 @@
 """PaddleFormers' own LoRAModel on a PaddleFormers Llama (tiny config, eager attention) trained 3 AdamW
 steps under parallelize vs one card with the same LoRA model; then checkpoints and export_pretrained.
 
-argv: the directory for the merged export, then the runs, each a mesh ("mp4", "sep4", "dp4", "dp2xmp2", "mp2xsep2"; dims joined by "x") with
+argv: the directory for the merged export, then the runs, each a mesh ("mp4", "sep4", "dp4", "dp2xmp2",
+"mp2xsep2", "pp2xmp2"; dims joined by "x"; pp: 2 micro-batches) with
 options ":gather" (Paddle's LoRA plan exactly as its test writes it: q/k/v gather their output, o_proj
 splits its input), ":sp" (Paddle's sequence-parallel plan, which names no LoRA factor; sdpa attention,
 which sequence parallelism needs, against the eager one card) and ":l<level>" (dp sharding level).
@@ -106,8 +107,9 @@ def train(model, optimizer, seq, mesh=None, sep=False):
         loss = model(input_ids=ids, labels=labels)[0] * weight
         loss.backward()
         optimizer.step()  # reduces the gradients in place: compared after it
-        if step == STEPS - 1:  # at sharding levels 2-3 a rank keeps the gradients it owns
-            grads = {n: full_gradient(p) for n, p in trainable(model).items() if record_of(p).owned_here()}
+        if step == STEPS - 1:  # a rank keeps the gradients it owns (sharding) of the parameters it holds (pp)
+            grads = {n: full_gradient(p) for n, p in trainable(model).items()
+                     if record_of(p).owned_here() and record_of(p).holds_value()}
         optimizer.clear_grad()
         total = loss.detach().clone()
         if mesh is not None:
@@ -142,6 +144,9 @@ def parallel(spec):
         config["mp_config"] = {"parallelize_plan": plan}
     if "sep" in mesh.dim_names:
         config["cp_config"] = {"parallelize_plan": CP_PLAN}
+    if "pp" in mesh.dim_names:
+        config["pp_config"] = {"split_spec": "model.model.layers", "global_spec": "model.model.rotary_emb",
+                               "accumulate_steps": 2}
     model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
     return model, optimizer, mesh
 
@@ -227,4 +232,5 @@ def main(report):
     report.value("runs", specs)
 
 
-run(main)
+if __name__ == "__main__":
+    run(main)
