@@ -41,8 +41,12 @@ def lora_model(attention="eager"):
     return LoRAModel(model, config)
 
 
+CLIP = 0.05  # below the LoRA gradients' global norm: every step is clipped, by the norm over all shards
+
+
 def adamw(model):
-    return paddle.optimizer.AdamW(learning_rate=1e-2, epsilon=1e-3, parameters=model.parameters())
+    return paddle.optimizer.AdamW(learning_rate=1e-2, epsilon=1e-3, parameters=model.parameters(),
+                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP))
 
 
 def lora_plan(gather):
@@ -95,8 +99,8 @@ def full_gradient(param):
 
 
 def train(model, optimizer, seq, mesh=None, sep=False):
-    """Losses (global token mean per step), last step's reduced LoRA gradients."""
-    losses, grads = [], {}
+    """Losses (global token mean per step), last step's reduced LoRA gradients; one card: the gradient norms."""
+    losses, grads, norms = [], {}, []
     for step, (ids, labels) in enumerate(batches(seq)):
         weight = 1.0
         if mesh is not None:
@@ -106,7 +110,9 @@ def train(model, optimizer, seq, mesh=None, sep=False):
             weight = pcp.loss_weight(int((labels != -100).sum()), mesh)
         loss = model(input_ids=ids, labels=labels)[0] * weight
         loss.backward()
-        optimizer.step()  # reduces the gradients in place: compared after it
+        if mesh is None:
+            norms.append(float(paddle.sqrt(sum(paddle.sum(p.grad ** 2) for p in trainable(model).values()))))
+        optimizer.step()  # reduces (and clips) the gradients in place: compared after it
         if step == STEPS - 1:  # a rank keeps the gradients it owns (sharding) of the parameters it holds (pp)
             grads = {n: full_gradient(p) for n, p in trainable(model).items()
                      if record_of(p).owned_here() and record_of(p).holds_value()}
@@ -116,13 +122,14 @@ def train(model, optimizer, seq, mesh=None, sep=False):
             dist.all_reduce(total)  # mp copies are equal: the world mean is the dp x sep mean
             total = total / dist.get_world_size()
         losses.append(float(total))
-    return np.array(losses), grads
+    return np.array(losses), grads, norms
 
 
 def one_card(seq):
     model = lora_model()
     initial = {k: v.numpy() for k, v in model.state_dict().items()}
-    losses, grads = train(model, adamw(model), seq)
+    losses, grads, norms = train(model, adamw(model), seq)
+    assert min(norms) > CLIP, f"gradient norms {norms} should exceed the clip norm {CLIP}"
     return model, initial, losses, grads, {k: v.numpy() for k, v in model.state_dict().items()}
 
 
@@ -155,7 +162,7 @@ def check_training(report, spec, reference, seq):
     _, initial, ref_losses, ref_grads, ref_state = reference
     model, optimizer, mesh = parallel(spec)
     shapes = {n: list(p.shape) for n, p in trainable(model).items() if "layers.0.self_attn" in n}
-    losses, grads = train(model, optimizer, seq, mesh, "sep" in mesh.dim_names)
+    losses, grads, _ = train(model, optimizer, seq, mesh, "sep" in mesh.dim_names)
     report.value(f"{spec}.losses", losses.tolist())
     report.value(f"{spec}.local_shapes", shapes)
     report.diff(f"{spec}.loss", losses, ref_losses)
