@@ -41,6 +41,7 @@ def _agree_on_gradients(parameters, mesh_group):
 
 
 def _reduce_gradients(parameters, mesh_group, tag, average):
+    parameters = [p for p in parameters if not p.stop_gradient]  # frozen: no gradient on any rank
     if mesh_group.size == 1 or not parameters:
         return
     _agree_on_gradients(parameters, mesh_group)
