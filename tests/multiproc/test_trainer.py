@@ -1,0 +1,32 @@
+"""paddle_cp's PaddleFormers Trainer (paddle_cp.integrations.paddleformers) on 4 CPU ranks vs
+PaddleFormers' own Trainer in one process: each logged loss and the final parameters.
+
+One launch per group of tests/workers/trainer_parity.py; the one-card reference is
+trained in the same launch (rank 0, after the parallel runs).
+"""
+import pytest
+from launcher import launch_once
+
+TOLERANCE = 1e-5
+
+
+def _reports(group):
+    pytest.importorskip("paddleformers")
+    pytest.importorskip("jinja2")
+    return launch_once("trainer_parity.py", 4, group)
+
+
+def check_parity(reports, run):
+    for report in reports:
+        assert "crash" not in report["values"], report["values"].get("crash")
+    rank0 = reports[0]
+    assert rank0["values"][f"{run}.state_keys_match"], run
+    losses, want = rank0["values"][f"{run}.losses"]
+    assert len(losses) == len(want) > 0, (losses, want)
+    for name in (f"{run}.loss", f"{run}.state"):
+        assert rank0["max_abs"][name] < TOLERANCE, (name, rank0["max_abs"][name], losses, want)
+
+
+@pytest.mark.parametrize("run", ["dp2_cp2", "dp2_ulysses2", "hybrid_ring2_ulysses2", "dp2_cp2_packed_accum"])
+def test_context_parallel_trainer_matches_one_card(run):
+    check_parity(_reports("core"), run)

@@ -1,0 +1,159 @@
+"""paddle_cp's PaddleFormers Trainer on 4 ranks vs PaddleFormers' own Trainer in one process.
+
+argv[1] names a group of runs (one launch each). Every run trains a tiny PaddleFormers
+model through `paddle_cp.integrations.paddleformers.Trainer` with the parallel flags of
+the run, collects each logged loss (`TrainerCallback.on_log`; PaddleFormers empties
+`state.log_history` at every log) and the final full state. Afterwards rank 0 trains
+the same model with PaddleFormers' own Trainer and TrainingArguments (the same
+arguments minus the parallel sizes, a per-device batch giving the same global batch)
+with the world size hidden, so it runs as one card, and records the differences.
+"""
+import contextlib
+import os
+import sys
+import tempfile
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddleformers_models import build
+from report import run
+
+import paddle_cp as pcp
+
+SAMPLES, SEQ, VOCAB = 16, 22, 128
+COMMON = dict(max_steps=4, learning_rate=1e-2, adam_epsilon=1e-3, weight_decay=0.1, max_grad_norm=1.0,
+              logging_steps=1, seed=42, save_strategy="no", report_to="none", disable_tqdm=True,
+              dataloader_shuffle=True, use_cache=False, amp_master_grad=False)
+
+
+def dataset(packed):
+    """Random tokens; a fifth of the labels ignored. `packed`: documents of 3-9 tokens back to back with
+    restarting position_ids, PaddleFormers' causal attn_mask_startend_row_indices, each document's
+    last label ignored."""
+    rng = np.random.RandomState(11)
+    samples = []
+    for _ in range(SAMPLES):
+        ids = rng.randint(0, VOCAB, SEQ).astype("int64")
+        labels = rng.randint(0, VOCAB, SEQ).astype("int64")
+        labels[rng.rand(SEQ) < 0.2] = -100
+        sample = {"input_ids": ids, "labels": labels}
+        if packed:
+            starts, start = [], 0
+            while start < SEQ:
+                starts.append(start)
+                start += rng.randint(3, 10)
+            ends = starts[1:] + [SEQ]
+            positions = np.concatenate([np.arange(e - s) for s, e in zip(starts, ends)])
+            row_end = np.concatenate([np.full(e - s, e) for s, e in zip(starts, ends)])
+            labels[np.array(ends) - 1] = -100
+            # a Tensor: the default collator stacks it as it is (lists of arrays become int64, eager wants int32)
+            row_end = paddle.to_tensor(row_end[None, :], dtype="int32")
+            sample.update(position_ids=positions, attn_mask_startend_row_indices=row_end)
+        samples.append(sample)
+    return samples
+
+
+def model_of(family, **overrides):
+    paddle.seed(2024)
+    return build(family, **overrides)
+
+
+class LoggedLosses:
+    def __init__(self):
+        from paddleformers.trainer import TrainerCallback
+
+        class Collect(TrainerCallback):
+            def on_log(cb, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    self.losses.append(logs["loss"])
+
+        self.losses, self.callback = [], Collect()
+
+
+@contextlib.contextmanager
+def one_card():
+    """PaddleFormers asks paddle.distributed for the world size (at call time): hide the launch. Its
+    gradient accumulation calls paddle.device.synchronize(), which raises on CPU builds."""
+    real_world, real_sync = dist.get_world_size, paddle.device.synchronize
+    dist.get_world_size = lambda group=None: 1
+    paddle.device.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        dist.get_world_size, paddle.device.synchronize = real_world, real_sync
+
+
+def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=None, model=None):
+    args = dict(COMMON, **run_spec.get("args", {}))
+    if parallel:
+        args.update(run_spec["parallel"])
+    else:
+        args["per_device_train_batch_size"] = run_spec["global_batch"]
+    if args.get("save_steps"):
+        args["save_strategy"] = "steps"
+    training_args = args_cls(output_dir=output_dir, **args)
+    model = model or model_of(run_spec.get("family", "llama"), **run_spec.get("model", {}))
+    log = LoggedLosses()
+    trainer = trainer_cls(model=model, args=training_args, train_dataset=dataset(run_spec.get("packed", False)),
+                          callbacks=[log.callback])
+    trainer.train(resume_from_checkpoint=resume)
+    return log.losses, trainer
+
+
+def parallel_run(report, name, spec, root):
+    from paddle_cp.integrations.paddleformers import Trainer, TrainingArguments
+
+    directory = os.path.join(root, name)
+    if "resume" in spec:  # first train up to the save on one mesh, then resume on this one
+        first = dict(spec, parallel=spec["resume"]["parallel"], args={**spec.get("args", {}), "save_steps": 2,
+                                                                        "max_steps": 2})
+        train_with(Trainer, TrainingArguments, first, directory, parallel=True)
+        losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True,
+                                     resume=os.path.join(directory, "checkpoint-2"))
+    else:
+        losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)
+    return losses, pcp.full_state_dict(trainer.model)
+
+
+def reference_run(spec, root, name):
+    from paddleformers.trainer import Trainer, TrainingArguments
+
+    with one_card():
+        losses, trainer = train_with(Trainer, TrainingArguments, spec, os.path.join(root, name + ".ref"),
+                                     parallel=False)
+    return losses, {k: v.numpy() for k, v in trainer.model.state_dict().items()}
+
+
+CP2 = dict(context_parallel_size=2)
+RUNS = {
+    "core": {
+        # 4 ranks = dp2 x sep2 (ring) unless the flags fill them otherwise
+        "dp2_cp2": dict(parallel=dict(CP2, per_device_train_batch_size=2), global_batch=4),
+        "dp2_ulysses2": dict(parallel=dict(sep_parallel_size=2, per_device_train_batch_size=2), global_batch=4),
+        "hybrid_ring2_ulysses2": dict(parallel=dict(CP2, sep_parallel_size=2, per_device_train_batch_size=4),
+                                      global_batch=4),
+        "dp2_cp2_packed_accum": dict(parallel=dict(CP2, per_device_train_batch_size=1), global_batch=2,
+                                     packed=True, args=dict(gradient_accumulation_steps=2)),
+    },
+}
+
+
+def main(report):
+    root = tempfile.mkdtemp(prefix="pcp_trainer_")
+    runs = RUNS[sys.argv[1]]
+    results = {name: parallel_run(report, name, spec, root) for name, spec in runs.items()}
+    if dist.get_rank() != 0:
+        return
+    for name, spec in runs.items():
+        losses, state = results[name]
+        want_losses, want_state = reference_run(spec, root, name)
+        report.value(f"{name}.losses", [losses, want_losses])
+        report.diff(f"{name}.loss", np.array(losses), np.array(want_losses))
+        report.value(f"{name}.state_keys_match", sorted(state) == sorted(want_state))
+        for key, value in want_state.items():
+            report.diff(f"{name}.state", state.get(key, np.zeros([0])), value)
+
+
+if __name__ == "__main__":
+    run(main)
