@@ -30,3 +30,17 @@ def check_parity(reports, run):
 @pytest.mark.parametrize("run", ["dp2_cp2", "dp2_ulysses2", "hybrid_ring2_ulysses2", "dp2_cp2_packed_accum"])
 def test_context_parallel_trainer_matches_one_card(run):
     check_parity(_reports("core"), run)
+
+
+@pytest.mark.parametrize("run", ["mp2_sp_cp2", "dp2_sharding2_cp2", "cp2_recompute_chunked_loss",
+                                 "resume_hybrid_to_dp2_ulysses2"])
+def test_composed_trainer_matches_one_card(run):
+    """tensor + sequence + context parallel; dp x sharding stage 2 x ring; PaddleFormers' recompute
+    and chunked loss under ring; saved on ring x Ulysses, resumed on dp x Ulysses."""
+    check_parity(_reports("composed"), run)
+
+
+def test_save_model_loads_with_from_pretrained():
+    rank0 = _reports("composed")[0]
+    assert rank0["values"]["dp2_sharding2_cp2.export_keys_match"]
+    assert rank0["max_abs"]["dp2_sharding2_cp2.export"] < TOLERANCE

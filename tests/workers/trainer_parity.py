@@ -11,7 +11,6 @@ with the world size hidden, so it runs as one card, and records the differences.
 import contextlib
 import os
 import sys
-import tempfile
 
 import numpy as np
 import paddle
@@ -27,23 +26,23 @@ COMMON = dict(max_steps=4, learning_rate=1e-2, adam_epsilon=1e-3, weight_decay=0
               dataloader_shuffle=True, use_cache=False, amp_master_grad=False)
 
 
-def dataset(packed):
+def dataset(packed, seq=SEQ):
     """Random tokens; a fifth of the labels ignored. `packed`: documents of 3-9 tokens back to back with
     restarting position_ids, PaddleFormers' causal attn_mask_startend_row_indices, each document's
     last label ignored."""
     rng = np.random.RandomState(11)
     samples = []
     for _ in range(SAMPLES):
-        ids = rng.randint(0, VOCAB, SEQ).astype("int64")
-        labels = rng.randint(0, VOCAB, SEQ).astype("int64")
-        labels[rng.rand(SEQ) < 0.2] = -100
+        ids = rng.randint(0, VOCAB, seq).astype("int64")
+        labels = rng.randint(0, VOCAB, seq).astype("int64")
+        labels[rng.rand(seq) < 0.2] = -100
         sample = {"input_ids": ids, "labels": labels}
         if packed:
             starts, start = [], 0
-            while start < SEQ:
+            while start < seq:
                 starts.append(start)
                 start += rng.randint(3, 10)
-            ends = starts[1:] + [SEQ]
+            ends = starts[1:] + [seq]
             positions = np.concatenate([np.arange(e - s) for s, e in zip(starts, ends)])
             row_end = np.concatenate([np.full(e - s, e) for s, e in zip(starts, ends)])
             labels[np.array(ends) - 1] = -100
@@ -60,13 +59,20 @@ def model_of(family, **overrides):
 
 
 class LoggedLosses:
-    def __init__(self):
+    """Collects every logged loss; with `stop_at`, ends training after that step (as if the job died
+    after its checkpoint), keeping the schedule of the full run."""
+
+    def __init__(self, stop_at=None):
         from paddleformers.trainer import TrainerCallback
 
         class Collect(TrainerCallback):
             def on_log(cb, args, state, control, logs=None, **kwargs):
                 if logs and "loss" in logs:
                     self.losses.append(logs["loss"])
+
+            def on_step_end(cb, args, state, control, **kwargs):
+                if stop_at is not None and state.global_step >= stop_at:
+                    control.should_training_stop = True
 
         self.losses, self.callback = [], Collect()
 
@@ -84,7 +90,7 @@ def one_card():
         dist.get_world_size, paddle.device.synchronize = real_world, real_sync
 
 
-def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=None, model=None):
+def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=None, stop_at=None):
     args = dict(COMMON, **run_spec.get("args", {}))
     if parallel:
         args.update(run_spec["parallel"])
@@ -93,9 +99,9 @@ def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=Non
     if args.get("save_steps"):
         args["save_strategy"] = "steps"
     training_args = args_cls(output_dir=output_dir, **args)
-    model = model or model_of(run_spec.get("family", "llama"), **run_spec.get("model", {}))
-    log = LoggedLosses()
-    trainer = trainer_cls(model=model, args=training_args, train_dataset=dataset(run_spec.get("packed", False)),
+    model = model_of(run_spec.get("family", "llama"), **run_spec.get("model", {}))
+    log = LoggedLosses(stop_at)
+    trainer = trainer_cls(model=model, args=training_args, train_dataset=dataset(run_spec.get("packed", False), run_spec.get("seq", SEQ)),
                           callbacks=[log.callback])
     trainer.train(resume_from_checkpoint=resume)
     return log.losses, trainer
@@ -106,14 +112,24 @@ def parallel_run(report, name, spec, root):
 
     directory = os.path.join(root, name)
     if "resume" in spec:  # first train up to the save on one mesh, then resume on this one
-        first = dict(spec, parallel=spec["resume"]["parallel"], args={**spec.get("args", {}), "save_steps": 2,
-                                                                        "max_steps": 2})
-        train_with(Trainer, TrainingArguments, first, directory, parallel=True)
+        first = dict(spec, parallel=spec["resume"]["parallel"], args={**spec.get("args", {}), "save_steps": 2})
+        train_with(Trainer, TrainingArguments, first, directory, parallel=True, stop_at=2)
         losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True,
                                      resume=os.path.join(directory, "checkpoint-2"))
     else:
         losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)
+    if spec.get("export"):
+        trainer.save_model(os.path.join(directory, "export"))
     return losses, pcp.full_state_dict(trainer.model)
+
+
+def exported_state(root, name):
+    """What from_pretrained loads from the parallel run's save_model()."""
+    from paddleformers.transformers import LlamaForCausalLM
+
+    with one_card():  # rank 0 alone, after the others finished: no collective loading
+        model = LlamaForCausalLM.from_pretrained(os.path.join(root, name, "export"))
+    return {k: v.numpy() for k, v in model.state_dict().items()}
 
 
 def reference_run(spec, root, name):
@@ -136,11 +152,29 @@ RUNS = {
         "dp2_cp2_packed_accum": dict(parallel=dict(CP2, per_device_train_batch_size=1), global_batch=2,
                                      packed=True, args=dict(gradient_accumulation_steps=2)),
     },
+    "composed": {
+        # sequence parallel needs the sdpa build (eager makes its causal mask from the split length) and
+        # a length that splits evenly over mp after the context-parallel split
+        "mp2_sp_cp2": dict(parallel=dict(CP2, tensor_model_parallel_size=2, sequence_parallel=True,
+                                         per_device_train_batch_size=2), global_batch=2,
+                           model=dict(_attn_implementation="sdpa"), seq=24),
+        "dp2_sharding2_cp2": dict(parallel=dict(CP2, sharding="stage2", sharding_parallel_size=2,
+                                                per_device_train_batch_size=2), global_batch=4, export=True),
+        "cp2_recompute_chunked_loss": dict(
+            parallel=dict(CP2, per_device_train_batch_size=2), global_batch=4,
+            args=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+            model=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                       use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=4)),
+        # saved at step 2 on ring 2 x Ulysses 2 (one replica), resumed on dp 2 x Ulysses 2
+        "resume_hybrid_to_dp2_ulysses2": dict(
+            resume=dict(parallel=dict(CP2, sep_parallel_size=2, per_device_train_batch_size=4)),
+            parallel=dict(sep_parallel_size=2, per_device_train_batch_size=2), global_batch=4),
+    },
 }
 
 
 def main(report):
-    root = tempfile.mkdtemp(prefix="pcp_trainer_")
+    root = os.path.join(os.environ["PCP_REPORT_DIR"], "trainer")  # one directory for all ranks: checkpoints are shared
     runs = RUNS[sys.argv[1]]
     results = {name: parallel_run(report, name, spec, root) for name, spec in runs.items()}
     if dist.get_rank() != 0:
@@ -148,11 +182,18 @@ def main(report):
     for name, spec in runs.items():
         losses, state = results[name]
         want_losses, want_state = reference_run(spec, root, name)
+        if "resume" in spec:  # the resumed run logs the steps after the checkpoint
+            want_losses = want_losses[2:]
         report.value(f"{name}.losses", [losses, want_losses])
         report.diff(f"{name}.loss", np.array(losses), np.array(want_losses))
         report.value(f"{name}.state_keys_match", sorted(state) == sorted(want_state))
         for key, value in want_state.items():
             report.diff(f"{name}.state", state.get(key, np.zeros([0])), value)
+        if spec.get("export"):
+            exported = exported_state(root, name)
+            report.value(f"{name}.export_keys_match", sorted(exported) == sorted(want_state))
+            for key, value in want_state.items():
+                report.diff(f"{name}.export", exported.get(key, np.zeros([0])), value)
 
 
 if __name__ == "__main__":
