@@ -44,3 +44,20 @@ def test_save_model_loads_with_from_pretrained():
     rank0 = _reports("composed")[0]
     assert rank0["values"]["dp2_sharding2_cp2.export_keys_match"]
     assert rank0["max_abs"]["dp2_sharding2_cp2.export"] < TOLERANCE
+
+
+@pytest.mark.parametrize("case, words", [
+    ("degrees_do_not_fit", ["context_parallel_size 3", "must divide the world size"]),
+    ("sharding_size", ["sharding_parallel_size 3", "set sharding_parallel_size to 2"]),
+    ("sequence_parallel_alone", ["tensor_model_parallel_size > 1"]),
+    ("config_and_flags", ["paddle_cp_config", "context_parallel_size"]),
+    ("uncovered_model", ["Linear", "self_attn", "paddle_cp_config"]),
+])
+def test_bad_configs_raise_the_same_error_on_every_rank(case, words):
+    reports = _reports("core")
+    errors = [report["errors"][case] for report in reports]
+    assert all(error == errors[0] for error in errors), errors
+    kind, message = errors[0]
+    assert kind == "ValueError", errors[0]
+    for word in words:
+        assert word in message, (word, message)

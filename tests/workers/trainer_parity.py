@@ -173,9 +173,28 @@ RUNS = {
 }
 
 
+def bad_configs(report, root):
+    """Each raises on every rank before any collective (the runs after it prove no rank was left waiting)."""
+    from paddle_cp.integrations.paddleformers import Trainer, TrainingArguments
+
+    def args(**flags):
+        return TrainingArguments(output_dir=os.path.join(root, "bad"), **dict(COMMON, **flags))
+
+    report.expect_error("degrees_do_not_fit", lambda: args(context_parallel_size=3))
+    report.expect_error("sharding_size", lambda: args(context_parallel_size=2, sharding="stage2",
+                                                      sharding_parallel_size=3))
+    report.expect_error("sequence_parallel_alone", lambda: args(sequence_parallel=True))
+    report.expect_error("config_and_flags", lambda: args(context_parallel_size=2, paddle_cp_config={
+        "mesh": {"shape": [4], "dim_names": ["sep"]}}))
+    report.expect_error("uncovered_model", lambda: Trainer(model=paddle.nn.Linear(4, 4),
+                                                           args=args(context_parallel_size=2)))
+
+
 def main(report):
     root = os.path.join(os.environ["PCP_REPORT_DIR"], "trainer")  # one directory for all ranks: checkpoints are shared
     runs = RUNS[sys.argv[1]]
+    if sys.argv[1] == "core":
+        bad_configs(report, root)
     results = {name: parallel_run(report, name, spec, root) for name, spec in runs.items()}
     if dist.get_rank() != 0:
         return
