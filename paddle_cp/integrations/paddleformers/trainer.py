@@ -29,6 +29,7 @@ from paddleformers.utils.env import PREFIX_CHECKPOINT_DIR, SCHEDULER_NAME, TRAIN
 import paddle_cp as pcp
 
 from .data import DataParallelBatchSampler
+from .loss import PipelineLoss, local_tokens
 from .plans import parallelize_config, prepare_plan
 from .training_args import TrainingArguments
 
@@ -63,6 +64,12 @@ class Trainer(PaddleFormersTrainer):
             self.paddle_cp_config = args.paddle_cp_plan_config or parallelize_config(
                 model, degrees, args.pipeline_schedule_mode, micro_batches=self._pipeline_micro_batches())
         self._prepare_plan = prepare_plan(self.paddle_cp_config or {})
+        self._pipeline_loss = None
+        pp_config = (self.paddle_cp_config or {}).get("pp_config")
+        if pp_config and "loss_fn" not in pp_config:
+            self._pipeline_loss = PipelineLoss(model, self._prepare_plan, pp_config.get("accumulate_steps", 1),
+                                               self._ignored_label())
+            self.paddle_cp_config = {**self.paddle_cp_config, "pp_config": {**pp_config, "loss_fn": self._pipeline_loss}}
         self._parallelized = False
 
     def _pipeline_micro_batches(self):
@@ -97,22 +104,21 @@ class Trainer(PaddleFormersTrainer):
                                         args.paddle_cp_degrees.dp, args.dataset_rank, args.dataloader_shuffle,
                                         args.dataloader_drop_last, args.seed)
 
-    def _local_tokens(self, labels):
-        """Tokens whose loss this rank computes: its sequence part of its samples' labels."""
-        if self._prepare_plan is not None:
-            labels = pcp.shard_sequence(labels, backend=self._prepare_plan)
-        ignored = getattr(getattr(self.model, "config", None), "ignored_index", IGNORED_LABEL)
-        return int((labels != ignored).astype("int64").sum())
+    def _ignored_label(self):
+        return getattr(getattr(self.model, "config", None), "ignored_index", IGNORED_LABEL)
 
     def compute_loss(self, model, inputs, return_outputs=False):
         degrees = self.args.paddle_cp_degrees
-        weigh = (self._parallelized and model.training and degrees.dp * degrees.sep > 1 and degrees.pp == 1
+        if self._pipeline_loss is not None and self._parallelized and model.training:
+            self._pipeline_loss.start_step(inputs["labels"])  # the schedule weighs each micro-batch's loss
+            return super().compute_loss(model, inputs, return_outputs=return_outputs)
+        weigh = (self._parallelized and model.training and degrees.dp * degrees.sep > 1
                  and inputs.get("labels") is not None)
-        local_tokens = self._local_tokens(inputs["labels"]) if weigh else None
+        tokens = local_tokens(inputs["labels"], self._prepare_plan, self._ignored_label()) if weigh else None
         result = super().compute_loss(model, inputs, return_outputs=return_outputs)
         if not weigh:
             return result
-        weight = pcp.loss_weight(local_tokens)
+        weight = pcp.loss_weight(tokens)
         if return_outputs:
             return result[0] * weight, result[1]
         return result * weight
