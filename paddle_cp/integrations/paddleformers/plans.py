@@ -6,8 +6,9 @@ PaddleFormers' decoder models (Llama, Qwen, Gemma3, gpt-oss, DeepSeek-V3, Phi3,
 `model.layers.<i>.mlp` with `gate_proj/up_proj` (or a fused `gate_up_proj` /
 `up_gate_proj`) and `down_proj`, `model.norm`, `model.rotary_emb`, `lm_head`.
 A layer the plan does not name stays whole on every rank (correct, only not
-split): MLA attention (DeepSeek-V3) and fused MoE experts (gpt-oss) keep their
-weights under tensor parallel.
+split): MLA attention (DeepSeek-V3) and MoE routed experts (DeepSeek-V3's
+`experts.<i>`, gpt-oss's fused experts) keep their weights under tensor parallel;
+shared experts are split like any MLP.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import re
 import paddle_cp as pcp
 
 ATTENTION = re.compile(r"(?P<stack>.+)\.\d+\.self_attn")
+# routed experts run on the tokens routed to them: left whole (no collective inside a data-dependent branch)
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
 # projection leaf -> (plan, the row-parallel sibling it feeds)
 COLUMN_PROJECTIONS = {"q_proj": "o_proj", "k_proj": "o_proj", "v_proj": "o_proj", "qkv_proj": "o_proj",
                       "gate_proj": "down_proj", "up_proj": "down_proj", "gate_up_proj": "down_proj",
@@ -56,7 +59,7 @@ def tensor_parallel_plan(model, sequence_parallel):
     for name in sorted(names):
         parent, _, leaf = name.rpartition(".")
         row = COLUMN_PROJECTIONS.get(leaf)
-        if row and f"{parent}.{row}" in names and name.startswith(stack + "."):
+        if row and f"{parent}.{row}" in names and name.startswith(stack + ".") and not ROUTED_EXPERT.search(name):
             plan[_pattern(name)] = pcp.ColWiseParallel()
             plan[_pattern(f"{parent}.{row}")] = pcp.RowWiseParallel()
     if not plan:

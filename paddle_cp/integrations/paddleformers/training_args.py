@@ -35,6 +35,29 @@ FLEET_FLAGS = {
     "sequence_parallel": False,
 }
 
+# flags whose PaddleFormers implementation needs fleet or its own checkpoint formats: refused with the reason
+UNSUPPORTED = {
+    "bf16": "mixed precision is not wired into paddle_cp's Trainer yet (and CPUs have no bf16 matmul): train in fp32",
+    "fp16": "mixed precision is not wired into paddle_cp's Trainer yet: train in fp32",
+    "enable_auto_parallel": "PaddleFormers' own auto-parallel path (DistTensors); paddle_cp replaces it",
+    "use_expert_parallel": "expert parallelism is not implemented by paddle_cp (experts stay whole on every rank)",
+    "expert_model_parallel_size": "expert parallelism is not implemented by paddle_cp",
+    "distributed_dataloader": "fleet's DistDataLoader needs its hybrid groups; every rank reads its own samples here",
+    "load_best_model_at_end": "it reloads with PaddleFormers' checkpoint formats; load the best paddle_cp "
+                              "checkpoint with paddle_cp.load_checkpoint instead",
+    "enable_zero_cost_checkpoint": "a fleet checkpoint path; paddle_cp writes its own checkpoints",
+    "save_sharded_model": "a fleet checkpoint format; paddle_cp writes its own checkpoints",
+    "load_sharded_model": "a fleet checkpoint format; paddle_cp reads its own checkpoints",
+    "to_static": "static graphs are not supported: paddle_cp's plans are dygraph hooks",
+}
+
+
+def _refuse_unsupported(args):
+    for name, reason in UNSUPPORTED.items():
+        value = getattr(args, name, None)
+        if value is True or (type(value) is int and value > 1):
+            raise ValueError(f"{name}={value!r} is not supported by paddle_cp's Trainer: {reason}")
+
 
 @dataclass
 class TrainingArguments(PaddleFormersTrainingArguments):
@@ -61,6 +84,7 @@ class TrainingArguments(PaddleFormersTrainingArguments):
         for name, neutral in FLEET_FLAGS.items():
             setattr(self, name, neutral)
         if self.paddle_cp_degrees.parallel:
+            _refuse_unsupported(self)
             # paddle_cp writes and reads its own checkpoints; PaddleFormers' formats would start fleet
             self.save_checkpoint_format = self.load_checkpoint_format = None
             self.unified_checkpoint = False
