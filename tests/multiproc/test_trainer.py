@@ -27,7 +27,8 @@ def check_parity(reports, run):
         assert rank0["max_abs"][name] < TOLERANCE, (name, rank0["max_abs"][name], losses, want)
 
 
-@pytest.mark.parametrize("run", ["dp2_cp2", "dp2_ulysses2", "hybrid_ring2_ulysses2", "dp2_cp2_packed_accum"])
+@pytest.mark.parametrize("run", ["dp2_cp2", "dp2_ulysses2", "hybrid_ring2_ulysses2", "dp2_cp2_packed_accum",
+                                 "dp2_mp2_sharding3"])
 def test_context_parallel_trainer_matches_one_card(run):
     check_parity(_reports("core"), run)
 
@@ -53,6 +54,7 @@ def test_save_model_loads_with_from_pretrained():
     ("sequence_parallel_alone", ["tensor_model_parallel_size > 1"]),
     ("config_and_flags", ["paddle_cp_config", "context_parallel_size"]),
     ("uncovered_model", ["Linear", "self_attn", "paddle_cp_config"]),
+    ("stage3_accumulation", ["stage3", "gradient_accumulation_steps", "stage2"]),
 ])
 def test_bad_configs_raise_the_same_error_on_every_rank(case, words):
     reports = _reports("core")

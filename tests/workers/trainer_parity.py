@@ -114,8 +114,7 @@ def parallel_run(report, name, spec, root):
     if "resume" in spec:  # first train up to the save on one mesh, then resume on this one
         first = dict(spec, parallel=spec["resume"]["parallel"], args={**spec.get("args", {}), "save_steps": 2})
         train_with(Trainer, TrainingArguments, first, directory, parallel=True, stop_at=2)
-        losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True,
-                                     resume=os.path.join(directory, "checkpoint-2"))
+        losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True, resume=True)
     else:
         losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)
     if spec.get("export"):
@@ -151,6 +150,9 @@ RUNS = {
                                       global_batch=4),
         "dp2_cp2_packed_accum": dict(parallel=dict(CP2, per_device_train_batch_size=1), global_batch=2,
                                      packed=True, args=dict(gradient_accumulation_steps=2)),
+        # tensor parallel alone (default eager attention) with sharding stage 3
+        "dp2_mp2_sharding3": dict(parallel=dict(tensor_model_parallel_size=2, sharding="stage3",
+                                                per_device_train_batch_size=1), global_batch=2),
     },
     "composed": {
         # sequence parallel needs the sdpa build (eager makes its causal mask from the split length) and
@@ -189,6 +191,7 @@ def bad_configs(report, root):
     report.expect_error("sequence_parallel_alone", lambda: args(sequence_parallel=True))
     report.expect_error("config_and_flags", lambda: args(context_parallel_size=2, paddle_cp_config={
         "mesh": {"shape": [4], "dim_names": ["sep"]}}))
+    report.expect_error("stage3_accumulation", lambda: args(sharding="stage3", gradient_accumulation_steps=2))
     report.expect_error("uncovered_model", lambda: Trainer(model=paddle.nn.Linear(4, 4),
                                                            args=args(context_parallel_size=2)))
 
