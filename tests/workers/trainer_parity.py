@@ -150,6 +150,12 @@ RUNS = {
                                       global_batch=4),
         "dp2_cp2_packed_accum": dict(parallel=dict(CP2, per_device_train_batch_size=1), global_batch=2,
                                      packed=True, args=dict(gradient_accumulation_steps=2)),
+        # the user's own mesh and plans (what a paddle_cp YAML file holds) instead of the flags
+        "user_config_dp2_ulysses2": dict(parallel=dict(per_device_train_batch_size=2, paddle_cp_config={
+            "mesh": {"shape": [2, 2], "dim_names": ["dp", "sep"]},
+            "cp_config": {"parallelize_plan": {"": {"PrepareContextParallel": {"backend": "all2all"}},
+                                               "model.layers.*.self_attn": {"ContextParallel": {"backend": "all2all"}}}},
+        }), global_batch=4),
         # tensor parallel alone (default eager attention) with sharding stage 3
         "dp2_mp2_sharding3": dict(parallel=dict(tensor_model_parallel_size=2, sharding="stage3",
                                                 per_device_train_batch_size=1), global_batch=2),

@@ -13,7 +13,7 @@ build fleet's parallel layers. paddle_cp splits the one-card model instead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import numpy as np
@@ -73,7 +73,8 @@ class TrainingArguments(PaddleFormersTrainingArguments):
         # everything here is arithmetic on the arguments: a bad combination raises on every rank alike
         flags = {name: getattr(self, name) for name in FLEET_FLAGS}
         if self.paddle_cp_config is not None:
-            given = sorted(name for name, neutral in FLEET_FLAGS.items() if flags[name] not in (neutral, 0, 1, None))
+            defaults = {f.name: f.default for f in fields(self)}
+            given = sorted(name for name in FLEET_FLAGS if flags[name] != defaults[name])
             if given:
                 raise ValueError(f"paddle_cp_config brings its own mesh and plans: drop the parallel flags {given}")
             self.paddle_cp_mesh, self.paddle_cp_plan_config = pcp.load_config(self.paddle_cp_config)
