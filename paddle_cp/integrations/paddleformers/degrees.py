@@ -104,9 +104,9 @@ def degrees_from_flags(world, *, context_parallel_size=-1, sep_parallel_size=-1,
                            sequence_parallel=bool(sequence_parallel))
 
 
-def degrees_from_mesh(mesh, sequence_parallel=False):
-    """ParallelDegrees read off a user's mesh (a paddle_cp config brings its own)."""
+def degrees_from_mesh(mesh, sharding_level=0):
+    """ParallelDegrees read off a user's mesh (a paddle_cp config brings its own mesh and plans)."""
     size = {name: mesh.shape[i] for i, name in enumerate(mesh.dim_names)}
     sep = size.get("sep", size.get("cp", 1))
     return ParallelDegrees(world=int(np.prod(mesh.shape)), dp=size.get("dp", 1), pp=size.get("pp", 1),
-                           mp=size.get("mp", 1), ring=sep, sequence_parallel=sequence_parallel)
+                           mp=size.get("mp", 1), ring=sep, sharding_level=int(sharding_level))

@@ -61,8 +61,10 @@ class Trainer(PaddleFormersTrainer):
         self.paddle_cp_config = None
         if degrees.parallel:
             # derived (and checked) here, on every rank alike, before any collective
-            self.paddle_cp_config = args.paddle_cp_plan_config or parallelize_config(
-                model, degrees, args.pipeline_schedule_mode, micro_batches=self._pipeline_micro_batches())
+            self.paddle_cp_config = args.paddle_cp_plan_config
+            if self.paddle_cp_config is None:
+                self.paddle_cp_config = parallelize_config(model, degrees, args.pipeline_schedule_mode,
+                                                           micro_batches=self._pipeline_micro_batches())
         self._prepare_plan = prepare_plan(self.paddle_cp_config or {})
         self._pipeline_loss = None
         pp_config = (self.paddle_cp_config or {}).get("pp_config")

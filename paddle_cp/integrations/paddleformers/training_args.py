@@ -78,7 +78,8 @@ class TrainingArguments(PaddleFormersTrainingArguments):
             if given:
                 raise ValueError(f"paddle_cp_config brings its own mesh and plans: drop the parallel flags {given}")
             self.paddle_cp_mesh, self.paddle_cp_plan_config = pcp.load_config(self.paddle_cp_config)
-            self.paddle_cp_degrees = degrees_from_mesh(self.paddle_cp_mesh)
+            level = (self.paddle_cp_plan_config.get("dp_config") or {}).get("sharding_level", 0)
+            self.paddle_cp_degrees = degrees_from_mesh(self.paddle_cp_mesh, level)
         else:
             self.paddle_cp_degrees = degrees_from_flags(dist.get_world_size(), **flags)
             self.paddle_cp_mesh, self.paddle_cp_plan_config = self.paddle_cp_degrees.mesh(), None
