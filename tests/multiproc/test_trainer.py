@@ -28,12 +28,13 @@ def check_parity(reports, run):
 
 
 @pytest.mark.parametrize("run", ["dp2_cp2", "dp2_ulysses2", "hybrid_ring2_ulysses2", "dp2_cp2_packed_accum",
-                                 "dp2_mp2_sharding3", "user_config_dp2_ulysses2"])
+                                 "dp2_mp2_sharding3", "user_config_dp2_ulysses2", "phi3_dp2_mp2"])
 def test_context_parallel_trainer_matches_one_card(run):
     check_parity(_reports("core"), run)
 
 
 @pytest.mark.parametrize("run", ["mp2_sp_cp2", "dp2_sharding2_cp2", "cp2_recompute_chunked_loss", "pp2_cp2",
+                                 "gemma3_dp2_cp2",
                                  "resume_hybrid_to_dp2_ulysses2"])
 def test_composed_trainer_matches_one_card(run):
     """tensor + sequence + context parallel; dp x sharding stage 2 x ring; PaddleFormers' recompute

@@ -156,6 +156,9 @@ RUNS = {
             "cp_config": {"parallelize_plan": {"": {"PrepareContextParallel": {"backend": "all2all"}},
                                                "model.layers.*.self_attn": {"ContextParallel": {"backend": "all2all"}}}},
         }), global_batch=4),
+        # fused qkv_proj / gate_up_proj split per part
+        "phi3_dp2_mp2": dict(family="phi3", global_batch=4,
+                             parallel=dict(tensor_model_parallel_size=2, per_device_train_batch_size=2)),
         # tensor parallel alone (default eager attention) with sharding stage 3
         "dp2_mp2_sharding3": dict(parallel=dict(tensor_model_parallel_size=2, sharding="stage3",
                                                 per_device_train_batch_size=1), global_batch=2),
@@ -173,6 +176,9 @@ RUNS = {
             args=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
             model=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
                        use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=4)),
+        # sliding-window and full layers, query_pre_attn_scalar, fused qkv and up_gate projections
+        "gemma3_dp2_cp2": dict(family="gemma3", parallel=dict(CP2, per_device_train_batch_size=2),
+                                  global_batch=4),
         # two stages split at the decoder layers, ring attention inside each; micro-batches of one sample
         "pp2_cp2": dict(parallel=dict(CP2, pipeline_model_parallel_size=2, per_device_train_batch_size=2),
                         global_batch=2),
