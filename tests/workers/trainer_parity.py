@@ -21,7 +21,7 @@ from report import run
 import paddle_cp as pcp
 
 SAMPLES, SEQ, VOCAB = 16, 22, 128
-COMMON = dict(max_steps=4, learning_rate=1e-2, adam_epsilon=1e-3, weight_decay=0.1, max_grad_norm=1.0,
+COMMON = dict(max_steps=3, learning_rate=1e-2, adam_epsilon=1e-3, weight_decay=0.1, max_grad_norm=1.0,
               logging_steps=1, seed=42, save_strategy="no", report_to="none", disable_tqdm=True,
               dataloader_shuffle=True, use_cache=False, amp_master_grad=False)
 
