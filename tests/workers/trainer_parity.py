@@ -94,16 +94,19 @@ def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=Non
     args = dict(COMMON, **run_spec.get("args", {}))
     if parallel:
         args.update(run_spec["parallel"])
+        args["per_device_eval_batch_size"] = args["per_device_train_batch_size"]
     else:
-        args["per_device_train_batch_size"] = run_spec["global_batch"]
+        args["per_device_train_batch_size"] = args["per_device_eval_batch_size"] = run_spec["global_batch"]
     if args.get("save_steps"):
         args["save_strategy"] = "steps"
     training_args = args_cls(output_dir=output_dir, **args)
     model = model_of(run_spec.get("family", "llama"), **run_spec.get("model", {}))
     log = LoggedLosses(stop_at)
-    trainer = trainer_cls(model=model, args=training_args, train_dataset=dataset(run_spec.get("packed", False), run_spec.get("seq", SEQ)),
-                          callbacks=[log.callback])
+    data = dataset(run_spec.get("packed", False), run_spec.get("seq", SEQ))
+    trainer = trainer_cls(model=model, args=training_args, train_dataset=data, callbacks=[log.callback])
     trainer.train(resume_from_checkpoint=resume)
+    if run_spec.get("evaluate"):
+        log.losses.append(trainer.evaluate(eval_dataset=data[:8])["eval_loss"])  # compared like a logged loss
     return log.losses, trainer
 
 
@@ -144,7 +147,7 @@ CP2 = dict(context_parallel_size=2)
 RUNS = {
     "core": {
         # 4 ranks = dp2 x sep2 (ring) unless the flags fill them otherwise
-        "dp2_cp2": dict(parallel=dict(CP2, per_device_train_batch_size=2), global_batch=4),
+        "dp2_cp2": dict(parallel=dict(CP2, per_device_train_batch_size=2), global_batch=4, evaluate=True),
         "dp2_ulysses2": dict(parallel=dict(sep_parallel_size=2, per_device_train_batch_size=2), global_batch=4),
         "hybrid_ring2_ulysses2": dict(parallel=dict(CP2, sep_parallel_size=2, per_device_train_batch_size=4),
                                       global_batch=4),
