@@ -34,12 +34,12 @@ def test_context_parallel_trainer_matches_one_card(run):
     check_parity(_reports("core"), run)
 
 
-@pytest.mark.parametrize("run", ["mp2_sp_cp2", "dp2_sharding2_cp2", "cp2_recompute_chunked_loss", "pp2_cp2",
+@pytest.mark.parametrize("run", ["mp2_sp_cp2", "dp2_sharding2_cp2", "cp2_recompute_chunked_loss", "pp2_cp2_accum",
                                  "gemma3_dp2_cp2",
                                  "resume_hybrid_to_dp2_ulysses2"])
 def test_composed_trainer_matches_one_card(run):
     """tensor + sequence + context parallel; dp x sharding stage 2 x ring; PaddleFormers' recompute
-    and chunked loss under ring; two pipeline stages with ring inside; saved on ring x Ulysses,
+    and chunked loss under ring; two pipeline stages with ring inside and gradient accumulation; saved on ring x Ulysses,
     resumed on dp x Ulysses."""
     check_parity(_reports("composed"), run)
 

@@ -183,8 +183,8 @@ RUNS = {
         "gemma3_dp2_cp2": dict(family="gemma3", parallel=dict(CP2, per_device_train_batch_size=2),
                                   global_batch=4),
         # two stages split at the decoder layers, ring attention inside each; micro-batches of one sample
-        "pp2_cp2": dict(parallel=dict(CP2, pipeline_model_parallel_size=2, per_device_train_batch_size=2),
-                        global_batch=2),
+        "pp2_cp2_accum": dict(parallel=dict(CP2, pipeline_model_parallel_size=2, per_device_train_batch_size=2),
+                              global_batch=2, args=dict(gradient_accumulation_steps=2)),
         # saved at step 2 on ring 2 x Ulysses 2 (one replica), resumed on dp 2 x Ulysses 2
         "resume_hybrid_to_dp2_ulysses2": dict(
             resume=dict(parallel=dict(CP2, sep_parallel_size=2, per_device_train_batch_size=4)),
