@@ -39,8 +39,8 @@ def test_context_parallel_trainer_matches_one_card(run):
                                  "resume_hybrid_to_dp2_ulysses2"])
 def test_composed_trainer_matches_one_card(run):
     """tensor + sequence + context parallel; dp x sharding stage 2 x ring; PaddleFormers' recompute
-    and chunked loss under ring; two pipeline stages with ring inside and gradient accumulation; saved on ring x Ulysses,
-    resumed on dp x Ulysses."""
+    and chunked loss under ring; Gemma3 under dp x ring; two pipeline stages with ring inside and gradient
+    accumulation; saved on ring x Ulysses, resumed on dp x Ulysses."""
     check_parity(_reports("composed"), run)
 
 

@@ -156,8 +156,9 @@ RUNS = {
         # the user's own mesh and plans (what a paddle_cp YAML file holds) instead of the flags
         "user_config_dp2_ulysses2": dict(parallel=dict(per_device_train_batch_size=2, paddle_cp_config={
             "mesh": {"shape": [2, 2], "dim_names": ["dp", "sep"]},
-            "cp_config": {"parallelize_plan": {"": {"PrepareContextParallel": {"backend": "all2all"}},
-                                               "model.layers.*.self_attn": {"ContextParallel": {"backend": "all2all"}}}},
+            "cp_config": {"parallelize_plan": {
+                "": {"PrepareContextParallel": {"backend": "all2all"}},
+                "model.layers.*.self_attn": {"ContextParallel": {"backend": "all2all"}}}},
         }), global_batch=4),
         # fused qkv_proj / gate_up_proj split per part
         "phi3_dp2_mp2": dict(family="phi3", global_batch=4,

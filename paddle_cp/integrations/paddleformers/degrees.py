@@ -83,9 +83,10 @@ def degrees_from_flags(world, *, context_parallel_size=-1, sep_parallel_size=-1,
     model_ranks = pp * mp * ring * ulysses
     if world % model_ranks:
         raise ValueError(
-            f"parallel degrees do not fit {world} ranks: pipeline_model_parallel_size {pp} x tensor_model_parallel_size "
-            f"{mp} x context_parallel_size {ring} x sep_parallel_size {ulysses} = {model_ranks} must divide the world "
-            f"size (the ranks left over are data parallel); change the sizes or launch a multiple of {model_ranks} ranks")
+            f"parallel degrees do not fit {world} ranks: pipeline_model_parallel_size {pp} x "
+            f"tensor_model_parallel_size {mp} x context_parallel_size {ring} x sep_parallel_size {ulysses} = "
+            f"{model_ranks} must divide the world size (the ranks left over are data parallel); change the sizes "
+            f"or launch a multiple of {model_ranks} ranks")
     dp = world // model_ranks
     if sequence_parallel and mp == 1:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1 (it splits the sequence over the "

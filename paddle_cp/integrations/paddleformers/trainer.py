@@ -71,7 +71,8 @@ class Trainer(PaddleFormersTrainer):
         if pp_config and "loss_fn" not in pp_config:
             self._pipeline_loss = PipelineLoss(model, self._prepare_plan, pp_config.get("accumulate_steps", 1),
                                                self._ignored_label())
-            self.paddle_cp_config = {**self.paddle_cp_config, "pp_config": {**pp_config, "loss_fn": self._pipeline_loss}}
+            pp_config = {**pp_config, "loss_fn": self._pipeline_loss}
+            self.paddle_cp_config = {**self.paddle_cp_config, "pp_config": pp_config}
         self._parallelized = False
 
     def _pipeline_micro_batches(self):

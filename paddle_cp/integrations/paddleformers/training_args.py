@@ -90,8 +90,9 @@ class TrainingArguments(PaddleFormersTrainingArguments):
             if self.paddle_cp_degrees.sharding_level == 3 and self.gradient_accumulation_steps > 1:
                 # PaddleFormers averages accumulated gradients by scaling p.grad; at level 3 the gradients of
                 # parameters another dp rank owns wait in paddle_cp's sharding buffer instead, unscaled
-                raise ValueError("sharding stage3 with gradient_accumulation_steps > 1 is not supported by paddle_cp's "
-                                 "Trainer yet: use --sharding stage2, or a larger per-device batch without accumulation")
+                raise ValueError("sharding stage3 with gradient_accumulation_steps > 1 is not supported by "
+                                 "paddle_cp's Trainer yet: use --sharding stage2, or a larger per-device batch "
+                                 "without accumulation")
             # paddle_cp writes and reads its own checkpoints; PaddleFormers' formats would start fleet
             self.save_checkpoint_format = self.load_checkpoint_format = None
             self.unified_checkpoint = False
