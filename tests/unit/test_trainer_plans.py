@@ -88,3 +88,15 @@ def test_paddle_cp_never_imports_paddleformers():
     code = "import sys, paddle_cp; print('paddleformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("flag, value", [("bf16", True), ("enable_auto_parallel", True),
+                                         ("expert_model_parallel_size", 2), ("load_best_model_at_end", True)])
+def test_fleet_only_flags_are_refused_with_the_reason(flag, value):
+    from types import SimpleNamespace
+
+    from paddle_cp.integrations.paddleformers.training_args import UNSUPPORTED, _refuse_unsupported
+
+    _refuse_unsupported(SimpleNamespace(**{name: None for name in UNSUPPORTED}))  # defaults pass
+    with pytest.raises(ValueError, match=f"{flag}={value!r} is not supported"):
+        _refuse_unsupported(SimpleNamespace(**{**{name: None for name in UNSUPPORTED}, flag: value}))
