@@ -116,6 +116,9 @@ class Sharding:
             if names:
                 fetch_around(layer, names, self)
 
+    def clear_stash(self):
+        self._stash.clear()
+
     def stash(self, param, grad):
         key = id(param)
         self._stash[key] = grad if key not in self._stash else self._stash[key] + grad
