@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import paddle
+from paddle.amp.auto_cast import amp_global_state
 
 from ..comm import collectives
 from ..mesh import MeshGroup
@@ -28,6 +29,16 @@ def _coalesced(tensors):
     return by_dtype.values()
 
 
+def gradient_dtype(param):
+    """The dtype of `param`'s reduced gradient, the same on every rank: float32 for a float16/bfloat16
+    parameter under `paddle.amp.decorate(master_grad=True)` (Paddle casts those gradients at the end of
+    backward), else the parameter's. A gradient made or stashed here (a branch this rank did not take,
+    a level-3 non-owner's) gets it too, so every rank fills buffers of the same dtypes and sizes."""
+    if param.dtype in (paddle.float16, paddle.bfloat16) and amp_global_state().use_master_grad:
+        return paddle.float32
+    return param.dtype
+
+
 def _agree_on_gradients(parameters, mesh_group):
     """Give a zero gradient to every parameter that has one on some rank of the group but not here
     (a branch only some ranks took), so all ranks reduce buffers of one size, as one card would."""
@@ -35,7 +46,7 @@ def _agree_on_gradients(parameters, mesh_group):
     collectives.all_reduce(mesh_group, present, tag="grad_presence")
     for param, count in zip(parameters, present.numpy().tolist()):
         if count and param.grad is None:
-            param._set_grad_ivar(paddle.zeros(param.shape, param.dtype))
+            param._set_grad_ivar(paddle.zeros(param.shape, gradient_dtype(param)))
 
 
 def _reduce_gradients(parameters, mesh_group, tag, average):

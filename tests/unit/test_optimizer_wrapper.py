@@ -99,3 +99,21 @@ def test_master_weights_round_trip_through_a_checkpoint(tmp_path):
     plain = paddle.optimizer.AdamW(parameters=plain_layer.parameters())
     with pytest.raises(ValueError, match="keys only in the checkpoint"):
         pcp.load_checkpoint(str(tmp_path / "c"), plain_layer, plain)
+
+
+def test_gradients_are_reduced_in_one_dtype_on_every_rank_under_master_grad():
+    """decorate(master_grad=True) makes Paddle cast float16/bfloat16 gradients to float32 at the end of
+    backward; zeros made for a missing gradient and level-3 stashed gradients must match that dtype, or
+    ranks would reduce buffers of different dtypes and sizes."""
+    from paddle.amp.auto_cast import amp_global_state
+
+    from paddle_cp.data_parallel.optimizer import gradient_dtype
+
+    low = paddle.zeros([2], "float16")
+    assert gradient_dtype(low) == paddle.float16 and gradient_dtype(paddle.zeros([2])) == paddle.float32
+    amp_global_state().use_master_grad = True
+    try:
+        assert gradient_dtype(low) == paddle.float32
+        assert gradient_dtype(paddle.zeros([2], "bfloat16")) == paddle.float32
+    finally:
+        amp_global_state().use_master_grad = False
