@@ -11,7 +11,9 @@ The scaler run drives Paddle's GradScaler (enabled on CPU by construction, `cpu_
 through `pcp.shard_scaler`, then injects an inf on one rank.
 """
 import copy
+import os
 import sys
+import zlib
 from unittest import mock
 
 import numpy as np
@@ -297,6 +299,61 @@ def scaled(report, name, dims, level):
     optimizer.clear_grad()
 
 
+def master_weight_checkpoint(report, name, dims, level):
+    """Checkpoints carry fp32 master weights: the model cast as decorate(level="O2", dtype="float16") casts
+    it on GPU (Paddle's amp_initialize), an AdamW with multi_precision, its state created as its first step
+    creates it (no CPU kernel steps float16 AdamW) and filled with known single-card values; saved, then
+    loaded into a freshly built, parallelized and cast model and optimizer: every rank's master weights and
+    moments are its slices of the known values; the files hold `{param}.w_0` in float32 at the full shape."""
+    from paddle.amp.auto_cast import amp_initialize
+
+    from paddle_cp.checkpoint import layout
+    from paddle_cp.checkpoint.format import global_specs, read_metadata
+    from paddle_cp.params import find_record
+
+    def build_cast():
+        _, model, optimizer, _, _ = parallel(dims, level, WELL_CONDITIONED_EPSILON, sep=False)
+        amp_initialize(models=[model], dtype="float16", excluded_layers=None)
+        optimizer._multi_precision = True  # what decorate's _set_multi_precision does, through the wrapper
+        return model, optimizer
+
+    def known(key, name, param):
+        shape = [1] if name in layout.SCALAR_ACCUMULATORS else list(layout.global_shape(param))
+        full = np.random.RandomState(zlib.crc32(f"{key}.{name}".encode())).rand(*shape).astype("float32") + 1e-4
+        record = find_record(param)
+        scalar_or_whole = name in layout.SCALAR_ACCUMULATORS or record is None or record.tp_axis is None
+        return full if scalar_or_whole else record.local(full)
+
+    def states(model, optimizer):
+        return [(key, name, param) for key, param in model.named_parameters() if layout.steps_here(param)
+                for name in layout.state_names(optimizer, param)]
+
+    model, optimizer = build_cast()
+    mine = [p for _, p in model.named_parameters() if layout.steps_here(p) and not p.stop_gradient]
+    optimizer.inner._create_accumulators(paddle.static.default_main_program().global_block(), mine)
+    for key, state, param in states(model, optimizer):
+        if layout.state_tensor(optimizer, param, state) is not None:
+            layout.state_tensor(optimizer, param, state).set_value(known(key, state, param))
+    path = os.path.join(os.environ["PCP_REPORT_DIR"], name)
+    pcp.save_checkpoint(path, model, optimizer)
+
+    fresh_model, fresh = build_cast()
+    pcp.load_checkpoint(path, fresh_model, fresh)
+    masters = 0
+    for key, state, param in states(fresh_model, fresh):
+        tensor = layout.state_tensor(fresh, param, state)
+        if param.stop_gradient:
+            report.value(f"{name}.frozen_state_{key}.{state}", tensor is not None)
+            continue
+        masters += state == layout.MASTER_WEIGHT
+        report.diff(f"{name}.state", tensor.numpy(), known(key, state, param))
+    report.value(f"{name}.master_weights_here", masters)
+    specs = global_specs(read_metadata(os.path.join(path, "optimizer_state")))
+    report.value(f"{name}.saved_master_weights", sorted(
+        (k, list(shape), dtype) for k, (shape, dtype) in specs.items() if k.endswith(".w_0")))
+    report.value(f"{name}.model_dtypes", sorted({layout.dtype_name(p.dtype) for p in fresh_model.parameters()}))
+
+
 DP2_MP2 = [("dp", 2), ("mp", 2)]
 RUNS = {
     "groups": [
@@ -306,6 +363,7 @@ RUNS = {
         lambda r: train(r, "sep2xdp2", [("dp", 2), ("sep", 2)], sep=True),
         lambda r: train(r, "dp2xmp2_default_eps", DP2_MP2, epsilon=DEFAULT_EPSILON),
         lambda r: scaled(r, "scaler_dp2xmp2_l2", DP2_MP2, level=2),
+        lambda r: master_weight_checkpoint(r, "master_weights_dp2xmp2_l2", DP2_MP2, level=2),
     ],
 }
 
