@@ -22,7 +22,7 @@ import paddle.amp.grad_scaler as grad_scaler
 import paddle.distributed as dist
 from report import run
 from tensor_parallel import CP_PLAN, DEFAULT_EPSILON, JITTER_SEEDS, WELL_CONDITIONED_EPSILON, _jitter, full_gradients
-from tensor_parallel import llama, paddle_plan
+from tensor_parallel import paddle_plan
 
 import paddle_cp as pcp
 from paddle_cp.comm import collectives
@@ -32,6 +32,14 @@ CLIPS = (0.05, 0.02)  # below the groups' gradient norms: both clips bind
 FROZEN = "model.layers.0.mlp.up_proj.weight"
 INF_PARAM = "model.layers.0.self_attn.q_proj.weight"  # split over mp: only some ranks hold the inf
 REDUCTION_TAGS = ("grad_all_reduce", "grad_reduce_scatter")
+
+
+def llama():
+    """A tiny PaddleFormers Llama with the config's defaults (eager attention), but the fused norm
+    (no CPU kernel)."""
+    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, fuse_rms_norm=False))
 
 
 def build(epsilon):
