@@ -227,8 +227,15 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
                     paddle.assign(p.grad * scale.astype(p.grad.dtype), p.grad)
 
     def minimize(self, loss, startup_program=None, parameters=None, no_grad_set=None):
-        loss.backward()
+        """Paddle's dygraph `minimize`: the caller has run `loss.backward()` already; step on its gradients.
+        Returns (None, [(param, grad)]) as Paddle does (no ops in dygraph)."""
+        if parameters is not None or no_grad_set is not None:
+            raise ValueError("minimize(parameters=, no_grad_set=) is not supported by the optimizer parallelize "
+                             "returns: give the parameters to the optimizer when you build it (frozen ones with "
+                             "stop_gradient=True)")
+        params_grads = [(p, p.grad) for p in self._params if p.grad is not None]
         self.step()
+        return None, params_grads
 
 
 _OWN_ATTRIBUTES = frozenset(vars(ParallelOptimizer)) | {

@@ -117,3 +117,25 @@ def test_gradients_are_reduced_in_one_dtype_on_every_rank_under_master_grad():
         assert gradient_dtype(paddle.zeros([2], "bfloat16")) == paddle.float32
     finally:
         amp_global_state().use_master_grad = False
+
+
+def test_minimize_steps_on_the_gradients_backward_made_as_paddle_does():
+    """Paddle's dygraph usage is `loss.backward(); optimizer.minimize(loss)`: one backward, one step."""
+    def trained(wrap):
+        paddle.seed(5)
+        layer = paddle.nn.Linear(3, 2)
+        optimizer = paddle.optimizer.AdamW(parameters=layer.parameters(), learning_rate=0.1)
+        if wrap:
+            layer, optimizer = pcp.parallelize(layer, optimizer, mesh=dist.ProcessMesh([0], dim_names=["dp"]),
+                                               config={"dp_config": {"sharding_level": 0}})
+            assert isinstance(optimizer, ParallelOptimizer)
+        loss = (layer(paddle.ones([2, 3])) ** 2).sum()
+        loss.backward()
+        optimizer.minimize(loss)
+        return layer.weight.numpy(), optimizer
+
+    want, _ = trained(wrap=False)
+    got, optimizer = trained(wrap=True)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="give the parameters to the optimizer"):
+        optimizer.minimize(None, parameters=[])
