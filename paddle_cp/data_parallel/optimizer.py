@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import paddle
 from paddle.amp.auto_cast import amp_global_state
 
+from .. import runtime
 from ..comm import collectives
 from ..mesh import MeshGroup
 from ..params import record_of
@@ -150,6 +151,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         if self._sharding is not None:
             self._sharding.clear_stash()
         self._reduced = False
+        runtime.state.pipeline_loss_scale = None
         self._inner.clear_grad(set_to_zero)
 
     def reduce_gradients(self):
@@ -160,6 +162,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         if self._reduced:
             return
         groups, sharding = self._groups, self._sharding
+        self._apply_pipeline_loss_scale()
         if self._shared is not None:
             self._shared.reduce()
         scattered = sharding is not None and sharding.level >= 2
@@ -169,6 +172,19 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         _reduce_gradients(partial, groups.mp, "grad_sp_all_reduce", average=False)
         average_gradients(self._params, groups.sep if scattered else groups.replicas)
         self._reduced = True
+
+    def _apply_pipeline_loss_scale(self):
+        """Pipeline: the factor the script put on the losses a scheduled step returned (their backward
+        ran unscaled inside the schedule), applied to this rank's gradients before they are reduced
+        (ranks may scale differently, e.g. by pcp.loss_weight)."""
+        factor, runtime.state.pipeline_loss_scale = runtime.state.pipeline_loss_scale, None
+        if factor is None or factor == 1.0:
+            return
+        for p in self._params:
+            if p.grad is not None and p.grad._is_initialized():
+                paddle.assign(p.grad * factor, p.grad)
+        if self._sharding is not None:
+            self._sharding.scale_stash(factor)
 
     def agree_found_inf(self, found_inf):
         """True on every rank of the mesh when any rank found inf/nan in its gradients (one
