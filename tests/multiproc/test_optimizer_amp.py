@@ -78,11 +78,12 @@ def test_shard_scaler_matches_one_card_and_all_ranks_skip_together(reports):
     assert len({r["values"][f"{run}.inf_not_agreed"]["found_inf"] for r in reports}) == 2
 
 
-def test_checkpoints_carry_fp32_master_weights(reports):
-    """dp2 x mp2 at sharding level 2, the model cast as decorate O2 casts it, multi_precision AdamW: the
-    master weights and moments saved come back into a fresh optimizer exactly, on the ranks that own them;
-    the files hold `{param}.w_0` (Paddle's sharded_state_dict name) in float32 at the single-card shape."""
-    run = "master_weights_dp2xmp2_l2"
+@pytest.mark.parametrize("run", ["master_weights_dp2xmp2_l2", "master_weights_dp2xmp2_l3"])
+def test_checkpoints_carry_fp32_master_weights(reports, run):
+    """dp2 x mp2 at sharding levels 2 and 3 (placeholders cast too), the model cast as decorate O2 casts it,
+    multi_precision AdamW: the master weights and moments saved come back into a fresh optimizer exactly, on
+    the ranks that own them; the files hold `{param}.w_0` (Paddle's sharded_state_dict name) in float32 at
+    the single-card shape."""
     trainable = 19  # a tiny Llama's 20 parameters but the frozen one
     for report in reports:
         assert report["max_abs"][f"{run}.state"] == 0.0
@@ -92,7 +93,7 @@ def test_checkpoints_carry_fp32_master_weights(reports):
         assert len(saved) == trainable and all(dtype == "float32" for _, _, dtype in saved)
         assert ["model.layers.0.self_attn.q_proj.weight.w_0", [64, 64], "float32"] in saved
         assert not any(v for k, v in values.items() if k.startswith(f"{run}.frozen_state_"))
-    # level 2: each dp rank holds the master weights of the parameters it owns, every one held once per mp rank
+    # levels 2-3: each dp rank holds the master weights of the parameters it owns, every one held once per mp rank
     by_mp = {}
     for report in reports:
         by_mp.setdefault(report["rank"] % 2, []).append(report["values"][f"{run}.master_weights_here"])

@@ -380,6 +380,7 @@ RUNS = {
         lambda r: train(r, "dp2xmp2_default_eps", DP2_MP2, epsilon=DEFAULT_EPSILON),
         lambda r: scaled(r, "scaler_dp2xmp2_l2", DP2_MP2, level=2),
         lambda r: master_weight_checkpoint(r, "master_weights_dp2xmp2_l2", DP2_MP2, level=2),
+        lambda r: master_weight_checkpoint(r, "master_weights_dp2xmp2_l3", DP2_MP2, level=3),
     ],
 }
 
