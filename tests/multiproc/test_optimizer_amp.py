@@ -58,12 +58,13 @@ def test_default_adam_epsilon_differs_only_by_rounding(reports):
         assert report["max_abs"]["dp2xmp2_default_eps.param"] <= 4 * spread["state"]
 
 
-def test_shard_scaler_matches_one_card_and_all_ranks_skip_together(reports):
+@pytest.mark.parametrize("run", ["scaler_dp2xmp2_l2", "scaler_dp2xmp2_l3"])
+def test_shard_scaler_matches_one_card_and_all_ranks_skip_together(reports, run):
     """GradScaler's own logic (enabled on CPU) through pcp.shard_scaler: 3 steps equal one card's with the
     same scaler; an inf on rank 0 in a gradient only half the ranks hold makes every rank skip (the
     parameters do not move anywhere) and count it; the next finite step steps. Without the agreement the
-    ranks disagree; a scaler not wrapped by shard_scaler is refused on every rank."""
-    run = "scaler_dp2xmp2_l2"
+    ranks disagree; a scaler not wrapped by shard_scaler is refused on every rank. Level 3: the gradients
+    non-owners stash are reduced before Paddle unscales them."""
     for report in reports:
         worst, error = _worst(report, run)
         assert error < TOLERANCE, (worst, error)

@@ -266,8 +266,11 @@ def _max_abs(a, b):
     return float(np.abs(a - b).max()) if a.size else 0.0  # level 3: empty placeholders
 
 
-def inject_inf(model):
-    grad = dict(model.named_parameters())[INF_PARAM].grad
+def inject_inf(model, optimizer):
+    """An inf in this rank's gradient of INF_PARAM (at level 3 a non-owner stashes it for the reduce-scatter)."""
+    param = dict(model.named_parameters())[INF_PARAM]
+    stash = optimizer._sharding._stash if optimizer._sharding is not None else {}
+    grad = stash.get(id(param), param.grad)
     value = grad.numpy()
     value.flat[0] = np.inf
     paddle.assign(paddle.to_tensor(value), grad)
@@ -282,7 +285,7 @@ def scaler_step(model, optimizer, scaler, shard, inject=True):
         loss = model(input_ids=ids, labels=labels)[0]
     scaler.scale(loss).backward()
     if inject and dist.get_rank() == 0:
-        inject_inf(model)
+        inject_inf(model, optimizer)
     scaler.step(optimizer)
     scaler.update()
     optimizer.clear_grad()
@@ -379,6 +382,7 @@ RUNS = {
         lambda r: train(r, "pp2xdp2_tied", [("pp", 2), ("dp", 2)]),  # the tied weight on both stages
         lambda r: train(r, "dp2xmp2_default_eps", DP2_MP2, epsilon=DEFAULT_EPSILON),
         lambda r: scaled(r, "scaler_dp2xmp2_l2", DP2_MP2, level=2),
+        lambda r: scaled(r, "scaler_dp2xmp2_l3", DP2_MP2, level=3),
         lambda r: master_weight_checkpoint(r, "master_weights_dp2xmp2_l2", DP2_MP2, level=2),
         lambda r: master_weight_checkpoint(r, "master_weights_dp2xmp2_l3", DP2_MP2, level=3),
     ],
