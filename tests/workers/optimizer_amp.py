@@ -7,8 +7,11 @@ ACC micro-batches), `paddle.amp.decorate` called after parallelize (CPU: Paddle 
 objects as they are). Measured: losses, the accumulated gradients of the first step, the
 learning rates, the parameters after STEPS steps; how many gradient reductions each step
 made; an `optimizer.state_dict()` / `set_state_dict` round trip that replays a step exactly.
-The scaler run drives Paddle's GradScaler (enabled on CPU by construction, `cpu_scaler`)
-through `pcp.shard_scaler`, then injects an inf on one rank.
+Meshes: dp2 x mp2 at sharding levels 0, 2, 3 (and with Adam's default epsilon, against one
+card's rounding spread), sep2 x dp2, pp2 x dp2 (tied embedding on both stages). The scaler runs
+drive Paddle's GradScaler (enabled on CPU by construction, `cpu_scaler`) through
+`pcp.shard_scaler`, then inject an inf on one rank. The master-weight runs save and load the
+fp32 master weights of a model cast as decorate O2 casts it.
 """
 import copy
 import os
