@@ -7,6 +7,7 @@ from .comm.watchdog import get_timeout, set_timeout
 from .api.config import load_config
 from .mesh import get_mesh, set_mesh
 from .api.parallelize import parallelize
+from .data_parallel.scaler import shard_scaler
 from .pipeline import SplitPoint
 from .sequence.batches import shard_batch, shard_dataloader
 from .sequence.loss import loss_weight
@@ -39,5 +40,5 @@ __all__ = [
     "shard_sequence", "unshard_sequence", "sequence_positions",
     "bytes_sent", "reset_counters", "load_config",
     "save_checkpoint", "load_checkpoint", "wait_checkpoint", "latest_checkpoint", "export_pretrained",
-    "set_timeout", "get_timeout",
+    "set_timeout", "get_timeout", "shard_scaler",
 ]

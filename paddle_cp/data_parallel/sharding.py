@@ -17,6 +17,7 @@ import numpy as np
 import paddle
 
 from ..comm import collectives
+from .optimizer import gradient_dtype
 from .parameter_fetch import GatheredBytes, fetch_around
 from ..params import record_of, set_local_value
 
@@ -91,9 +92,12 @@ class Sharding:
         self.drop_foreign_gradients()
 
     def _grad(self, p):
-        if self.level == 3 and not self.owns(p):
-            return self._stash.get(id(p), paddle.zeros(record_of(p).tp_shape(), p.dtype))
-        return p.grad if p.grad is not None else paddle.zeros(record_of(p).tp_shape(), p.dtype)
+        """This rank's gradient of `p` in its reduced dtype (zeros if it has none): the same buckets on every rank."""
+        dtype = gradient_dtype(p)
+        grad = self._stash.get(id(p)) if self.level == 3 and not self.owns(p) else p.grad
+        if grad is None:
+            return paddle.zeros(record_of(p).tp_shape(), dtype)
+        return grad if grad.dtype == dtype else grad.astype(dtype)
 
     def drop_foreign_gradients(self):
         """Free the gradients of parameters another rank owns: the inner optimizer then skips them
@@ -120,6 +124,12 @@ class Sharding:
             names = [n for n, p in layer._parameters.items() if p is not None and id(p) in sharded]
             if names:
                 fetch_around(layer, names, self)
+
+    def clear_stash(self):
+        self._stash.clear()
+
+    def scale_stash(self, factor):
+        self._stash = {key: grad * factor for key, grad in self._stash.items()}
 
     def stash(self, param, grad):
         key = id(param)
