@@ -7,6 +7,12 @@ a collective; parameters are made identical on all ranks; tensor and sequence
 plans (mp_config) with the context-parallel plans (cp_config) merged in after
 them are applied; then data parallel (dp_config): sharding over `dp` and the
 optimizer that reduces gradients.
+
+Paddle's two steps are the same path cut in two: `parallelize_model` does all of
+the model's part (sharding levels shard the model's parameters, which the optimizer
+built afterwards from `model.parameters()` holds) and leaves its state on each
+parameter; `parallelize_optimizer` finds it there and wraps the optimizer.
+`parallelize(model, optimizer, ...)` is the two calls.
 """
 from __future__ import annotations
 
