@@ -36,6 +36,12 @@ def resolve_mesh(mesh):
     return mesh
 
 
+def same_mesh(a, b):
+    """Equal shape, ranks and dim names (ProcessMesh's own == ignores the dim names)."""
+    return (list(a.shape), list(a.process_ids), list(a.dim_names)) == (list(b.shape), list(b.process_ids),
+                                                                       list(b.dim_names))
+
+
 def find_dim(mesh, name):
     """The mesh's spelling of dim `name` (`sep` and `cp` are aliases), or None."""
     for candidate in _ALIASES.get(name, (name,)):

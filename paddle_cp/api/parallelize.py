@@ -168,7 +168,7 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
     if not any(config.get(key) for key in CONFIG_KEYS):
         return optimizer
     state = _model_state(optimizer_parameters(optimizer))
-    if mesh is not None and mesh != state.mesh:
+    if mesh is not None and not mesh_lib.same_mesh(mesh, state.mesh):
         raise ValueError("parallelize_optimizer got another mesh than parallelize_model: pass the same one, or none")
     if level != state.level:
         raise ValueError(f"dp_config sharding_level {level} differs from the {state.level} parallelize_model got: "

@@ -186,3 +186,19 @@ def test_shard_dataloader_errors():
         pcp.shard_dataloader([], "dp")
     with pytest.raises(ValueError, match="does not split evenly"):
         list(pcp.shard_dataloader([paddle.zeros([3, 2])], mesh, shard_dims="dp"))
+
+
+def test_two_step_api_checks_the_optimizer_matches_the_model():
+    mesh = dist.ProcessMesh([0], dim_names=["dp"])
+    config = {"dp_config": {"sharding_level": 1}}
+    model, other = pcp.parallelize_model(Net(), mesh, config), pcp.parallelize_model(Net(), mesh, config)
+    optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
+    with pytest.raises(ValueError, match="sharding_level 0 differs"):
+        pcp.parallelize_optimizer(optimizer, config={"dp_config": {"sharding_level": 0}})
+    with pytest.raises(ValueError, match="another mesh"):
+        pcp.parallelize_optimizer(optimizer, dist.ProcessMesh([0], dim_names=["sep"]), config)
+    with pytest.raises(ValueError, match="several parallelized models"):
+        pcp.parallelize_optimizer(paddle.optimizer.AdamW(parameters=model.parameters() + other.parameters()),
+                                  config=config)
+    wrapped = pcp.parallelize_optimizer(optimizer, config=config)
+    assert wrapped.inner is optimizer
