@@ -29,7 +29,8 @@ from .checkpoint.full_state import full_state_dict
 __version__ = "0.1.0"
 
 __all__ = [
-    "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle", "set_mesh", "get_mesh", "SplitPoint",
+    "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle",
+    "set_mesh", "get_mesh", "SplitPoint",
     "PrepareContextParallel", "ContextParallel",
     "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",

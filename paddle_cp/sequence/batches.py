@@ -57,7 +57,8 @@ def _flat_meshes(meshes):
     flat = _flat(meshes)
     for mesh in flat:
         if not isinstance(mesh, dist.ProcessMesh):
-            raise TypeError(f"shard_dataloader meshes must be ProcessMeshes (or lists of them), got {type(mesh).__name__}")
+            raise TypeError("shard_dataloader meshes must be ProcessMeshes (or lists of them), "
+                            f"got {type(mesh).__name__}")
     return flat
 
 

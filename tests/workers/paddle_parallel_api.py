@@ -231,14 +231,12 @@ def train(s, mesh=None):
 
 
 def global_losses(losses, mesh):
-    """Each step's loss over the global batch: the mean of the dp x sep ranks' (mp and pp copies agree)."""
-    total = paddle.to_tensor(losses, dtype="float32")
+    """Each step's loss over the global batch: the mean over the ranks holding the logits (the last pipeline
+    stage's) of each rank's mean over its samples and tokens (mp copies agree)."""
+    holders = mesh.get_mesh_with_dim("pp")[-1].process_ids if "pp" in mesh.dim_names else mesh.process_ids
+    total = paddle.to_tensor(losses if dist.get_rank() in holders else np.zeros(len(losses)), dtype="float32")
     dist.all_reduce(total)
-    return total.numpy() / dist.get_world_size()
-
-
-def on_last_stage(mesh):
-    return "pp" not in mesh.dim_names or dist.get_rank() in mesh.get_mesh_with_dim("pp")[-1].process_ids
+    return total.numpy() / len(holders)
 
 
 def compare(report, name, settings):
@@ -253,13 +251,7 @@ def compare(report, name, settings):
         losses, state = train(s, mesh)
     finally:
         pcp.unpatch_paddle()
-    if "pp" in mesh.dim_names:  # only the last stage has the logits: its ranks' mean over dp x sep
-        last = mesh.get_mesh_with_dim("pp")[-1]
-        losses = losses if on_last_stage(mesh) else np.zeros_like(want_losses)
-        losses = global_losses(losses, mesh) * dist.get_world_size() / last.size
-    else:
-        losses = global_losses(losses, mesh)
-    report.diff(f"{name}.loss", losses, want_losses)
+    report.diff(f"{name}.loss", global_losses(losses, mesh), want_losses)
     report.value(f"{name}.state_keys_match", sorted(state) == sorted(want_state))
     for key, value in want_state.items():
         report.diff(f"{name}.param", state.get(key, np.zeros([0])), value)
@@ -351,12 +343,7 @@ def run_seed(report, name, build, config, mesh, loss_fn, shape, backend=None):
             losses.append(float(loss))
     finally:
         pcp.unpatch_paddle()
-    if "pp" in mesh.dim_names:
-        last = mesh.get_mesh_with_dim("pp")[-1]
-        losses = global_losses(losses if on_last_stage(mesh) else [0.0] * STEPS, mesh) * dist.get_world_size() / last.size
-    else:
-        losses = global_losses(losses, mesh)
-    report.diff(f"{name}.loss", losses, np.array(want))
+    report.diff(f"{name}.loss", global_losses(losses, mesh), np.array(want))
     state = pcp.full_state_dict(model)
     for key, value in want_state.items():
         report.diff(f"{name}.param", state[key], value)

@@ -91,8 +91,8 @@ def test_paddle_and_paddle_cp_plans_mix_in_one_plan():
 
 
 def test_load_config_passes_paddle_plans_through():
-    _, config = load_config({"mesh": {"shape": [1], "dim_names": ["mp"]},
-                             "mp_config": {"parallelize_plan": {"up": dist.ColWiseParallel(), "down": "RowWiseParallel"}}},
+    plan = {"up": dist.ColWiseParallel(), "down": "RowWiseParallel"}
+    _, config = load_config({"mesh": {"shape": [1], "dim_names": ["mp"]}, "mp_config": {"parallelize_plan": plan}},
                             world_size=1)
     assert isinstance(config["mp_config"]["parallelize_plan"]["up"], dist.ColWiseParallel)
 
@@ -202,3 +202,10 @@ def test_two_step_api_checks_the_optimizer_matches_the_model():
                                   config=config)
     wrapped = pcp.parallelize_optimizer(optimizer, config=config)
     assert wrapped.inner is optimizer
+
+
+def test_shard_sequence_takes_paddles_prepare_context_parallel():
+    mesh = dist.ProcessMesh([0], dim_names=["sep"])
+    x = paddle.arange(8).reshape([1, 8])
+    got = pcp.shard_sequence(x, backend=dist.PrepareContextParallel("all2all"), mesh=mesh)
+    np.testing.assert_array_equal(got.numpy(), pcp.shard_sequence(x, backend="all2all", mesh=mesh).numpy())
