@@ -209,3 +209,12 @@ def test_shard_sequence_takes_paddles_prepare_context_parallel():
     x = paddle.arange(8).reshape([1, 8])
     got = pcp.shard_sequence(x, backend=dist.PrepareContextParallel("all2all"), mesh=mesh)
     np.testing.assert_array_equal(got.numpy(), pcp.shard_sequence(x, backend="all2all", mesh=mesh).numpy())
+
+
+def test_dp_config_takes_paddles_sharding_mesh_dim():
+    from paddle_cp.data_parallel.sharding import check_level
+
+    assert check_level({"sharding_level": 2, "sharding_mesh_dim": None}) == 2  # as PaddleFormers passes it
+    assert check_level({"sharding_level": 1, "sharding_mesh_dim": "dp"}) == 1
+    with pytest.raises(ValueError, match="'dp' mesh dim only"):
+        check_level({"sharding_level": 1, "sharding_mesh_dim": "mp"})
