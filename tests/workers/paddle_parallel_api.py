@@ -3,7 +3,7 @@ test_parallel_api_with_llama_{1d,2d,3d,2d_sep,lora}.py) on PaddleFormers' LlamaF
 
 Its switches become each run's settings (dp / mp / pp / sep degrees, one_api, use_lazy_init,
 sequence_parallel, test_share_embedding, test_position_embedding, test_lora, acc_step,
-use_param_group, sharding_stage); its script shape is kept: the global mesh set with
+use_param_group, sharding_stage, prepare_input_output); its script shape is kept: the global mesh set with
 `dist.auto_parallel.set_mesh`, Paddle's plan objects keyed for PaddleFormers (`model.`),
 `dist.parallelize` or `parallelize_model` / optimizer from the parallelized model /
 `parallelize_optimizer`, LinearWarmup, apply_decay_param_fun, the loss computed outside
@@ -32,6 +32,7 @@ import paddle_cp as pcp
 
 GLOBAL_BATCH, SEQ, STEPS, EPSILON, VOCAB = 4, 16, 3, 1e-3, 128
 DEFAULTS = dict(dp=1, mp=1, pp=1, sep=1, route="patch", one_api=True, use_lazy_init=False, sequence_parallel=False,
+                prepare_input_output=False,
                 test_share_embedding=False, test_position_embedding=False, test_lora=False, acc_step=1,
                 use_param_group=False, sharding_stage=0, cp_backend="p2p")
 
@@ -60,9 +61,11 @@ def build_model(s):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, fuse_rms_norm=False,  # no fused CPU kernel
                          tie_word_embeddings=s["test_share_embedding"],
-                         # attention: the default (eager), except under sequence parallel, where paddle_cp refuses
-                         # eager (it builds its causal mask from the split [s/mp, b, h] embeddings' shape)
-                         **({"_attn_implementation": "sdpa"} if s["sequence_parallel"] else {}))
+                         # attention: the default (eager), except where the sequence enters the decoder layers
+                         # split (SequenceParallelBegin): paddle_cp refuses eager there (it builds its causal mask
+                         # from the split [s/mp, b, h] embeddings' shape)
+                         **({"_attn_implementation": "sdpa"} if s["sequence_parallel"] and not
+                            s["prepare_input_output"] else {}))
     if s["use_lazy_init"]:
         with LazyGuard():
             model = LlamaForCausalLM(config)
@@ -119,6 +122,21 @@ def tensor_plan(s):
             f"{p}layers.*.mlp.down_proj": dist.RowWiseParallel(),
             f"{p}layers.*.mlp.down_proj.lora_A": dist.RowWiseParallel(),
             f"{head}.weight": dist.ColWiseParallel(),
+        }
+    if s["prepare_input_output"]:  # sequence parallel by SequenceParallelEnable on the norms
+        return {
+            f"{p}embed_tokens": dist.ColWiseParallel(), **position,
+            f"{p}layers.*.self_attn.q_proj": dist.ColWiseParallel(),
+            f"{p}layers.*.self_attn.k_proj": dist.ColWiseParallel(),
+            f"{p}layers.*.self_attn.v_proj": dist.ColWiseParallel(),
+            f"{p}layers.*.self_attn.o_proj": dist.RowWiseParallel(),
+            f"{p}layers.*.mlp.gate_proj": dist.ColWiseParallel(),
+            f"{p}layers.*.mlp.up_proj": dist.ColWiseParallel(),
+            f"{p}layers.*.mlp.down_proj": dist.RowWiseParallel(),
+            f"{head}.weight": dist.ColWiseParallel(),
+            f"{p}layers.*.input_layernorm": dist.SequenceParallelEnable(),
+            f"{p}layers.*.post_attention_layernorm": dist.SequenceParallelEnable(),
+            f"{p}norm": dist.SequenceParallelEnable(),
         }
     return {
         f"{p}embed_tokens": [dist.ColWiseParallel(), dist.SequenceParallelBegin()],
@@ -241,6 +259,7 @@ def global_losses(losses, mesh):
 
 def compare(report, name, settings):
     s = {**DEFAULTS, **settings}
+    s["sequence_parallel"] |= s["prepare_input_output"]  # as Paddle's test sets it
     want_losses, want_state = train(s)
     mesh = set_global_mesh(s)
     if s["route"] == "patch":
@@ -355,6 +374,7 @@ RUNS = {
         ("dp2xmp2_two_step_acc2_group", dict(dp=2, mp=2, one_api=False, acc_step=2, use_param_group=True)),
         ("dp2xmp2_sp_pcp", dict(dp=2, mp=2, sequence_parallel=True, route="pcp")),
         ("dp2xmp2_shared_emb", dict(dp=2, mp=2, test_share_embedding=True, test_position_embedding=True)),
+        ("dp2xmp2_prepare_io", dict(dp=2, mp=2, prepare_input_output=True)),
         ("mp2xsep2_sp_two_step", dict(mp=2, sep=2, sequence_parallel=True, one_api=False)),
         ("mp2xsep2_all2all_pcp", dict(mp=2, sep=2, cp_backend="all2all", route="pcp", one_api=False)),
         ("dp2xsep2_l1_lora", dict(dp=2, sep=2, sharding_stage=1, test_lora=True)),
