@@ -3,7 +3,8 @@ test_parallel_api_with_llama_{1d,2d,3d,2d_sep,lora}.py) on PaddleFormers' LlamaF
 
 Its switches become each run's settings (dp / mp / pp / sep degrees, one_api, use_lazy_init,
 sequence_parallel, test_share_embedding, test_position_embedding, test_lora, acc_step,
-use_param_group, sharding_stage, prepare_input_output); its script shape is kept: the global mesh set with
+use_param_group, sharding_stage, prepare_input_output, amp / amp_level / amp_dtype / amp_master_grad);
+its script shape is kept: the global mesh set with
 `dist.auto_parallel.set_mesh`, Paddle's plan objects keyed for PaddleFormers (`model.`),
 `dist.parallelize` or `parallelize_model` / optimizer from the parallelized model /
 `parallelize_optimizer`, LinearWarmup, apply_decay_param_fun, the loss computed outside
@@ -32,7 +33,7 @@ import paddle_cp as pcp
 
 GLOBAL_BATCH, SEQ, STEPS, EPSILON, VOCAB = 4, 16, 3, 1e-3, 128
 DEFAULTS = dict(dp=1, mp=1, pp=1, sep=1, route="patch", one_api=True, use_lazy_init=False, sequence_parallel=False,
-                prepare_input_output=False,
+                prepare_input_output=False, amp=False, amp_level="O1", amp_dtype="float16", amp_master_grad=False,
                 test_share_embedding=False, test_position_embedding=False, test_lora=False, acc_step=1,
                 use_param_group=False, sharding_stage=0, cp_backend="p2p")
 
@@ -220,6 +221,14 @@ def train(s, mesh=None):
         for param in model.parameters():
             assert not param._is_initialized()
             param.initialize()
+    scaler = None
+    if s["amp"]:  # AMP as Paddle's test calls it (CPU builds run it as fp32: decorate and auto_cast do nothing)
+        model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level=s["amp_level"],
+                                               dtype=s["amp_dtype"], master_grad=s["amp_master_grad"])
+        if s["amp_dtype"] == "float16":
+            scaler = paddle.amp.GradScaler(init_loss_scaling=1024)
+            if mesh is not None:
+                scaler = dist.shard_scaler(scaler) if s["route"] == "patch" else pcp.shard_scaler(scaler)
     dataset = RandomDataset(GLOBAL_BATCH * s["acc_step"] * STEPS)
     loader = DataLoader(dataset, batch_sampler=BatchSampler(dataset, batch_size=GLOBAL_BATCH, shuffle=False,
                                                             drop_last=True), num_workers=0)
@@ -231,14 +240,20 @@ def train(s, mesh=None):
         input_ids, labels = inputs
         if mesh is not None and s["sep"] > 1:  # the one line a context-parallel script adds
             labels = pcp.shard_sequence(labels, backend=s["cp_backend"], mesh=mesh)
-        logits = model(input_ids=input_ids)[0]
-        tr_loss_step = criterion(logits, labels)
+        with paddle.amp.auto_cast(s["amp"], custom_black_list={"reduce_sum", "c_softmax_with_cross_entropy"},
+                                  level=s["amp_level"], dtype=s["amp_dtype"]):
+            logits = model(input_ids=input_ids)[0]
+            tr_loss_step = criterion(logits, labels)
         if s["acc_step"] > 1:
             tr_loss_step /= s["acc_step"]
-        tr_loss_step.backward()
+        (scaler.scale(tr_loss_step) if scaler is not None else tr_loss_step).backward()
         tr_loss += float(tr_loss_step)
         if global_step % s["acc_step"] == 0:
-            optimizer.step()
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             optimizer.clear_grad()
             lr_scheduler.step()
             losses.append(tr_loss)
@@ -374,7 +389,8 @@ RUNS = {
         ("dp2xmp2_two_step_acc2_group", dict(dp=2, mp=2, one_api=False, acc_step=2, use_param_group=True)),
         ("dp2xmp2_sp_pcp", dict(dp=2, mp=2, sequence_parallel=True, route="pcp")),
         ("dp2xmp2_shared_emb", dict(dp=2, mp=2, test_share_embedding=True, test_position_embedding=True)),
-        ("dp2xmp2_prepare_io", dict(dp=2, mp=2, prepare_input_output=True)),
+        ("dp2xmp2_prepare_io_amp_o2", dict(dp=2, mp=2, prepare_input_output=True, amp=True, amp_level="O2",
+                                           amp_dtype="bfloat16", amp_master_grad=True)),
         ("mp2xsep2_sp_two_step", dict(mp=2, sep=2, sequence_parallel=True, one_api=False)),
         ("mp2xsep2_all2all_pcp", dict(mp=2, sep=2, cp_backend="all2all", route="pcp", one_api=False)),
         ("dp2xsep2_l1_lora", dict(dp=2, sep=2, sharding_stage=1, test_lora=True)),
@@ -383,13 +399,17 @@ RUNS = {
         ("mp2xpp2", dict(mp=2, pp=2)),
         ("dp2xpp2_two_step", dict(dp=2, pp=2, one_api=False)),
     ],
-    # switches whose features are being built on other branches (lazy initialization, plans on LoRA's parameters)
+    # switches whose features are being built on other branches (lazy initialization, plans on LoRA's parameters,
+    # paddle_cp.shard_scaler)
     "pending": [
         ("dp2xmp2_lazy", dict(dp=2, mp=2, use_lazy_init=True)),
         ("dp2xmp2_lora", dict(dp=2, mp=2, test_lora=True)),
         ("mp2xsep2_sp_lazy_acc2", dict(mp=2, sep=2, sequence_parallel=True, use_lazy_init=True, acc_step=2)),
         ("dp2xpp2_lazy_lora", dict(dp=2, pp=2, use_lazy_init=True, test_lora=True)),
+        ("dp2xsep2_amp_fp16_scaler", dict(dp=2, sep=2, amp=True)),  # and paddle_cp.shard_scaler
+        ("mp2xsep2_amp_fp16_scaler_pcp", dict(mp=2, sep=2, amp=True, route="pcp")),
     ],
+
 }
 SEEDS = {"four": [seed_parallelize, seed_prepare_context_parallel], "pending": []}
 
