@@ -14,6 +14,7 @@ from .sequence.loss import loss_weight
 from .plans import (
     ColWiseParallel,
     ContextParallel,
+    ConvParallel,
     PrepareContextParallel,
     PrepareLayerInput,
     PrepareLayerOutput,
@@ -32,7 +33,7 @@ __all__ = [
     "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle",
     "set_mesh", "get_mesh", "SplitPoint",
     "PrepareContextParallel", "ContextParallel",
-    "ColWiseParallel", "RowWiseParallel",
+    "ColWiseParallel", "RowWiseParallel", "ConvParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
     "PrepareLayerInput", "PrepareLayerOutput",
     "full_state_dict", "shard_batch", "shard_dataloader", "loss_weight",
