@@ -8,22 +8,11 @@ classes are known: a subclass may override `apply`, which paddle_cp cannot run.
 """
 from __future__ import annotations
 
-import importlib
-
 from paddle.distributed.auto_parallel.intermediate import context_parallel as paddle_context_plans
 from paddle.distributed.auto_parallel.intermediate import tensor_parallel as paddle_tp_plans
 from paddle.distributed.auto_parallel.intermediate.tensor_parallel import PlanBase
 
 from .. import plans
-
-
-def _conv_parallel(plan):
-    try:  # written beside the other plans; looked up when first needed
-        module = importlib.import_module("paddle_cp.plans.conv_parallel")
-    except ModuleNotFoundError as exc:
-        raise TypeError("Paddle's ConvParallel needs paddle_cp.ConvParallel, which this paddle_cp does not have "
-                        "yet: leave the Conv2D unplanned (replicated)") from exc
-    return module.ConvParallel()
 
 
 # Paddle class -> its paddle_cp plan, built from the attributes Paddle's __init__ stores
@@ -36,7 +25,7 @@ _TRANSLATIONS = {
     paddle_tp_plans.SequenceParallelDisable: lambda p: plans.SequenceParallelDisable(need_transpose=p.need_transpose),
     paddle_tp_plans.PrepareLayerInput: lambda p: plans.PrepareLayerInput(p.fn),
     paddle_tp_plans.PrepareLayerOutput: lambda p: plans.PrepareLayerOutput(p.fn),
-    paddle_tp_plans.ConvParallel: _conv_parallel,
+    paddle_tp_plans.ConvParallel: lambda p: plans.ConvParallel(),
     paddle_context_plans.PrepareContextParallel: lambda p: plans.PrepareContextParallel(backend=p.backend),
     paddle_context_plans.ContextParallel: lambda p: plans.ContextParallel(backend=p.backend),
 }

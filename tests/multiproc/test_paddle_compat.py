@@ -1,6 +1,7 @@
 """Scripts written for Paddle's intermediate API, unchanged but for `pcp.patch_paddle()` (or paddle_cp's calls
 with Paddle's plan objects), vs one card: PaddleFormers Llama in the shape of Paddle's parallel-API test
-(tests/workers/paddle_parallel_api.py, one 4-rank launch of many configs) and the two seed examples."""
+(tests/workers/paddle_parallel_api.py, one 4-rank launch of many configs), the two seed examples and
+Paddle's ConvParallel."""
 import pytest
 from launcher import launch_once
 
@@ -8,7 +9,7 @@ TOLERANCE = 1e-5
 RUNS = ["dp2xmp2_two_step_acc2_group", "dp2xmp2_sp_pcp", "dp2xmp2_shared_emb", "dp2xmp2_prepare_io_amp_o2",
         "mp2xsep2_sp_two_step", "mp2xsep2_all2all_pcp", "dp2xsep2_l1_lora", "dp4_l2_two_step_pcp", "dp4_l3_acc2",
         "mp2xpp2", "dp2xpp2_two_step"]
-SEEDS = ["seed_parallelize", "seed_prepare_cp_p2p", "seed_prepare_cp_all2all"]
+SEEDS = ["seed_parallelize", "seed_prepare_cp_p2p", "seed_prepare_cp_all2all", "paddle_conv_parallel"]
 # switches whose features other branches are adding (lazy initialization, plans keyed on LoRA's parameters,
 # paddle_cp.shard_scaler)
 PENDING = ["dp2xmp2_lazy", "dp2xmp2_lora", "mp2xsep2_sp_lazy_acc2", "dp2xpp2_lazy_lora", "dp2xsep2_amp_fp16_scaler",

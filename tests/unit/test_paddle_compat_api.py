@@ -1,6 +1,5 @@
 """Paddle compatibility on one process: Paddle's plan objects translated, patch_paddle / unpatch_paddle,
 the two-step API's checks, shard_dataloader with Paddle's signature, Paddle's global mesh."""
-import importlib
 import sys
 import types
 
@@ -36,6 +35,7 @@ TRANSLATIONS = [  # Paddle's object, the paddle_cp class it must become, the att
     (dist.PrepareContextParallel("all2all"), pcp.PrepareContextParallel, {"backend": "all2all"}),
     (dist.PrepareContextParallel(), pcp.PrepareContextParallel, {"backend": "p2p"}),
     (dist.ContextParallel("all2all"), pcp.ContextParallel, {"backend": "all2all"}),
+    (dist.ConvParallel(), pcp.ConvParallel, {}),
 ]
 
 
@@ -50,16 +50,6 @@ def test_every_plan_class_of_paddles_api_is_known():
     names = {name for name in dist.__all__ if isinstance(getattr(dist, name), type)
              and issubclass(getattr(dist, name), PlanBase)}
     assert names == set(SUPPORTED)
-
-
-def test_conv_parallel_becomes_paddle_cps_or_a_clear_error():
-    try:
-        module = importlib.import_module("paddle_cp.plans.conv_parallel")
-    except ModuleNotFoundError:
-        with pytest.raises(TypeError, match="ConvParallel"):
-            translate("conv", dist.ConvParallel())
-    else:
-        assert type(translate("conv", dist.ConvParallel())) is module.ConvParallel
 
 
 def test_unknown_paddle_plan_is_a_type_error_naming_the_supported_ones():

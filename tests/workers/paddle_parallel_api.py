@@ -16,7 +16,8 @@ test_position_embedding adds Paddle's `position_embedding` plan keys: PaddleForm
 layer (RoPE), so they match nothing and paddle_cp warns, as for any such key.
 
 Also the two seed documents' examples (paddle_parallelize.txt, paddle_PrepareContextParallel.txt),
-with working forward bodies, through patch_paddle. argv[1] names the group of runs.
+with working forward bodies, and Paddle's ConvParallel on a conv net, through patch_paddle.
+argv[1] names the group of runs.
 """
 import sys
 import warnings
@@ -293,6 +294,17 @@ def compare(report, name, settings):
         report.diff(f"{name}.param", state.get(key, np.zeros([0])), value)
 
 
+def _adamw(model):
+    return paddle.optimizer.AdamW(parameters=model.parameters(), epsilon=EPSILON, learning_rate=1e-2)
+
+
+def _token_batches(shape, inputs=None):
+    """STEPS [inputs, labels] pairs: token ids (or the float inputs `inputs(rng)`) and labels of `shape`."""
+    rng = np.random.RandomState(3)
+    return [[paddle.to_tensor(inputs(rng) if inputs else rng.randint(0, 32, shape).astype("int64")),
+             paddle.to_tensor(rng.randint(0, 32, shape).astype("int64"))] for _ in range(STEPS)]
+
+
 def seed_parallelize(report):
     """paddle_parallelize.txt's config as written (Paddle's objects, `llama.position_embedding` naming no layer of
     its model), through patch_paddle and `dist.parallelize` with the global mesh; dp1 x mp2 x pp2 on four ranks."""
@@ -301,7 +313,7 @@ def seed_parallelize(report):
     def build():
         paddle.seed(2024)
         model = LlamaForCausalLM(num_layers=2)
-        return model, paddle.optimizer.AdamW(parameters=model.parameters(), epsilon=EPSILON, learning_rate=1e-2)
+        return model, _adamw(model)
 
     parallel_config = {
         "dp_config": {"sharding_level": 1},
@@ -320,38 +332,52 @@ def seed_parallelize(report):
         "pp_config": {"split_spec": "llama.layers"},
     }
     mesh = dist.ProcessMesh([[[0, 1], [2, 3]]], dim_names=["dp", "mp", "pp"])
-    run_seed(report, "seed_parallelize", build, parallel_config, mesh, cross_entropy, [32, 8])
+    run_seed(report, "seed_parallelize", build, parallel_config, mesh, _token_batches([32, 8]),
+             lambda model, ids, labels: cross_entropy(model(ids), labels))
 
 
 def seed_prepare_context_parallel(report):
     """paddle_PrepareContextParallel.txt's model with working bodies (smaller sizes; its 'sdpa' key spelled by
     the layer's full name, which Paddle's matching needs too), dp2 x sep2, both backends."""
-    from seed_context_model import LlamaForCausalLayer
+    from seed_context_model import HIDDEN, LlamaForCausalLayer
 
     def build():
         paddle.seed(2024)
         model = LlamaForCausalLayer()
-        return model, paddle.optimizer.AdamW(parameters=model.parameters(), epsilon=EPSILON, learning_rate=1e-2)
+        return model, _adamw(model)
+
+    def step_loss(model, inputs, labels):  # the doc's layer takes (input, label) and returns the logits
+        return model.loss_func(model(inputs, labels), labels)
 
     mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "sep"])
+    batches = _token_batches([16, 8], lambda rng: rng.rand(16, 8, HIDDEN).astype("float32"))
     for backend in ("p2p", "all2all"):
         config = {"dp_config": {"sharding_level": 0}, "cp_config": {"parallelize_plan": {
             "llama": dist.PrepareContextParallel(backend), "llama.attention.sdpa": dist.ContextParallel(backend)}}}
-        run_seed(report, f"seed_prepare_cp_{backend}", build, config, mesh, None, [16, 8], backend=backend)
+        run_seed(report, f"seed_prepare_cp_{backend}", build, config, mesh, batches, step_loss, backend)
 
 
-def run_seed(report, name, build, config, mesh, loss_fn, shape, backend=None):
-    """Three steps of `build()`'s model under `config` (patch_paddle, dist.parallelize, dist.shard_dataloader)
-    vs one card; float inputs when the model has no embedding (the context-parallel seed)."""
+def paddle_conv_parallel(report):
+    """Paddle's ConvParallel on the conv net of tests/workers/conv_parallel.py, through patch_paddle, dp2 x mp2."""
+    from conv_parallel import ConvNet
+
+    def build():
+        paddle.seed(2024)
+        model = ConvNet("NCHW")
+        return model, _adamw(model)
+
     rng = np.random.RandomState(3)
-    batches = [[paddle.to_tensor(rng.rand(*shape, 16).astype("float32") if backend else
-                                 rng.randint(0, 32, shape).astype("int64")),
-                paddle.to_tensor(rng.randint(0, 32, shape).astype("int64"))] for _ in range(STEPS)]
+    batches = [[paddle.to_tensor(rng.randn(8, 3, 8, 16).astype("float32")),
+                paddle.to_tensor(rng.randint(0, 5, [8, 1]).astype("int64"))] for _ in range(STEPS)]
+    config = {"mp_config": {"parallelize_plan": {f"conv{i}": dist.ConvParallel() for i in (1, 2, 3)}}}
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    run_seed(report, "paddle_conv_parallel", build, config, mesh, batches,
+             lambda model, images, labels: F.cross_entropy(model(images), labels).mean())
 
-    def step_loss(model, inputs, labels):
-        logits = model(inputs, labels) if backend else model(inputs)
-        return model.loss_func(logits, labels) if backend else loss_fn(logits, labels)
 
+def run_seed(report, name, build, config, mesh, batches, step_loss, sequence_backend=None):
+    """Three steps of `build()`'s model under `config` (patch_paddle, dist.parallelize, dist.shard_dataloader
+    over dp) vs one card on the same batches."""
     model, optimizer = build()
     want = []
     for inputs, labels in batches:
@@ -370,8 +396,8 @@ def run_seed(report, name, build, config, mesh, loss_fn, shape, backend=None):
             model, optimizer = dist.parallelize(model, optimizer, config=config)
         losses = []
         for inputs, labels in dist.shard_dataloader(batches, [mesh], shard_dims="dp")():
-            if backend:  # the one line a context-parallel script adds: the labels of this rank's tokens
-                labels = pcp.shard_sequence(labels, backend=backend, mesh=mesh)
+            if sequence_backend:  # the one line a context-parallel script adds: the labels of this rank's tokens
+                labels = pcp.shard_sequence(labels, backend=sequence_backend, mesh=mesh)
             loss = step_loss(model, inputs, labels)
             loss.backward()
             optimizer.step()
@@ -412,7 +438,7 @@ RUNS = {
         ("mp2xsep2_amp_fp16_scaler_pcp", dict(mp=2, sep=2, amp=True, route="pcp")),
     ],
 }
-SEEDS = {"four": [seed_parallelize, seed_prepare_context_parallel], "pending": []}
+SEEDS = {"four": [seed_parallelize, seed_prepare_context_parallel, paddle_conv_parallel], "pending": []}
 
 
 def main(report):
