@@ -25,6 +25,7 @@ from ..params import record_of
 from ..pipeline import apply_pipeline, keep_own_parameters, plan_pipeline
 from ..data_parallel.optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
 from .plan_annotation import annotate_plan
+from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
 from ..plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
 from ..sequence.positions import supply_positions
@@ -97,6 +98,7 @@ def _gradient_groups(mesh):
 def _validated_plan(model, config, mesh):
     """(applications in order, annotation) for the merged plan; raises, changing nothing, if any part cannot work."""
     matched = resolve_plan(model, _merged_plan(config))
+    matched += implied_lora_plans(matched)
     annotation = annotate_plan(model, matched, mesh)
     for _, layer, plans, params in matched:
         for plan in plans:

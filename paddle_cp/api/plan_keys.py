@@ -54,10 +54,20 @@ def resolve_plan(model, plan):
                 used.add(key)
     for key in plan:
         if key not in used:
-            names = [n for n, _ in layers if n]
-            close = difflib.get_close_matches(key, names, n=3, cutoff=0.4)
-            warnings.warn(
-                f"parallelize_plan key {key!r} matches no sublayer; closest names: {close or names[:3]}",
-                stacklevel=3,
-            )
+            warnings.warn(f"parallelize_plan key {key!r} {_why_unmatched(key, layers)}", stacklevel=3)
     return matched
+
+
+def _why_unmatched(key, layers):
+    """Paddle applies such a key to nothing; say why: the layer it names lacks that tensor, or no layer is named."""
+    prefix, _, attr = key.rpartition(".")
+    for name, layer in layers:
+        if prefix and _key_matches(prefix, name):
+            what = (f"holds a {type(getattr(layer, attr)).__name__}, not a tensor, in" if hasattr(layer, attr)
+                    else "has no attribute")
+            tensors = [n for n, t in layer._parameters.items() if t is not None]
+            return (f"is not applied: {name} {what} {attr!r} (a key ending in a name applies to that tensor "
+                    f"of the layer; its parameters are {tensors})")
+    names = [n for n, _ in layers if n]
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.4)
+    return f"matches no sublayer; closest names: {close or names[:3]}"

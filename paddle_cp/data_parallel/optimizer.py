@@ -4,7 +4,9 @@ Rule: every rank takes the mean loss over its own tokens; gradients of
 parameters replicated over `dp` and `sep` are averaged over those ranks, so with
 equal token counts per rank this reproduces one card on the global batch.
 Parameters used while the sequence is split over `mp` (sequence parallelism)
-saw only this rank's tokens: their gradients are summed over `mp` first.
+saw only this rank's tokens, and a LoRA factor beside a split weight only this
+rank's slice of it: their gradients are summed over `mp` first. Frozen parameters
+(no gradient on any rank) are skipped.
 `ClipGradByGlobalNorm` clips by the norm over all shards, every gradient
 counted once (tensor-parallel slices on each `mp` rank, replicated ones on one).
 """
@@ -39,6 +41,7 @@ def _agree_on_gradients(parameters, mesh_group):
 
 
 def _reduce_gradients(parameters, mesh_group, tag, average):
+    parameters = [p for p in parameters if not p.stop_gradient]  # frozen: no gradient on any rank
     if mesh_group.size == 1 or not parameters:
         return
     _agree_on_gradients(parameters, mesh_group)
@@ -116,8 +119,8 @@ class ParallelOptimizer:
         scattered = sharding is not None and sharding.level >= 2
         if scattered:
             sharding.reduce_scatter_gradients()
-        partial = [p for p in self._params if record_of(p).sequence_partial]
-        _reduce_gradients(partial, groups.mp, "grad_sp_all_reduce", average=False)
+        partial = [p for p in self._params if record_of(p).mp_partial]
+        _reduce_gradients(partial, groups.mp, "grad_mp_partial_all_reduce", average=False)
         average_gradients(self._params, groups.sep if scattered else groups.replicas)
 
     def _counted_here(self, param):

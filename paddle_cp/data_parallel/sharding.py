@@ -55,9 +55,14 @@ class Sharding:
 
     def __init__(self, level, params, dp_group):
         self.level, self.group, self.params = level, dp_group, list(params)
-        for param, owner in zip(self.params, _owners(self.params, dp_group.size)):
-            record = record_of(param)
-            record.dp_group, record.dp_owner, record.level = dp_group, owner, level
+        # frozen parameters (a LoRA model's base weights) have no gradient and never change: they are left
+        # out of the gradient and update traffic, and balanced apart so the trained ones' state is balanced too
+        self.trained = [p for p in self.params if not p.stop_gradient]
+        frozen = [p for p in self.params if p.stop_gradient]
+        for part in (self.trained, frozen):
+            for param, owner in zip(part, _owners(part, dp_group.size)):
+                record = record_of(param)
+                record.dp_group, record.dp_owner, record.level = dp_group, owner, level
         self._stash = {}  # level 3: gradients of parameters this rank does not own
         self.gathered = GatheredBytes()  # level 3: full copies fetched for use
 
@@ -69,9 +74,9 @@ class Sharding:
         """Levels 2-3: each owner receives the dp average of its parameters' gradients, in one
         reduce-scatter per dtype (bucket r holds rank r's parameters, padded to equal length)."""
         n = self.group.size
-        grads = {id(p): self._grad(p) for p in self.params}
+        grads = {id(p): self._grad(p) for p in self.trained}
         by_dtype = {}
-        for p in self.params:
+        for p in self.trained:
             by_dtype.setdefault(grads[id(p)].dtype, []).append(p)
         for dtype, same_dtype in by_dtype.items():
             buckets = [[p for p in same_dtype if record_of(p).dp_owner == r] for r in range(n)]
@@ -104,7 +109,7 @@ class Sharding:
     def sync_parameters(self):
         """Levels 1-2: every dp rank gets each parameter's new value from its owner."""
         if self.level in (1, 2):
-            for p in self.params:
+            for p in self.trained:
                 collectives.broadcast(self.group, p, record_of(p).dp_owner, tag="param_broadcast")
 
     # level 3 -----------------------------------------------------------------
