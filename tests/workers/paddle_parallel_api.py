@@ -421,17 +421,16 @@ RUNS = {
                                            amp_dtype="bfloat16", amp_master_grad=True)),
         ("mp2xsep2_sp_two_step", dict(mp=2, sep=2, sequence_parallel=True, one_api=False)),
         ("mp2xsep2_all2all_pcp", dict(mp=2, sep=2, cp_backend="all2all", route="pcp", one_api=False)),
+        ("dp2xmp2_lora_two_step", dict(dp=2, mp=2, test_lora=True, one_api=False)),  # Paddle's LoRA plan keys
         ("dp2xsep2_l1_lora", dict(dp=2, sep=2, sharding_stage=1, test_lora=True)),
         ("dp4_l2_two_step_pcp", dict(dp=4, sharding_stage=2, one_api=False, route="pcp")),
         ("dp4_l3_acc2", dict(dp=4, sharding_stage=3, acc_step=2)),
         ("mp2xpp2", dict(mp=2, pp=2)),
         ("dp2xpp2_two_step", dict(dp=2, pp=2, one_api=False)),
     ],
-    # switches whose features are being built on other branches (lazy initialization, plans on LoRA's parameters,
-    # paddle_cp.shard_scaler)
+    # switches whose features are being built on other branches (lazy initialization, paddle_cp.shard_scaler)
     "pending": [
         ("dp2xmp2_lazy", dict(dp=2, mp=2, use_lazy_init=True)),
-        ("dp2xmp2_lora", dict(dp=2, mp=2, test_lora=True)),
         ("mp2xsep2_sp_lazy_acc2", dict(mp=2, sep=2, sequence_parallel=True, use_lazy_init=True, acc_step=2)),
         ("dp2xpp2_lazy_lora", dict(dp=2, pp=2, use_lazy_init=True, test_lora=True)),
         ("dp2xsep2_amp_fp16_scaler", dict(dp=2, sep=2, amp=True)),
