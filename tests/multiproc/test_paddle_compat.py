@@ -27,6 +27,7 @@ def _check(reports, run):
         if f"{run}.patched" in report["values"]:  # the patch route: Paddle's names ran paddle_cp
             assert report["values"][f"{run}.patched"]
         assert report["values"].get(f"{run}.state_keys_match", True), run
+        assert not report["values"].get(f"{run}.misplaced"), report["values"][f"{run}.misplaced"]  # Paddle's check_mp
         diffs = {k: v for k, v in report["max_abs"].items() if k.startswith(run + ".")}
         assert {f"{run}.loss", f"{run}.param"} <= set(diffs), f"no measurements for {run}"
         worst = max(diffs, key=diffs.get)

@@ -33,6 +33,7 @@ from paddle.io import BatchSampler, DataLoader, Dataset
 from report import run
 
 import paddle_cp as pcp
+from paddle_cp.params import record_of
 
 GLOBAL_BATCH, SEQ, STEPS, EPSILON, VOCAB = 4, 16, 3, 1e-3, 128
 DEFAULTS = dict(dp=1, mp=1, pp=1, sep=1, route="patch", one_api=True, use_lazy_init=False, sequence_parallel=False,
@@ -263,7 +264,31 @@ def train(s, mesh=None):
             tr_loss = 0.0
         global_step += 1
     state = pcp.full_state_dict(model) if mesh is not None else {k: v.numpy() for k, v in model.state_dict().items()}
-    return np.array(losses), state
+    return np.array(losses), state, model
+
+
+# Paddle's test's check_mp: the dim each planned parameter is split on (its Shard(d) over mp)
+SPLITS = {"q_proj": (1, "lora_B"), "k_proj": (1, "lora_B"), "v_proj": (1, "lora_B"), "gate_proj": (1, "lora_B"),
+          "up_proj": (1, "lora_B"), "o_proj": (0, "lora_A"), "down_proj": (0, "lora_A")}
+
+
+def misplaced(model, s):
+    """Parameters split on another dim than Paddle's test asserts (read from paddle_cp's records)."""
+    if s["mp"] == 1:
+        return []
+    want = {}
+    for name, _ in model.named_sublayers():
+        last = name.rpartition(".")[2]
+        if last in SPLITS:
+            axis, factor = SPLITS[last]
+            want[f"{name}.weight"] = axis
+            if s["test_lora"]:
+                want[f"{name}.{factor}"] = axis
+        if last in ("embed_tokens", "lm_head") and not s["test_share_embedding"]:
+            want[f"{name}.weight"] = 1
+    params = dict(model.named_parameters())
+    return [f"{key}: split on {record_of(params[key]).tp_axis}, Paddle's test wants {axis}"
+            for key, axis in want.items() if record_of(params[key]).tp_axis != axis]
 
 
 def global_losses(losses, mesh):
@@ -278,16 +303,17 @@ def global_losses(losses, mesh):
 def compare(report, name, settings):
     s = {**DEFAULTS, **settings}
     s["sequence_parallel"] |= s["prepare_input_output"]  # as Paddle's test sets it
-    want_losses, want_state = train(s)
+    want_losses, want_state, _ = train(s)
     mesh = set_global_mesh(s)
     if s["route"] == "patch":
         pcp.patch_paddle()
     try:
         if s["route"] == "patch":
             report.value(f"{name}.patched", parallelize_model is pcp.parallelize_model)
-        losses, state = train(s, mesh)
+        losses, state, model = train(s, mesh)
     finally:
         pcp.unpatch_paddle()
+    report.value(f"{name}.misplaced", misplaced(model, s))
     report.diff(f"{name}.loss", global_losses(losses, mesh), want_losses)
     report.value(f"{name}.state_keys_match", sorted(state) == sorted(want_state))
     for key, value in want_state.items():
