@@ -6,7 +6,8 @@ from .comm import bytes_sent, reset_counters
 from .comm.watchdog import get_timeout, set_timeout
 from .api.config import load_config
 from .mesh import get_mesh, set_mesh
-from .api.parallelize import parallelize
+from .api.parallelize import parallelize, parallelize_model, parallelize_optimizer
+from .api.paddle_compat import patch_paddle, unpatch_paddle
 from .data_parallel.scaler import shard_scaler
 from .pipeline import SplitPoint
 from .sequence.batches import shard_batch, shard_dataloader
@@ -30,7 +31,8 @@ from .checkpoint.full_state import full_state_dict
 __version__ = "0.1.0"
 
 __all__ = [
-    "parallelize", "set_mesh", "get_mesh", "SplitPoint",
+    "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle",
+    "set_mesh", "get_mesh", "SplitPoint",
     "PrepareContextParallel", "ContextParallel",
     "ColWiseParallel", "RowWiseParallel", "ConvParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",

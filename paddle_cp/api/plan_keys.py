@@ -8,17 +8,19 @@ import warnings
 import paddle
 
 from ..plans.base import Plan
+from .paddle_plans import is_paddle_plan, translate
 
 ROOT_KEY = ""  # extension: plans keyed "" apply to the model itself (Paddle excludes the root)
 
 
 def _as_list(key, value):
     plans = value if isinstance(value, (list, tuple)) else [value]
+    plans = [translate(key, plan) if is_paddle_plan(plan) else plan for plan in plans]
     for plan in plans:
         if not isinstance(plan, Plan):
             raise TypeError(
-                f"plan for {key!r} must be a paddle_cp plan (e.g. paddle_cp.ColWiseParallel()), "
-                f"got {type(plan).__name__}"
+                f"plan for {key!r} must be a paddle_cp plan or Paddle's (e.g. paddle_cp.ColWiseParallel(), "
+                f"dist.ColWiseParallel()), got {type(plan).__name__}"
             )
     return list(plans)
 

@@ -28,9 +28,13 @@ def check_level(dp_config):
     dp_config = dp_config or {}
     if not isinstance(dp_config, dict):
         raise TypeError(f"dp_config must be a dict like {{'sharding_level': 1}}, got {type(dp_config).__name__}")
-    unknown = set(dp_config) - {"sharding_level"}
+    unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim"}
     if unknown:
-        raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level'")
+        raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level' "
+                         "(and 'sharding_mesh_dim', always 'dp')")
+    if dp_config.get("sharding_mesh_dim") not in (None, "dp"):  # Paddle's default; PaddleFormers passes None
+        raise ValueError(f"dp_config sharding_mesh_dim {dp_config['sharding_mesh_dim']!r}: paddle_cp shards over "
+                         "the 'dp' mesh dim only; leave it out or give 'dp'")
     level = dp_config.get("sharding_level", 0)
     if level not in LEVELS:
         raise ValueError(f"dp_config sharding_level must be one of {LEVELS}, got {level!r}")
