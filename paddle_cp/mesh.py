@@ -12,23 +12,19 @@ import paddle.distributed as dist
 from .comm.watchdog import startup_guard
 
 _ALIASES = {"sep": ("sep", "cp"), "cp": ("sep", "cp")}
-_global_mesh = None
 _groups: dict = {}
 
 
 def set_mesh(mesh):
-    """Set the mesh `parallelize` and the functional APIs use when given none."""
-    global _global_mesh
+    """Set the mesh `parallelize` and the functional APIs use when given none: Paddle's global mesh,
+    so `dist.auto_parallel.get_mesh()` sees it too."""
     if not isinstance(mesh, dist.ProcessMesh):
         raise TypeError(f"set_mesh expects a paddle.distributed.ProcessMesh, got {type(mesh).__name__}")
-    _global_mesh = mesh
     dist.auto_parallel.set_mesh(mesh)
 
 
 def get_mesh():
-    """The mesh given to `set_mesh` (ours or Paddle's), or None."""
-    if _global_mesh is not None:
-        return _global_mesh
+    """Paddle's global mesh (from `set_mesh` here or `dist.auto_parallel.set_mesh`), or None."""
     return dist.auto_parallel.get_mesh()
 
 
@@ -40,6 +36,12 @@ def resolve_mesh(mesh):
     if not isinstance(mesh, dist.ProcessMesh):
         raise TypeError(f"mesh must be a paddle.distributed.ProcessMesh, got {type(mesh).__name__}")
     return mesh
+
+
+def same_mesh(a, b):
+    """Equal shape, ranks and dim names (ProcessMesh's own == ignores the dim names)."""
+    return (list(a.shape), list(a.process_ids), list(a.dim_names)) == (list(b.shape), list(b.process_ids),
+                                                                       list(b.dim_names))
 
 
 def find_dim(mesh, name):

@@ -28,7 +28,8 @@ class ParamRecord:
     dp_group: Optional[MeshGroup] = None
     dp_owner: Optional[int] = None        # owner position in dp_group (sharding levels 1-3); None = every dp rank
     level: int = 0                        # sharding level
-    sequence_partial: bool = False        # gradient summed over mp (sequence-parallel region)
+    mp_partial: bool = False              # gradient partial over mp, summed there (used on a split sequence;
+                                          # a LoRA factor beside a split weight)
     stage: Optional[int] = None           # pipeline stage (the first holding it)
     pp_stages: tuple = ()                 # pipeline: every stage holding it (tied embeddings: first and last)
     pp_group: Optional[MeshGroup] = None  # pipeline: this rank's line of stages

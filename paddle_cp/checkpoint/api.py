@@ -147,12 +147,10 @@ def load_checkpoint(path, model, optimizer=None):
     _check_specs(global_specs(model_meta), restore.expected_model_specs(model), "model", path)
     optimizer_meta = None
     if optimizer is not None and marker["has_optimizer"]:
-        names = layout.accumulator_names(optimizer)
         optimizer_meta = read_metadata(os.path.join(path, OPTIMIZER_DIR))
-        _check_specs(global_specs(optimizer_meta), restore.expected_optimizer_specs(model, names),
+        _check_specs(global_specs(optimizer_meta), restore.expected_optimizer_specs(model, optimizer),
                      "optimizer", path, allow_missing=True)
     restore.restore_model(model, BoxReader(model_dir, model_meta))
     if optimizer_meta is not None:
-        restore.restore_optimizer(model, optimizer, BoxReader(os.path.join(path, OPTIMIZER_DIR), optimizer_meta),
-                                  names)
+        restore.restore_optimizer(model, optimizer, BoxReader(os.path.join(path, OPTIMIZER_DIR), optimizer_meta))
     return marker["extra"]

@@ -2,7 +2,7 @@
 one tensor at a time: (key, array) pairs, so a caller that keeps only its part of each
 holds one full tensor at a time, not the whole model.
 
-Collective: every rank consumes these in the same order. The optimizer state of a
+Collective: every rank consumes these in the same order. The optimizer state (accumulators, fp32 master weight) of a
 parameter comes from the rank that steps it (a broadcast over dp from the owner at
 sharding levels 1-3, then over pp from its first stage), then its tensor-parallel
 slices are gathered over mp.
@@ -27,21 +27,21 @@ def model_values(model):
 
 
 def optimizer_values(model, optimizer):
-    """(`{param}.{accumulator}_0`, full array) for every parameter some rank holds state for."""
-    accumulators = layout.inner_optimizer(optimizer)._accumulators
+    """(`{param}.{state}_0`, full array) for every parameter some rank holds state for: its accumulators
+    and, with multi_precision over float16/bfloat16 parameters, its fp32 master weight (`{param}.w_0`)."""
     params = list(model.named_parameters())
-    names = layout.accumulator_names(optimizer)
-    present = _present(accumulators, params, names)
+    present = _present(optimizer, params)
     for (key, param), has_state in zip(params, present):
         if not has_state:
             continue  # never stepped (no gradient yet): one card holds no state for it either
-        for name in names:
-            yield optimizer_key(key, name), _full_accumulator(accumulators, name, param)
+        for name in layout.state_names(optimizer, param):
+            yield optimizer_key(key, name), _full_state(optimizer, name, param)
 
 
-def _present(accumulators, params, names):
+def _present(optimizer, params):
     """Per parameter, whether any rank holds its state (agreed by all ranks)."""
-    stepped = [p.name in accumulators.get(names[0], {}) for _, p in params]
+    first = layout.accumulator_names(optimizer)[0]
+    stepped = [layout.state_tensor(optimizer, p, first) is not None for _, p in params]
     flags = paddle.to_tensor(np.array(stepped, dtype="int32"))
     group = layout.world_group()
     if group is not None:
@@ -49,13 +49,13 @@ def _present(accumulators, params, names):
     return flags.numpy() > 0
 
 
-def _full_accumulator(accumulators, name, param):
+def _full_state(optimizer, name, param):
     """Sent by the rank that steps `param`: its dp owner (levels 1-3), on its first pipeline stage."""
     record = find_record(param)
     if layout.steps_here(param):
-        local = accumulators[name][param.name]
+        local = layout.state_tensor(optimizer, param, name)
     else:  # another dp rank or another stage steps it (any state here is a placeholder): receive
-        local = paddle.empty(layout.accumulator_shape(param, name), layout.accumulator_dtype(param, name))
+        local = paddle.empty(layout.state_shape(param, name), layout.state_dtype(optimizer, param, name))
     if record is None:
         return local.numpy()
     if record.dp_owner is not None:

@@ -25,13 +25,13 @@ def expected_model_specs(model):
             for key, value in model.state_dict().items()}
 
 
-def expected_optimizer_specs(model, names):
-    """{key: (global shape, dtype)} of optimizer state for accumulators `names`."""
+def expected_optimizer_specs(model, optimizer):
+    """{key: (global shape, dtype)} of the optimizer state (accumulators, master weights) for `model`."""
     specs = {}
     for key, param in model.named_parameters():
-        for name in names:
+        for name in layout.state_names(optimizer, param):
             shape = (1,) if name in layout.SCALAR_ACCUMULATORS else layout.global_shape(param)
-            specs[optimizer_key(key, name)] = (shape, layout.dtype_name(layout.accumulator_dtype(param, name)))
+            specs[optimizer_key(key, name)] = (shape, layout.dtype_name(layout.state_dtype(optimizer, param, name)))
     return specs
 
 
@@ -41,16 +41,22 @@ def restore_model(model, reader):
             set_local_value(tensor, _local(tensor, reader.full(key)))
 
 
-def restore_optimizer(model, optimizer, reader, names):
-    """Create the optimizer's state where it is missing (a fresh optimizer) and fill it."""
+def restore_optimizer(model, optimizer, reader):
+    """Create the optimizer's state where it is missing (a fresh optimizer: accumulators and, with
+    multi_precision, master weights) and fill it."""
     inner = layout.inner_optimizer(optimizer)
+    saved = reader.metadata.state_dict_metadata
+    first = layout.accumulator_names(optimizer)[0]
     mine = [(key, p) for key, p in model.named_parameters()
-            if layout.steps_here(p) and optimizer_key(key, names[0]) in reader.metadata.state_dict_metadata]
-    missing = [p for _, p in mine if any(p.name not in inner._accumulators.get(n, {}) for n in names)]
+            if layout.steps_here(p) and optimizer_key(key, first) in saved]
+    missing = [p for _, p in mine if any(layout.state_tensor(optimizer, p, n) is None
+                                         for n in layout.state_names(optimizer, p))]
     if missing:
         inner._create_accumulators(paddle.static.default_main_program().global_block(), missing)
     for key, param in mine:
-        for name in names:
+        for name in layout.state_names(optimizer, param):
+            if name == layout.MASTER_WEIGHT and optimizer_key(key, name) not in saved:
+                continue  # saved without master weights: keep the copy of the parameter just created
             full = reader.full(optimizer_key(key, name))
             value = full if name in layout.SCALAR_ACCUMULATORS else _local(param, full)
-            inner._accumulators[name][param.name].set_value(value)
+            layout.state_tensor(optimizer, param, name).set_value(value)

@@ -42,20 +42,24 @@ def test_one_process_async_save_latest_and_export(tmp_path):
                                float(model(input_ids=ids, labels=labels)[0]), rtol=0, atol=1e-5)
 
 
-def test_accumulator_dtypes_match_paddles_optimizers():
-    """The dtype a checkpoint expects (and receives into) for each accumulator is the one Paddle creates."""
+def test_state_dtypes_match_paddles_optimizers():
+    """The dtype a checkpoint expects (and receives into) for each accumulator and master weight is the one
+    Paddle creates, with and without multi_precision."""
     import paddle
 
     from paddle_cp.checkpoint import layout
 
     for dtype in ("float32", "float64", "bfloat16", "float16"):
         for make in (paddle.optimizer.AdamW, paddle.optimizer.Momentum):
-            layer = paddle.nn.Linear(2, 2)
-            layer.to(dtype=dtype)
-            optimizer = make(parameters=layer.parameters())
-            optimizer._create_accumulators(paddle.static.default_main_program().global_block(),
-                                           layer.parameters())
-            for name in layout.accumulator_names(optimizer):
+            for multi_precision in (False, True):
+                layer = paddle.nn.Linear(2, 2)
+                layer.to(dtype=dtype)
+                optimizer = make(parameters=layer.parameters(), multi_precision=multi_precision)
+                optimizer._create_accumulators(paddle.static.default_main_program().global_block(),
+                                               layer.parameters())
                 for param in layer.parameters():
-                    assert optimizer._accumulators[name][param.name].dtype == layout.accumulator_dtype(param, name), \
-                        (dtype, make.__name__, name)
+                    names = layout.state_names(optimizer, param)
+                    assert (layout.MASTER_WEIGHT in names) == (multi_precision and dtype in ("bfloat16", "float16"))
+                    for name in names:
+                        assert layout.state_tensor(optimizer, param, name).dtype == \
+                            layout.state_dtype(optimizer, param, name), (dtype, make.__name__, name, multi_precision)
