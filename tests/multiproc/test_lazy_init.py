@@ -6,7 +6,7 @@ import pytest
 from launcher import launch_once
 
 MiB = 2 ** 20
-LAYOUTS = ("dp2xmp2_l3", "pp2xsep2", "dp2xmp2_l1_fused", "mp2xsep2_l0", "dp4_l2")
+LAYOUTS = ("dp2xmp2_l3", "dp2xmp2_l3_two_step", "pp2xsep2", "dp2xmp2_l1_fused", "mp2xsep2_l0", "dp4_l2")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_trains_like_one_card(reports, layout):
 
 def test_peak_within_share_plus_two_parameters(reports):
     asserted = [name for name, (*_, bounded) in _memory(reports[0]).items() if bounded]
-    assert sorted(asserted) == ["dp2xmp2_l3", "pp2xsep2"]
+    assert sorted(asserted) == ["dp2xmp2_l3", "dp2xmp2_l3_two_step", "pp2xsep2"]
     for r in reports:
         for name in asserted:
             m = r["values"][f"{name}.memory"]

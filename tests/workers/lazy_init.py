@@ -47,10 +47,11 @@ MODELS = {"llama": llama, "phi3": phi3}
 PIPELINE_CP = {"": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
 PIPELINE = {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 2,
             "schedule_mode": "1F1B"}
+DP2_MP2_L3 = lambda m: {"mp_config": {"parallelize_plan": paddle_plan(m)}, "dp_config": {"sharding_level": 3}}  # noqa: E731
 LAYOUTS = {  # name: (model, mesh dims, config builder, labels split over sep by the script, memory asserted)
-    "dp2xmp2_l3": ("llama", [("dp", 2), ("mp", 2)],
-                   lambda m: {"mp_config": {"parallelize_plan": paddle_plan(m)}, "dp_config": {"sharding_level": 3}},
-                   False, True),
+    "dp2xmp2_l3": ("llama", [("dp", 2), ("mp", 2)], DP2_MP2_L3, False, True),
+    # Paddle's two steps: parallelize_model, the initialization loop, the optimizer, parallelize_optimizer
+    "dp2xmp2_l3_two_step": ("llama", [("dp", 2), ("mp", 2)], DP2_MP2_L3, False, True),
     "pp2xsep2": ("llama", [("pp", 2), ("sep", 2)],
                  lambda m: {"cp_config": {"parallelize_plan": PIPELINE_CP}, "pp_config": PIPELINE}, False, True),
     "dp2xmp2_l1_fused": ("phi3", [("dp", 2), ("mp", 2)],
@@ -104,9 +105,10 @@ def _allocated():
     return core.host_memory_stat_current_value("Allocated", 0)
 
 
-def measured_start(make, mesh, config, lazy=True):
+def measured_start(make, mesh, config, lazy=True, two_step=False):
     """Build, parallelize, initialize (lazy): (model, optimizer, whether every parameter was uninitialized
-    after parallelize, {peak, share, largest} in bytes over the three, from the allocator statistics)."""
+    after parallelize, {peak, share, largest} in bytes over the three, from the allocator statistics).
+    `two_step`: Paddle's parallelize_model, then the loop, then the optimizer and parallelize_optimizer."""
     gc.collect()
     base = _allocated()
     core.host_memory_stat_reset_peak_value("Allocated", 0)
@@ -115,12 +117,17 @@ def measured_start(make, mesh, config, lazy=True):
     else:
         paddle.seed(SEED)
         model = make()
-    optimizer = adamw(model)
-    model, optimizer = pcp.parallelize(model, optimizer, mesh, config(model))
+    config = config(model)
+    if two_step:
+        model = pcp.parallelize_model(model, mesh, config)
+    else:
+        model, optimizer = pcp.parallelize(model, adamw(model), mesh, config)
     uninitialized = all(not p._is_initialized() for p in model.parameters())
     if lazy:
         for p in model.parameters():
             p.initialize()
+    if two_step:
+        optimizer = pcp.parallelize_optimizer(adamw(model), mesh, config)
     largest = max(math.prod(record_of(p).full_shape) * p.element_size() for p in model.parameters())
     memory = {"peak": core.host_memory_stat_peak_value("Allocated", 0) - base, "share": _allocated() - base,
               "largest": largest}
@@ -157,7 +164,8 @@ def check_layout(report, name, references):
     model_name, dims, config, shard_labels, memory_bound = LAYOUTS[name]
     initial, state_after, want_losses, want_state = references[model_name]
     mesh = mesh_of(dims)
-    model, optimizer, uninitialized, memory = measured_start(MODELS[model_name], mesh, config)
+    model, optimizer, uninitialized, memory = measured_start(MODELS[model_name], mesh, config,
+                                                             two_step=name.endswith("two_step"))
     report.value(f"{name}.uninitialized_after_parallelize", uninitialized)
     report.value(f"{name}.random_state_as_one_card", random_state() == state_after)
     report.value(f"{name}.memory", {**memory, "asserted": memory_bound})
