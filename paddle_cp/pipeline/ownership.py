@@ -15,7 +15,7 @@ import paddle
 
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from ..params import record_of
+from ..params import is_lazy, record_of
 
 
 def holders(model, plan):
@@ -35,7 +35,7 @@ def release_foreign(held, stage, pp_group):
     for param, stages in held.values():
         record = record_of(param)
         record.stage, record.pp_stages, record.pp_group = stages[0], stages, pp_group
-        if stage not in stages:
+        if stage not in stages and not is_lazy(param):  # a lazy one has no data; cleared, it would lose its place
             param._clear_data()
 
 

@@ -454,7 +454,7 @@ RUNS = {
         ("mp2xpp2", dict(mp=2, pp=2)),
         ("dp2xpp2_two_step", dict(dp=2, pp=2, one_api=False)),
     ],
-    # switches whose features are being built on other branches (lazy initialization, paddle_cp.shard_scaler)
+    # switches whose features came from other branches (lazy initialization, paddle_cp.shard_scaler)
     "pending": [
         ("dp2xmp2_lazy", dict(dp=2, mp=2, use_lazy_init=True)),
         ("mp2xsep2_sp_lazy_acc2", dict(mp=2, sep=2, sequence_parallel=True, use_lazy_init=True, acc_step=2)),
