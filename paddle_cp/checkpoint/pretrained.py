@@ -1,0 +1,201 @@
+"""`load_pretrained(model, directory)`: weights that PaddleFormers' `save_pretrained` wrote
+(safetensors, one file or sharded with `model.safetensors.index.json`) into a parallelized model,
+each rank reading only the slices it keeps.
+
+The files hold Hugging Face names and layouts (Linear weights `[out, in]`, Phi3's q/k/v heads in
+their own order); `from_pretrained` maps them onto the model with the model class's
+`_gen_aoa_config` through Paddle's AOA engine. So does this: for each box of the single-card
+tensor this rank holds (`params.local_boxes`: its tensor-parallel pieces, nothing on a level-3
+non-owner or another pipeline stage), the engine names the file slices that fill it and the
+transpose to apply; safetensors reads just those slices. Loading issues no collective except
+one agreement on the checks, so no rank starts reading while another has found a problem.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+
+import numpy as np
+import paddle
+
+from ..params import Box, find_record, local_boxes, set_local_value
+from . import layout, restore
+from .agree import count_failures
+from .io_bytes import count
+
+SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+# safetensors' dtype names -> Paddle's (what the AOA engine and the model's state_dict use)
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def weight_files(directory):
+    """{key: file path} of a save_pretrained directory; ValueError when there is none."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"load_pretrained: {directory} is not a directory: pass the directory save_pretrained "
+                         "(or pcp.export_pretrained) wrote")
+    index = os.path.join(directory, SAFE_INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"load_pretrained: {index} is unreadable ({exc}): save the model again") from exc
+        files = {key: os.path.join(directory, name) for key, name in weight_map.items()}
+        absent = sorted({path for path in files.values() if not os.path.isfile(path)})
+        if absent:
+            raise ValueError(f"load_pretrained: {SAFE_INDEX} in {directory} lists files that are missing: "
+                             f"{[os.path.basename(p) for p in absent[:3]]}; copy the whole directory")
+        return files
+    single = os.path.join(directory, SAFE_WEIGHTS)
+    if not os.path.isfile(single):
+        raise ValueError(f"load_pretrained: {directory} holds neither {SAFE_INDEX} nor {SAFE_WEIGHTS}: pass a "
+                         "directory written by save_pretrained(..., safe_serialization=True) or export_pretrained")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="numpy") as f:
+        return {key: single for key in f.keys()}
+
+
+class SafetensorsFiles:
+    """The tensors of a save_pretrained directory, opened lazily: headers first, slices on demand."""
+
+    def __init__(self, directory):
+        from safetensors import safe_open
+
+        self.files = weight_files(directory)
+        self._open = {}
+        self._safe_open = safe_open
+        self.specs = {}  # key -> (shape, Paddle dtype name)
+        for key, path in self.files.items():
+            piece = self._handle(path).get_slice(key)
+            self.specs[key] = (tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype(), piece.get_dtype()))
+
+    def _handle(self, path):
+        if path not in self._open:
+            try:
+                self._open[path] = self._safe_open(path, framework="numpy")
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+                raise ValueError(f"load_pretrained: {path} is not a readable safetensors file ({exc}): "
+                                 "save the model again") from exc
+        return self._open[path]
+
+    def read(self, key, offset, shape):
+        """The block of `key` at `offset` of size `shape`: only its bytes are read."""
+        piece = self._handle(self.files[key]).get_slice(key)
+        block = piece[tuple(slice(o, o + n) for o, n in zip(offset, shape))] if shape else piece.get()
+        count("read", block.nbytes)
+        return block
+
+    def shard_info(self):
+        """The files' tensors as the AOA engine's source description (each one whole shard)."""
+        from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+
+        return {key: [ShardedWeightDesc(key, shape, shape, (0,) * len(shape), dtype)]
+                for key, (shape, dtype) in self.specs.items()}
+
+
+def name_mapping(model):
+    """The AOA statements from_pretrained applies for this model class (none: names and layouts as stored)."""
+    generate = getattr(type(model), "_gen_aoa_config", None)
+    return generate(model.config) if generate is not None else {"aoa_statements": []}
+
+
+def _box_desc(key, box, shape, dtype):
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+
+    return ShardedWeightDesc(key, tuple(box.local_shape), tuple(shape), tuple(box.global_offset), dtype)
+
+
+def _engine(files, specs, mapping, directory):
+    """Paddle's AOA engine from the files to the model's keys, after checking they fit."""
+    from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+
+    targets = {key: [ShardedWeightDesc(key, shape, shape, (0,) * len(shape), dtype)]
+               for key, (shape, dtype) in specs.items()}
+    try:
+        engine = AOAEngine(mapping, files.shard_info(), targets)
+    except Exception as exc:  # noqa: BLE001 - the engine asserts when statements name absent keys
+        raise ValueError(f"load_pretrained: the files in {directory} do not fit {mapping.get('aoa_statements', [])[:2]}"
+                         f"... (the model class's name mapping): {type(exc).__name__}: {exc}; load weights saved "
+                         "from the same model class") from exc
+    outputs = engine.output_vars
+    missing = sorted(key for key in specs if outputs.get(key) is None)
+    unexpected = sorted(key for key in outputs if key not in specs)
+    if missing or unexpected:
+        raise ValueError(f"load_pretrained: {directory} does not fit this model: keys it lacks {missing[:5]}, "
+                         f"keys only in the files {unexpected[:5]}; build the model from the config saved with "
+                         "the weights (ModelClass(AutoConfig.from_pretrained(directory)))")
+    for key, (shape, dtype) in sorted(specs.items()):
+        found = outputs[key]
+        if tuple(found.shape) != tuple(shape) or found.dtype != dtype:
+            raise ValueError(f"load_pretrained: {directory} holds '{key}' as {found.dtype}{list(found.shape)}, "
+                             f"this model needs {dtype}{list(shape)}: build the model from the saved config, "
+                             "with the dtype the weights were saved in")
+    return engine
+
+
+def _postprocess(block, steps):
+    """Apply the engine's steps to a block read from a file: transposes ("[1, 0]") and casts."""
+    for step in steps or ():
+        if step.startswith("["):
+            block = np.transpose(block, ast.literal_eval(step))
+        else:
+            block = block.astype(step)
+    return block
+
+
+def _local_value(files, engine, key, tensor, dtype):
+    """This rank's local tensor of model key `key`, read box by box (numpy)."""
+    record = find_record(tensor)
+    shape = layout.global_shape(tensor)
+    local = np.empty(tuple(tensor.shape) if record is None else record.tp_shape(), dtype=dtype)
+    for box in local_boxes(tensor) if record is not None else [_whole_box(shape)]:
+        for entry in engine.find_shard_sources(_box_desc(key, box, shape, layout.dtype_name(tensor.dtype))):
+            source, target = entry.source_slice, entry.target_slice
+            block = _postprocess(files.read(source.key, source.global_offset, source.local_shape),
+                                 entry.postprocess_list)
+            # the target's place inside this rank's local tensor: relative to the box, shifted by its local slice
+            region = tuple(slice(s.start + o - b, s.start + o - b + n) for s, o, b, n in
+                           zip(box.local_slice, target.global_offset, box.global_offset, target.local_shape))
+            local[region] = block
+    return local
+
+
+def _whole_box(shape):
+    return Box((0,) * len(shape), tuple(shape), tuple(slice(0, d) for d in shape))
+
+
+def load_pretrained(model, directory):
+    """Fill `model` (parallelized or not) with the weights save_pretrained wrote to `directory`. Collective
+    over the mesh only to agree that every rank's checks passed; each rank then reads its own slices."""
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"load_pretrained(model, directory) takes a paddle.nn.Layer, got {type(model).__name__}")
+    if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+        raise TypeError(f"load_pretrained(model, directory) takes a directory path, got {directory!r}")
+    state = model.state_dict()
+    specs = restore.expected_model_specs(model)
+    problem, files, engine = None, None, None
+    try:
+        files = SafetensorsFiles(str(directory))
+        engine = _engine(files, specs, name_mapping(model), directory)
+    except ValueError as exc:
+        problem = exc
+    failed = count_failures(layout.world_group(), problem is None, "pretrained_checked")
+    if problem is not None:
+        raise problem
+    if failed:
+        raise ValueError(f"load_pretrained: {directory} failed the checks on {failed} other rank(s) (their error "
+                         "says why; is the directory visible to every rank?)")
+    done = set()
+    for key, tensor in state.items():
+        if id(tensor) in done or not layout.holds_value(tensor):
+            continue  # a tied weight is read once; a level-3 non-owner or another stage keeps nothing
+        done.add(id(tensor))
+        set_local_value(tensor, _local_value(files, engine, key, tensor, _numpy_dtype(tensor)))
+
+
+def _numpy_dtype(tensor):
+    return np.dtype("uint16") if tensor.dtype == paddle.bfloat16 else np.dtype(layout.dtype_name(tensor.dtype))
