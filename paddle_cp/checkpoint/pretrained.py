@@ -18,6 +18,8 @@ import os
 
 import numpy as np
 import paddle
+from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
+from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
 
 from ..params import Box, find_record, local_boxes, set_local_value
 from . import layout, restore
@@ -90,10 +92,7 @@ class SafetensorsFiles:
 
     def shard_info(self):
         """The files' tensors as the AOA engine's source description (each one whole shard)."""
-        from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
-
-        return {key: [ShardedWeightDesc(key, shape, shape, (0,) * len(shape), dtype)]
-                for key, (shape, dtype) in self.specs.items()}
+        return {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in self.specs.items()}
 
 
 def name_mapping(model):
@@ -102,19 +101,18 @@ def name_mapping(model):
     return generate(model.config) if generate is not None else {"aoa_statements": []}
 
 
-def _box_desc(key, box, shape, dtype):
-    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+def whole_desc(key, shape, dtype):
+    """The AOA engine's description of a whole tensor."""
+    return ShardedWeightDesc(key, tuple(shape), tuple(shape), (0,) * len(shape), dtype)
 
+
+def _box_desc(key, box, shape, dtype):
     return ShardedWeightDesc(key, tuple(box.local_shape), tuple(shape), tuple(box.global_offset), dtype)
 
 
 def _engine(files, specs, mapping, directory):
     """Paddle's AOA engine from the files to the model's keys, after checking they fit."""
-    from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
-    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
-
-    targets = {key: [ShardedWeightDesc(key, shape, shape, (0,) * len(shape), dtype)]
-               for key, (shape, dtype) in specs.items()}
+    targets = {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in specs.items()}
     try:
         engine = AOAEngine(mapping, files.shard_info(), targets)
     except Exception as exc:  # noqa: BLE001 - the engine asserts when statements name absent keys
@@ -137,7 +135,7 @@ def _engine(files, specs, mapping, directory):
     return engine
 
 
-def _postprocess(block, steps):
+def postprocess(block, steps):
     """Apply the engine's steps to a block read from a file: transposes ("[1, 0]") and casts."""
     for step in steps or ():
         if step.startswith("["):
@@ -155,7 +153,7 @@ def _local_value(files, engine, key, tensor, dtype):
     for box in local_boxes(tensor) if record is not None else [_whole_box(shape)]:
         for entry in engine.find_shard_sources(_box_desc(key, box, shape, layout.dtype_name(tensor.dtype))):
             source, target = entry.source_slice, entry.target_slice
-            block = _postprocess(files.read(source.key, source.global_offset, source.local_shape),
+            block = postprocess(files.read(source.key, source.global_offset, source.local_shape),
                                  entry.postprocess_list)
             # the target's place inside this rank's local tensor: relative to the box, shifted by its local slice
             region = tuple(slice(s.start + o - b, s.start + o - b + n) for s, o, b, n in
