@@ -9,10 +9,9 @@ import threading
 import paddle
 import paddle.distributed as dist
 
-from . import commit, gather, layout, restore
+from . import commit, layout, restore, shards
 from .agree import count_failures, same_everywhere
-from .format import (MODEL_DIR, OPTIMIZER_DIR, BoxReader, global_specs, local_boxes, metadata, read_metadata,
-                     write_state)
+from .format import MODEL_DIR, OPTIMIZER_DIR, BoxReader, global_specs, merge_metadata, read_metadata, write_state
 
 _pending = []  # the async save whose files are still being written (at most one)
 
@@ -49,16 +48,10 @@ class _Save:
     """One save's file writing (in a background thread when async) and its publication."""
 
     def __init__(self, path, extra, states, group, async_save):
-        """`states`: {folder: (key, full array) pairs}, consumed here (collectively)."""
+        """`states`: {folder: {data file: {key: SavedBox}}}, this rank's own boxes (host copies when async)."""
         self.path, self.extra, self.group = path, extra, group
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.jobs, self.has_optimizer = [], False
-        for folder, values in states.items():
-            boxes, specs = local_boxes(values, world, rank)  # copies: training may go on while a thread writes
-            if specs:
-                meta = metadata(specs, world) if rank == 0 else None
-                self.jobs.append((os.path.join(commit.partial_path(path), folder), boxes, meta))
-                self.has_optimizer = self.has_optimizer or folder == OPTIMIZER_DIR
+        self.jobs = [(os.path.join(commit.partial_path(path), folder), files) for folder, files in states.items()]
+        self.has_optimizer = OPTIMIZER_DIR in states
         self.error = None
         self.thread = threading.Thread(target=self._write, name="paddle_cp-checkpoint-writer", daemon=True)
         if async_save:
@@ -68,8 +61,8 @@ class _Save:
 
     def _write(self):
         try:
-            for directory, boxes, meta in self.jobs:
-                write_state(directory, boxes, meta)
+            for directory, files in self.jobs:
+                write_state(directory, files)
         except Exception as exc:  # noqa: BLE001 - reported to every rank in finish()
             self.error = exc
 
@@ -88,6 +81,8 @@ class _Save:
         error = None
         if dist.get_rank() == 0:
             try:
+                for directory, _ in self.jobs:  # every rank's index is written: the metadata of all boxes
+                    merge_metadata(directory)
                 commit.publish(self.path, self.extra, self.has_optimizer)
             except OSError as exc:  # e.g. the path appeared meanwhile: every rank must hear of it
                 error = exc
@@ -111,9 +106,10 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
         commit.clear_partial(path)
     # also a barrier: no rank writes before a stale partial save is gone
     same_everywhere(group, (_call_description(path, model, optimizer), extra, async_save))
-    states = {MODEL_DIR: gather.model_values(model)}
+    # this rank's own boxes, copied to the host when async (training goes on while a thread writes)
+    states = {MODEL_DIR: shards.model_files(model, copy=async_save)}
     if optimizer is not None:
-        states[OPTIMIZER_DIR] = gather.optimizer_values(model, optimizer)
+        states[OPTIMIZER_DIR] = shards.optimizer_files(model, optimizer, copy=async_save)
     save = _Save(path, extra, states, group, async_save)
     if async_save:
         _pending.append(save)

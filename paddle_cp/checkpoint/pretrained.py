@@ -21,7 +21,7 @@ import paddle
 from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
 
-from ..params import Box, find_record, local_boxes, set_local_value
+from ..params import set_local_value
 from . import layout, restore
 from .agree import count_failures
 from .io_bytes import count
@@ -106,10 +106,6 @@ def whole_desc(key, shape, dtype):
     return ShardedWeightDesc(key, tuple(shape), tuple(shape), (0,) * len(shape), dtype)
 
 
-def _box_desc(key, box, shape, dtype):
-    return ShardedWeightDesc(key, tuple(box.local_shape), tuple(shape), tuple(box.global_offset), dtype)
-
-
 def _engine(files, specs, mapping, directory):
     """Paddle's AOA engine from the files to the model's keys, after checking they fit."""
     targets = {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in specs.items()}
@@ -145,25 +141,17 @@ def postprocess(block, steps):
     return block
 
 
-def _local_value(files, engine, key, tensor, dtype):
-    """This rank's local tensor of model key `key`, read box by box (numpy)."""
-    record = find_record(tensor)
-    shape = layout.global_shape(tensor)
-    local = np.empty(tuple(tensor.shape) if record is None else record.tp_shape(), dtype=dtype)
-    for box in local_boxes(tensor) if record is not None else [_whole_box(shape)]:
-        for entry in engine.find_shard_sources(_box_desc(key, box, shape, layout.dtype_name(tensor.dtype))):
-            source, target = entry.source_slice, entry.target_slice
-            block = postprocess(files.read(source.key, source.global_offset, source.local_shape),
-                                 entry.postprocess_list)
-            # the target's place inside this rank's local tensor: relative to the box, shifted by its local slice
-            region = tuple(slice(s.start + o - b, s.start + o - b + n) for s, o, b, n in
-                           zip(box.local_slice, target.global_offset, box.global_offset, target.local_shape))
-            local[region] = block
-    return local
-
-
-def _whole_box(shape):
-    return Box((0,) * len(shape), tuple(shape), tuple(slice(0, d) for d in shape))
+def _read_box(files, engine, key, tensor, offset, shape):
+    """The values of model key `key` in the box at `offset` of size `shape` of the single-card tensor, from
+    the file slices the engine names (numpy)."""
+    out = np.empty(tuple(shape), dtype=_numpy_dtype(tensor))
+    desc = ShardedWeightDesc(key, tuple(shape), layout.global_shape(tensor), tuple(offset), layout.dtype_name(tensor.dtype))
+    for entry in engine.find_shard_sources(desc):
+        source, target = entry.source_slice, entry.target_slice
+        block = files.read(source.key, source.global_offset, source.local_shape)
+        out[tuple(slice(t - o, t - o + n) for t, o, n in zip(target.global_offset, offset, target.local_shape))] = \
+            postprocess(block, entry.postprocess_list)
+    return out
 
 
 def load_pretrained(model, directory):
@@ -192,7 +180,8 @@ def load_pretrained(model, directory):
         if id(tensor) in done or not layout.holds_value(tensor):
             continue  # a tied weight is read once; a level-3 non-owner or another stage keeps nothing
         done.add(id(tensor))
-        set_local_value(tensor, _local_value(files, engine, key, tensor, _numpy_dtype(tensor)))
+        set_local_value(tensor, layout.local_value(
+            tensor, lambda offset, shape: _read_box(files, engine, key, tensor, offset, shape)))
 
 
 def _numpy_dtype(tensor):
