@@ -48,9 +48,16 @@ class _Save:
     """One save's file writing (in a background thread when async) and its publication."""
 
     def __init__(self, path, extra, states, group, async_save):
-        """`states`: {folder: {data file: {key: SavedBox}}}, this rank's own boxes (host copies when async)."""
-        self.path, self.extra, self.group = path, extra, group
-        self.jobs = [(os.path.join(commit.partial_path(path), folder), files) for folder, files in states.items()]
+        """`states`: {folder: [(key, SavedBox)]}, this rank's own boxes, copied to the host now when async
+        (training goes on while the thread writes), else one file's worth at a time while writing."""
+        self.path, self.extra, self.group, self.copied = path, extra, group, async_save
+        self.jobs = []
+        for folder, boxes in states.items():
+            files = shards.files_of(boxes)
+            if async_save:
+                for box in (box for _, box in boxes):
+                    box.take(copy=True)
+            self.jobs.append((os.path.join(commit.partial_path(path), folder), files))
         self.has_optimizer = OPTIMIZER_DIR in states
         self.error = None
         self.thread = threading.Thread(target=self._write, name="paddle_cp-checkpoint-writer", daemon=True)
@@ -62,7 +69,7 @@ class _Save:
     def _write(self):
         try:
             for directory, files in self.jobs:
-                write_state(directory, files)
+                write_state(directory, files, self.copied)
         except Exception as exc:  # noqa: BLE001 - reported to every rank in finish()
             self.error = exc
 
@@ -106,10 +113,9 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
         commit.clear_partial(path)
     # also a barrier: no rank writes before a stale partial save is gone
     same_everywhere(group, (_call_description(path, model, optimizer), extra, async_save))
-    # this rank's own boxes, copied to the host when async (training goes on while a thread writes)
-    states = {MODEL_DIR: shards.model_files(model, copy=async_save)}
+    states = {MODEL_DIR: shards.model_boxes(model)}  # this rank's own boxes: no data moves between ranks
     if optimizer is not None:
-        states[OPTIMIZER_DIR] = shards.optimizer_files(model, optimizer, copy=async_save)
+        states[OPTIMIZER_DIR] = shards.optimizer_boxes(model, optimizer)
     save = _Save(path, extra, states, group, async_save)
     if async_save:
         _pending.append(save)

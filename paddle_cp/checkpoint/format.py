@@ -6,7 +6,8 @@ here box by box, without Paddle's loader (it calls `.cuda()`).
 Boxes: each rank writes the pieces of the global tensors it holds (`shards.py` picks one holder
 of each piece), so saving moves no data between ranks. A data file holds at most one box per
 key, so a rank holding several pieces of one key (the q|k|v parts of a fused projection) writes
-them to several files: `{rank + slot * world}_0.distcp`, slot 0 always written. Beside each data
+them to several files, `{rank + slot * world}_0.distcp` (slot 0 always written), and no file holds
+more than the largest box: `paddle.save` keeps a file's worth of copies while it pickles. Beside each data
 file, `{file}.index.json` says where every box's bytes start in it (the pickle stores an array's
 bytes raw), so a loader reads just the byte ranges of the boxes it needs; the coordinator builds
 `0.metadata` from these indexes once every rank has written (writing needs no collective, which
@@ -55,12 +56,15 @@ def _data_offsets(path, sizes):
 _BYTES_OPS = {"SHORT_BINBYTES": 1, "BINBYTES": 4, "BINBYTES8": 8}  # opcode -> length field size
 
 
-def write_state(directory, files):
-    """This rank's data files {name: {key: Box}} and their indexes."""
+def write_state(directory, files, copied):
+    """This rank's data files {name: {key: SavedBox}} and their indexes, one file's boxes on the host at a time
+    (all of them already when `copied`)."""
     os.makedirs(directory, exist_ok=True)
     for name, boxes in files.items():
         path = os.path.join(directory, name)
-        paddle.save({key: box.value for key, box in boxes.items()}, path)
+        paddle.save({key: box.take(copied) for key, box in boxes.items()}, path)
+        for box in boxes.values():
+            box.value = None  # this file's host copies go before the next file's are taken
         sizes = {key: box.nbytes for key, box in boxes.items()}
         offsets = _data_offsets(path, sizes)
         if set(offsets) != set(sizes):

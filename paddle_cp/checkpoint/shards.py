@@ -26,15 +26,28 @@ from .format import data_file, optimizer_key
 
 @dataclass
 class SavedBox:
+    """A box this rank writes: `local_slice` of its local tensor `source`, taken to the host by `take()`."""
+
     global_offset: tuple
     local_shape: tuple
     global_shape: tuple
     dtype: str
-    value: paddle.Tensor  # on the host
+    source: paddle.Tensor
+    local_slice: tuple
+    value: paddle.Tensor = None  # the host copy, once taken
 
     @property
     def nbytes(self):
-        return math.prod(self.local_shape) * self.value.element_size()
+        return math.prod(self.local_shape) * self.source.element_size()
+
+    def take(self, copy):
+        """The box's values on the host: a copy when `copy` (async: training goes on), else the
+        tensor itself where the box is all of it."""
+        if self.value is None:
+            whole = tuple(self.local_shape) == tuple(self.source.shape)
+            piece = (self.source if whole else self.source[self.local_slice]).cpu()
+            self.value = piece.clone() if copy or not whole else piece
+        return self.value
 
 
 def _replica_position(groups, seed):
@@ -80,48 +93,53 @@ def _boxes(tensor, split):
     return [Box((0,) * len(tensor.shape), tuple(tensor.shape), tuple(slice(0, d) for d in tensor.shape))]
 
 
-def _saved(key, value, box, global_shape, copy):
-    """The box's values on the host: a copy when `copy` (async: training goes on) or a piece of the value."""
-    whole = tuple(box.local_shape) == tuple(value.shape)
-    piece = value if whole else value[box.local_slice]
-    piece = piece.cpu()
-    if copy or not whole:
-        piece = piece.clone()
-    return SavedBox(tuple(box.global_offset), tuple(box.local_shape), tuple(global_shape),
-                    layout.dtype_name(value.dtype), piece)
+def _add(boxes, key, value, pieces, global_shape):
+    boxes += [(key, SavedBox(tuple(box.global_offset), tuple(box.local_shape), tuple(global_shape),
+                             layout.dtype_name(value.dtype), value, box.local_slice)) for box in pieces]
 
 
-def _add(files, key, value, boxes, global_shape, copy):
+def files_of(boxes):
+    """{data file: {key: SavedBox}}: at most one box per key per file (Paddle's files are dicts by key), each
+    file at most the largest box's bytes (paddle.save holds a file's worth of copies while it pickles);
+    slot 0 always present."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    for slot, box in enumerate(boxes):  # one box per key per file
-        files.setdefault(data_file(rank, slot, world), {})[key] = _saved(key, value, box, global_shape, copy)
+    limit = max((box.nbytes for _, box in boxes), default=0)
+    files, sizes = [{}], [0]
+    for key, box in boxes:
+        slot = next((i for i, f in enumerate(files) if key not in f and sizes[i] + box.nbytes <= limit), None)
+        if slot is None:
+            files.append({})
+            sizes.append(0)
+            slot = len(files) - 1
+        files[slot][key] = box
+        sizes[slot] += box.nbytes
+    return {data_file(rank, slot, world): f for slot, f in enumerate(files)}
 
 
-def model_files(model, copy):
-    """{data file: {key: SavedBox}} this rank writes of the model's state (slot 0 always present)."""
-    files = {data_file(dist.get_rank()): {}}
+def model_boxes(model):
+    """[(key, SavedBox)] this rank writes of the model's state."""
+    boxes = []
     for key, tensor in model.state_dict().items():
         split = find_record(tensor) is not None and find_record(tensor).tp_axis is not None
         if layout.holds_value(tensor) and writes_here(tensor, key, split):
-            _add(files, key, tensor, _boxes(tensor, split), layout.global_shape(tensor), copy)
-    return files
+            _add(boxes, key, tensor, _boxes(tensor, split), layout.global_shape(tensor))
+    return boxes
 
 
-def optimizer_files(model, optimizer, copy):
-    """{data file: {`{param}.{accumulator}_0`: SavedBox}} of the state this rank's optimizer holds."""
+def optimizer_boxes(model, optimizer):
+    """[(`{param}.{accumulator}_0`, SavedBox)] of the state this rank's optimizer holds."""
     accumulators = layout.inner_optimizer(optimizer)._accumulators
-    files = {data_file(dist.get_rank()): {}}
+    names = layout.accumulator_names(optimizer)
+    boxes = []
     for key, param in model.named_parameters():
-        if not layout.steps_here(param) or param.name not in accumulators.get(layout.accumulator_names(optimizer)[0], {}):
+        if not layout.steps_here(param) or param.name not in accumulators.get(names[0], {}):
             continue  # not stepped here, or never stepped (no gradient yet): one card holds no state either
         record = find_record(param)
-        for name in layout.accumulator_names(optimizer):
+        for name in names:
             state_key = optimizer_key(key, name)
             split = record is not None and record.tp_axis is not None and name not in layout.SCALAR_ACCUMULATORS
-            if not writes_here(param, state_key, split):
-                continue
-            value = accumulators[name][param.name]
-            shape = tuple(value.shape) if name in layout.SCALAR_ACCUMULATORS else layout.global_shape(param)
-            boxes = local_boxes(param) if split else _boxes(value, False)
-            _add(files, state_key, value, boxes, shape, copy)
-    return files
+            if writes_here(param, state_key, split):
+                value = accumulators[name][param.name]
+                shape = tuple(value.shape) if name in layout.SCALAR_ACCUMULATORS else layout.global_shape(param)
+                _add(boxes, state_key, value, local_boxes(param) if split else _boxes(value, False), shape)
+    return boxes
