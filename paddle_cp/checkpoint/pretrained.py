@@ -28,6 +28,7 @@ from .io_bytes import count
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 # safetensors' dtype names -> Paddle's (what the AOA engine and the model's state_dict use)
+_REBUILD = "build the model from the config saved with the weights (ModelClass(AutoConfig.from_pretrained(directory)))"
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
            "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
@@ -111,6 +112,9 @@ def _engine(files, specs, mapping, directory):
     targets = {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in specs.items()}
     try:
         engine = AOAEngine(mapping, files.shard_info(), targets)
+    except KeyError as exc:  # a model key no file tensor maps to
+        raise ValueError(f"load_pretrained: {directory} does not fit this model: keys it lacks [{exc.args[0]!r}]; "
+                         f"{_REBUILD}") from exc
     except Exception as exc:  # noqa: BLE001 - the engine asserts when statements name absent keys
         raise ValueError(f"load_pretrained: the files in {directory} do not fit {mapping.get('aoa_statements', [])[:2]}"
                          f"... (the model class's name mapping): {type(exc).__name__}: {exc}; load weights saved "
@@ -122,8 +126,7 @@ def _engine(files, specs, mapping, directory):
     unexpected = sorted(key for key in files.specs if key not in used and key not in specs)
     if missing or unexpected:
         raise ValueError(f"load_pretrained: {directory} does not fit this model: keys it lacks {missing[:5]}, "
-                         f"keys only in the files {unexpected[:5]}; build the model from the config saved with "
-                         "the weights (ModelClass(AutoConfig.from_pretrained(directory)))")
+                         f"keys only in the files {unexpected[:5]}; {_REBUILD}")
     for key, (shape, dtype) in sorted(specs.items()):
         found = outputs[key]
         if tuple(found.shape) != tuple(shape) or found.dtype != dtype:
