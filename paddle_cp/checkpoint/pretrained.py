@@ -182,11 +182,20 @@ def load_pretrained(model, directory):
                          "says why; is the directory visible to every rank?)")
     done = set()
     for key, tensor in state.items():
-        if id(tensor) in done or not layout.holds_value(tensor):
-            continue  # a tied weight is read once; a level-3 non-owner or another stage keeps nothing
+        if id(tensor) in done:
+            continue  # a tied weight is read once
         done.add(id(tensor))
-        set_local_value(tensor, layout.local_value(
-            tensor, lambda offset, shape: _read_box(files, engine, key, tensor, offset, shape)))
+        held = layout.holds_value(tensor)  # a level-3 non-owner or another stage keeps nothing: reads nothing
+        _give(tensor, layout.local_value(
+            tensor, lambda offset, shape: _read_box(files, engine, key, tensor, offset, shape)) if held else None)
+
+
+def _give(tensor, local):
+    """Give `tensor` this rank's value (None: it holds none). A lazily built model needs every parameter
+    marked initialized too, held or not: lazy initialization's `params.store_local_value(tensor, local)`
+    does both and replaces this function when the two are merged."""
+    if local is not None:
+        set_local_value(tensor, local)
 
 
 def _numpy_dtype(tensor):
