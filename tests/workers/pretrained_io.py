@@ -1,10 +1,9 @@
 """Pretrained weights, export and checkpoints on 4 ranks, each rank within its share.
 
-argv: layout root
-  layout: dp2xmp2_l3 (PaddleFormers' tensor-parallel plan, sharding level 3) or pp2xsep2 (2 stages,
-  ring attention); root: holds the directories save_pretrained wrote (made by the test):
+argv: root, holding the directories save_pretrained wrote (made by the test):
   llama_one (one file + index), llama_unified (model.safetensors, no index), phi3_sharded (many files).
-For each directory: a model built from another seed is parallelized, load_pretrained fills it; each
+On each layout, dp2xmp2_l3 (PaddleFormers' tensor-parallel plan, sharding level 3) and pp2xsep2
+(2 stages, ring attention), for each directory: a model built from another seed is parallelized, load_pretrained fills it; each
 rank's slices must equal ModelClass.from_pretrained(directory) on one card (computed by the test), then one
 AdamW step must give one card's loss and state. Then export_pretrained, save_checkpoint and
 load_checkpoint (sync and async). Every phase reports its peak, share and bytes (tools/io_phases.py).
@@ -26,7 +25,7 @@ from paddle_cp import mesh as mesh_lib
 from paddle_cp.tools.io_phases import measure
 
 BATCH, SEQ, EPSILON = 4, 16, 1e-3
-SIZES = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+SIZES = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, fuse_rms_norm=False)
 CASES = {"llama_one": "llama", "llama_unified": "llama", "phi3_sharded": "phi3"}
 
@@ -176,9 +175,9 @@ def bad_inputs(report, root):
         "index_lists_missing_file": (lambda: pf.Phi3ForCausalLM(pf.Phi3Config(**SIZES)), "phi3_missing_file"),
         "no_weights": (lambda: pf.LlamaForCausalLM(pf.LlamaConfig(**SIZES)), "empty"),
         "other_shapes": (lambda: pf.LlamaForCausalLM(pf.LlamaConfig(**other)), "llama_one"),
-        "fewer_layers": (lambda: pf.LlamaForCausalLM(pf.LlamaConfig(**dict(SIZES, num_hidden_layers=2))),
+        "fewer_layers": (lambda: pf.LlamaForCausalLM(pf.LlamaConfig(**dict(SIZES, num_hidden_layers=1))),
                          "llama_one"),
-        "more_layers": (lambda: pf.LlamaForCausalLM(pf.LlamaConfig(**dict(SIZES, num_hidden_layers=5))),
+        "more_layers": (lambda: pf.LlamaForCausalLM(pf.LlamaConfig(**dict(SIZES, num_hidden_layers=3))),
                         "llama_one"),
         "other_dtype": (lambda: pf.LlamaForCausalLM(pf.LlamaConfig(**SIZES)).to(dtype="float16"), "llama_one"),
     }
@@ -196,13 +195,13 @@ def bad_inputs(report, root):
 def main(report):
     paddle.set_device("cpu")
     dist.init_parallel_env()
-    layout_name, root = sys.argv[1], sys.argv[2]
-    rows = []
-    for directory_name in CASES:
-        rows += [dict(row, case=directory_name) for row in case(report, layout_name, root, directory_name)]
-    report.value("phases", rows)
-    if layout_name == "dp2xmp2_l3":
-        bad_inputs(report, root)
+    root = sys.argv[1]
+    for layout_name, names in (("dp2xmp2_l3", CASES), ("pp2xsep2", ("llama_one", "phi3_sharded"))):
+        rows = []
+        for directory_name in names:
+            rows += [dict(row, case=directory_name) for row in case(report, layout_name, root, directory_name)]
+        report.value(f"{layout_name}.phases", rows)
+    bad_inputs(report, root)
 
 
 if __name__ == "__main__":
