@@ -3,7 +3,8 @@
 Order: every plan and every value derived from the whole plan (local head
 counts, fused parts, shared weights, mesh dims) is checked before anything
 changes, so a call that raises leaves the model as it was and no rank waits in
-a collective; parameters are made identical on all ranks; tensor and sequence
+a collective; parameters are made identical on all ranks (a lazily built model's
+are left uninitialized: lazy_init.py); tensor and sequence
 plans (mp_config) with the context-parallel plans (cp_config) merged in after
 them are applied; then data parallel (dp_config): sharding over `dp` and the
 optimizer that reduces gradients.
@@ -14,6 +15,8 @@ from .. import mesh as mesh_lib
 from ..comm import collectives
 from ..pipeline import apply_pipeline, plan_pipeline
 from ..data_parallel.optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
+from ..params import is_lazy
+from .lazy_init import defer_initialization, require_initialized
 from .plan_annotation import annotate_plan
 from .plan_keys import resolve_plan
 from ..plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
@@ -67,9 +70,11 @@ def _check_config(config):
 
 
 def broadcast_parameters(model, mesh_group):
-    """Start every rank from the first one's full parameters, as one card would (before any split)."""
+    """Start every rank from the first one's full parameters, as one card would (before any split).
+    Lazy ones are left alone: every rank draws the same values when they are initialized."""
     for param in model.parameters():
-        collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
+        if not is_lazy(param):
+            collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
 
 
 def _gradient_groups(mesh):
@@ -108,6 +113,7 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
     applications, annotation = _validated_plan(model, config, mesh)
     # nothing has changed so far; from here on every rank runs the same collectives
     groups = _gradient_groups(mesh)
+    lazy = defer_initialization(model, groups.world)
     broadcast_parameters(model, groups.world)
     annotation.apply()
     for plan, layer, params in applications:
@@ -121,6 +127,8 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
         sharding = Sharding(level, optimizer_parameters(optimizer), groups.dp)
         if level == 3:
             sharding.release_parameters(model)
+    if lazy:
+        require_initialized(model)
     if optimizer is not None:
         optimizer = ParallelOptimizer(optimizer, groups, sharding, shared)
     return model, optimizer
