@@ -21,7 +21,7 @@ import paddle
 from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
 
-from ..params import set_local_value
+from ..params import store_local_value
 from . import layout, restore
 from .agree import count_failures
 from .io_bytes import count
@@ -186,16 +186,9 @@ def load_pretrained(model, directory):
             continue  # a tied weight is read once
         done.add(id(tensor))
         held = layout.holds_value(tensor)  # a level-3 non-owner or another stage keeps nothing: reads nothing
-        _give(tensor, layout.local_value(
+        # lazy or not: a lazy parameter counts as initialized afterwards, held here or not
+        store_local_value(tensor, layout.local_value(
             tensor, lambda offset, shape: _read_box(files, engine, key, tensor, offset, shape)) if held else None)
-
-
-def _give(tensor, local):
-    """Give `tensor` this rank's value (None: it holds none). A lazily built model needs every parameter
-    marked initialized too, held or not: lazy initialization's `params.store_local_value(tensor, local)`
-    does both and replaces this function when the two are merged."""
-    if local is not None:
-        set_local_value(tensor, local)
 
 
 def _numpy_dtype(tensor):

@@ -72,11 +72,12 @@ def check_layout(reports, layout):
             if row["phase"] in ("load_pretrained", "load"):
                 # about its share: each piece it holds once (plus the small replicated ones), never the model
                 assert row["read"] <= 1.5 * row["share"] + SLACK, row
-    print(f"\n{layout}: rank phase case peak/share/bound MiB, read/written MiB")
+    print(f"\n{layout}: rank phase case (* built lazily) peak/share/bound MiB, read/written MiB")
     for report in reports:
         for row in report["values"][f"{layout}.phases"]:
             bound = row["share"] + 2 * row["largest_parameter"]
-            print(f"  {report['rank']} {row['phase']:15} {row['case']:13} {row['peak'] / MIB:6.2f} "
+            print(f"  {report['rank']} {row['phase']:15} {row['case'] + ('*' if row.get('lazy') else ''):14} "
+                  f"{row['peak'] / MIB:6.2f} "
                   f"{row['share'] / MIB:6.2f} {bound / MIB:6.2f}  {row['read'] / MIB:6.2f} {row['written'] / MIB:6.2f}")
         print(f"  {report['rank']} async: {report['values'][f'{layout}.phi3_sharded.async_step_seconds']}")
 
