@@ -165,7 +165,7 @@ class BoxReader:
 
     def region(self, key, offset, shape):
         """The values of `key` in the global box at `offset` of size `shape` (numpy)."""
-        dtype = _numpy_dtype(global_spec(self.metadata, key)[1])
+        dtype = numpy_dtype(global_spec(self.metadata, key)[1])
         out = np.empty(tuple(shape), dtype=dtype)
         covered = 0
         for box_offset, box_shape, name in self._boxes.get(key, []):
@@ -187,6 +187,7 @@ class BoxReader:
         return self.region(key, (0,) * len(shape), shape)
 
 
-def _numpy_dtype(dtype):
+def numpy_dtype(dtype):
+    """numpy's dtype for a Paddle dtype name (bfloat16: its uint16 bits)."""
     name = dtype.replace("paddle.", "")
     return np.dtype("uint16") if name == "bfloat16" else np.dtype(name)

@@ -24,6 +24,7 @@ from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightD
 from ..params import store_local_value
 from . import layout, restore
 from .agree import count_failures
+from .format import numpy_dtype
 from .io_bytes import count
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -75,19 +76,22 @@ class SafetensorsFiles:
             piece = self._handle(path).get_slice(key)
             self.specs[key] = (tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype(), piece.get_dtype()))
 
-    def _handle(self, path):
-        if path not in self._open:
+    def _handle(self, path, framework="numpy"):
+        if (path, framework) not in self._open:
             try:
-                self._open[path] = self._safe_open(path, framework="numpy")
+                self._open[path, framework] = self._safe_open(path, framework=framework)
             except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
                 raise ValueError(f"load_pretrained: {path} is not a readable safetensors file ({exc}): "
                                  "save the model again") from exc
-        return self._open[path]
+        return self._open[path, framework]
 
     def read(self, key, offset, shape):
-        """The block of `key` at `offset` of size `shape`: only its bytes are read."""
-        piece = self._handle(self.files[key]).get_slice(key)
+        """The block of `key` at `offset` of size `shape` (numpy; bfloat16 as its uint16 bits, which is how
+        Paddle takes it back): only its bytes are read."""
+        bfloat16 = self.specs[key][1] == "bfloat16"  # numpy has no bfloat16: read through Paddle
+        piece = self._handle(self.files[key], "paddle" if bfloat16 else "numpy").get_slice(key)
         block = piece[tuple(slice(o, o + n) for o, n in zip(offset, shape))] if shape else piece.get()
+        block = block.numpy() if bfloat16 else block
         count("read", block.nbytes)
         return block
 
@@ -149,8 +153,9 @@ def postprocess(block, steps):
 def _read_box(files, engine, key, tensor, offset, shape):
     """The values of model key `key` in the box at `offset` of size `shape` of the single-card tensor, from
     the file slices the engine names (numpy)."""
-    out = np.empty(tuple(shape), dtype=_numpy_dtype(tensor))
-    desc = ShardedWeightDesc(key, tuple(shape), layout.global_shape(tensor), tuple(offset), layout.dtype_name(tensor.dtype))
+    dtype = layout.dtype_name(tensor.dtype)
+    out = np.empty(tuple(shape), dtype=numpy_dtype(dtype))
+    desc = ShardedWeightDesc(key, tuple(shape), layout.global_shape(tensor), tuple(offset), dtype)
     for entry in engine.find_shard_sources(desc):
         source, target = entry.source_slice, entry.target_slice
         block = files.read(source.key, source.global_offset, source.local_shape)
@@ -191,5 +196,3 @@ def load_pretrained(model, directory):
             tensor, lambda offset, shape: _read_box(files, engine, key, tensor, offset, shape)) if held else None)
 
 
-def _numpy_dtype(tensor):
-    return np.dtype("uint16") if tensor.dtype == paddle.bfloat16 else np.dtype(layout.dtype_name(tensor.dtype))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import paddle
 
-from ..params import set_local_value
+from ..params import store_local_value
 from . import layout
 from .format import optimizer_key
 
@@ -32,8 +32,9 @@ def expected_optimizer_specs(model, names):
 
 def restore_model(model, reader):
     for key, tensor in model.state_dict().items():
-        if layout.holds_value(tensor):
-            set_local_value(tensor, layout.local_value(tensor, lambda offset, shape: reader.region(key, offset, shape)))
+        held = layout.holds_value(tensor)  # lazy or not: a lazy parameter counts as initialized afterwards
+        store_local_value(tensor, layout.local_value(
+            tensor, lambda offset, shape: reader.region(key, offset, shape)) if held else None)
 
 
 def restore_optimizer(model, optimizer, reader, names):

@@ -50,3 +50,27 @@ def test_export_files_follow_save_pretrained_sharding():
     outputs = [("a", (256,), "float32"), ("b", (256,), "float32"), ("c", (600,), "float32"), ("d", (1,), "float32")]
     files = shard_files(outputs, limit=2048)  # 1 KiB, 1 KiB | 2.3 KiB alone (over the limit) | 4 bytes
     assert [[key for key, _, _ in f] for f in files] == [["a", "b"], ["c"], ["d"]]
+
+
+def test_bfloat16_weights_round_trip_in_one_process(tmp_path):
+    """Pretrained weights are mostly bfloat16 (numpy has no such dtype): save_pretrained's files load into
+    a bfloat16 model as from_pretrained loads them, and export_pretrained's load back."""
+    import paddle_cp as pcp
+    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, fuse_rms_norm=False)
+    paddle.seed(1)
+    saved = LlamaForCausalLM(config)
+    saved.to(dtype="bfloat16")
+    saved.save_pretrained(str(tmp_path / "saved"))
+    for directory in ("saved", "exported"):
+        paddle.seed(2)
+        model = LlamaForCausalLM(config)
+        model.to(dtype="bfloat16")
+        pcp.load_pretrained(model, str(tmp_path / directory))
+        for key, value in saved.state_dict().items():
+            assert model.state_dict()[key].dtype == paddle.bfloat16
+            np.testing.assert_array_equal(model.state_dict()[key].numpy(), value.numpy())
+        if directory == "saved":
+            pcp.export_pretrained(model, str(tmp_path / "exported"))
