@@ -9,6 +9,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from .comm.watchdog import startup_guard
+
 _ALIASES = {"sep": ("sep", "cp"), "cp": ("sep", "cp")}
 _groups: dict = {}
 
@@ -67,9 +69,11 @@ def dim_size(mesh, name):
 
 
 def ensure_initialized():
-    """Start the parallel env if the script did not (init_parallel_env is idempotent only in name)."""
+    """Start the parallel env if the script did not (init_parallel_env is idempotent only in name); it waits
+    for every rank, so under the watchdog like every collective."""
     if not dist.is_initialized():
-        dist.init_parallel_env()
+        with startup_guard("init_parallel_env", range(dist.get_world_size())):
+            dist.init_parallel_env()
 
 
 @dataclass(frozen=True)
@@ -188,9 +192,11 @@ def needs_pair_groups(size):
 def _new_group(ranks):
     if sorted(ranks) == list(range(dist.get_world_size())):
         return None  # Paddle's default group: no new gloo rendezvous
-    group = dist.new_group(list(ranks))
+    with startup_guard("new_group", ranks):  # a rendezvous: waits for every member
+        group = dist.new_group(list(ranks))
     # gloo's rendezvous mixes up groups created back to back: settle each one.
-    dist.barrier()
+    with startup_guard("new_group_barrier", range(dist.get_world_size())):
+        dist.barrier()
     return group
 
 

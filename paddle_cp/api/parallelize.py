@@ -3,7 +3,8 @@
 Order: every plan and every value derived from the whole plan (local head
 counts, fused parts, shared weights, mesh dims) is checked before anything
 changes, so a call that raises leaves the model as it was and no rank waits in
-a collective; parameters are made identical on all ranks; tensor and sequence
+a collective; parameters are made identical on all ranks (a lazily built model's
+are left uninitialized: lazy_init.py); tensor and sequence
 plans (mp_config) with the context-parallel plans (cp_config) merged in after
 them are applied; then data parallel (dp_config): sharding over `dp` and the
 optimizer that reduces gradients.
@@ -21,9 +22,10 @@ from typing import Optional
 
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from ..params import record_of
 from ..pipeline import apply_pipeline, keep_own_parameters, plan_pipeline
 from ..data_parallel.optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
+from ..params import is_lazy, record_of
+from .lazy_init import defer_initialization, require_initialized
 from .plan_annotation import annotate_plan
 from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
@@ -79,9 +81,11 @@ def _check_config(config):
 
 
 def broadcast_parameters(model, mesh_group):
-    """Start every rank from the first one's full parameters, as one card would (before any split)."""
+    """Start every rank from the first one's full parameters, as one card would (before any split).
+    Lazy ones are left alone: every rank draws the same values when they are initialized."""
     for param in model.parameters():
-        collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
+        if not is_lazy(param):
+            collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
 
 
 def _gradient_groups(mesh):
@@ -142,6 +146,7 @@ def parallelize_model(model, mesh=None, config=None):
     applications, annotation = _validated_plan(model, config, mesh)
     # nothing has changed so far; from here on every rank runs the same collectives
     groups = _gradient_groups(mesh)
+    lazy = defer_initialization(model, groups.world)
     broadcast_parameters(model, groups.world)
     annotation.apply()
     for plan, layer, params in applications:
@@ -157,6 +162,8 @@ def parallelize_model(model, mesh=None, config=None):
         sharding = Sharding(level, held, groups.dp)
         if level == 3:
             sharding.release_parameters(model)
+    if lazy:
+        require_initialized(model)
     state = _Parallelized(mesh, level, groups, sharding, shared, stage)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)

@@ -13,13 +13,15 @@ carry about equal bytes):
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import paddle
 
 from ..comm import collectives
 from .optimizer import gradient_dtype
 from .parameter_fetch import GatheredBytes, fetch_around
-from ..params import record_of, set_local_value
+from ..params import record_of, release_value
 
 LEVELS = (0, 1, 2, 3)
 
@@ -44,10 +46,11 @@ def check_level(dp_config):
 def _owners(params, size):
     """Owner position of each parameter: largest first onto the least-loaded rank (same on every rank)."""
     load, owner = [0] * size, [None] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: (-int(params[i].numel()), i)):
+    sizes = [math.prod(p.shape) for p in params]  # from shapes: a lazy parameter has no numel() yet
+    for i in sorted(range(len(params)), key=lambda i: (-sizes[i], i)):
         rank = min(range(size), key=lambda r: (load[r], r))
         owner[i] = rank
-        load[rank] += int(params[i].numel())
+        load[rank] += sizes[i]
     return owner
 
 
@@ -122,7 +125,7 @@ class Sharding:
         """Keep only owned parameters; fetch the others around each layer's forward."""
         for p in self.params:
             if not self.owns(p):
-                set_local_value(p, np.zeros([0], p.numpy().dtype))
+                release_value(p)
         sharded = {id(p) for p in self.params}
         for layer in model.sublayers(include_self=True):
             names = [n for n, p in layer._parameters.items() if p is not None and id(p) in sharded]
