@@ -2,6 +2,7 @@
 from .attention import attention_work, hybrid_attention, ring_attention, ulysses_attention
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoint
 from .checkpoint.export import export_pretrained
+from .checkpoint.pretrained import load_pretrained
 from .comm import bytes_sent, reset_counters
 from .comm.watchdog import get_timeout, set_timeout
 from .api.config import load_config
@@ -41,6 +42,6 @@ __all__ = [
     "ring_attention", "ulysses_attention", "hybrid_attention", "attention_work",
     "shard_sequence", "unshard_sequence", "sequence_positions",
     "bytes_sent", "reset_counters", "load_config",
-    "save_checkpoint", "load_checkpoint", "wait_checkpoint", "latest_checkpoint", "export_pretrained",
+    "save_checkpoint", "load_checkpoint", "wait_checkpoint", "latest_checkpoint", "export_pretrained", "load_pretrained",
     "set_timeout", "get_timeout", "shard_scaler",
 ]

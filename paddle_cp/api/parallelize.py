@@ -22,9 +22,9 @@ from typing import Optional
 
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from ..params import is_lazy, record_of
 from ..pipeline import apply_pipeline, keep_own_parameters, plan_pipeline
 from ..data_parallel.optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
+from ..params import is_lazy, record_of
 from .lazy_init import defer_initialization, require_initialized
 from .plan_annotation import annotate_plan
 from .parameter_plans import implied_lora_plans

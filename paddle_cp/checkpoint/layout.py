@@ -9,11 +9,12 @@ unparallelized models have no record.
 """
 from __future__ import annotations
 
+import numpy as np
 import paddle
 import paddle.distributed as dist
 
 from .. import mesh as mesh_lib
-from ..params import find_record
+from ..params import find_record, local_boxes
 
 # Adam's step powers are one number per parameter; every other accumulator has the parameter's shape.
 SCALAR_ACCUMULATORS = ("beta1_pow_acc", "beta2_pow_acc")
@@ -111,3 +112,18 @@ def world_group():
     if mesh is None:
         raise ValueError("a multi-rank checkpoint needs the mesh: call pcp.set_mesh(mesh) or pcp.parallelize first")
     return mesh_lib.mesh_group(mesh, list(mesh.dim_names))
+
+
+def local_value(tensor, read_box):
+    """This rank's local value of a parameter (or of an accumulator laid out like it) assembled box by box:
+    `read_box(global_offset, shape)` gives the values of one box of the single-card tensor (numpy)."""
+    record = find_record(tensor)
+    if record is None:
+        return read_box((0,) * len(tensor.shape), tuple(tensor.shape))
+    local = None
+    for box in local_boxes(tensor):
+        block = read_box(box.global_offset, box.local_shape)
+        if local is None:
+            local = np.empty(record.tp_shape(), dtype=block.dtype)
+        local[box.local_slice] = block
+    return local

@@ -1,22 +1,17 @@
 """Put single-card values from a checkpoint into the current run's local tensors.
 
 Every rank reads the boxes it needs straight from the files (one machine or a
-shared filesystem), so loading issues no collective: whatever mesh, plans or
-sharding level saved the checkpoint, each rank cuts its own slices.
+shared filesystem), only their byte ranges, so loading issues no collective:
+whatever mesh, plans or sharding level saved the checkpoint, each rank reads
+just its own slices.
 """
 from __future__ import annotations
 
 import paddle
 
-from ..params import find_record, set_local_value
+from ..params import store_local_value
 from . import layout
 from .format import optimizer_key
-
-
-def _local(tensor, full):
-    """This rank's tensor-parallel slice of a single-card value."""
-    record = find_record(tensor)
-    return full if record is None or record.tp_axis is None else record.local(full)
 
 
 def expected_model_specs(model):
@@ -37,8 +32,9 @@ def expected_optimizer_specs(model, optimizer):
 
 def restore_model(model, reader):
     for key, tensor in model.state_dict().items():
-        if layout.holds_value(tensor):
-            set_local_value(tensor, _local(tensor, reader.full(key)))
+        held = layout.holds_value(tensor)  # lazy or not: a lazy parameter counts as initialized afterwards
+        store_local_value(tensor, layout.local_value(
+            tensor, lambda offset, shape: reader.region(key, offset, shape)) if held else None)
 
 
 def restore_optimizer(model, optimizer, reader):
@@ -55,8 +51,11 @@ def restore_optimizer(model, optimizer, reader):
         inner._create_accumulators(paddle.static.default_main_program().global_block(), missing)
     for key, param in mine:
         for name in layout.state_names(optimizer, param):
-            if name == layout.MASTER_WEIGHT and optimizer_key(key, name) not in saved:
+            state_key = optimizer_key(key, name)
+            if name == layout.MASTER_WEIGHT and state_key not in saved:
                 continue  # saved without master weights: keep the copy of the parameter just created
-            full = reader.full(optimizer_key(key, name))
-            value = full if name in layout.SCALAR_ACCUMULATORS else _local(param, full)
+            if name in layout.SCALAR_ACCUMULATORS:
+                value = reader.full(state_key)
+            else:
+                value = layout.local_value(param, lambda offset, shape: reader.region(state_key, offset, shape))
             layout.state_tensor(optimizer, param, name).set_value(value)
