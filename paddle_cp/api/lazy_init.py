@@ -7,7 +7,7 @@ parameter's own initializer (so the random state advances as one card's does, al
 parameter this rank does not keep), cuts this rank's part (`params.local_part`: tensor-parallel
 slice, fused parts, level-3 owner, pipeline stage) and keeps only that. At most one full parameter
 exists at a time. Replicas need no broadcast: every rank draws the same values, provided the ranks'
-random states agree, which `parallelize` checks.
+random states agree, which `parallelize` checks (initialize() refuses to draw if they did not).
 """
 from __future__ import annotations
 
@@ -21,24 +21,25 @@ from ..comm import collectives
 from ..params import is_lazy, local_part, record_of, set_lazy_shape, store_local_value
 
 
-def _check_same_random_state(group):
-    """The same ValueError on every rank unless the ranks' random states agree (one small all-gather)."""
+def _random_states_agree(group):
+    """Whether every rank's random state is the same (one small all-gather; every rank gets the same answer)."""
     state = zlib.crc32(pickle.dumps(paddle.get_rng_state()))
     digest = paddle.to_tensor(np.array([state], dtype="int64"))
-    digests = {int(d.numpy()[0]) for d in collectives.all_gather(group, digest, tag="lazy_random_state")}
-    if len(digests) > 1:
-        raise ValueError("the model was built under paddle.LazyGuard() and the ranks' random states differ: each "
-                         "rank draws every parameter from its own state, so replicas would differ. Call "
-                         "paddle.seed(<same seed>) on every rank before building the model")
+    return len({int(d.numpy()[0]) for d in collectives.all_gather(group, digest, tag="lazy_random_state")}) == 1
 
 
 class ShardedInit:
     """A lazy parameter's init function, keeping this rank's part of the full draw."""
 
-    def __init__(self, draw):
+    def __init__(self, draw, states_agree):
         self.draw = draw  # Paddle's: fills the parameter it is given with a value of that parameter's shape
+        self.states_agree = states_agree
 
     def __call__(self, param, block=None):
+        if not self.states_agree:  # the same answer on every rank: all raise, at their first initialize()
+            raise ValueError("the model was built under paddle.LazyGuard() and the ranks' random states differed at "
+                             "parallelize: each rank draws every parameter from its own state, so replicas would "
+                             "differ. Call paddle.seed(<same seed>) on every rank before building the model")
         record = record_of(param)
         set_lazy_shape(param, record.full_shape)
         self.draw(param, block)  # the full value, drawn as one card draws it
@@ -47,15 +48,14 @@ class ShardedInit:
 
 
 def defer_initialization(model, group):
-    """Whether the model has lazy parameters; if so, check the ranks' random states agree (over `group`,
-    every rank), record each lazy parameter's full shape and wrap its init function (before any plan
-    reshapes it)."""
+    """Whether the model has lazy parameters; if so, ask whether the ranks' random states agree (over `group`,
+    every rank; a model whose parameters are all loaded, never drawn, may disagree), record each lazy
+    parameter's full shape and wrap its init function (before any plan reshapes it)."""
     lazy = [p for p in model.parameters() if is_lazy(p)]
-    if lazy:
-        _check_same_random_state(group)
+    states_agree = _random_states_agree(group) if lazy else True
     for param in lazy:
         record_of(param)
-        param.set_init_func(ShardedInit(param._init_func))
+        param.set_init_func(ShardedInit(param._init_func, states_agree))
     return bool(lazy)
 
 
