@@ -114,7 +114,8 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
     states = {MODEL_DIR: gather.model_values(model)}
     if optimizer is not None:
         states[OPTIMIZER_DIR] = gather.optimizer_values(model, optimizer)
-    save = _Save(path, extra, states, group, async_save)
+    # a copy as of this call: an async save publishes `extra` later, when the caller may have changed it
+    save = _Save(path, json.loads(json.dumps(extra)), states, group, async_save)
     if async_save:
         _pending.append(save)
     else:
