@@ -25,12 +25,14 @@ def write_png(path, losses, reference, title):
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = range(1, len(losses) + 1)
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     ax.plot(steps, reference, color="tab:gray", linewidth=3, alpha=0.6, label="one process")
     ax.plot(steps, losses, "o", color="tab:blue", markersize=4, label="context parallel")
     ax.set(xlabel="step", ylabel="loss (nats per byte)", title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
