@@ -57,7 +57,7 @@ def new_model_and_optimizer(args):
 
     paddle.seed(args.seed)
     config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=args.hidden_size, intermediate_size=args.hidden_size * 3,
-                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=args.layers, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=args.max_document,
                          fuse_rms_norm=False)  # the fused norm has no CPU kernel
     model = LlamaForCausalLM(config)
