@@ -2,17 +2,21 @@
 from .attention import attention_work, hybrid_attention, ring_attention, ulysses_attention
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoint
 from .checkpoint.export import export_pretrained
+from .checkpoint.pretrained import load_pretrained
 from .comm import bytes_sent, reset_counters
 from .comm.watchdog import get_timeout, set_timeout
 from .api.config import load_config
 from .mesh import get_mesh, set_mesh
-from .api.parallelize import parallelize
+from .api.parallelize import parallelize, parallelize_model, parallelize_optimizer
+from .api.paddle_compat import patch_paddle, unpatch_paddle
+from .data_parallel.scaler import shard_scaler
 from .pipeline import SplitPoint
 from .sequence.batches import shard_batch, shard_dataloader
 from .sequence.loss import loss_weight
 from .plans import (
     ColWiseParallel,
     ContextParallel,
+    ConvParallel,
     PrepareContextParallel,
     PrepareLayerInput,
     PrepareLayerOutput,
@@ -28,15 +32,16 @@ from .checkpoint.full_state import full_state_dict
 __version__ = "0.1.0"
 
 __all__ = [
-    "parallelize", "set_mesh", "get_mesh", "SplitPoint",
+    "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle",
+    "set_mesh", "get_mesh", "SplitPoint",
     "PrepareContextParallel", "ContextParallel",
-    "ColWiseParallel", "RowWiseParallel",
+    "ColWiseParallel", "RowWiseParallel", "ConvParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
     "PrepareLayerInput", "PrepareLayerOutput",
     "full_state_dict", "shard_batch", "shard_dataloader", "loss_weight",
     "ring_attention", "ulysses_attention", "hybrid_attention", "attention_work",
     "shard_sequence", "unshard_sequence", "sequence_positions",
     "bytes_sent", "reset_counters", "load_config",
-    "save_checkpoint", "load_checkpoint", "wait_checkpoint", "latest_checkpoint", "export_pretrained",
-    "set_timeout", "get_timeout",
+    "save_checkpoint", "load_checkpoint", "wait_checkpoint", "latest_checkpoint", "export_pretrained", "load_pretrained",
+    "set_timeout", "get_timeout", "shard_scaler",
 ]

@@ -9,24 +9,22 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from .comm.watchdog import startup_guard
+
 _ALIASES = {"sep": ("sep", "cp"), "cp": ("sep", "cp")}
-_global_mesh = None
 _groups: dict = {}
 
 
 def set_mesh(mesh):
-    """Set the mesh `parallelize` and the functional APIs use when given none."""
-    global _global_mesh
+    """Set the mesh `parallelize` and the functional APIs use when given none: Paddle's global mesh,
+    so `dist.auto_parallel.get_mesh()` sees it too."""
     if not isinstance(mesh, dist.ProcessMesh):
         raise TypeError(f"set_mesh expects a paddle.distributed.ProcessMesh, got {type(mesh).__name__}")
-    _global_mesh = mesh
     dist.auto_parallel.set_mesh(mesh)
 
 
 def get_mesh():
-    """The mesh given to `set_mesh` (ours or Paddle's), or None."""
-    if _global_mesh is not None:
-        return _global_mesh
+    """Paddle's global mesh (from `set_mesh` here or `dist.auto_parallel.set_mesh`), or None."""
     return dist.auto_parallel.get_mesh()
 
 
@@ -38,6 +36,12 @@ def resolve_mesh(mesh):
     if not isinstance(mesh, dist.ProcessMesh):
         raise TypeError(f"mesh must be a paddle.distributed.ProcessMesh, got {type(mesh).__name__}")
     return mesh
+
+
+def same_mesh(a, b):
+    """Equal shape, ranks and dim names (ProcessMesh's own == ignores the dim names)."""
+    return (list(a.shape), list(a.process_ids), list(a.dim_names)) == (list(b.shape), list(b.process_ids),
+                                                                       list(b.dim_names))
 
 
 def find_dim(mesh, name):
@@ -65,9 +69,11 @@ def dim_size(mesh, name):
 
 
 def ensure_initialized():
-    """Start the parallel env if the script did not (init_parallel_env is idempotent only in name)."""
+    """Start the parallel env if the script did not (init_parallel_env is idempotent only in name); it waits
+    for every rank, so under the watchdog like every collective."""
     if not dist.is_initialized():
-        dist.init_parallel_env()
+        with startup_guard("init_parallel_env", range(dist.get_world_size())):
+            dist.init_parallel_env()
 
 
 @dataclass(frozen=True)
@@ -186,9 +192,11 @@ def needs_pair_groups(size):
 def _new_group(ranks):
     if sorted(ranks) == list(range(dist.get_world_size())):
         return None  # Paddle's default group: no new gloo rendezvous
-    group = dist.new_group(list(ranks))
+    with startup_guard("new_group", ranks):  # a rendezvous: waits for every member
+        group = dist.new_group(list(ranks))
     # gloo's rendezvous mixes up groups created back to back: settle each one.
-    dist.barrier()
+    with startup_guard("new_group_barrier", range(dist.get_world_size())):
+        dist.barrier()
     return group
 
 

@@ -28,7 +28,8 @@ class ParamRecord:
     dp_group: Optional[MeshGroup] = None
     dp_owner: Optional[int] = None        # owner position in dp_group (sharding levels 1-3); None = every dp rank
     level: int = 0                        # sharding level
-    sequence_partial: bool = False        # gradient summed over mp (sequence-parallel region)
+    mp_partial: bool = False              # gradient partial over mp, summed there (used on a split sequence;
+                                          # a LoRA factor beside a split weight)
     stage: Optional[int] = None           # pipeline stage (the first holding it)
     pp_stages: tuple = ()                 # pipeline: every stage holding it (tied embeddings: first and last)
     pp_group: Optional[MeshGroup] = None  # pipeline: this rank's line of stages
@@ -50,12 +51,14 @@ class ParamRecord:
         """Whether this rank keeps the optimizer state (and at level 3 the value) of the parameter."""
         return self.dp_owner is None or self.dp_owner == self.dp_group.index
 
+    def on_this_stage(self):
+        """Whether this rank's pipeline stage uses the parameter (always, without a pipeline)."""
+        return self.pp_group is None or self.pp_group.index in self.pp_stages
+
     def holds_value(self):
         """Whether this rank's local tensor holds its tensor-parallel slice (level 3 keeps it on the owner only;
         a pipeline stage only the parameters it uses)."""
-        if self.pp_group is not None and self.pp_group.index not in self.pp_stages:
-            return False
-        return self.level < 3 or self.owned_here()
+        return self.on_this_stage() and (self.level < 3 or self.owned_here())
 
     # tensor-parallel slicing: rank i of mp keeps piece i of every fused part -------------------
 
@@ -138,9 +141,76 @@ def set_local_value(param, array):
     """Give `param` a new value of any shape, in place: optimizers and tied layers hold this object."""
     import paddle
 
-    place = param.place
-    place = paddle.CUDAPlace(place.gpu_device_id()) if place.is_gpu_place() else paddle.CPUPlace()
+    if param._is_initialized():
+        place = param.place
+        place = paddle.CUDAPlace(place.gpu_device_id()) if place.is_gpu_place() else paddle.CPUPlace()
+        param._clear_data()  # else `set` reuses the old allocation when it is big enough: a slice would keep it all
+    else:  # a lazy parameter has no place yet: it gets the one its initializer would have used
+        place = paddle.framework._current_expected_place()
     param.get_tensor().set(np.ascontiguousarray(array), place)
+
+
+def is_lazy(param):
+    """Whether `param` was built under paddle.LazyGuard() and has not been initialized yet."""
+    return getattr(param, "_init_func", None) is not None and not param._is_initialized()
+
+
+def set_lazy_shape(param, shape):
+    """Record the shape a lazy parameter will have here, without allocating it."""
+    param.get_tensor()._set_dims(list(shape))
+
+
+def local_part(param, full):
+    """This rank's local tensor (a new one) cut from `full`, a paddle Tensor of the full shape; None
+    where this rank holds no value. The pieces are `local_boxes`', so fused parts are cut per part."""
+    import paddle
+
+    boxes = local_boxes(param)
+    if not boxes:
+        return None
+    if len(boxes) == 1 and boxes[0].local_shape == tuple(full.shape):
+        return full
+    # full[box] is a view into `full`: clone it, so `full` can be freed once the slice is cut
+    pieces = [full[tuple(slice(o, o + n) for o, n in zip(box.global_offset, box.local_shape))].clone()
+              for box in boxes]
+    return pieces[0] if len(pieces) == 1 else paddle.concat(pieces, axis=record_of(param).tp_axis)
+
+
+def store_local_value(param, local):
+    """Give `param` its value on this rank, lazy or not: `local` is this rank's local tensor (a paddle
+    Tensor or numpy array laid out as `local_boxes` says; ignored where this rank holds no value).
+    A level-3 non-owner gets the empty placeholder, another pipeline stage's parameter stays freed.
+    A lazy parameter counts as initialized afterwards (no random draw), as after `p.initialize()`:
+    this is how a loader (load_pretrained) fills a lazily built, parallelized model."""
+    import paddle
+
+    record = record_of(param)
+    if record.holds_value():
+        if isinstance(local, paddle.Tensor):
+            local._share_underline_tensor_to(param)
+        else:
+            set_local_value(param, local)
+    elif record.on_this_stage():
+        _placeholder(param)
+    elif param._is_initialized():
+        param._clear_data()
+        set_lazy_shape(param, record.tp_shape())  # what an eagerly built parameter freed there keeps
+    param._init_func = None
+
+
+def release_value(param):
+    """Level 3, not the owner: an empty placeholder instead of the value (a lazy parameter gets it
+    when it is initialized: until then it has none)."""
+    if is_lazy(param):
+        set_lazy_shape(param, [0])
+    else:
+        _placeholder(param)
+
+
+def _placeholder(param):
+    import paddle
+
+    paddle.zeros([0], param.dtype)._share_underline_tensor_to(param)
 
 
 def shard_parameter(param, axis, group, parts=None):
@@ -159,5 +229,8 @@ def shard_parameter(param, axis, group, parts=None):
             raise ValueError(f"cannot split dim {axis} of {param.name} (part of size {part}) over {group.size} "
                              "mp ranks: choose an mp degree that divides it")
     record.tp_axis, record.tp_parts, record.mp_group = axis, parts, group
-    set_local_value(param, record.local(param.numpy()))
+    if is_lazy(param):  # cut when it is initialized (lazy_init.py)
+        set_lazy_shape(param, record.tp_shape())
+    else:
+        set_local_value(param, record.local(param.numpy()))
     return record

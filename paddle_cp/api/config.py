@@ -20,6 +20,7 @@ import numpy as np
 import paddle.distributed as dist
 
 from .. import plans as plans_lib
+from .paddle_plans import is_paddle_plan
 from .parallelize import CONFIG_KEYS
 
 
@@ -88,7 +89,7 @@ def build_plans(key, spec):
 
 
 def build_plan(key, spec):
-    if isinstance(spec, plans_lib.Plan):
+    if isinstance(spec, plans_lib.Plan) or is_paddle_plan(spec):  # Paddle's are translated where keys are matched
         return spec
     if isinstance(spec, str):
         name, kwargs = spec, {}

@@ -3,24 +3,38 @@
 Order: every plan and every value derived from the whole plan (local head
 counts, fused parts, shared weights, mesh dims) is checked before anything
 changes, so a call that raises leaves the model as it was and no rank waits in
-a collective; parameters are made identical on all ranks; tensor and sequence
+a collective; parameters are made identical on all ranks (a lazily built model's
+are left uninitialized: lazy_init.py); tensor and sequence
 plans (mp_config) with the context-parallel plans (cp_config) merged in after
 them are applied; then data parallel (dp_config): sharding over `dp` and the
 optimizer that reduces gradients.
+
+Paddle's two steps are the same path cut in two: `parallelize_model` does all of
+the model's part (sharding levels shard the model's parameters, which the optimizer
+built afterwards from `model.parameters()` holds) and leaves its state on each
+parameter; `parallelize_optimizer` finds it there and wraps the optimizer.
+`parallelize(model, optimizer, ...)` is the two calls.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from ..pipeline import apply_pipeline, plan_pipeline
+from ..pipeline import apply_pipeline, keep_own_parameters, plan_pipeline
 from ..data_parallel.optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
+from ..params import is_lazy, record_of
+from .lazy_init import defer_initialization, require_initialized
 from .plan_annotation import annotate_plan
+from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
 from ..plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
 from ..sequence.positions import supply_positions
 from ..data_parallel.sharding import Sharding, check_level
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config")
+_STATE_ATTR = "_pcp_parallelized"
 
 
 def _listed(plans):
@@ -67,9 +81,11 @@ def _check_config(config):
 
 
 def broadcast_parameters(model, mesh_group):
-    """Start every rank from the first one's full parameters, as one card would (before any split)."""
+    """Start every rank from the first one's full parameters, as one card would (before any split).
+    Lazy ones are left alone: every rank draws the same values when they are initialized."""
     for param in model.parameters():
-        collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
+        if not is_lazy(param):
+            collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
 
 
 def _gradient_groups(mesh):
@@ -86,6 +102,7 @@ def _gradient_groups(mesh):
 def _validated_plan(model, config, mesh):
     """(applications in order, annotation) for the merged plan; raises, changing nothing, if any part cannot work."""
     matched = resolve_plan(model, _merged_plan(config))
+    matched += implied_lora_plans(matched)
     annotation = annotate_plan(model, matched, mesh)
     for _, layer, plans, params in matched:
         for plan in plans:
@@ -96,18 +113,40 @@ def _validated_plan(model, config, mesh):
 
 
 def parallelize(model, optimizer=None, mesh=None, config=None):
-    """Parallelize `model` (in place) and wrap `optimizer`; returns (model, optimizer)."""
+    """Parallelize `model` (in place) and wrap `optimizer`; returns (model, optimizer).
+    The same as `parallelize_model` then `parallelize_optimizer`."""
+    model = parallelize_model(model, mesh, config)
+    if optimizer is not None:
+        optimizer = parallelize_optimizer(optimizer, mesh, config)
+    return model, optimizer
+
+
+@dataclass(frozen=True)
+class _Parallelized:
+    """What `parallelize_model` leaves for `parallelize_optimizer` (on each of the model's parameters)."""
+
+    mesh: object
+    level: int
+    groups: GradientGroups
+    sharding: Optional[Sharding]
+    shared: object  # pipeline: SharedGradients, else None
+    stage: Optional[int]  # pipeline: this rank's stage, whose parameters the optimizer keeps
+
+
+def parallelize_model(model, mesh=None, config=None):
+    """Parallelize `model` in place (Paddle's first step); build the optimizer from its parameters after."""
     config = dict(config or {})
     level = _check_config(config)
     if mesh is not None:
         mesh_lib.set_mesh(mesh)
     if not any(config.get(key) for key in CONFIG_KEYS):
-        return model, optimizer
+        return model
     mesh = mesh_lib.resolve_mesh(mesh)
     pipeline = plan_pipeline(model, mesh, config["pp_config"]) if config.get("pp_config") else None
     applications, annotation = _validated_plan(model, config, mesh)
     # nothing has changed so far; from here on every rank runs the same collectives
     groups = _gradient_groups(mesh)
+    lazy = defer_initialization(model, groups.world)
     broadcast_parameters(model, groups.world)
     annotation.apply()
     for plan, layer, params in applications:
@@ -115,12 +154,45 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
         watch_partial_gradients(model)
         supply_positions(model, applications)
-    shared = apply_pipeline(model, optimizer, mesh, *pipeline) if pipeline else None  # keeps this stage's only
+    shared = apply_pipeline(model, mesh, *pipeline) if pipeline else None  # keeps this stage's only
+    stage = mesh_lib.mesh_group(mesh, ["pp"]).index if pipeline else None
     sharding = None
-    if level > 0 and optimizer is not None and groups.dp.size > 1:
-        sharding = Sharding(level, optimizer_parameters(optimizer), groups.dp)
+    if level > 0 and groups.dp.size > 1:
+        held = [p for p in model.parameters() if stage is None or stage in record_of(p).pp_stages]
+        sharding = Sharding(level, held, groups.dp)
         if level == 3:
             sharding.release_parameters(model)
-    if optimizer is not None:
-        optimizer = ParallelOptimizer(optimizer, groups, sharding, shared)
-    return model, optimizer
+    if lazy:
+        require_initialized(model)
+    state = _Parallelized(mesh, level, groups, sharding, shared, stage)
+    for param in model.parameters():
+        setattr(param, _STATE_ATTR, state)
+    return model
+
+
+def parallelize_optimizer(optimizer, mesh=None, config=None):
+    """Wrap an optimizer built from a `parallelize_model`-ed model's parameters (Paddle's second step)."""
+    config = dict(config or {})
+    level = _check_config(config)
+    if not any(config.get(key) for key in CONFIG_KEYS):
+        return optimizer
+    state = _model_state(optimizer_parameters(optimizer))
+    if mesh is not None and not mesh_lib.same_mesh(mesh, state.mesh):
+        raise ValueError("parallelize_optimizer got another mesh than parallelize_model: pass the same one, or none")
+    if level != state.level:
+        raise ValueError(f"dp_config sharding_level {level} differs from the {state.level} parallelize_model got: "
+                         "pass both calls the same config")
+    if state.stage is not None:
+        keep_own_parameters(optimizer, state.stage)
+    return ParallelOptimizer(optimizer, state.groups, state.sharding, state.shared)
+
+
+def _model_state(params):
+    states = [getattr(p, _STATE_ATTR, None) for p in params]
+    if not states or any(state is None for state in states):
+        raise ValueError("parallelize_optimizer needs an optimizer over the parameters of a model parallelize_model "
+                         "returned: call parallelize_model first, then build the optimizer from model.parameters()")
+    distinct = {id(state): state for state in states}
+    if len(distinct) > 1:
+        raise ValueError("the optimizer holds parameters of several parallelized models: give each its own optimizer")
+    return states[0]

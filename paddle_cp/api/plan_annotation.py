@@ -4,8 +4,10 @@ Paddle keeps global shapes and reshards whatever a consumer needs; with local
 tensors a ColWise output stays split only when a sibling layer is RowWise
 (q/k/v -> o, gate/up -> down), a fused weight (qkv, gate_up) is split per part,
 and the parent of split attention projections must reshape by its local head
-counts. `annotate_plan` derives all of that and raises on anything that cannot
-work; `PlanAnnotation.apply` then writes it onto the layers.
+counts. Plans keyed on a single parameter (LoRA factors) must fit their layer's
+plan, and some make gradients partial over `mp` (parameter_plans.py). `annotate_plan`
+derives all of that and raises on anything that cannot work; `PlanAnnotation.apply`
+then writes it onto the layers and parameter records.
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from dataclasses import dataclass, field
 import paddle
 
 from .. import mesh as mesh_lib
+from ..params import record_of
 from ..plans.column_info import ColumnInfo, set_column_info
 from ..plans.tensor_parallel import ColWiseParallel, RowWiseParallel
+from .parameter_plans import check_parameter_plans
 
 HEAD_COUNT_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads")
 SPLIT_AXIS = {ColWiseParallel: 1, RowWiseParallel: 0}  # which weight axis each plan splits
@@ -25,12 +29,15 @@ SPLIT_AXIS = {ColWiseParallel: 1, RowWiseParallel: 0}  # which weight axis each 
 class PlanAnnotation:
     columns: list = field(default_factory=list)      # (layer, ColumnInfo) of every ColWise layer
     head_counts: list = field(default_factory=list)  # (layer, attribute, local value)
+    partial_gradients: list = field(default_factory=list)  # parameters whose gradients are summed over mp
 
     def apply(self):
         for layer, info in self.columns:
             set_column_info(layer, info)
         for layer, attr, value in self.head_counts:
             setattr(layer, attr, value)
+        for param in self.partial_gradients:
+            record_of(param).mp_partial = True
 
 
 def _parent(name):
@@ -62,13 +69,25 @@ def _check_parts(name, parts, size):
                              "choose an mp degree that divides it")
 
 
+def _layer_plans(matched):
+    """`matched` with only the plans that act on a whole layer (not on one parameter other than its weight)."""
+    entries = []
+    for name, layer, plans, params in matched:
+        plans = [p for p in plans if not isinstance(p, (ColWiseParallel, RowWiseParallel)) or p.on_whole_layer(params)]
+        if plans:
+            entries.append((name, layer, plans, params))
+    return entries
+
+
 def annotate_plan(model, matched, mesh):
     """The annotation of `matched` (resolve_plan's list) on `mesh`; raises, changing nothing, if it cannot work."""
+    partial_gradients = check_parameter_plans(matched)
+    matched = _layer_plans(matched)
     layers = dict(model.named_sublayers())
     row_parents = {_parent(name) for name, _, plans, _ in matched  # RowWise layers that take split inputs
                    if any(isinstance(p, RowWiseParallel) and p.is_input_parallel for p in plans)}
     size = mesh_lib.dim_size(mesh, "mp")
-    annotation, split_parents = PlanAnnotation(), []
+    annotation, split_parents = PlanAnnotation(partial_gradients=partial_gradients), []
     for name, layer, plans, _ in matched:
         weight = getattr(layer, "weight", None)
         if not any(isinstance(p, ColWiseParallel) for p in plans) or not isinstance(weight, paddle.Tensor):

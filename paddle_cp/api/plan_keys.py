@@ -8,17 +8,19 @@ import warnings
 import paddle
 
 from ..plans.base import Plan
+from .paddle_plans import is_paddle_plan, translate
 
 ROOT_KEY = ""  # extension: plans keyed "" apply to the model itself (Paddle excludes the root)
 
 
 def _as_list(key, value):
     plans = value if isinstance(value, (list, tuple)) else [value]
+    plans = [translate(key, plan) if is_paddle_plan(plan) else plan for plan in plans]
     for plan in plans:
         if not isinstance(plan, Plan):
             raise TypeError(
-                f"plan for {key!r} must be a paddle_cp plan (e.g. paddle_cp.ColWiseParallel()), "
-                f"got {type(plan).__name__}"
+                f"plan for {key!r} must be a paddle_cp plan or Paddle's (e.g. paddle_cp.ColWiseParallel(), "
+                f"dist.ColWiseParallel()), got {type(plan).__name__}"
             )
     return list(plans)
 
@@ -52,10 +54,20 @@ def resolve_plan(model, plan):
                 used.add(key)
     for key in plan:
         if key not in used:
-            names = [n for n, _ in layers if n]
-            close = difflib.get_close_matches(key, names, n=3, cutoff=0.4)
-            warnings.warn(
-                f"parallelize_plan key {key!r} matches no sublayer; closest names: {close or names[:3]}",
-                stacklevel=3,
-            )
+            warnings.warn(f"parallelize_plan key {key!r} {_why_unmatched(key, layers)}", stacklevel=3)
     return matched
+
+
+def _why_unmatched(key, layers):
+    """Paddle applies such a key to nothing; say why: the layer it names lacks that tensor, or no layer is named."""
+    prefix, _, attr = key.rpartition(".")
+    for name, layer in layers:
+        if prefix and _key_matches(prefix, name):
+            what = (f"holds a {type(getattr(layer, attr)).__name__}, not a tensor, in" if hasattr(layer, attr)
+                    else "has no attribute")
+            tensors = [n for n, t in layer._parameters.items() if t is not None]
+            return (f"is not applied: {name} {what} {attr!r} (a key ending in a name applies to that tensor "
+                    f"of the layer; its parameters are {tensors})")
+    names = [n for n, _ in layers if n]
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.4)
+    return f"matches no sublayer; closest names: {close or names[:3]}"

@@ -9,10 +9,9 @@ import threading
 import paddle
 import paddle.distributed as dist
 
-from . import commit, gather, layout, restore
+from . import commit, layout, restore, shards
 from .agree import count_failures, same_everywhere
-from .format import (MODEL_DIR, OPTIMIZER_DIR, BoxReader, global_specs, local_boxes, metadata, read_metadata,
-                     write_state)
+from .format import MODEL_DIR, OPTIMIZER_DIR, BoxReader, global_specs, merge_metadata, read_metadata, write_state
 
 _pending = []  # the async save whose files are still being written (at most one)
 
@@ -49,16 +48,17 @@ class _Save:
     """One save's file writing (in a background thread when async) and its publication."""
 
     def __init__(self, path, extra, states, group, async_save):
-        """`states`: {folder: (key, full array) pairs}, consumed here (collectively)."""
-        self.path, self.extra, self.group = path, extra, group
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.jobs, self.has_optimizer = [], False
-        for folder, values in states.items():
-            boxes, specs = local_boxes(values, world, rank)  # copies: training may go on while a thread writes
-            if specs:
-                meta = metadata(specs, world) if rank == 0 else None
-                self.jobs.append((os.path.join(commit.partial_path(path), folder), boxes, meta))
-                self.has_optimizer = self.has_optimizer or folder == OPTIMIZER_DIR
+        """`states`: {folder: [(key, SavedBox)]}, this rank's own boxes, copied to the host now when async
+        (training goes on while the thread writes), else one file's worth at a time while writing."""
+        self.path, self.extra, self.group, self.copied = path, extra, group, async_save
+        self.jobs = []
+        for folder, boxes in states.items():
+            files = shards.files_of(boxes)
+            if async_save:
+                for box in (box for _, box in boxes):
+                    box.take(copy=True)
+            self.jobs.append((os.path.join(commit.partial_path(path), folder), files))
+        self.has_optimizer = OPTIMIZER_DIR in states
         self.error = None
         self.thread = threading.Thread(target=self._write, name="paddle_cp-checkpoint-writer", daemon=True)
         if async_save:
@@ -68,8 +68,8 @@ class _Save:
 
     def _write(self):
         try:
-            for directory, boxes, meta in self.jobs:
-                write_state(directory, boxes, meta)
+            for directory, files in self.jobs:
+                write_state(directory, files, self.copied)
         except Exception as exc:  # noqa: BLE001 - reported to every rank in finish()
             self.error = exc
 
@@ -88,6 +88,8 @@ class _Save:
         error = None
         if dist.get_rank() == 0:
             try:
+                for directory, _ in self.jobs:  # every rank's index is written: the metadata of all boxes
+                    merge_metadata(directory)
                 commit.publish(self.path, self.extra, self.has_optimizer)
             except OSError as exc:  # e.g. the path appeared meanwhile: every rank must hear of it
                 error = exc
@@ -111,9 +113,9 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
         commit.clear_partial(path)
     # also a barrier: no rank writes before a stale partial save is gone
     same_everywhere(group, (_call_description(path, model, optimizer), extra, async_save))
-    states = {MODEL_DIR: gather.model_values(model)}
+    states = {MODEL_DIR: shards.model_boxes(model)}  # this rank's own boxes: no data moves between ranks
     if optimizer is not None:
-        states[OPTIMIZER_DIR] = gather.optimizer_values(model, optimizer)
+        states[OPTIMIZER_DIR] = shards.optimizer_boxes(model, optimizer)
     # a copy as of this call: an async save publishes `extra` later, when the caller may have changed it
     save = _Save(path, json.loads(json.dumps(extra)), states, group, async_save)
     if async_save:
@@ -148,12 +150,10 @@ def load_checkpoint(path, model, optimizer=None):
     _check_specs(global_specs(model_meta), restore.expected_model_specs(model), "model", path)
     optimizer_meta = None
     if optimizer is not None and marker["has_optimizer"]:
-        names = layout.accumulator_names(optimizer)
         optimizer_meta = read_metadata(os.path.join(path, OPTIMIZER_DIR))
-        _check_specs(global_specs(optimizer_meta), restore.expected_optimizer_specs(model, names),
+        _check_specs(global_specs(optimizer_meta), restore.expected_optimizer_specs(model, optimizer),
                      "optimizer", path, allow_missing=True)
     restore.restore_model(model, BoxReader(model_dir, model_meta))
     if optimizer_meta is not None:
-        restore.restore_optimizer(model, optimizer, BoxReader(os.path.join(path, OPTIMIZER_DIR), optimizer_meta),
-                                  names)
+        restore.restore_optimizer(model, optimizer, BoxReader(os.path.join(path, OPTIMIZER_DIR), optimizer_meta))
     return marker["extra"]

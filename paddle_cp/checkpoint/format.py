@@ -1,31 +1,38 @@
 """The files: Paddle's flex-checkpoint format under PaddleFormers' key names, as
 `dist.save_state_dict` writes it (`0.metadata`: a pickled `Metadata` of every box;
-`{rank}_0.distcp`: each rank's boxes) and `dist.load_merged_state_dict` reads it;
-read back here box by box, without Paddle's loader (it calls `.cuda()`).
+`{n}_0.distcp`: pickled dicts of boxes) and `dist.load_merged_state_dict` reads it; read back
+here box by box, without Paddle's loader (it calls `.cuda()`).
 
-Boxes: whatever layout saved it, each tensor is written as contiguous blocks of rows (axis 0),
-block r by world rank r (rows spread as evenly as they go; a tensor with fewer rows than ranks
-is written by its first ranks). So a fused q|k|v shard, a dp-owned parameter or a level-3
-placeholder all become one plain box per rank, every element written once, the write load
-even across ranks. As every rank knows every box, the metadata needs no exchange: writing
-issues no collective, which lets a background thread do it (`dist.save_state_dict` exchanges
-metadata with collectives and its async path calls `paddle.device.synchronize`, which fails on CPU).
+Boxes: each rank writes the pieces of the global tensors it holds (`shards.py` picks one holder
+of each piece), so saving moves no data between ranks. A data file holds at most one box per
+key, so a rank holding several pieces of one key (the q|k|v parts of a fused projection) writes
+them to several files, `{rank + slot * world}_0.distcp` (slot 0 always written), and no file holds
+more than the largest box: `paddle.save` keeps a file's worth of copies while it pickles. Beside each data
+file, `{file}.index.json` says where every box's bytes start in it (the pickle stores an array's
+bytes raw), so a loader reads just the byte ranges of the boxes it needs; the coordinator builds
+`0.metadata` from these indexes once every rank has written (writing needs no collective, which
+lets a background thread do it).
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import pickletools
 
 import numpy as np
 import paddle
 from paddle.distributed.flex_checkpoint.dcp.metadata import LocalTensorIndex, LocalTensorMetadata, Metadata
 
+from .io_bytes import count
+
 MODEL_DIR, OPTIMIZER_DIR = "model_state", "optimizer_state"
 METADATA_FILE = "0.metadata"
+INDEX_SUFFIX = ".index.json"
 
 
-def data_file(rank):
-    return f"{rank}_0.distcp"
+def data_file(rank, slot=0, world=1):
+    return f"{rank + slot * world}_0.distcp"
 
 
 def optimizer_key(param_key, accumulator):
@@ -33,53 +40,59 @@ def optimizer_key(param_key, accumulator):
     return f"{param_key}.{accumulator}_0"
 
 
-def row_box(shape, world, rank):
-    """(global_offset, local_shape) of the rows rank `rank` writes, or None when it writes none."""
-    if len(shape) == 0:
-        return ((), ()) if rank == 0 else None
-    base, extra = divmod(shape[0], world)
-    start = rank * base + min(rank, extra)
-    rows = base + (rank < extra)
-    if rows == 0:
-        return None
-    return (start,) + (0,) * (len(shape) - 1), (rows,) + tuple(shape[1:])
+def _data_offsets(path, sizes):
+    """{key: offset of its array's bytes} in a file paddle.save wrote: each array's raw bytes follow its
+    key (a pickle string) as the first bytes opcode of that size."""
+    offsets, pending = {}, None
+    with open(path, "rb") as f:
+        for op, arg, pos in pickletools.genops(f):
+            if isinstance(arg, str) and arg in sizes and arg not in offsets:
+                pending = arg
+            elif op.name in _BYTES_OPS and pending is not None and len(arg) == sizes[pending]:
+                offsets[pending], pending = pos + 1 + _BYTES_OPS[op.name], None
+    return offsets
 
 
-def local_boxes(values, world, rank):
-    """This rank's row boxes of (key, full array) pairs, as Tensors (copies), and every key's
-    (global shape, dtype): what `metadata` needs."""
-    boxes, specs = {}, {}
-    for key, value in values:
-        specs[key] = (tuple(value.shape), value.dtype.name)
-        box = row_box(value.shape, world, rank)
-        if box is not None:
-            offset, local_shape = box
-            block = value[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
-            boxes[key] = paddle.to_tensor(np.ascontiguousarray(block), place=paddle.CPUPlace())
-    return boxes, specs
+_BYTES_OPS = {"SHORT_BINBYTES": 1, "BINBYTES": 4, "BINBYTES8": 8}  # opcode -> length field size
 
 
-def metadata(specs, world):
-    """Paddle's Metadata of every rank's boxes of tensors {key: (global shape, dtype)}."""
-    boxes, storage = {}, {}
-    for key, (shape, dtype) in specs.items():
-        boxes[key] = []
-        for rank in range(world):
-            box = row_box(shape, world, rank)
-            if box is None:
-                continue
-            offset, local_shape = box
-            boxes[key].append(LocalTensorMetadata(offset, local_shape, dtype, shape))
-            storage[LocalTensorIndex(tensor_key=key, global_offset=offset, local_shape=local_shape)] = data_file(rank)
-    return Metadata(state_dict_metadata=boxes, storage_metadata=storage, flat_mapping={key: (key,) for key in specs})
-
-
-def write_state(directory, boxes, meta):
-    """This rank's data file, and the metadata if `meta` is given (the coordinator's)."""
+def write_state(directory, files, copied):
+    """This rank's data files {name: {key: SavedBox}} and their indexes, one file's boxes on the host at a time
+    (all of them already when `copied`)."""
     os.makedirs(directory, exist_ok=True)
-    paddle.save(boxes, os.path.join(directory, data_file(paddle.distributed.get_rank())))
-    if meta is not None:
-        paddle.save(meta, os.path.join(directory, METADATA_FILE))
+    for name, boxes in files.items():
+        path = os.path.join(directory, name)
+        paddle.save({key: box.take(copied) for key, box in boxes.items()}, path)
+        for box in boxes.values():
+            box.value = None  # this file's host copies go before the next file's are taken
+        sizes = {key: box.nbytes for key, box in boxes.items()}
+        offsets = _data_offsets(path, sizes)
+        if set(offsets) != set(sizes):
+            raise RuntimeError(f"checkpoint file {path}: no data found for {sorted(set(sizes) - set(offsets))[:3]}")
+        index = {key: {"global_offset": list(box.global_offset), "local_shape": list(box.local_shape),
+                       "global_shape": list(box.global_shape), "dtype": box.dtype, "byte_offset": offsets[key]}
+                 for key, box in boxes.items()}
+        with open(path + INDEX_SUFFIX, "w") as f:
+            json.dump(index, f)
+        count("written", sum(sizes.values()))
+
+
+def merge_metadata(directory):
+    """Paddle's Metadata of every box the ranks wrote into `directory`, from their indexes (coordinator)."""
+    boxes, storage, specs = {}, {}, {}
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(INDEX_SUFFIX):
+            continue
+        with open(os.path.join(directory, name)) as f:
+            index = json.load(f)
+        for key, box in sorted(index.items()):
+            offset, shape = tuple(box["global_offset"]), tuple(box["local_shape"])
+            boxes.setdefault(key, []).append(LocalTensorMetadata(offset, shape, box["dtype"], tuple(box["global_shape"])))
+            storage[LocalTensorIndex(tensor_key=key, global_offset=offset, local_shape=shape)] = \
+                name[:-len(INDEX_SUFFIX)]
+            specs[key] = None
+    meta = Metadata(state_dict_metadata=boxes, storage_metadata=storage, flat_mapping={key: (key,) for key in specs})
+    paddle.save(meta, os.path.join(directory, METADATA_FILE))
 
 
 def read_metadata(directory):
@@ -108,16 +121,26 @@ def global_specs(metadata):
 
 
 class BoxReader:
-    """Full numpy values of keys of one state directory, reading each data file at most once."""
+    """Regions of the global tensors of one state directory, reading only the bytes of the boxes that
+    overlap them (a whole data file only when it has no index: files written by other tools)."""
 
     def __init__(self, directory, metadata):
         self.directory, self.metadata = directory, metadata
-        self._files = {}
-        self._boxes = {}  # key -> [(global_offset, data file)]
+        self._indexes, self._files = {}, {}
+        self._boxes = {}  # key -> [(global_offset, local_shape, data file)]
         for index, name in metadata.storage_metadata.items():
-            self._boxes.setdefault(index.tensor_key, []).append((index.global_offset, name))
+            self._boxes.setdefault(index.tensor_key, []).append((index.global_offset, index.local_shape, name))
 
-    def _file(self, name):
+    def _index(self, name):
+        if name not in self._indexes:
+            path = os.path.join(self.directory, name + INDEX_SUFFIX)
+            self._indexes[name] = None
+            if os.path.isfile(path):
+                with open(path) as f:
+                    self._indexes[name] = json.load(f)
+        return self._indexes[name]
+
+    def _whole_file(self, name):
         if name not in self._files:
             path = os.path.join(self.directory, name)
             try:
@@ -125,23 +148,46 @@ class BoxReader:
             except (OSError, EOFError, pickle.UnpicklingError, ValueError, RuntimeError) as exc:
                 raise ValueError(f"checkpoint file {path} is unreadable ({type(exc).__name__}: {exc}): "
                                  "the checkpoint is damaged; load an earlier one") from exc
+            count("read", os.path.getsize(path))
         return self._files[name]
 
-    def full(self, key):
-        shape, dtype = global_spec(self.metadata, key)
-        out = np.empty(shape, dtype=_numpy_dtype(dtype))
+    def _read(self, key, name, shape, dtype, inner):
+        """`inner` (slices into the stored box) of the box of `key` in data file `name`."""
+        index = self._index(name)
+        if index is None:
+            return np.asarray(self._whole_file(name)[key])[inner]
+        stored = np.memmap(os.path.join(self.directory, name), dtype=dtype, mode="r",
+                           offset=index[key]["byte_offset"], shape=tuple(shape))
+        block = np.array(stored[inner])  # reads only the pages of the region
+        del stored
+        count("read", block.nbytes)
+        return block
+
+    def region(self, key, offset, shape):
+        """The values of `key` in the global box at `offset` of size `shape` (numpy)."""
+        dtype = numpy_dtype(global_spec(self.metadata, key)[1])
+        out = np.empty(tuple(shape), dtype=dtype)
         covered = 0
-        for offset, name in self._boxes.get(key, []):
-            block = np.asarray(self._file(name)[key])
-            region = tuple(slice(o, o + n) for o, n in zip(offset, block.shape))
-            out[region] = block
+        for box_offset, box_shape, name in self._boxes.get(key, []):
+            lo = [max(o, b) for o, b in zip(offset, box_offset)]
+            hi = [min(o + n, b + m) for o, n, b, m in zip(offset, shape, box_offset, box_shape)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            inner = tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, box_offset))
+            block = self._read(key, name, box_shape, dtype, inner)
+            out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offset))] = block
             covered += block.size
         if covered != out.size:
-            raise ValueError(f"checkpoint {self.directory} holds {covered} of the {out.size} elements of "
-                             f"'{key}': files are missing; load an earlier checkpoint")
+            raise ValueError(f"checkpoint {self.directory} holds {covered} of the {out.size} elements this rank "
+                             f"needs of '{key}': files are missing; load an earlier checkpoint")
         return out
 
+    def full(self, key):
+        shape = global_spec(self.metadata, key)[0]
+        return self.region(key, (0,) * len(shape), shape)
 
-def _numpy_dtype(dtype):
+
+def numpy_dtype(dtype):
+    """numpy's dtype for a Paddle dtype name (bfloat16: its uint16 bits)."""
     name = dtype.replace("paddle.", "")
     return np.dtype("uint16") if name == "bfloat16" else np.dtype(name)

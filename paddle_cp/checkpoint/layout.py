@@ -9,14 +9,19 @@ unparallelized models have no record.
 """
 from __future__ import annotations
 
+import numpy as np
 import paddle
 import paddle.distributed as dist
 
 from .. import mesh as mesh_lib
-from ..params import find_record
+from ..params import find_record, local_boxes
 
 # Adam's step powers are one number per parameter; every other accumulator has the parameter's shape.
 SCALAR_ACCUMULATORS = ("beta1_pow_acc", "beta2_pow_acc")
+# The fp32 master copy of a float16/bfloat16 parameter: `{param}.w_0`, the key Paddle's
+# Optimizer.sharded_state_dict gives it.
+MASTER_WEIGHT = "w"
+LOW_PRECISION = (paddle.float16, paddle.bfloat16)
 
 
 def inner_optimizer(optimizer):
@@ -41,7 +46,7 @@ def holds_value(tensor):
 
 
 def steps_here(param):
-    """Whether this rank's optimizer steps `param` (and so holds its state): its dp owner, on a
+    """Whether this rank's optimizer steps `param` (and so holds its state and master weight): its dp owner, on a
     pipeline stage that holds it."""
     record = find_record(param)
     if record is None:
@@ -50,16 +55,23 @@ def steps_here(param):
     return on_stage and record.owned_here()
 
 
-def accumulator_shape(param, name):
-    """The shape of this rank's accumulator (the tensor-parallel slice's shape, or one number)."""
+def state_shape(param, name):
+    """The shape of this rank's piece of an optimizer state (the tensor-parallel slice's shape, or one number)."""
     record = find_record(param)
     return [1] if name in SCALAR_ACCUMULATORS else list(param.shape if record is None else record.tp_shape())
 
 
-def accumulator_dtype(param, name):
+def has_master_weight(optimizer, param):
+    """Whether the optimizer keeps an fp32 master copy of `param` (multi_precision over fp16/bf16):
+    then every accumulator of it is the master copy's, in fp32."""
+    return bool(getattr(inner_optimizer(optimizer), "_multi_precision", False)) and param.dtype in LOW_PRECISION
+
+
+def state_dtype(optimizer, param, name):
     """Adam keeps every accumulator of a float16/bfloat16 parameter (step powers too) in float32, of
-    others in the parameter's dtype; Momentum's velocity has the parameter's dtype."""
-    if name != "velocity" and param.dtype in (paddle.float16, paddle.bfloat16):
+    others in the parameter's dtype; Momentum's velocity has the parameter's dtype unless there is a
+    master weight (then it is the master's, float32, like the master weight itself)."""
+    if has_master_weight(optimizer, param) or (name != "velocity" and param.dtype in LOW_PRECISION):
         return paddle.float32
     return param.dtype
 
@@ -69,16 +81,27 @@ def accumulator_names(optimizer):
     inner = inner_optimizer(optimizer)
     if isinstance(inner, (paddle.optimizer.Adam, paddle.optimizer.AdamW)):
         names = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
-        names += ("moment2_max",) if getattr(inner, "_amsgrad", False) else ()
-    elif isinstance(inner, paddle.optimizer.Momentum):
-        names = ("velocity",)
-    else:
-        raise TypeError(f"checkpoints save the state of Adam, AdamW and Momentum, not {type(inner).__name__}: "
-                        "use one of those, or save without optimizer=")
-    if getattr(inner, "_multi_precision", False):
-        raise TypeError("checkpoints do not save fp32 master weights yet: create the optimizer with "
-                        "multi_precision=False")
-    return names
+        return names + (("moment2_max",) if getattr(inner, "_amsgrad", False) else ())
+    if isinstance(inner, paddle.optimizer.Momentum):
+        return ("velocity",)
+    raise TypeError(f"checkpoints save the state of Adam, AdamW and Momentum, not {type(inner).__name__}: "
+                    "use one of those, or save without optimizer=")
+
+
+def state_names(optimizer, param):
+    """The optimizer states of `param` a checkpoint holds: its accumulators, then its master weight if any."""
+    return accumulator_names(optimizer) + ((MASTER_WEIGHT,) if has_master_weight(optimizer, param) else ())
+
+
+def state_tensor(optimizer, param, name):
+    """This rank's tensor of state `name` for `param`, or None when the optimizer has not created it.
+    Accumulators of a parameter with a master weight are keyed by the master weight's name."""
+    inner = inner_optimizer(optimizer)
+    master = inner._master_weights.get(param.name) if has_master_weight(optimizer, param) else None
+    if name == MASTER_WEIGHT:
+        return master
+    target = master if has_master_weight(optimizer, param) else param
+    return None if target is None else inner._accumulators.get(name, {}).get(target.name)
 
 
 def world_group():
@@ -89,3 +112,18 @@ def world_group():
     if mesh is None:
         raise ValueError("a multi-rank checkpoint needs the mesh: call pcp.set_mesh(mesh) or pcp.parallelize first")
     return mesh_lib.mesh_group(mesh, list(mesh.dim_names))
+
+
+def local_value(tensor, read_box):
+    """This rank's local value of a parameter (or of an accumulator laid out like it) assembled box by box:
+    `read_box(global_offset, shape)` gives the values of one box of the single-card tensor (numpy)."""
+    record = find_record(tensor)
+    if record is None:
+        return read_box((0,) * len(tensor.shape), tuple(tensor.shape))
+    local = None
+    for box in local_boxes(tensor):
+        block = read_box(box.global_offset, box.local_shape)
+        if local is None:
+            local = np.empty(record.tp_shape(), dtype=block.dtype)
+        local[box.local_slice] = block
+    return local

@@ -1,22 +1,17 @@
 """Put single-card values from a checkpoint into the current run's local tensors.
 
 Every rank reads the boxes it needs straight from the files (one machine or a
-shared filesystem), so loading issues no collective: whatever mesh, plans or
-sharding level saved the checkpoint, each rank cuts its own slices.
+shared filesystem), only their byte ranges, so loading issues no collective:
+whatever mesh, plans or sharding level saved the checkpoint, each rank reads
+just its own slices.
 """
 from __future__ import annotations
 
 import paddle
 
-from ..params import find_record, set_local_value
+from ..params import store_local_value
 from . import layout
 from .format import optimizer_key
-
-
-def _local(tensor, full):
-    """This rank's tensor-parallel slice of a single-card value."""
-    record = find_record(tensor)
-    return full if record is None or record.tp_axis is None else record.local(full)
 
 
 def expected_model_specs(model):
@@ -25,32 +20,42 @@ def expected_model_specs(model):
             for key, value in model.state_dict().items()}
 
 
-def expected_optimizer_specs(model, names):
-    """{key: (global shape, dtype)} of optimizer state for accumulators `names`."""
+def expected_optimizer_specs(model, optimizer):
+    """{key: (global shape, dtype)} of the optimizer state (accumulators, master weights) for `model`."""
     specs = {}
     for key, param in model.named_parameters():
-        for name in names:
+        for name in layout.state_names(optimizer, param):
             shape = (1,) if name in layout.SCALAR_ACCUMULATORS else layout.global_shape(param)
-            specs[optimizer_key(key, name)] = (shape, layout.dtype_name(layout.accumulator_dtype(param, name)))
+            specs[optimizer_key(key, name)] = (shape, layout.dtype_name(layout.state_dtype(optimizer, param, name)))
     return specs
 
 
 def restore_model(model, reader):
     for key, tensor in model.state_dict().items():
-        if layout.holds_value(tensor):
-            set_local_value(tensor, _local(tensor, reader.full(key)))
+        held = layout.holds_value(tensor)  # lazy or not: a lazy parameter counts as initialized afterwards
+        store_local_value(tensor, layout.local_value(
+            tensor, lambda offset, shape: reader.region(key, offset, shape)) if held else None)
 
 
-def restore_optimizer(model, optimizer, reader, names):
-    """Create the optimizer's state where it is missing (a fresh optimizer) and fill it."""
+def restore_optimizer(model, optimizer, reader):
+    """Create the optimizer's state where it is missing (a fresh optimizer: accumulators and, with
+    multi_precision, master weights) and fill it."""
     inner = layout.inner_optimizer(optimizer)
+    saved = reader.metadata.state_dict_metadata
+    first = layout.accumulator_names(optimizer)[0]
     mine = [(key, p) for key, p in model.named_parameters()
-            if layout.steps_here(p) and optimizer_key(key, names[0]) in reader.metadata.state_dict_metadata]
-    missing = [p for _, p in mine if any(p.name not in inner._accumulators.get(n, {}) for n in names)]
+            if layout.steps_here(p) and optimizer_key(key, first) in saved]
+    missing = [p for _, p in mine if any(layout.state_tensor(optimizer, p, n) is None
+                                         for n in layout.state_names(optimizer, p))]
     if missing:
         inner._create_accumulators(paddle.static.default_main_program().global_block(), missing)
     for key, param in mine:
-        for name in names:
-            full = reader.full(optimizer_key(key, name))
-            value = full if name in layout.SCALAR_ACCUMULATORS else _local(param, full)
-            inner._accumulators[name][param.name].set_value(value)
+        for name in layout.state_names(optimizer, param):
+            state_key = optimizer_key(key, name)
+            if name == layout.MASTER_WEIGHT and state_key not in saved:
+                continue  # saved without master weights: keep the copy of the parameter just created
+            if name in layout.SCALAR_ACCUMULATORS:
+                value = reader.full(state_key)
+            else:
+                value = layout.local_value(param, lambda offset, shape: reader.region(state_key, offset, shape))
+            layout.state_tensor(optimizer, param, name).set_value(value)

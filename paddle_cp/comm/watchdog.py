@@ -9,6 +9,7 @@ stream and the in-flight entry stays until the event has passed.
 """
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import math
 import os
@@ -69,6 +70,20 @@ def guard(op, ranks, peers=None):
             _in_flight.pop(token, None)
         else:
             _in_flight[token] = (*entry[:3], event)
+
+
+@contextmanager
+def startup_guard(op, ranks):
+    """`guard` for a startup call (the parallel env, a process group's rendezvous) that may wait in C++
+    holding the GIL, where the watchdog thread cannot run: faulthandler's own C thread bounds it too, a
+    second after the timeout (it prints "Timeout" and every thread's stack, this call among them, and
+    exits 1). It replaces any faulthandler.dump_traceback_later the script had set."""
+    faulthandler.dump_traceback_later(get_timeout() + 1.0, exit=True)
+    try:
+        with guard(op, ranks):
+            yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 _CUDA = paddle.is_compiled_with_cuda()

@@ -4,7 +4,9 @@ Rule: every rank takes the mean loss over its own tokens; gradients of
 parameters replicated over `dp` and `sep` are averaged over those ranks, so with
 equal token counts per rank this reproduces one card on the global batch.
 Parameters used while the sequence is split over `mp` (sequence parallelism)
-saw only this rank's tokens: their gradients are summed over `mp` first.
+saw only this rank's tokens, and a LoRA factor beside a split weight only this
+rank's slice of it: their gradients are summed over `mp` first. Frozen parameters
+(no gradient on any rank) are skipped.
 `ClipGradByGlobalNorm` clips by the norm over all shards, every gradient
 counted once (tensor-parallel slices on each `mp` rank, replicated ones on one).
 """
@@ -14,7 +16,9 @@ import math
 from dataclasses import dataclass
 
 import paddle
+from paddle.amp.auto_cast import amp_global_state
 
+from .. import runtime
 from ..comm import collectives
 from ..mesh import MeshGroup
 from ..params import record_of
@@ -28,6 +32,16 @@ def _coalesced(tensors):
     return by_dtype.values()
 
 
+def gradient_dtype(param):
+    """The dtype of `param`'s reduced gradient, the same on every rank: float32 for a float16/bfloat16
+    parameter under `paddle.amp.decorate(master_grad=True)` (Paddle casts those gradients at the end of
+    backward), else the parameter's. A gradient made or stashed here (a branch this rank did not take,
+    a level-3 non-owner's) gets it too, so every rank fills buffers of the same dtypes and sizes."""
+    if param.dtype in (paddle.float16, paddle.bfloat16) and amp_global_state().use_master_grad:
+        return paddle.float32
+    return param.dtype
+
+
 def _agree_on_gradients(parameters, mesh_group):
     """Give a zero gradient to every parameter that has one on some rank of the group but not here
     (a branch only some ranks took), so all ranks reduce buffers of one size, as one card would."""
@@ -35,10 +49,11 @@ def _agree_on_gradients(parameters, mesh_group):
     collectives.all_reduce(mesh_group, present, tag="grad_presence")
     for param, count in zip(parameters, present.numpy().tolist()):
         if count and param.grad is None:
-            param._set_grad_ivar(paddle.zeros(param.shape, param.dtype))
+            param._set_grad_ivar(paddle.zeros(param.shape, gradient_dtype(param)))
 
 
 def _reduce_gradients(parameters, mesh_group, tag, average):
+    parameters = [p for p in parameters if not p.stop_gradient]  # frozen: no gradient on any rank
     if mesh_group.size == 1 or not parameters:
         return
     _agree_on_gradients(parameters, mesh_group)
@@ -76,23 +91,48 @@ class GradientGroups:
     world: MeshGroup
 
 
-class ParallelOptimizer:
-    """Wraps a Paddle optimizer; everything but `step`/`minimize` goes to it unchanged,
-    so parameter groups keep their own learning rate and weight decay."""
+class ParallelOptimizer(paddle.optimizer.Optimizer):
+    """Wraps a Paddle optimizer. Every attribute but its own (below) is the inner optimizer's, read
+    and written (`_multi_precision`, `_learning_rate`, `get_lr`, `state_dict`, ...), so parameter
+    groups keep their own learning rate, weight decay and clip, and `paddle.amp.decorate` and
+    `GradScaler` see the optimizer they expect. A subclass of Paddle's Optimizer (never initialized
+    as one) only so that isinstance checks such as decorate's accept it, as Paddle's own wrapper does.
+
+    Gradients are reduced once per step, in `step()` (or earlier, in `reduce_gradients()`, when
+    `pcp.shard_scaler`'s unscale needs the reduced gradients): micro-batches accumulated with
+    several backwards before one `step()` are reduced once, as one card sums them.
+    """
 
     def __init__(self, optimizer, groups, sharding=None, shared=None):
-        self._inner = optimizer
-        self._groups = groups
-        self._sharding = sharding
-        self._shared = shared  # pipeline: gradients of parameters held by several stages
-        self._params = optimizer_parameters(optimizer)
+        own = object.__setattr__
+        own(self, "_inner", optimizer)
+        own(self, "_groups", groups)
+        own(self, "_sharding", sharding)
+        own(self, "_shared", shared)  # pipeline: gradients of parameters held by several stages
+        own(self, "_params", optimizer_parameters(optimizer))
+        own(self, "_reduced", False)  # this step's gradients are reduced already
+
+    def __getattribute__(self, name):
+        if name.startswith("__") or name in _OWN_ATTRIBUTES:
+            return object.__getattribute__(self, name)
+        return getattr(object.__getattribute__(self, "_inner"), name)
+
+    def __setattr__(self, name, value):
+        if name in _OWN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._inner, name, value)
+
+    def __repr__(self):
+        return f"ParallelOptimizer({self._inner!r})"
 
     @property
     def inner(self):
         return self._inner
 
     def step(self):
-        self._reduce_gradients()
+        self._check_scaler_reduced()
+        self.reduce_gradients()
         clips = self._clip_groups()
         self._clip_by_global_norm(clips)
         if self._sharding is not None:
@@ -104,21 +144,66 @@ class ParallelOptimizer:
         finally:
             for holder, key, clip, _ in clips:
                 holder[key] = clip
+            self._reduced = False
         if self._sharding is not None:
             self._sharding.sync_parameters()
 
-    def _reduce_gradients(self):
-        """Sums over ranks commute: at sharding levels 2-3 reduce-scatter over dp first, so
-        the mp and sep reductions after it only touch the gradients this rank owns."""
+    def clear_grad(self, set_to_zero=True):
+        """Also forgets gradients stashed for sharding level 3 and any reduction done for a step
+        that was skipped (a GradScaler that found inf)."""
+        if self._sharding is not None:
+            self._sharding.clear_stash()
+        self._reduced = False
+        runtime.state.pipeline_loss_scale = None
+        self._inner.clear_grad(set_to_zero)
+
+    def reduce_gradients(self):
+        """Reduce this step's gradients over the mesh (once; `step()` calls it if nobody did).
+
+        Sums over ranks commute: at sharding levels 2-3 reduce-scatter over dp first, so the mp
+        and sep reductions after it only touch the gradients this rank owns."""
+        if self._reduced:
+            return
         groups, sharding = self._groups, self._sharding
+        self._apply_pipeline_loss_scale()
         if self._shared is not None:
             self._shared.reduce()
         scattered = sharding is not None and sharding.level >= 2
         if scattered:
             sharding.reduce_scatter_gradients()
-        partial = [p for p in self._params if record_of(p).sequence_partial]
-        _reduce_gradients(partial, groups.mp, "grad_sp_all_reduce", average=False)
+        partial = [p for p in self._params if record_of(p).mp_partial]
+        _reduce_gradients(partial, groups.mp, "grad_mp_partial_all_reduce", average=False)
         average_gradients(self._params, groups.sep if scattered else groups.replicas)
+        self._reduced = True
+
+    def _apply_pipeline_loss_scale(self):
+        """Pipeline: the factor the script put on the losses a scheduled step returned (their backward
+        ran unscaled inside the schedule), applied to this rank's gradients before they are reduced
+        (ranks may scale differently, e.g. by pcp.loss_weight)."""
+        factor, runtime.state.pipeline_loss_scale = runtime.state.pipeline_loss_scale, None
+        if factor is None or factor == 1.0:
+            return
+        for p in self._params:
+            if p.grad is not None and p.grad._is_initialized():
+                paddle.assign(p.grad * factor, p.grad)
+        if self._sharding is not None:
+            self._sharding.scale_stash(factor)
+
+    def agree_found_inf(self, found_inf):
+        """True on every rank of the mesh when any rank found inf/nan in its gradients (one
+        all-reduce of a flag), so every rank skips the step or every rank takes it."""
+        flag = paddle.cast(found_inf, "int32").reshape([1])
+        collectives.all_reduce(self._groups.world, flag, tag="found_inf_all_reduce")
+        return flag > 0
+
+    def _check_scaler_reduced(self):
+        """A GradScaler that drives this optimizer (it sets 'found_inf' for this step) unscaled
+        gradients before they were reduced: a level-3 rank's stashed gradients stayed scaled and
+        each rank decided alone whether to skip. Same check on every rank: all raise together."""
+        if isinstance(self._inner._get_auxiliary_var("found_inf"), paddle.Tensor) and not self._reduced:
+            raise ValueError("a paddle.amp.GradScaler drives the optimizer parallelize returned: wrap it with "
+                             "scaler = pcp.shard_scaler(scaler) (or dist.shard_scaler after pcp.patch_paddle()) "
+                             "so gradients are reduced before unscaling and every rank agrees on skipping")
 
     def _counted_here(self, param):
         """Whether this rank adds `param`'s gradient to the global norm (exactly one rank per copy)."""
@@ -161,11 +246,19 @@ class ParallelOptimizer:
                     paddle.assign(p.grad * scale.astype(p.grad.dtype), p.grad)
 
     def minimize(self, loss, startup_program=None, parameters=None, no_grad_set=None):
-        loss.backward()
+        """Paddle's dygraph `minimize`: the caller has run `loss.backward()` already; step on its gradients.
+        Returns (None, [(param, grad)]) as Paddle does (no ops in dygraph)."""
+        if parameters is not None or no_grad_set is not None:
+            raise ValueError("minimize(parameters=, no_grad_set=) is not supported by the optimizer parallelize "
+                             "returns: give the parameters to the optimizer when you build it (frozen ones with "
+                             "stop_gradient=True)")
+        params_grads = [(p, p.grad) for p in self._params if p.grad is not None]
         self.step()
+        return None, params_grads
 
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+
+_OWN_ATTRIBUTES = frozenset(vars(ParallelOptimizer)) | {
+    "_inner", "_groups", "_sharding", "_shared", "_params", "_reduced"}
 
 
 class _AttrHolder:

@@ -73,7 +73,7 @@ def fetch_around(layer, names, sharding):
         for name in names:
             param = layer._parameters[name]
             copy = _Copy(param, sharding)
-            share_record(param, copy.tensor)  # marks made on the copy (sequence_partial) reach the parameter
+            share_record(param, copy.tensor)  # marks made on the copy (mp_partial) reach the parameter
             copy.tensor.is_distributed = param.is_distributed  # model code reads Parameter attributes
             layer._parameters[name] = copy.tensor
             fetched[name] = copy

@@ -13,12 +13,15 @@ carry about equal bytes):
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import paddle
 
 from ..comm import collectives
+from .optimizer import gradient_dtype
 from .parameter_fetch import GatheredBytes, fetch_around
-from ..params import record_of, set_local_value
+from ..params import record_of, release_value
 
 LEVELS = (0, 1, 2, 3)
 
@@ -27,9 +30,13 @@ def check_level(dp_config):
     dp_config = dp_config or {}
     if not isinstance(dp_config, dict):
         raise TypeError(f"dp_config must be a dict like {{'sharding_level': 1}}, got {type(dp_config).__name__}")
-    unknown = set(dp_config) - {"sharding_level"}
+    unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim"}
     if unknown:
-        raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level'")
+        raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level' "
+                         "(and 'sharding_mesh_dim', always 'dp')")
+    if dp_config.get("sharding_mesh_dim") not in (None, "dp"):  # Paddle's default; PaddleFormers passes None
+        raise ValueError(f"dp_config sharding_mesh_dim {dp_config['sharding_mesh_dim']!r}: paddle_cp shards over "
+                         "the 'dp' mesh dim only; leave it out or give 'dp'")
     level = dp_config.get("sharding_level", 0)
     if level not in LEVELS:
         raise ValueError(f"dp_config sharding_level must be one of {LEVELS}, got {level!r}")
@@ -39,10 +46,11 @@ def check_level(dp_config):
 def _owners(params, size):
     """Owner position of each parameter: largest first onto the least-loaded rank (same on every rank)."""
     load, owner = [0] * size, [None] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: (-int(params[i].numel()), i)):
+    sizes = [math.prod(p.shape) for p in params]  # from shapes: a lazy parameter has no numel() yet
+    for i in sorted(range(len(params)), key=lambda i: (-sizes[i], i)):
         rank = min(range(size), key=lambda r: (load[r], r))
         owner[i] = rank
-        load[rank] += int(params[i].numel())
+        load[rank] += sizes[i]
     return owner
 
 
@@ -51,9 +59,14 @@ class Sharding:
 
     def __init__(self, level, params, dp_group):
         self.level, self.group, self.params = level, dp_group, list(params)
-        for param, owner in zip(self.params, _owners(self.params, dp_group.size)):
-            record = record_of(param)
-            record.dp_group, record.dp_owner, record.level = dp_group, owner, level
+        # frozen parameters (a LoRA model's base weights) have no gradient and never change: they are left
+        # out of the gradient and update traffic, and balanced apart so the trained ones' state is balanced too
+        self.trained = [p for p in self.params if not p.stop_gradient]
+        frozen = [p for p in self.params if p.stop_gradient]
+        for part in (self.trained, frozen):
+            for param, owner in zip(part, _owners(part, dp_group.size)):
+                record = record_of(param)
+                record.dp_group, record.dp_owner, record.level = dp_group, owner, level
         self._stash = {}  # level 3: gradients of parameters this rank does not own
         self.gathered = GatheredBytes()  # level 3: full copies fetched for use
 
@@ -65,9 +78,9 @@ class Sharding:
         """Levels 2-3: each owner receives the dp average of its parameters' gradients, in one
         reduce-scatter per dtype (bucket r holds rank r's parameters, padded to equal length)."""
         n = self.group.size
-        grads = {id(p): self._grad(p) for p in self.params}
+        grads = {id(p): self._grad(p) for p in self.trained}
         by_dtype = {}
-        for p in self.params:
+        for p in self.trained:
             by_dtype.setdefault(grads[id(p)].dtype, []).append(p)
         for dtype, same_dtype in by_dtype.items():
             buckets = [[p for p in same_dtype if record_of(p).dp_owner == r] for r in range(n)]
@@ -86,9 +99,12 @@ class Sharding:
         self.drop_foreign_gradients()
 
     def _grad(self, p):
-        if self.level == 3 and not self.owns(p):
-            return self._stash.get(id(p), paddle.zeros(record_of(p).tp_shape(), p.dtype))
-        return p.grad if p.grad is not None else paddle.zeros(record_of(p).tp_shape(), p.dtype)
+        """This rank's gradient of `p` in its reduced dtype (zeros if it has none): the same buckets on every rank."""
+        dtype = gradient_dtype(p)
+        grad = self._stash.get(id(p)) if self.level == 3 and not self.owns(p) else p.grad
+        if grad is None:
+            return paddle.zeros(record_of(p).tp_shape(), dtype)
+        return grad if grad.dtype == dtype else grad.astype(dtype)
 
     def drop_foreign_gradients(self):
         """Free the gradients of parameters another rank owns: the inner optimizer then skips them
@@ -100,7 +116,7 @@ class Sharding:
     def sync_parameters(self):
         """Levels 1-2: every dp rank gets each parameter's new value from its owner."""
         if self.level in (1, 2):
-            for p in self.params:
+            for p in self.trained:
                 collectives.broadcast(self.group, p, record_of(p).dp_owner, tag="param_broadcast")
 
     # level 3 -----------------------------------------------------------------
@@ -109,12 +125,18 @@ class Sharding:
         """Keep only owned parameters; fetch the others around each layer's forward."""
         for p in self.params:
             if not self.owns(p):
-                set_local_value(p, np.zeros([0], p.numpy().dtype))
+                release_value(p)
         sharded = {id(p) for p in self.params}
         for layer in model.sublayers(include_self=True):
             names = [n for n, p in layer._parameters.items() if p is not None and id(p) in sharded]
             if names:
                 fetch_around(layer, names, self)
+
+    def clear_stash(self):
+        self._stash.clear()
+
+    def scale_stash(self, factor):
+        self._stash = {key: grad * factor for key, grad in self._stash.items()}
 
     def stash(self, param, grad):
         key = id(param)

@@ -16,8 +16,8 @@ def plan_pipeline(model, mesh, pp_config):
     return settings, build_stage_plan(model, settings.split_spec, settings.global_spec, stages, settings.vpp_degree)
 
 
-def apply_pipeline(model, optimizer, mesh, settings, plan):
-    """Keep this rank's stage: free the rest, trim the optimizer, run the model's forward as a pipeline.
+def apply_pipeline(model, mesh, settings, plan):
+    """Keep this rank's stage: free the rest, run the model's forward as a pipeline.
     Returns the SharedGradients the optimizer reduces before its step. Collective (groups are made)."""
     pp_group = mesh_lib.mesh_group(mesh, ["pp"])
     stage, p = pp_group.index, plan.stages
@@ -31,8 +31,6 @@ def apply_pipeline(model, optimizer, mesh, settings, plan):
     held = holders(model, plan)
     shared = SharedGradients(mesh, held, stage)
     release_foreign(held, stage, pp_group)
-    if optimizer is not None:
-        keep_own_parameters(optimizer, held, stage)
     Pipeline(model, plan, settings, stage, peers, pp_group)
     return shared
 
@@ -46,4 +44,4 @@ def step_timeline(model):
     return list(pipeline.timeline)
 
 
-__all__ = ["SplitPoint", "plan_pipeline", "apply_pipeline", "step_timeline"]
+__all__ = ["SplitPoint", "plan_pipeline", "apply_pipeline", "keep_own_parameters", "step_timeline"]

@@ -39,16 +39,18 @@ def release_foreign(held, stage, pp_group):
             param._clear_data()
 
 
-def keep_own_parameters(optimizer, held, stage):
+def keep_own_parameters(optimizer, stage):
     """Drop other stages' parameters from the optimizer (no state for them), groups kept."""
-    mine = {k for k, (_, stages) in held.items() if stage in stages}
+    def mine(params):  # release_foreign tagged every parameter of the model with its stages
+        return [p for p in params if stage in record_of(p).pp_stages]
+
     groups = optimizer._param_groups
     if groups and isinstance(groups[0], dict):
         for group in groups:
-            group["params"] = [p for p in group["params"] if id(p) in mine]
+            group["params"] = mine(group["params"])
         optimizer._parameter_list = [dict(g) for g in groups]
     else:
-        optimizer._parameter_list = [p for p in optimizer._parameter_list if id(p) in mine]
+        optimizer._parameter_list = mine(optimizer._parameter_list)
         optimizer._param_groups = optimizer._parameter_list
 
 

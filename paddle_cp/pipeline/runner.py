@@ -54,8 +54,11 @@ def _unit_class(cls):
 
 
 class _LossAfterBackward(PyLayer):
-    """The loss a scheduled step returns: its backward has already run, inside the schedule.
-    A plain `loss.backward()` is a no-op; a scaled one would be silently ignored, so it is an error."""
+    """The loss a scheduled step returns: its backward has already run, inside the schedule, with a
+    unit loss gradient. A scaled `loss.backward()` (a script's `(loss / k).backward()` accumulating k
+    calls, a GradScaler's `scale(loss)`) records its factor, which the optimizer applies to the
+    accumulated gradients at its step (runtime.state.pipeline_loss_scale); the calls of one step
+    must agree on it, since their gradients are already summed."""
 
     @staticmethod
     def forward(ctx, anchor, value):
@@ -63,10 +66,14 @@ class _LossAfterBackward(PyLayer):
 
     @staticmethod
     def backward(ctx, grad):
-        if not bool(paddle.allclose(grad, paddle.ones_like(grad))):
-            raise ValueError("pipeline: model(...) already ran the backward of every micro-batch, so scaling "
-                             "its returned loss cannot change the gradients: scale each micro-batch's loss "
-                             "in pp_config['loss_fn'] instead (e.g. by pcp.loss_weight)")
+        factor = float(grad.reshape([-1])[0])
+        pending = runtime.state.pipeline_loss_scale
+        if pending is not None and not math.isclose(factor, pending, rel_tol=1e-6):
+            raise ValueError(f"pipeline: this step's earlier model(...) losses were scaled by {pending}, this one "
+                             f"by {factor}; their gradients are already summed, so every call before one "
+                             "optimizer.step() must scale its loss by the same factor (or scale each "
+                             "micro-batch's loss in pp_config['loss_fn'], e.g. by pcp.loss_weight)")
+        runtime.state.pipeline_loss_scale = factor
         return paddle.zeros([], "float32")
 
 

@@ -118,12 +118,12 @@ def is_sequence_plan(plan):
 
 
 def watch_partial_gradients(model):
-    """Mark every parameter a layer uses while the sequence is split (its record's `sequence_partial`)."""
+    """Mark every parameter a layer uses while the sequence is split (its record's `mp_partial`)."""
     def mark(layer, inputs):
         if state.sequence_split:
             for value in layer._parameters.values():
                 if value is not None:  # at sharding level 3 a fetched copy, which shares the parameter's record
-                    record_of(value).sequence_partial = True
+                    record_of(value).mp_partial = True
 
     def reset(layer, inputs):
         state.sequence_split = False

@@ -7,6 +7,10 @@ consumer needs; here a ColWise output stays split only when a sibling layer is
 RowWise (q/k/v -> o, gate/up -> down): any other consumer (embedding users, the
 loss after lm_head) gets it gathered. plan_annotation.py works that out from the
 whole plan before the plans are applied and gives each ColWise layer its ColumnInfo.
+
+A plan keyed on one parameter other than `weight` (`"...q_proj.lora_B": ColWiseParallel()`)
+splits that parameter only, where Paddle places it (`param_axis`), and adds no hook:
+api/parameter_plans.py accepts it only where the layer's own plan keeps its forward exact.
 """
 from __future__ import annotations
 
@@ -24,7 +28,47 @@ def _mp_group(plan, mesh):
     return mesh_lib.mesh_group(mesh, ["mp"])
 
 
-class ColWiseParallel(Plan):
+class _TensorParallel(Plan):
+    """What ColWise and RowWise share: Paddle's placement of a parameter named by the plan key."""
+
+    AXIS_BY_RANK = {}  # a named parameter's split axis by its number of dims (Paddle's placements)
+
+    @staticmethod
+    def on_whole_layer(param_names):
+        """Whether the key names the layer (or its weight, which the layer's forward needs split the same
+        way as the layer plan splits it) rather than another parameter."""
+        return list(param_names) in ([], ["weight"])
+
+    def param_axis(self, layer, name):
+        """The axis Paddle splits parameter `name` of `layer` on when a plan key names it."""
+        param = getattr(layer, name, None)
+        if not isinstance(param, paddle.Tensor):
+            raise ValueError(f"{type(self).__name__} keyed on {name!r}: {type(layer).__name__}.{name} is "
+                             f"{type(param).__name__}, not a tensor; key a tensor attribute or the layer")
+        if param.ndim not in self.AXIS_BY_RANK:
+            ranks = " or ".join(f"{rank}-D" for rank in self.AXIS_BY_RANK)
+            raise ValueError(f"{type(self).__name__} splits a {ranks} parameter; {type(layer).__name__}.{name} "
+                             f"is {param.ndim}-D {list(param.shape)}: plan another parameter or the layer")
+        return self.AXIS_BY_RANK[param.ndim]
+
+    def _check_params(self, layer, mesh, param_names):
+        mesh_lib.require_dim(mesh, "mp", type(self).__name__)
+        size = mesh_lib.dim_size(mesh, "mp")
+        for name in param_names:
+            axis = self.param_axis(layer, name)
+            length = getattr(layer, name).shape[axis]
+            if length % size:
+                raise ValueError(f"{type(self).__name__}: dim {axis} of {type(layer).__name__}.{name} (size "
+                                 f"{length}) is not divisible by mp={size}: choose an mp degree that divides it")
+
+    def _shard_params(self, layer, mesh, param_names):
+        self._check_params(layer, mesh, param_names)
+        group = _mp_group(self, mesh)
+        for name in param_names:
+            shard_parameter(getattr(layer, name), self.param_axis(layer, name), group)
+
+
+class ColWiseParallel(_TensorParallel):
     """Split the weight's out dim (and the bias) over `mp`.
 
     The output stays split over `mp` when a sibling layer is RowWiseParallel and
@@ -32,8 +76,11 @@ class ColWiseParallel(Plan):
     would give its consumer. On a layer that is not a Linear or Embedding the
     weight's dim 1 is split (as Paddle does); if that is the dim the layer
     contracts (e.g. an lm_head weight stored [vocab, hidden]), its input is split
-    to match and the partial outputs summed.
+    to match and the partial outputs summed. Keyed on another parameter: a 2-D one
+    is split on dim 1, a 1-D one on dim 0.
     """
+
+    AXIS_BY_RANK = {2: 1, 1: 0}
 
     def __init__(self, gather_output=False):
         if not isinstance(gather_output, bool):
@@ -41,6 +88,8 @@ class ColWiseParallel(Plan):
         self.gather_output = gather_output
 
     def check(self, layer, mesh, param_names=()):
+        if not self.on_whole_layer(param_names):
+            return self._check_params(layer, mesh, param_names)
         mesh_lib.require_dim(mesh, "mp", "ColWiseParallel")
         weight = getattr(layer, "weight", None)
         if not isinstance(weight, paddle.Tensor) or weight.ndim != 2:
@@ -51,6 +100,8 @@ class ColWiseParallel(Plan):
                              f"by mp={size}: choose an mp degree that divides it")
 
     def apply(self, layer, mesh, param_names=()):
+        if not self.on_whole_layer(param_names):
+            return self._shard_params(layer, mesh, param_names)
         self.check(layer, mesh, param_names)
         group = _mp_group(self, mesh)
         info = column_info(layer)
@@ -109,12 +160,16 @@ def _contracts_split_dim(layer, in_features, record):
                      f"meets inputs of width {in_features}; use a paddle.nn.Linear ([in, out] weight)")
 
 
-class RowWiseParallel(Plan):
+class RowWiseParallel(_TensorParallel):
     """Split the weight's in dim over `mp`; sum the partial outputs over `mp`, then add the bias once.
 
     `is_input_parallel=True`: the input is already this rank's slice (the output
-    of a ColWise sibling); False: the full input is split first.
+    of a ColWise sibling); False: the full input is split first. Keyed on another
+    parameter: a 2-D one is split on dim 0 (Paddle keeps a bias whole, so a key
+    naming one is refused rather than applied to the weight).
     """
+
+    AXIS_BY_RANK = {2: 0}
 
     def __init__(self, is_input_parallel=True):
         if not isinstance(is_input_parallel, bool):
@@ -122,6 +177,8 @@ class RowWiseParallel(Plan):
         self.is_input_parallel = is_input_parallel
 
     def check(self, layer, mesh, param_names=()):
+        if not self.on_whole_layer(param_names):
+            return self._check_params(layer, mesh, param_names)
         mesh_lib.require_dim(mesh, "mp", "RowWiseParallel")
         weight = getattr(layer, "weight", None)
         if not isinstance(layer, paddle.nn.Linear):
@@ -131,6 +188,8 @@ class RowWiseParallel(Plan):
             raise ValueError(f"RowWiseParallel: in size {weight.shape[0]} is not divisible by mp={size}")
 
     def apply(self, layer, mesh, param_names=()):
+        if not self.on_whole_layer(param_names):
+            return self._shard_params(layer, mesh, param_names)
         self.check(layer, mesh, param_names)
         group = _mp_group(self, mesh)
         shard_parameter(layer.weight, 0, group)

@@ -6,6 +6,7 @@ PrepareContextParallel plan, whose exact layout is then followed.
 from __future__ import annotations
 
 import paddle
+import paddle.distributed as dist
 
 from ..attention import SequenceLayout, resolve_group
 from ..attention.lengths import agreed_seq_len
@@ -15,8 +16,8 @@ from ..plans.context_parallel import PrepareContextParallel
 
 def _layout(backend, ulysses_degree, mesh, group):
     group = resolve_group(mesh, group)
-    if isinstance(backend, PrepareContextParallel):
-        backend, ulysses_degree = backend.backend, backend.ulysses_degree
+    if isinstance(backend, (PrepareContextParallel, dist.PrepareContextParallel)):  # Paddle's has no Ulysses degree
+        backend, ulysses_degree = backend.backend, getattr(backend, "ulysses_degree", None)
     return SequenceLayout(backend, group.size, ulysses_degree), group
 
 

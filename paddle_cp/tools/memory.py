@@ -2,6 +2,7 @@
 
     pcp-memory --nproc 1 2 4 --seq 1024 --budget-mib 64 --json out.json
     (from a checkout: python tools/bench_memory.py ...)
+    pcp-memory --phases ...: startup and I/O phases instead (tools/memory_phases.py)
 
 For each N (one launch of N CPU ranks; N = 1 is one process with the same plans,
 so the same blockwise attention kernel) and each variant (recompute: PaddleFormers'
@@ -254,6 +255,10 @@ def activation_ratios(result):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if "--phases" in argv:  # the startup and I/O phases: their own tool
+        from paddle_cp.tools.memory_phases import main as phases_main
+
+        return phases_main(argv)
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" not in os.environ and not args.no_cp:
         result = collect(args, argv)

@@ -86,12 +86,21 @@ def test_schedules_need_a_loss(pp_config):
         model(paddle.zeros([4, 8], "int64"))
 
 
-def test_scaling_the_returned_loss_is_refused():
-    """model(...) ran every backward already: a scaled returned loss would be ignored silently."""
+def test_scaling_the_returned_loss_is_recorded_for_the_optimizer():
+    """model(...) ran every backward already, unscaled: a scaled returned loss (a script's loss / k, a
+    GradScaler) records its factor for the optimizer's step; the calls of one step must agree on it."""
+    from paddle_cp import runtime
     from paddle_cp.pipeline.runner import _LossAfterBackward
     anchor = paddle.zeros([], "float32")
     anchor.stop_gradient = False
-    _LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)).backward()  # the plain loop: a no-op
-    loss = _LossAfterBackward.apply(anchor, paddle.to_tensor(2.5))
-    with pytest.raises(OSError, match="ValueError: pipeline.*loss_fn"):  # Paddle wraps errors raised in backward
-        (loss * 0.5).backward()
+    try:
+        _LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)).backward()  # the plain loop
+        assert runtime.state.pipeline_loss_scale == 1.0
+        runtime.state.pipeline_loss_scale = None
+        (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)) * 0.5).backward()
+        assert runtime.state.pipeline_loss_scale == 0.5
+        loss = _LossAfterBackward.apply(anchor, paddle.to_tensor(2.5))
+        with pytest.raises(OSError, match="ValueError: pipeline.*same factor"):  # Paddle wraps errors in backward
+            (loss * 0.25).backward()
+    finally:
+        runtime.reset()

@@ -129,3 +129,21 @@ def test_memory_bench_refuses_bad_arguments():
         memory.parse_args(["--nproc", "4", "--seq", "6"])  # shorter than 2 x N
     with pytest.raises(SystemExit):
         memory.parse_args(["--granularity", "0"])
+
+
+def test_memory_phases_table_and_arguments():
+    """pcp-memory --phases: its own arguments, one row per rank and phase (initialize first)."""
+    from paddle_cp.tools import memory_phases
+
+    args = memory_phases.parse_args(["--phases", "--layout", "pp2xsep2", "--init", "lazy"])
+    assert (args.layout, args.init, args.family) == ("pp2xsep2", "lazy", "llama")
+    with pytest.raises(SystemExit):
+        memory_phases.parse_args(["--phases", "--layout", "dp8"])
+    mib = 2 ** 20
+    rows = [dict(rank=r, phase=p, peak=3 * mib, share=2 * mib, bound=4 * mib, read=mib, written=0, seconds=0.5)
+            for p in ("load", "initialize") for r in (1, 0)]
+    lines = memory_phases.table(rows).splitlines()
+    assert lines[0].split()[:3] == ["rank", "phase", "peak"] and len(lines) == 2 + 4
+    assert [line.split()[:2] for line in lines[2:]] == [["0", "initialize"], ["1", "initialize"], ["0", "load"],
+                                                        ["1", "load"]]
+    assert lines[2].split()[2:4] == ["3.00", "2.00"]

@@ -16,8 +16,9 @@ from llama_models import build_llama
 from report import run
 
 import paddle_cp as pcp
-from paddle_cp.checkpoint import api
+from paddle_cp.checkpoint import api, export
 from paddle_cp.checkpoint.format import write_state
+from paddle_cp.checkpoint.safetensors_writer import StreamingFile
 from paddle_cp.comm import watchdog
 
 
@@ -194,8 +195,9 @@ def export_failure(report, root):
     if dist.get_rank() == 0:
         def fail(*args, **kwargs):
             raise OSError("disk full")
-        model.save_pretrained = fail
+        export.StreamingFile = fail
     report.expect_error("export_write_fails", lambda: pcp.export_pretrained(model, os.path.join(root, "export")))
+    export.StreamingFile = StreamingFile
 
 
 def disagreeing_ranks(report, root, good):

@@ -134,9 +134,12 @@ def rounding_spread(model_name, epsilon):
 
 
 def full_gradients(model):
-    """{name: full gradient} from this rank's tensor-parallel slices (sharding level 0)."""
+    """{name: full gradient} from this rank's tensor-parallel slices (sharding level 0); frozen parameters
+    (no gradient on any rank) are left out."""
     grads = {}
     for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
         record = record_of(p)
         grads[name] = p.grad.numpy() if record.tp_axis is None else record.assemble(
             [g.numpy() for g in collectives.all_gather(record.mp_group, p.grad, tag="test_gradients")])

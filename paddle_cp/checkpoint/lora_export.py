@@ -1,0 +1,39 @@
+"""A PaddleFormers LoRAModel's files, from whole tensors on rank 0: its adapter as LoRAModel writes it on
+one card, or the wrapped model with the adapter merged into its weights."""
+from __future__ import annotations
+
+import os
+
+import paddle
+
+PREFIX = "model."  # LoRAModel holds the model as .model; its files name parameters as the model does
+
+
+def is_lora_model(model):
+    return getattr(model, "lora_config", None) is not None and callable(
+        getattr(model, "get_trainable_state_dict", None))
+
+
+def save_lora_adapter(lora_model, tensors, directory):
+    """What LoRAModel.save_pretrained(directory, save_checkpoint_format="unified") writes on one card: its own
+    method, called on every rank, would save each rank's local shards and wait in a barrier only rank 0 reaches."""
+    from paddleformers.peft import LoRAConfig
+    from paddleformers.utils.env import LORA_WEIGHTS_NAME
+
+    trained = [name for name, value in lora_model.model.state_dict().items() if not value.stop_gradient]
+    os.makedirs(directory, exist_ok=True)
+    paddle.save({name: tensors[PREFIX + name] for name in trained}, os.path.join(directory, LORA_WEIGHTS_NAME))
+    LoRAConfig(**lora_model.lora_config.to_dict()).save_pretrained(directory)
+    lora_model.model.config.save_pretrained(directory)
+
+
+def merged_lora_state(lora_model, tensors):
+    """(the wrapped model, its state dict with each LoRA linear's weight + its own get_delta_weight of the whole
+    factors, the factors dropped): what a plain model of its class loads and computes the same with."""
+    state = {name[len(PREFIX):]: value for name, value in tensors.items()}
+    for name, layer in lora_model.model.named_sublayers():
+        if callable(getattr(layer, "get_delta_weight", None)) and f"{name}.lora_A" in state:
+            lora_a, lora_b = state.pop(f"{name}.lora_A"), state.pop(f"{name}.lora_B")
+            if not (layer.merged or layer.disable_lora):  # merged: the weight holds it; disabled: unused
+                state[f"{name}.weight"] = state[f"{name}.weight"] + layer.get_delta_weight(lora_a, lora_b)
+    return lora_model.model, state

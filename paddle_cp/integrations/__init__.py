@@ -1,0 +1,1 @@
+"""Adapters that run the training tools users already have (PaddleFormers' Trainer) on paddle_cp."""

@@ -1,0 +1,113 @@
+"""PaddleFormers' parallel flags as paddle_cp degrees, and the mesh they make.
+
+`context_parallel_size` is the ring (`p2p`), `sep_parallel_size` Ulysses
+(`all2all`), both together the hybrid of the two on one `sep` dim;
+`tensor_model_parallel_size` is `mp`, `pipeline_model_parallel_size` is `pp`,
+and the ranks left over are `dp`, which `sharding` stages 1-3 shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle.distributed as dist
+
+# mesh dims outermost first: tensor parallel innermost (the busiest traffic between neighbours)
+DIM_ORDER = ("dp", "pp", "sep", "mp")
+SHARDING_STAGES = {"stage1": 1, "stage2": 2, "stage3": 3}
+
+
+@dataclass(frozen=True)
+class ParallelDegrees:
+    world: int
+    dp: int = 1
+    pp: int = 1
+    mp: int = 1
+    ring: int = 1  # context_parallel_size
+    ulysses: int = 1  # sep_parallel_size
+    sharding_level: int = 0
+    sequence_parallel: bool = False
+
+    @property
+    def sep(self):
+        return self.ring * self.ulysses
+
+    @property
+    def backend(self):
+        """The context-parallel backend, or None without context parallelism."""
+        if self.ring > 1 and self.ulysses > 1:
+            return "hybrid"
+        return "p2p" if self.ring > 1 else "all2all" if self.ulysses > 1 else None
+
+    @property
+    def parallel(self):
+        return self.world > 1
+
+    def mesh(self):
+        """dims of size > 1 in DIM_ORDER; a one-rank run has no mesh."""
+        if not self.parallel:
+            return None
+        dims = [(name, getattr(self, name)) for name in DIM_ORDER if getattr(self, name) > 1]
+        shape = [size for _, size in dims]
+        return dist.ProcessMesh(np.arange(self.world).reshape(shape).tolist(), dim_names=[n for n, _ in dims])
+
+
+def _size(value):
+    """PaddleFormers writes 'unset' as -1 (or 0)."""
+    return max(int(value), 1)
+
+
+def sharding_level(sharding):
+    """The stage of PaddleFormers' `sharding` flag ("stage2", ["stage2"], True = stage1, "" = none)."""
+    if isinstance(sharding, bool):
+        return 1 if sharding else 0
+    options = sharding.split() if isinstance(sharding, str) else [getattr(s, "value", s) for s in sharding]
+    if "offload" in options:
+        raise ValueError("sharding 'offload' is not supported by paddle_cp's Trainer: drop 'offload' from --sharding")
+    unknown = [o for o in options if o not in SHARDING_STAGES]
+    if unknown or len(options) > 1:
+        raise ValueError(f"--sharding {sharding!r}: give one of {sorted(SHARDING_STAGES)} (or nothing)")
+    return SHARDING_STAGES[options[0]] if options else 0
+
+
+def degrees_from_flags(world, *, context_parallel_size=-1, sep_parallel_size=-1, tensor_model_parallel_size=-1,
+                       pipeline_model_parallel_size=-1, sharding="", sharding_parallel_size=-1,
+                       sequence_parallel=False):
+    """ParallelDegrees for `world` ranks; a ValueError naming the fix when the flags do not fit it.
+
+    Pure arithmetic on the flags: every rank raises the same error, before any collective.
+    """
+    ring, ulysses = _size(context_parallel_size), _size(sep_parallel_size)
+    mp, pp = _size(tensor_model_parallel_size), _size(pipeline_model_parallel_size)
+    level = sharding_level(sharding)
+    model_ranks = pp * mp * ring * ulysses
+    if world % model_ranks:
+        raise ValueError(
+            f"parallel degrees do not fit {world} ranks: pipeline_model_parallel_size {pp} x "
+            f"tensor_model_parallel_size {mp} x context_parallel_size {ring} x sep_parallel_size {ulysses} = "
+            f"{model_ranks} must divide the world size (the ranks left over are data parallel); change the sizes "
+            f"or launch a multiple of {model_ranks} ranks")
+    dp = world // model_ranks
+    if sequence_parallel and mp == 1:
+        raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1 (it splits the sequence over the "
+                         "tensor-parallel ranks): set both or neither")
+    shard_size = int(sharding_parallel_size)
+    if level and shard_size > 1 and shard_size != dp:
+        raise ValueError(
+            f"sharding_parallel_size {shard_size} != the {dp} data-parallel ranks: paddle_cp shards over all of "
+            f"them; set sharding_parallel_size to {dp} or -1")
+    if level and dp == 1:
+        level = 0  # as PaddleFormers: sharding over one rank is no sharding
+    if level > 1 and pp > 1:
+        raise ValueError("sharding stage2/stage3 with pipeline_model_parallel_size > 1 is not supported "
+                         "(as in PaddleFormers): use --sharding stage1")
+    return ParallelDegrees(world=world, dp=dp, pp=pp, mp=mp, ring=ring, ulysses=ulysses, sharding_level=level,
+                           sequence_parallel=bool(sequence_parallel))
+
+
+def degrees_from_mesh(mesh, sharding_level=0):
+    """ParallelDegrees read off a user's mesh (a paddle_cp config brings its own mesh and plans)."""
+    size = {name: mesh.shape[i] for i, name in enumerate(mesh.dim_names)}
+    sep = size.get("sep", size.get("cp", 1))
+    return ParallelDegrees(world=int(np.prod(mesh.shape)), dp=size.get("dp", 1), pp=size.get("pp", 1),
+                           mp=size.get("mp", 1), ring=sep, sharding_level=int(sharding_level))

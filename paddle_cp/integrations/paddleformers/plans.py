@@ -1,0 +1,115 @@
+"""paddle_cp plans for a PaddleFormers decoder model, derived from its layer names.
+
+PaddleFormers' decoder models (Llama, Qwen, Gemma3, gpt-oss, DeepSeek-V3, Phi3,
+...) share one layout: `model.embed_tokens`, `model.layers.<i>.self_attn` with
+`q_proj/k_proj/v_proj` (or a fused `qkv_proj`) and `o_proj`,
+`model.layers.<i>.mlp` with `gate_proj/up_proj` (or a fused `gate_up_proj` /
+`up_gate_proj`) and `down_proj`, `model.norm`, `model.rotary_emb`, `lm_head`.
+A layer the plan does not name stays whole on every rank (correct, only not
+split): MLA attention (DeepSeek-V3) and MoE routed experts (DeepSeek-V3's
+`experts.<i>`, gpt-oss's fused experts) keep their weights under tensor parallel;
+shared experts are split like any MLP.
+"""
+from __future__ import annotations
+
+import re
+
+import paddle_cp as pcp
+
+ATTENTION = re.compile(r"(?P<stack>.+)\.\d+\.self_attn")
+# routed experts run on the tokens routed to them: left whole (no collective inside a data-dependent branch)
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
+# projection leaf -> (plan, the row-parallel sibling it feeds)
+COLUMN_PROJECTIONS = {"q_proj": "o_proj", "k_proj": "o_proj", "v_proj": "o_proj", "qkv_proj": "o_proj",
+                      "gate_proj": "down_proj", "up_proj": "down_proj", "gate_up_proj": "down_proj",
+                      "up_gate_proj": "down_proj"}
+
+
+def _pattern(name):
+    """`model.layers.3.mlp.up_proj` -> `model.layers.*.mlp.up_proj` (Paddle's key syntax: a full regex match)."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def decoder_stack(model):
+    """The name of the decoder-layer list (`model.layers`); a ValueError when the model has none."""
+    stacks = {m.group("stack") for name, _ in model.named_sublayers() if (m := ATTENTION.fullmatch(name))}
+    if len(stacks) != 1:
+        raise ValueError(
+            f"{type(model).__name__}: cannot derive paddle_cp plans, expected one list of decoder layers with "
+            f"'<list>.<i>.self_attn' sublayers (PaddleFormers' decoder models), found {sorted(stacks) or 'none'}; "
+            "give your own plans in TrainingArguments(paddle_cp_config=<YAML path or dict>)")
+    return stacks.pop()
+
+
+def context_parallel_plan(model, degrees):
+    """`PrepareContextParallel` on the model itself (splits inputs and labels) and `ContextParallel`
+    on every decoder layer's attention."""
+    backend = degrees.backend
+    ulysses = degrees.ulysses if backend == "hybrid" else None
+    return {"": pcp.PrepareContextParallel(backend, ulysses_degree=ulysses),
+            f"{decoder_stack(model)}.*.self_attn": pcp.ContextParallel(backend, ulysses_degree=ulysses)}
+
+
+def tensor_parallel_plan(model, sequence_parallel):
+    """Column/row splits of the attention and MLP projections, the embedding and lm_head; with
+    `sequence_parallel` the sequence is split over mp between the embedding and lm_head."""
+    stack = decoder_stack(model)
+    names = {name for name, _ in model.named_sublayers()}
+    plan = {}
+    for name in sorted(names):
+        parent, _, leaf = name.rpartition(".")
+        row = COLUMN_PROJECTIONS.get(leaf)
+        if row and f"{parent}.{row}" in names and name.startswith(stack + ".") and not ROUTED_EXPERT.search(name):
+            plan[_pattern(name)] = pcp.ColWiseParallel()
+            plan[_pattern(f"{parent}.{row}")] = pcp.RowWiseParallel()
+    if not plan:
+        raise ValueError(f"{type(model).__name__}: no q/k/v/o or gate/up/down projections to split for "
+                         "tensor_model_parallel_size > 1; give your own plans in paddle_cp_config")
+    embedding = f"{stack.rpartition('.')[0]}.embed_tokens".lstrip(".")
+    head = "lm_head" if "lm_head" in names else None
+    if embedding in names:
+        plan[embedding] = [pcp.ColWiseParallel()]
+    if head:
+        plan[f"{head}.weight"] = pcp.ColWiseParallel()
+    if sequence_parallel:
+        if embedding not in names or not head:
+            raise ValueError(f"{type(model).__name__}: sequence_parallel needs '{embedding}' and 'lm_head' layers "
+                             "to begin and end the split sequence; give your own plans in paddle_cp_config")
+        plan[embedding].append(pcp.SequenceParallelBegin())
+        plan[f"{stack}.*.self_attn"] = pcp.SequenceParallelDisable()
+        plan[f"{stack}.*.mlp"] = pcp.SequenceParallelDisable(need_transpose=False)
+        plan[head] = pcp.SequenceParallelEnd()
+    return plan
+
+
+def pipeline_config(model, degrees, schedule_mode, micro_batches):
+    """Split at the decoder layers; the rotary layer (tables computed before the layer loop) runs on every stage."""
+    stack = decoder_stack(model)
+    config = {"split_spec": stack, "schedule_mode": schedule_mode, "accumulate_steps": micro_batches}
+    rotary = [name for name, _ in model.named_sublayers() if name.endswith("rotary_emb") and "layers." not in name]
+    if rotary:
+        config["global_spec"] = rotary[0] if len(rotary) == 1 else rotary
+    return config
+
+
+def parallelize_config(model, degrees, schedule_mode="1F1B", micro_batches=1):
+    """paddle_cp.parallelize's config for `model` on `degrees`."""
+    config = {}
+    if degrees.sep > 1:
+        config["cp_config"] = {"parallelize_plan": context_parallel_plan(model, degrees)}
+    if degrees.mp > 1:
+        config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, degrees.sequence_parallel)}
+    if degrees.pp > 1:
+        config["pp_config"] = pipeline_config(model, degrees, schedule_mode, micro_batches)
+    config["dp_config"] = {"sharding_level": degrees.sharding_level}
+    return config
+
+
+def prepare_plan(config):
+    """The config's PrepareContextParallel (how labels are split over sep), or None."""
+    for section in ("cp_config", "mp_config"):
+        for plans in ((config.get(section) or {}).get("parallelize_plan") or {}).values():
+            for plan in plans if isinstance(plans, (list, tuple)) else [plans]:
+                if isinstance(plan, pcp.PrepareContextParallel):
+                    return plan
+    return None

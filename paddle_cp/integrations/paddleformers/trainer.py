@@ -1,0 +1,180 @@
+"""PaddleFormers' Trainer, parallelized by paddle_cp instead of fleet.
+
+PaddleFormers runs its own loop (data, accumulation, logging, saving); this
+subclass replaces only what fleet did:
+- `_wrap_model`: `paddle_cp.parallelize(model, optimizer, mesh, config)` with the
+  plans derived from the model (plans.py) or the user's paddle_cp config;
+- `_get_train_sampler`: every data-parallel rank its part of one card's batch (data.py);
+- `compute_loss`: each rank's mean loss weighted by `paddle_cp.loss_weight`, so the
+  averaged gradient and the logged world mean are one card's token mean;
+- `_save_checkpoint` / `_load_from_checkpoint` / `_load_optimizer_and_scheduler` /
+  `save_model`: paddle_cp checkpoints inside `checkpoint-<step>` beside the
+  Trainer's state, scheduler and RNG files, loaded onto whatever mesh runs now;
+- `train`: `paddle.device.synchronize()` (called with gradient accumulation) has
+  nothing to wait for on CPU, where Paddle raises.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddleformers.trainer import Trainer as PaddleFormersTrainer
+from paddleformers.trainer.trainer_utils import has_length
+from paddleformers.utils.env import PREFIX_CHECKPOINT_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
+
+import paddle_cp as pcp
+
+from .data import DataParallelBatchSampler
+from .loss import PipelineLoss, local_tokens
+from .plans import parallelize_config, prepare_plan
+from .training_args import TrainingArguments
+
+IGNORED_LABEL = -100  # PaddleFormers' default `ignored_index`
+
+
+@contextlib.contextmanager
+def _no_device_sync_on_cpu():
+    """PaddleFormers calls paddle.device.synchronize() before scaling accumulated gradients; a CPU
+    build raises there, and a CPU has no queue to wait for."""
+    if paddle.is_compiled_with_cuda() or paddle.is_compiled_with_xpu():
+        yield
+        return
+    synchronize = paddle.device.synchronize
+    paddle.device.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        paddle.device.synchronize = synchronize
+
+
+class Trainer(PaddleFormersTrainer):
+    def __init__(self, model=None, criterion=None, args=None, *rest, **kwargs):
+        if not isinstance(args, TrainingArguments):
+            raise TypeError("paddle_cp's Trainer takes paddle_cp.integrations.paddleformers.TrainingArguments "
+                            f"(it carries the parallel degrees), got {type(args).__name__}")
+        super().__init__(model, criterion, args, *rest, **kwargs)
+        degrees = args.paddle_cp_degrees
+        self.paddle_cp_config = None
+        if degrees.parallel:
+            # derived (and checked) here, on every rank alike, before any collective
+            self.paddle_cp_config = args.paddle_cp_plan_config
+            if self.paddle_cp_config is None:
+                self.paddle_cp_config = parallelize_config(model, degrees, args.pipeline_schedule_mode,
+                                                           micro_batches=self._pipeline_micro_batches())
+        self._prepare_plan = prepare_plan(self.paddle_cp_config or {})
+        self._pipeline_loss = None
+        pp_config = (self.paddle_cp_config or {}).get("pp_config")
+        if pp_config and "loss_fn" not in pp_config:
+            self._pipeline_loss = PipelineLoss(model, self._prepare_plan, pp_config.get("accumulate_steps", 1),
+                                               self._ignored_label())
+            pp_config = {**pp_config, "loss_fn": self._pipeline_loss}
+            self.paddle_cp_config = {**self.paddle_cp_config, "pp_config": pp_config}
+        self._parallelized = False
+
+    def _pipeline_micro_batches(self):
+        """Micro-batches of one pipelined forward: one sample each (fills the pipeline once the
+        per-device batch reaches the stage count)."""
+        return self.args.per_device_train_batch_size if self.args.paddle_cp_degrees.pp > 1 else 1
+
+    @property
+    def _distributed(self):
+        return self.args.paddle_cp_degrees.parallel
+
+    # ---- model and optimizer -------------------------------------------------------------
+    def _wrap_model(self, model, training=True):
+        if not self._distributed:
+            return super()._wrap_model(model, training)
+        if self._parallelized or not training:
+            return model
+        if self.optimizer is None:
+            raise ValueError("paddle_cp parallelizes the model together with its optimizer: create the optimizer "
+                             "first (Trainer.train does)")
+        model, self.optimizer = pcp.parallelize(model, self.optimizer, self.args.paddle_cp_mesh,
+                                                self.paddle_cp_config)
+        self._parallelized = True
+        return model
+
+    # ---- data and loss -------------------------------------------------------------------
+    def _get_train_sampler(self):
+        if not self._distributed or self.train_dataset is None or not has_length(self.train_dataset):
+            return super()._get_train_sampler()
+        args = self.args
+        return DataParallelBatchSampler(self.train_dataset, args.per_device_train_batch_size,
+                                        args.paddle_cp_degrees.dp, args.dataset_rank, args.dataloader_shuffle,
+                                        args.dataloader_drop_last, args.seed)
+
+    def _ignored_label(self):
+        return getattr(getattr(self.model, "config", None), "ignored_index", IGNORED_LABEL)
+
+    def compute_loss(self, model, inputs, return_outputs=False):
+        degrees = self.args.paddle_cp_degrees
+        if self._pipeline_loss is not None and self._parallelized and model.training:
+            self._pipeline_loss.start_step(inputs["labels"])  # the schedule weighs each micro-batch's loss
+            return super().compute_loss(model, inputs, return_outputs=return_outputs)
+        weigh = self._parallelized and degrees.dp * degrees.sep > 1 and inputs.get("labels") is not None
+        tokens = local_tokens(inputs["labels"], self._prepare_plan, self._ignored_label()) if weigh else None
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs)
+        if not weigh:
+            return result
+        weight = pcp.loss_weight(tokens)
+        if return_outputs:
+            return result[0] * weight, result[1]
+        return result * weight
+
+    def train(self, resume_from_checkpoint=None, ignore_keys_for_eval=None):
+        if resume_from_checkpoint is True and self._distributed:
+            resume_from_checkpoint = pcp.latest_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
+        with _no_device_sync_on_cpu():
+            return super().train(resume_from_checkpoint, ignore_keys_for_eval)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def _save_checkpoint(self, model, metrics=None):
+        if not self._distributed:
+            return super()._save_checkpoint(model, metrics)
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        optimizer = None if self.args.ignore_save_lr_and_optim else self.optimizer
+        pcp.save_checkpoint(folder, self.model, optimizer, extra={"global_step": self.state.global_step})
+        if self.args.should_save:
+            self.state.save(os.path.join(folder, TRAINER_STATE_NAME))
+            paddle.save(self.lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER_NAME))
+        if self.args.save_rng_states:
+            paddle.save(_rng_state(self.args.world_size), os.path.join(folder, f"rng_state_{dist.get_rank()}.pth"))
+        dist.barrier()  # the folder is whole before anyone rotates or resumes from it
+        if self.args.should_save:
+            self._rotate_checkpoints(use_mtime=True, output_dir=self.args.output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint=None):
+        if not self._distributed:
+            return super()._load_from_checkpoint(resume_from_checkpoint)
+        # the weights load after parallelize, with the optimizer state (_load_optimizer_and_scheduler)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if not self._distributed:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        keep_optimizer = not self.args.ignore_load_lr_and_optim
+        pcp.load_checkpoint(checkpoint, self.model, self.optimizer if keep_optimizer else None)
+        if keep_optimizer:
+            self._load_scheduler(checkpoint)
+
+    def save_model(self, output_dir=None, merge_tensor_parallel=False, last_fc_to_hf=False):
+        """What `from_pretrained` loads: the single-card weights (and config) in safetensors."""
+        if not self._distributed:
+            return super().save_model(output_dir, merge_tensor_parallel, last_fc_to_hf)
+        output_dir = output_dir or self.args.output_dir
+        pcp.export_pretrained(self.model, output_dir)
+        if self.args.should_save and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(output_dir)
+
+
+def _rng_state(world_size):
+    """The RNG file PaddleFormers' `_load_rng_state` reads."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "cuda": paddle.get_rng_state(),
+            "cpu": paddle.framework.core.default_cpu_generator().get_state(), "world_size": world_size}

@@ -1,0 +1,68 @@
+"""Memory and I/O of one startup or I/O phase on this rank (initialize, load_pretrained, export,
+save, load): the peak from Paddle's host allocator statistics (`Allocated`: tensors only), the
+model's share on this rank, and the bytes read and written (`checkpoint.io_bytes`).
+
+`peak` counts the model's own tensors and what the phase adds, not other tensors the process
+holds (a reference model in a test): the most allocated during the phase, less what was allocated
+before it that is not the model. The bound every phase should keep: share + 2 x the largest single
+parameter (one full parameter may exist while its slice is cut, never two, never the model).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+MIB = 2 ** 20
+
+
+def _stat(kind):
+    from paddle.base import core
+
+    return getattr(core, f"host_memory_stat_{kind}_value")("Allocated", 0)
+
+
+def share_bytes(model, optimizer=None):
+    """Bytes of the parameters and buffers this rank holds (its slices; nothing for what others keep), and of
+    the optimizer state it keeps."""
+    tensors = list(model.state_dict().values())
+    if optimizer is not None:
+        from paddle_cp.checkpoint.layout import inner_optimizer
+
+        tensors += [t for per_param in inner_optimizer(optimizer)._accumulators.values() for t in per_param.values()]
+    unique = {id(t): t for t in tensors}  # a tied weight once
+    return sum(math.prod(t.shape) * t.element_size() for t in unique.values() if t._is_initialized())
+
+
+def largest_parameter_bytes(model):
+    """Bytes of the largest single-card parameter."""
+    from paddle_cp.checkpoint.layout import global_shape
+
+    return max(math.prod(global_shape(p)) * p.element_size() for p in model.parameters())
+
+
+def measure(phase, run, model=None, optimizer=None):
+    """Run `run()` (returns the model, for initialize) and report this rank's phase numbers. `model`
+    (and `optimizer`, for checkpoints): already built (I/O phases); their share is not "other" memory."""
+    import gc
+
+    from paddle.base import core
+
+    from paddle_cp.checkpoint.io_bytes import io_bytes, reset_io_bytes
+
+    gc.collect()
+    other = _stat("current") - (share_bytes(model, optimizer) if model is not None else 0)
+    core.host_memory_stat_reset_peak_value("Allocated", 0)
+    reset_io_bytes()
+    start = time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - start
+    model = result if model is None else model
+    moved = io_bytes()
+    return {"phase": phase, "peak": _stat("peak") - other, "share": share_bytes(model, optimizer),
+            "largest_parameter": largest_parameter_bytes(model), "read": moved["read"],
+            "written": moved["written"], "seconds": seconds}
+
+
+def within_bound(row, slack):
+    """Whether the phase's peak kept to share + 2 x the largest parameter + `slack` bytes."""
+    return row["peak"] <= row["share"] + 2 * row["largest_parameter"] + slack

@@ -1,0 +1,68 @@
+"""paddle_cp's PaddleFormers Trainer (paddle_cp.integrations.paddleformers) on 4 CPU ranks vs
+PaddleFormers' own Trainer in one process: each logged loss and the final parameters.
+
+One launch per group of tests/workers/trainer_parity.py; the one-card reference is
+trained in the same launch (rank 0, after the parallel runs).
+"""
+import pytest
+from launcher import launch_once
+
+TOLERANCE = 1e-5
+
+
+def _reports(group):
+    pytest.importorskip("paddleformers")
+    pytest.importorskip("jinja2")
+    return launch_once("trainer_parity.py", 4, group)
+
+
+def check_parity(reports, run):
+    for report in reports:
+        assert "crash" not in report["values"], report["values"].get("crash")
+    rank0 = reports[0]
+    assert rank0["values"][f"{run}.state_keys_match"], run
+    losses, want = rank0["values"][f"{run}.losses"]
+    assert len(losses) == len(want) > 0, (losses, want)
+    for name in (f"{run}.loss", f"{run}.state"):
+        assert rank0["max_abs"][name] < TOLERANCE, (name, rank0["max_abs"][name], losses, want)
+
+
+@pytest.mark.parametrize("run", ["dp2_cp2", "dp2_ulysses2", "hybrid_ring2_ulysses2", "dp2_cp2_packed_accum",
+                                 "dp2_mp2_sharding3", "user_config_dp2_ulysses2", "phi3_dp2_mp2"])
+def test_context_parallel_trainer_matches_one_card(run):
+    """dp2_cp2 also compares evaluate()'s eval_loss (appended to its losses)."""
+    check_parity(_reports("core"), run)
+
+
+@pytest.mark.parametrize("run", ["mp2_sp_cp2", "dp2_sharding2_cp2", "cp2_recompute_chunked_loss", "pp2_cp2_accum",
+                                 "gemma3_dp2_cp2",
+                                 "resume_hybrid_to_dp2_ulysses2"])
+def test_composed_trainer_matches_one_card(run):
+    """tensor + sequence + context parallel; dp x sharding stage 2 x ring; PaddleFormers' recompute
+    and chunked loss under ring; Gemma3 under dp x ring; two pipeline stages with ring inside and gradient
+    accumulation; saved on ring x Ulysses, resumed on dp x Ulysses."""
+    check_parity(_reports("composed"), run)
+
+
+def test_save_model_loads_with_from_pretrained():
+    rank0 = _reports("composed")[0]
+    assert rank0["values"]["dp2_sharding2_cp2.export_keys_match"]
+    assert rank0["max_abs"]["dp2_sharding2_cp2.export"] < TOLERANCE
+
+
+@pytest.mark.parametrize("case, words", [
+    ("degrees_do_not_fit", ["context_parallel_size 3", "must divide the world size"]),
+    ("sharding_size", ["sharding_parallel_size 3", "set sharding_parallel_size to 2"]),
+    ("sequence_parallel_alone", ["tensor_model_parallel_size > 1"]),
+    ("config_and_flags", ["paddle_cp_config", "context_parallel_size"]),
+    ("uncovered_model", ["Linear", "self_attn", "paddle_cp_config"]),
+    ("stage3_accumulation", ["stage3", "gradient_accumulation_steps", "stage2"]),
+])
+def test_bad_configs_raise_the_same_error_on_every_rank(case, words):
+    reports = _reports("core")
+    errors = [report["errors"][case] for report in reports]
+    assert all(error == errors[0] for error in errors), errors
+    kind, message = errors[0]
+    assert kind == "ValueError", errors[0]
+    for word in words:
+        assert word in message, (word, message)

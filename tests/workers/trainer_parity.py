@@ -1,0 +1,241 @@
+"""paddle_cp's PaddleFormers Trainer on 4 ranks vs PaddleFormers' own Trainer in one process.
+
+argv[1] names a group of runs (one launch each). Every run trains a tiny PaddleFormers
+model through `paddle_cp.integrations.paddleformers.Trainer` with the parallel flags of
+the run, collects each logged loss (`TrainerCallback.on_log`; PaddleFormers empties
+`state.log_history` at every log) and the final full state. Afterwards rank 0 trains
+the same model with PaddleFormers' own Trainer and TrainingArguments (the same
+arguments minus the parallel sizes, a per-device batch giving the same global batch)
+with the world size hidden, so it runs as one card, and records the differences.
+"""
+import contextlib
+import os
+import sys
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddleformers_models import build
+from report import run
+
+import paddle_cp as pcp
+
+SAMPLES, SEQ, VOCAB = 16, 22, 128
+COMMON = dict(max_steps=3, learning_rate=1e-2, adam_epsilon=1e-3, weight_decay=0.1, max_grad_norm=1.0,
+              logging_steps=1, seed=42, save_strategy="no", report_to="none", disable_tqdm=True,
+              dataloader_shuffle=True, use_cache=False, amp_master_grad=False)
+
+
+def dataset(packed, seq=SEQ):
+    """Random tokens; a fifth of the labels ignored. `packed`: documents of 3-9 tokens back to back with
+    restarting position_ids, PaddleFormers' causal attn_mask_startend_row_indices, each document's
+    last label ignored."""
+    rng = np.random.RandomState(11)
+    samples = []
+    for _ in range(SAMPLES):
+        ids = rng.randint(0, VOCAB, seq).astype("int64")
+        labels = rng.randint(0, VOCAB, seq).astype("int64")
+        labels[rng.rand(seq) < 0.2] = -100
+        sample = {"input_ids": ids, "labels": labels}
+        if packed:
+            starts, start = [], 0
+            while start < seq:
+                starts.append(start)
+                start += rng.randint(3, 10)
+            ends = starts[1:] + [seq]
+            positions = np.concatenate([np.arange(e - s) for s, e in zip(starts, ends)])
+            row_end = np.concatenate([np.full(e - s, e) for s, e in zip(starts, ends)])
+            labels[np.array(ends) - 1] = -100
+            # a Tensor: the default collator stacks it as it is (lists of arrays become int64, eager wants int32)
+            row_end = paddle.to_tensor(row_end[None, :], dtype="int32")
+            sample.update(position_ids=positions, attn_mask_startend_row_indices=row_end)
+        samples.append(sample)
+    return samples
+
+
+def model_of(family, **overrides):
+    paddle.seed(2024)
+    return build(family, **overrides)
+
+
+class LoggedLosses:
+    """Collects every logged loss; with `stop_at`, ends training after that step (as if the job died
+    after its checkpoint), keeping the schedule of the full run."""
+
+    def __init__(self, stop_at=None):
+        from paddleformers.trainer import TrainerCallback
+
+        class Collect(TrainerCallback):
+            def on_log(cb, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    self.losses.append(logs["loss"])
+
+            def on_step_end(cb, args, state, control, **kwargs):
+                if stop_at is not None and state.global_step >= stop_at:
+                    control.should_training_stop = True
+
+        self.losses, self.callback = [], Collect()
+
+
+@contextlib.contextmanager
+def one_card():
+    """PaddleFormers asks paddle.distributed for the world size (at call time): hide the launch. Its
+    gradient accumulation calls paddle.device.synchronize(), which raises on CPU builds."""
+    real_world, real_sync = dist.get_world_size, paddle.device.synchronize
+    dist.get_world_size = lambda group=None: 1
+    paddle.device.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        dist.get_world_size, paddle.device.synchronize = real_world, real_sync
+
+
+def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=None, stop_at=None):
+    args = dict(COMMON, **run_spec.get("args", {}))
+    if parallel:
+        args.update(run_spec["parallel"])
+        args["per_device_eval_batch_size"] = args["per_device_train_batch_size"]
+    else:
+        args["per_device_train_batch_size"] = args["per_device_eval_batch_size"] = run_spec["global_batch"]
+    if args.get("save_steps"):
+        args["save_strategy"] = "steps"
+    training_args = args_cls(output_dir=output_dir, **args)
+    model = model_of(run_spec.get("family", "llama"), **run_spec.get("model", {}))
+    log = LoggedLosses(stop_at)
+    data = dataset(run_spec.get("packed", False), run_spec.get("seq", SEQ))
+    trainer = trainer_cls(model=model, args=training_args, train_dataset=data, callbacks=[log.callback])
+    trainer.train(resume_from_checkpoint=resume)
+    if run_spec.get("evaluate"):
+        log.losses.append(trainer.evaluate(eval_dataset=data[:8])["eval_loss"])  # compared like a logged loss
+    return log.losses, trainer
+
+
+def parallel_run(report, name, spec, root):
+    from paddle_cp.integrations.paddleformers import Trainer, TrainingArguments
+
+    directory = os.path.join(root, name)
+    if "resume" in spec:  # first train up to the save on one mesh, then resume on this one
+        first = dict(spec, parallel=spec["resume"]["parallel"], args={**spec.get("args", {}), "save_steps": 2})
+        train_with(Trainer, TrainingArguments, first, directory, parallel=True, stop_at=2)
+        losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True, resume=True)
+    else:
+        losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)
+    if spec.get("export"):
+        trainer.save_model(os.path.join(directory, "export"))
+    return losses, pcp.full_state_dict(trainer.model)
+
+
+def exported_state(root, name):
+    """What from_pretrained loads from the parallel run's save_model()."""
+    from paddleformers.transformers import LlamaForCausalLM
+
+    with one_card():  # rank 0 alone, after the others finished: no collective loading
+        model = LlamaForCausalLM.from_pretrained(os.path.join(root, name, "export"))
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def reference_run(spec, root, name):
+    from paddleformers.trainer import Trainer, TrainingArguments
+
+    with one_card():
+        losses, trainer = train_with(Trainer, TrainingArguments, spec, os.path.join(root, name + ".ref"),
+                                     parallel=False)
+    return losses, {k: v.numpy() for k, v in trainer.model.state_dict().items()}
+
+
+CP2 = dict(context_parallel_size=2)
+RUNS = {
+    "core": {
+        # 4 ranks = dp2 x sep2 (ring) unless the flags fill them otherwise
+        "dp2_cp2": dict(parallel=dict(CP2, per_device_train_batch_size=2), global_batch=4, evaluate=True),
+        "dp2_ulysses2": dict(parallel=dict(sep_parallel_size=2, per_device_train_batch_size=2), global_batch=4),
+        "hybrid_ring2_ulysses2": dict(parallel=dict(CP2, sep_parallel_size=2, per_device_train_batch_size=4),
+                                      global_batch=4),
+        "dp2_cp2_packed_accum": dict(parallel=dict(CP2, per_device_train_batch_size=1), global_batch=2,
+                                     packed=True, args=dict(gradient_accumulation_steps=2)),
+        # the user's own mesh and plans (what a paddle_cp YAML file holds) instead of the flags
+        "user_config_dp2_ulysses2": dict(parallel=dict(per_device_train_batch_size=2, paddle_cp_config={
+            "mesh": {"shape": [2, 2], "dim_names": ["dp", "sep"]},
+            "cp_config": {"parallelize_plan": {
+                "": {"PrepareContextParallel": {"backend": "all2all"}},
+                "model.layers.*.self_attn": {"ContextParallel": {"backend": "all2all"}}}},
+        }), global_batch=4),
+        # fused qkv_proj / gate_up_proj split per part
+        "phi3_dp2_mp2": dict(family="phi3", global_batch=4,
+                             parallel=dict(tensor_model_parallel_size=2, per_device_train_batch_size=2)),
+        # tensor parallel alone (default eager attention) with sharding stage 3
+        "dp2_mp2_sharding3": dict(parallel=dict(tensor_model_parallel_size=2, sharding="stage3",
+                                                per_device_train_batch_size=1), global_batch=2),
+    },
+    "composed": {
+        # sequence parallel needs the sdpa build (eager makes its causal mask from the split length) and
+        # a length that splits evenly over mp after the context-parallel split
+        "mp2_sp_cp2": dict(parallel=dict(CP2, tensor_model_parallel_size=2, sequence_parallel=True,
+                                         per_device_train_batch_size=2), global_batch=2,
+                           model=dict(_attn_implementation="sdpa"), seq=24),
+        "dp2_sharding2_cp2": dict(parallel=dict(CP2, sharding="stage2", sharding_parallel_size=2,
+                                                per_device_train_batch_size=2), global_batch=4, export=True),
+        "cp2_recompute_chunked_loss": dict(
+            parallel=dict(CP2, per_device_train_batch_size=2), global_batch=4,
+            args=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+            model=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                       use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=4)),
+        # sliding-window and full layers, query_pre_attn_scalar, fused qkv and up_gate projections
+        "gemma3_dp2_cp2": dict(family="gemma3", parallel=dict(CP2, per_device_train_batch_size=2),
+                                  global_batch=4),
+        # two stages split at the decoder layers, ring attention inside each; micro-batches of one sample
+        "pp2_cp2_accum": dict(parallel=dict(CP2, pipeline_model_parallel_size=2, per_device_train_batch_size=2),
+                              global_batch=2, args=dict(gradient_accumulation_steps=2)),
+        # saved at step 2 on ring 2 x Ulysses 2 (one replica), resumed on dp 2 x Ulysses 2
+        "resume_hybrid_to_dp2_ulysses2": dict(
+            resume=dict(parallel=dict(CP2, sep_parallel_size=2, per_device_train_batch_size=4)),
+            parallel=dict(sep_parallel_size=2, per_device_train_batch_size=2), global_batch=4),
+    },
+}
+
+
+def bad_configs(report, root):
+    """Each raises on every rank before any collective (the runs after it prove no rank was left waiting)."""
+    from paddle_cp.integrations.paddleformers import Trainer, TrainingArguments
+
+    def args(**flags):
+        return TrainingArguments(output_dir=os.path.join(root, "bad"), **dict(COMMON, **flags))
+
+    report.expect_error("degrees_do_not_fit", lambda: args(context_parallel_size=3))
+    report.expect_error("sharding_size", lambda: args(context_parallel_size=2, sharding="stage2",
+                                                      sharding_parallel_size=3))
+    report.expect_error("sequence_parallel_alone", lambda: args(sequence_parallel=True))
+    report.expect_error("config_and_flags", lambda: args(context_parallel_size=2, paddle_cp_config={
+        "mesh": {"shape": [4], "dim_names": ["sep"]}}))
+    report.expect_error("stage3_accumulation", lambda: args(sharding="stage3", gradient_accumulation_steps=2))
+    report.expect_error("uncovered_model", lambda: Trainer(model=paddle.nn.Linear(4, 4),
+                                                           args=args(context_parallel_size=2)))
+
+
+def main(report):
+    root = os.path.join(os.environ["PCP_REPORT_DIR"], "trainer")  # one directory for all ranks: checkpoints are shared
+    runs = RUNS[sys.argv[1]]
+    if sys.argv[1] == "core":
+        bad_configs(report, root)
+    results = {name: parallel_run(report, name, spec, root) for name, spec in runs.items()}
+    if dist.get_rank() != 0:
+        return
+    for name, spec in runs.items():
+        losses, state = results[name]
+        want_losses, want_state = reference_run(spec, root, name)
+        if "resume" in spec:  # the resumed run logs the steps after the checkpoint
+            want_losses = want_losses[2:]
+        report.value(f"{name}.losses", [losses, want_losses])
+        report.diff(f"{name}.loss", np.array(losses), np.array(want_losses))
+        report.value(f"{name}.state_keys_match", sorted(state) == sorted(want_state))
+        for key, value in want_state.items():
+            report.diff(f"{name}.state", state.get(key, np.zeros([0])), value)
+        if spec.get("export"):
+            exported = exported_state(root, name)
+            report.value(f"{name}.export_keys_match", sorted(exported) == sorted(want_state))
+            for key, value in want_state.items():
+                report.diff(f"{name}.export", exported.get(key, np.zeros([0])), value)
+
+
+if __name__ == "__main__":
+    run(main)
