@@ -110,14 +110,15 @@ def train_single(train):
     return losses
 
 
-def main():
+def main(argv=None):
+    """Returns (losses, one-process losses, largest difference) on rank 0 (None without the comparison)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML with mesh, *_config sections and train")
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--checkpoint-dir", default="checkpoints", help="where checkpoints go (default: %(default)s)")
     parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.save_every < 0:
         parser.error("--save-every takes a number of steps >= 0")
     with open(args.config) as f:
@@ -135,6 +136,8 @@ def main():
         gap = max(abs(a - b) for a, b in zip(losses, reference))
         print(f"single process losses {[round(x, 6) for x in reference]}")
         print(f"max |loss - single-process loss| over {len(losses)} steps: {gap:.2e}", flush=True)
+        return losses, reference, gap
+    return None
 
 
 if __name__ == "__main__":

@@ -116,7 +116,8 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
     states = {MODEL_DIR: shards.model_boxes(model)}  # this rank's own boxes: no data moves between ranks
     if optimizer is not None:
         states[OPTIMIZER_DIR] = shards.optimizer_boxes(model, optimizer)
-    save = _Save(path, extra, states, group, async_save)
+    # a copy as of this call: an async save publishes `extra` later, when the caller may have changed it
+    save = _Save(path, json.loads(json.dumps(extra)), states, group, async_save)
     if async_save:
         _pending.append(save)
     else:

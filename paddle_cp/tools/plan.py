@@ -4,7 +4,7 @@
 
 Prints a table of candidates (best first) and the best layout paddle_cp can run as
 a YAML config for `paddle_cp.load_config`; `--json` writes everything. The cost
-model is paddle_cp/planner.py: a model of GPU clusters, not a measurement.
+model is paddle_cp/tools/planner.py: a model of GPU clusters, not a measurement.
 """
 from __future__ import annotations
 
