@@ -55,12 +55,6 @@ def steps_here(param):
     return on_stage and record.owned_here()
 
 
-def state_shape(param, name):
-    """The shape of this rank's piece of an optimizer state (the tensor-parallel slice's shape, or one number)."""
-    record = find_record(param)
-    return [1] if name in SCALAR_ACCUMULATORS else list(param.shape if record is None else record.tp_shape())
-
-
 def has_master_weight(optimizer, param):
     """Whether the optimizer keeps an fp32 master copy of `param` (multi_precision over fp16/bf16):
     then every accumulator of it is the master copy's, in fp32."""

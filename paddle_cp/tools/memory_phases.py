@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from paddle_cp.tools.bench import launch
-from paddle_cp.tools.io_phases import MIB
+from paddle_cp.tools.io_phases import MIB, bound
 from paddle_cp.tools.text import ruled_table
 
 LAYOUTS = ("dp2xmp2_l3", "pp2xsep2")
@@ -140,7 +140,7 @@ def run_rank(args, scratch):
     checkpoint = os.path.join(scratch, "checkpoint")
     rows.append(measure("save", lambda: pcp.save_checkpoint(checkpoint, model, optimizer), model, optimizer))
     rows.append(measure("load", lambda: pcp.load_checkpoint(checkpoint, model, optimizer), model, optimizer))
-    return [dict(row, rank=dist.get_rank(), bound=row["share"] + 2 * row["largest_parameter"]) for row in rows]
+    return [dict(row, rank=dist.get_rank(), bound=bound(row)) for row in rows]
 
 
 # ---- the launcher side ------------------------------------------------------------
