@@ -44,6 +44,12 @@ def same_mesh(a, b):
                                                                        list(b.dim_names))
 
 
+def coordinates(mesh):
+    """This rank's index along each dim of `mesh` (no process group needed)."""
+    ranks = np.asarray(mesh.process_ids).reshape(mesh.shape)
+    return tuple(int(i) for i in np.argwhere(ranks == dist.get_rank())[0])
+
+
 def find_dim(mesh, name):
     """The mesh's spelling of dim `name` (`sep` and `cp` are aliases), or None."""
     for candidate in _ALIASES.get(name, (name,)):
