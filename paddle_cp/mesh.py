@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from .comm.watchdog import startup_guard
+from .watchdog import startup_guard
 
 _ALIASES = {"sep": ("sep", "cp"), "cp": ("sep", "cp")}
 _groups: dict = {}

@@ -10,7 +10,7 @@ import paddle
 import paddle.distributed as dist
 
 from . import counters, p2p
-from .watchdog import guard
+from ..watchdog import guard
 
 
 def _sorted_positions(mesh_group):
