@@ -110,7 +110,8 @@ def world_group():
 
 def local_value(tensor, read_box):
     """This rank's local value of a parameter (or of an accumulator laid out like it) assembled box by box:
-    `read_box(global_offset, shape)` gives the values of one box of the single-card tensor (numpy)."""
+    `read_box(global_offset, shape)` gives the values of one box of the single-card tensor (numpy). None,
+    reading nothing, where this rank holds no value (a level-3 non-owner, another pipeline stage)."""
     record = find_record(tensor)
     if record is None:
         return read_box((0,) * len(tensor.shape), tuple(tensor.shape))
