@@ -24,7 +24,7 @@ from pathlib import Path
 
 from paddle_cp.tools.bench import launch
 from paddle_cp.tools.io_phases import MIB, bound
-from paddle_cp.tools.text import ruled_table
+from paddle_cp.tools.text import ruled_table, show
 
 LAYOUTS = ("dp2xmp2_l3", "pp2xsep2")
 COLUMNS = ("peak", "share", "bound", "read", "written")
@@ -176,9 +176,7 @@ def main(argv=None):
         rows = launch(argparse.Namespace(nproc=4), [*argv, "--weights", weights], script=__file__)
     result = {"config": {k: v for k, v in vars(args).items() if k not in ("weights", "result_file", "json")},
               "rows": rows}
-    print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    show(table(rows), result, args.json)
 
 
 if __name__ == "__main__":
