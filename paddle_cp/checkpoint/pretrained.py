@@ -97,7 +97,7 @@ class SafetensorsFiles:
 
     def shard_info(self):
         """The files' tensors as the AOA engine's source description (each one whole shard)."""
-        return {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in self.specs.items()}
+        return whole_descs(self.specs)
 
 
 def name_mapping(model):
@@ -111,11 +111,15 @@ def whole_desc(key, shape, dtype):
     return ShardedWeightDesc(key, tuple(shape), tuple(shape), (0,) * len(shape), dtype)
 
 
+def whole_descs(specs):
+    """{key: [whole_desc]} of tensors {key: (shape, dtype)}: the engine's description of unsharded tensors."""
+    return {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in specs.items()}
+
+
 def _engine(files, specs, mapping, directory):
     """Paddle's AOA engine from the files to the model's keys, after checking they fit."""
-    targets = {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in specs.items()}
     try:
-        engine = AOAEngine(mapping, files.shard_info(), targets)
+        engine = AOAEngine(mapping, files.shard_info(), whole_descs(specs))
     except KeyError as exc:  # a model key no file tensor maps to
         raise ValueError(f"load_pretrained: {directory} does not fit this model: keys it lacks [{exc.args[0]!r}]; "
                          f"{_REBUILD}") from exc
