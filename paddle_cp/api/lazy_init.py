@@ -59,7 +59,7 @@ def defer_initialization(model, group):
     return bool(lazy)
 
 
-def _pending(model):
+def _uninitialized(model):
     return [name for name, p in model.named_parameters() if isinstance(getattr(p, "_init_func", None), ShardedInit)]
 
 
@@ -71,11 +71,11 @@ def require_initialized(model):
     def check(layer, inputs):
         if done:
             return
-        pending = _pending(model)
-        if pending:
-            more = f" and {len(pending) - 3} more" if len(pending) > 3 else ""
-            raise ValueError(f"parameters {pending[:3]}{more} of the lazily built model are not initialized: call "
-                             "p.initialize() for every parameter (for p in model.parameters(): p.initialize()) "
+        uninitialized = _uninitialized(model)
+        if uninitialized:
+            more = f" and {len(uninitialized) - 3} more" if len(uninitialized) > 3 else ""
+            raise ValueError(f"parameters {uninitialized[:3]}{more} of the lazily built model are not initialized: "
+                             "call p.initialize() for every parameter (for p in model.parameters(): p.initialize()) "
                              "after parallelize and before the first forward")
         done.append(True)
 
