@@ -12,9 +12,7 @@ random states agree, which `parallelize` checks (initialize() refuses to draw if
 from __future__ import annotations
 
 import pickle
-import zlib
 
-import numpy as np
 import paddle
 
 from ..comm import collectives
@@ -23,9 +21,8 @@ from ..params import is_lazy, local_part, record_of, set_lazy_shape, store_local
 
 def _random_states_agree(group):
     """Whether every rank's random state is the same (one small all-gather; every rank gets the same answer)."""
-    state = zlib.crc32(pickle.dumps(paddle.get_rng_state()))
-    digest = paddle.to_tensor(np.array([state], dtype="int64"))
-    return len({int(d.numpy()[0]) for d in collectives.all_gather(group, digest, tag="lazy_random_state")}) == 1
+    digests = collectives.gathered_digests(group, pickle.dumps(paddle.get_rng_state()), tag="lazy_random_state")
+    return len(set(digests)) == 1
 
 
 class ShardedInit:
