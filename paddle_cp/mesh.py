@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from .comm.watchdog import startup_guard
+from .watchdog import startup_guard
 
 _ALIASES = {"sep": ("sep", "cp"), "cp": ("sep", "cp")}
 _groups: dict = {}
@@ -42,6 +42,12 @@ def same_mesh(a, b):
     """Equal shape, ranks and dim names (ProcessMesh's own == ignores the dim names)."""
     return (list(a.shape), list(a.process_ids), list(a.dim_names)) == (list(b.shape), list(b.process_ids),
                                                                        list(b.dim_names))
+
+
+def coordinates(mesh):
+    """This rank's index along each dim of `mesh` (no process group needed)."""
+    ranks = np.asarray(mesh.process_ids).reshape(mesh.shape)
+    return tuple(int(i) for i in np.argwhere(ranks == dist.get_rank())[0])
 
 
 def find_dim(mesh, name):

@@ -34,6 +34,12 @@ class ParamRecord:
     pp_stages: tuple = ()                 # pipeline: every stage holding it (tied embeddings: first and last)
     pp_group: Optional[MeshGroup] = None  # pipeline: this rank's line of stages
 
+    def __setattr__(self, name, value):
+        # a misspelt field would silently become a new attribute nobody reads (slots=True needs Python 3.10)
+        if name not in self.__dataclass_fields__:
+            raise AttributeError(f"ParamRecord has no field {name!r}")
+        object.__setattr__(self, name, value)
+
     @property
     def parts(self):
         """Sizes of the fused parts along tp_axis (one part when not fused)."""

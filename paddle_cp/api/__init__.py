@@ -1,1 +1,1 @@
-"""The front door: `parallelize` and its config (YAML), plan-key matching and the whole-plan checks."""
+"""The front door: parallelize (one call or two), YAML configs, plan keys and checks, Paddle compatibility, lazy init."""

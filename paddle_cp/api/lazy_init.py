@@ -12,9 +12,7 @@ random states agree, which `parallelize` checks (initialize() refuses to draw if
 from __future__ import annotations
 
 import pickle
-import zlib
 
-import numpy as np
 import paddle
 
 from ..comm import collectives
@@ -23,9 +21,8 @@ from ..params import is_lazy, local_part, record_of, set_lazy_shape, store_local
 
 def _random_states_agree(group):
     """Whether every rank's random state is the same (one small all-gather; every rank gets the same answer)."""
-    state = zlib.crc32(pickle.dumps(paddle.get_rng_state()))
-    digest = paddle.to_tensor(np.array([state], dtype="int64"))
-    return len({int(d.numpy()[0]) for d in collectives.all_gather(group, digest, tag="lazy_random_state")}) == 1
+    digests = collectives.gathered_digests(group, pickle.dumps(paddle.get_rng_state()), tag="lazy_random_state")
+    return len(set(digests)) == 1
 
 
 class ShardedInit:
@@ -59,7 +56,7 @@ def defer_initialization(model, group):
     return bool(lazy)
 
 
-def _pending(model):
+def _uninitialized(model):
     return [name for name, p in model.named_parameters() if isinstance(getattr(p, "_init_func", None), ShardedInit)]
 
 
@@ -71,11 +68,11 @@ def require_initialized(model):
     def check(layer, inputs):
         if done:
             return
-        pending = _pending(model)
-        if pending:
-            more = f" and {len(pending) - 3} more" if len(pending) > 3 else ""
-            raise ValueError(f"parameters {pending[:3]}{more} of the lazily built model are not initialized: call "
-                             "p.initialize() for every parameter (for p in model.parameters(): p.initialize()) "
+        uninitialized = _uninitialized(model)
+        if uninitialized:
+            more = f" and {len(uninitialized) - 3} more" if len(uninitialized) > 3 else ""
+            raise ValueError(f"parameters {uninitialized[:3]}{more} of the lazily built model are not initialized: "
+                             "call p.initialize() for every parameter (for p in model.parameters(): p.initialize()) "
                              "after parallelize and before the first forward")
         done.append(True)
 

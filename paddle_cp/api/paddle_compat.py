@@ -13,18 +13,9 @@ import sys
 import paddle.distributed.auto_parallel.api as paddle_api
 import paddle.distributed.auto_parallel.intermediate.parallelize as paddle_parallelize
 
+from ..data_parallel.scaler import shard_scaler
 from ..sequence.batches import shard_dataloader
 from .parallelize import parallelize, parallelize_model, parallelize_optimizer
-
-
-def _shard_scaler(scaler):
-    import paddle_cp  # looked up at call time: the scaler lives with the optimizer code
-
-    route = getattr(paddle_cp, "shard_scaler", None)
-    if route is None:
-        raise NotImplementedError("dist.shard_scaler is patched to paddle_cp.shard_scaler, which this paddle_cp "
-                                  "does not have: unpatch_paddle() to use Paddle's")
-    return route(scaler)
 
 
 # Paddle's function -> paddle_cp's, by the name modules bind it under
@@ -33,7 +24,7 @@ _REPLACEMENTS = {
     "parallelize_model": (paddle_parallelize.parallelize_model, parallelize_model),
     "parallelize_optimizer": (paddle_parallelize.parallelize_optimizer, parallelize_optimizer),
     "shard_dataloader": (paddle_api.shard_dataloader, shard_dataloader),
-    "shard_scaler": (paddle_api.shard_scaler, _shard_scaler),
+    "shard_scaler": (paddle_api.shard_scaler, shard_scaler),
 }
 _patched = []  # (module, name, Paddle's function) for every attribute replaced
 

@@ -130,7 +130,6 @@ class _Parallelized:
     groups: GradientGroups
     sharding: Optional[Sharding]
     shared: object  # pipeline: SharedGradients, else None
-    stage: Optional[int]  # pipeline: this rank's stage, whose parameters the optimizer keeps
 
 
 def parallelize_model(model, mesh=None, config=None):
@@ -155,16 +154,15 @@ def parallelize_model(model, mesh=None, config=None):
         watch_partial_gradients(model)
         supply_positions(model, applications)
     shared = apply_pipeline(model, mesh, *pipeline) if pipeline else None  # keeps this stage's only
-    stage = mesh_lib.mesh_group(mesh, ["pp"]).index if pipeline else None
     sharding = None
     if level > 0 and groups.dp.size > 1:
-        held = [p for p in model.parameters() if stage is None or stage in record_of(p).pp_stages]
+        held = [p for p in model.parameters() if record_of(p).on_this_stage()]
         sharding = Sharding(level, held, groups.dp)
         if level == 3:
             sharding.release_parameters(model)
     if lazy:
         require_initialized(model)
-    state = _Parallelized(mesh, level, groups, sharding, shared, stage)
+    state = _Parallelized(mesh, level, groups, sharding, shared)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)
     return model
@@ -182,8 +180,8 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
     if level != state.level:
         raise ValueError(f"dp_config sharding_level {level} differs from the {state.level} parallelize_model got: "
                          "pass both calls the same config")
-    if state.stage is not None:
-        keep_own_parameters(optimizer, state.stage)
+    if state.shared is not None:  # a pipeline: the optimizer keeps this stage's parameters
+        keep_own_parameters(optimizer)
     return ParallelOptimizer(optimizer, state.groups, state.sharding, state.shared)
 
 

@@ -2,8 +2,6 @@
 every rank raises the same error or none does."""
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import paddle
 
@@ -15,8 +13,7 @@ def same_everywhere(group, description):
     model's keys, global shapes and dtypes, the optimizer): one all-gather of a digest, before any data."""
     if group is None:
         return
-    digest = paddle.to_tensor(np.array([zlib.crc32(repr(description).encode())], dtype="int64"))
-    digests = [int(d.numpy()[0]) for d in collectives.all_gather(group, digest, tag="checkpoint_agree")]
+    digests = collectives.gathered_digests(group, repr(description).encode(), tag="checkpoint_agree")
     if len(set(digests)) > 1:
         ranks = {}
         for rank, value in zip(group.ranks, digests):

@@ -29,7 +29,7 @@ from . import layout, restore
 from .agree import count_failures
 from .full_state import full_state_dict, full_value
 from .lora_export import PREFIX, is_lora_model, merged_lora_state, save_lora_adapter
-from .pretrained import SAFE_INDEX, postprocess, whole_desc
+from .pretrained import SAFE_INDEX, postprocess, whole_desc, whole_descs
 from .safetensors_writer import StreamingFile, nbytes
 
 
@@ -70,8 +70,7 @@ def inverse_mapping(model):
 
 def _outputs(model):
     """[(file key, shape, dtype, engine)] of what save_pretrained writes, from the model's global specs."""
-    source = {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in restore.expected_model_specs(model).items()}
-    engine = AOAEngine(inverse_mapping(model), source, None)
+    engine = AOAEngine(inverse_mapping(model), whole_descs(restore.expected_model_specs(model)), None)
     return engine, [(key, tuple(var.shape), var.dtype) for key, var in sorted(engine.output_vars.items())
                     if var is not None]
 

@@ -55,12 +55,6 @@ def steps_here(param):
     return on_stage and record.owned_here()
 
 
-def state_shape(param, name):
-    """The shape of this rank's piece of an optimizer state (the tensor-parallel slice's shape, or one number)."""
-    record = find_record(param)
-    return [1] if name in SCALAR_ACCUMULATORS else list(param.shape if record is None else record.tp_shape())
-
-
 def has_master_weight(optimizer, param):
     """Whether the optimizer keeps an fp32 master copy of `param` (multi_precision over fp16/bf16):
     then every accumulator of it is the master copy's, in fp32."""
@@ -116,7 +110,8 @@ def world_group():
 
 def local_value(tensor, read_box):
     """This rank's local value of a parameter (or of an accumulator laid out like it) assembled box by box:
-    `read_box(global_offset, shape)` gives the values of one box of the single-card tensor (numpy)."""
+    `read_box(global_offset, shape)` gives the values of one box of the single-card tensor (numpy). None,
+    reading nothing, where this rank holds no value (a level-3 non-owner, another pipeline stage)."""
     record = find_record(tensor)
     if record is None:
         return read_box((0,) * len(tensor.shape), tuple(tensor.shape))

@@ -26,12 +26,12 @@ from . import layout, restore
 from .agree import count_failures
 from .format import numpy_dtype
 from .io_bytes import count
+from .safetensors_writer import DTYPES
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
-# safetensors' dtype names -> Paddle's (what the AOA engine and the model's state_dict use)
 _REBUILD = "build the model from the config saved with the weights (ModelClass(AutoConfig.from_pretrained(directory)))"
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-           "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+# safetensors' dtype names -> Paddle's (what the AOA engine and the model's state_dict use)
+_DTYPES = {safetensors: paddle_name for paddle_name, safetensors in DTYPES.items()}
 
 
 def weight_files(directory):
@@ -97,7 +97,7 @@ class SafetensorsFiles:
 
     def shard_info(self):
         """The files' tensors as the AOA engine's source description (each one whole shard)."""
-        return {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in self.specs.items()}
+        return whole_descs(self.specs)
 
 
 def name_mapping(model):
@@ -111,11 +111,15 @@ def whole_desc(key, shape, dtype):
     return ShardedWeightDesc(key, tuple(shape), tuple(shape), (0,) * len(shape), dtype)
 
 
+def whole_descs(specs):
+    """{key: [whole_desc]} of tensors {key: (shape, dtype)}: the engine's description of unsharded tensors."""
+    return {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in specs.items()}
+
+
 def _engine(files, specs, mapping, directory):
     """Paddle's AOA engine from the files to the model's keys, after checking they fit."""
-    targets = {key: [whole_desc(key, shape, dtype)] for key, (shape, dtype) in specs.items()}
     try:
-        engine = AOAEngine(mapping, files.shard_info(), targets)
+        engine = AOAEngine(mapping, files.shard_info(), whole_descs(specs))
     except KeyError as exc:  # a model key no file tensor maps to
         raise ValueError(f"load_pretrained: {directory} does not fit this model: keys it lacks [{exc.args[0]!r}]; "
                          f"{_REBUILD}") from exc
@@ -190,9 +194,8 @@ def load_pretrained(model, directory):
         if id(tensor) in done:
             continue  # a tied weight is read once
         done.add(id(tensor))
-        held = layout.holds_value(tensor)  # a level-3 non-owner or another stage keeps nothing: reads nothing
-        # lazy or not: a lazy parameter counts as initialized afterwards, held here or not
+        # lazy or not (a lazy parameter counts as initialized afterwards); a rank that holds no value reads nothing
         store_local_value(tensor, layout.local_value(
-            tensor, lambda offset, shape: _read_box(files, engine, key, tensor, offset, shape)) if held else None)
+            tensor, lambda offset, shape: _read_box(files, engine, key, tensor, offset, shape)))
 
 

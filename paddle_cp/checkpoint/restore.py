@@ -32,9 +32,8 @@ def expected_optimizer_specs(model, optimizer):
 
 def restore_model(model, reader):
     for key, tensor in model.state_dict().items():
-        held = layout.holds_value(tensor)  # lazy or not: a lazy parameter counts as initialized afterwards
-        store_local_value(tensor, layout.local_value(
-            tensor, lambda offset, shape: reader.region(key, offset, shape)) if held else None)
+        # lazy or not (a lazy parameter counts as initialized afterwards), held here or not
+        store_local_value(tensor, layout.local_value(tensor, lambda offset, shape: reader.region(key, offset, shape)))
 
 
 def restore_optimizer(model, optimizer, reader):

@@ -57,7 +57,7 @@ def _replica_position(groups, seed):
     if mesh is None or dist.get_world_size() == 1:
         return True
     ranks = np.asarray(mesh.mesh)
-    here = tuple(int(i) for i in np.argwhere(ranks == dist.get_rank())[0])
+    here = mesh_lib.coordinates(mesh)
     spanned = [set(g.ranks) for g in groups if g is not None]
     free, position, size = [], 0, 1
     for axis in range(ranks.ndim):

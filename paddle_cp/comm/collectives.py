@@ -6,11 +6,14 @@ exchanges, which move exactly the bytes per rank the real operations move.
 """
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
 import paddle
 import paddle.distributed as dist
 
 from . import counters, p2p
-from .watchdog import guard
+from ..watchdog import guard
 
 
 def _sorted_positions(mesh_group):
@@ -29,6 +32,13 @@ def all_gather(mesh_group, tensor, tag="all_gather"):
     with guard(tag, mesh_group.ranks):
         dist.all_gather(gathered, tensor, group=mesh_group.group)
     return [gathered[i] for i in _sorted_positions(mesh_group)]
+
+
+def gathered_digests(mesh_group, data, tag):
+    """Every position's crc32 of its `data` (bytes), in mesh order: one all-gather of one number, so the
+    ranks can tell whether they hold the same value (every rank gets the same list)."""
+    digest = paddle.to_tensor(np.array([zlib.crc32(data)], dtype="int64"))
+    return [int(d.numpy()[0]) for d in all_gather(mesh_group, digest, tag=tag)]
 
 
 def all_reduce(mesh_group, tensor, tag="all_reduce"):

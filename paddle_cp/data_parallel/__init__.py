@@ -1,1 +1,1 @@
-"""Data parallel: gradient reduction over replicas, sharding levels 1-3, level-3 parameter fetch."""
+"""Data parallel: the optimizer parallelize returns (gradient reduction, sharding levels 1-3) and its GradScaler."""

@@ -39,10 +39,10 @@ def release_foreign(held, stage, pp_group):
             param._clear_data()
 
 
-def keep_own_parameters(optimizer, stage):
+def keep_own_parameters(optimizer):
     """Drop other stages' parameters from the optimizer (no state for them), groups kept."""
     def mine(params):  # release_foreign tagged every parameter of the model with its stages
-        return [p for p in params if stage in record_of(p).pp_stages]
+        return [p for p in params if record_of(p).on_this_stage()]
 
     groups = optimizer._param_groups
     if groups and isinstance(groups[0], dict):

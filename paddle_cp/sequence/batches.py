@@ -6,7 +6,6 @@ Rank r of n along the split dim keeps the r-th contiguous slice of every global 
 """
 from __future__ import annotations
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 
@@ -37,8 +36,7 @@ def _position(mesh, dim):
     if name is None:
         return 0, 1
     axis = mesh.dim_names.index(name)
-    coordinates = np.argwhere(np.asarray(mesh.process_ids).reshape(mesh.shape) == dist.get_rank())[0]
-    return int(coordinates[axis]), mesh.shape[axis]
+    return mesh_lib.coordinates(mesh)[axis], mesh.shape[axis]
 
 
 def shard_batch(batch, mesh=None, axis=0):

@@ -370,9 +370,9 @@ def plot(result, path):
 
 
 def finish(result, args):
-    print(table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    from paddle_cp.tools.text import show  # here: the ranks run this file as a script
+
+    show(table(result), result, args.json)
     if args.plot:
         plot(result, args.plot)
 

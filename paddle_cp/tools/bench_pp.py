@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from paddle_cp.tools.bench import launch, progress  # absolute: the ranks run this file as a script
+from paddle_cp.tools.text import show
 
 SCHEDULES = ("FThenB", "1F1B", "VPP")
 
@@ -185,9 +186,7 @@ def main(argv=None):
         if args.result_file:
             Path(args.result_file).write_text(json.dumps(result))
             return
-    print(table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    show(table(result), result, args.json)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from paddle_cp.tools.bench import launch, progress
-from paddle_cp.tools.text import ruled_table
+from paddle_cp.tools.text import ruled_table, show
 
 VARIANTS = {"plain": {}, "recompute": {"recompute": True}, "chunked": {"chunked": True},
             "recompute+chunked": {"recompute": True, "chunked": True}}
@@ -262,9 +262,7 @@ def main(argv=None):
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" not in os.environ and not args.no_cp:
         result = collect(args, argv)
-        print(table(result))
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        show(table(result), result, args.json)
         return
     result = run_ranks(args)
     if result is not None:

@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 from paddle_cp.tools.bench import launch
-from paddle_cp.tools.io_phases import MIB
-from paddle_cp.tools.text import ruled_table
+from paddle_cp.tools.io_phases import MIB, bound
+from paddle_cp.tools.text import ruled_table, show
 
 LAYOUTS = ("dp2xmp2_l3", "pp2xsep2")
 COLUMNS = ("peak", "share", "bound", "read", "written")
@@ -140,7 +140,7 @@ def run_rank(args, scratch):
     checkpoint = os.path.join(scratch, "checkpoint")
     rows.append(measure("save", lambda: pcp.save_checkpoint(checkpoint, model, optimizer), model, optimizer))
     rows.append(measure("load", lambda: pcp.load_checkpoint(checkpoint, model, optimizer), model, optimizer))
-    return [dict(row, rank=dist.get_rank(), bound=row["share"] + 2 * row["largest_parameter"]) for row in rows]
+    return [dict(row, rank=dist.get_rank(), bound=bound(row)) for row in rows]
 
 
 # ---- the launcher side ------------------------------------------------------------
@@ -176,9 +176,7 @@ def main(argv=None):
         rows = launch(argparse.Namespace(nproc=4), [*argv, "--weights", weights], script=__file__)
     result = {"config": {k: v for k, v in vars(args).items() if k not in ("weights", "result_file", "json")},
               "rows": rows}
-    print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    show(table(rows), result, args.json)
 
 
 if __name__ == "__main__":

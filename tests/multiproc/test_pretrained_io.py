@@ -8,12 +8,13 @@ import numpy as np
 
 from launcher import WORKERS, launch
 
+from paddle_cp.tools.io_phases import MIB, bound
+
 sys.path.insert(0, str(WORKERS))
 from pretrained_io import CASES, SIZES, load_reference, model_class, save_reference  # noqa: E402
 
 TOL = 1e-5
 SLACK = 2 ** 20  # 1 MiB (the bound's "few MiB"): the model is 6.5 MiB, its largest parameter 1 MiB
-MIB = 2 ** 20
 EXPECTED_ERRORS = {
     "pretrained_no_directory": ("ValueError", "is not a directory"),
     "pretrained_index_lists_missing_file": ("ValueError", "lists files that are missing"),
@@ -67,18 +68,17 @@ def check_layout(reports, layout):
         assert wanted | {f"{layout}.phi3_sharded.checkpoint.local"} <= set(report["max_abs"]), report["max_abs"]
     for report in reports:
         for row in report["values"][f"{layout}.phases"]:
-            bound = row["share"] + 2 * row["largest_parameter"] + SLACK
-            assert row["peak"] <= bound, f"{layout} rank {report['rank']} {row}: peak above {bound}"
+            limit = bound(row) + SLACK
+            assert row["peak"] <= limit, f"{layout} rank {report['rank']} {row}: peak above {limit}"
             if row["phase"] in ("load_pretrained", "load"):
                 # about its share: each piece it holds once (plus the small replicated ones), never the model
                 assert row["read"] <= 1.5 * row["share"] + SLACK, row
     print(f"\n{layout}: rank phase case (* built lazily) peak/share/bound MiB, read/written MiB")
     for report in reports:
         for row in report["values"][f"{layout}.phases"]:
-            bound = row["share"] + 2 * row["largest_parameter"]
             print(f"  {report['rank']} {row['phase']:15} {row['case'] + ('*' if row.get('lazy') else ''):14} "
                   f"{row['peak'] / MIB:6.2f} "
-                  f"{row['share'] / MIB:6.2f} {bound / MIB:6.2f}  {row['read'] / MIB:6.2f} {row['written'] / MIB:6.2f}")
+                  f"{row['share'] / MIB:6.2f} {bound(row) / MIB:6.2f}  {row['read'] / MIB:6.2f} {row['written'] / MIB:6.2f}")
         print(f"  {report['rank']} async: {report['values'][f'{layout}.phi3_sharded.async_step_seconds']}")
 
 

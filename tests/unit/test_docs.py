@@ -39,3 +39,30 @@ def test_ci_runs_the_readme_test_command():
     test_block = readme.split("**Tests**")[1].split("```bash\n")[1].split("\n```")[0]
     ci = (ROOT / ".ci" / "run").read_text()
     assert _commands(test_block) <= _commands(ci), (_commands(test_block) - _commands(ci))
+
+
+def _architecture_tree():
+    """The module paths docs/architecture.md's tree lists under paddle_cp/ (folders by indentation)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text[text.index("```\npaddle_cp/\n") + 4:]
+    listed, folders = set(), []
+    for line in block[:block.index("```")].splitlines()[1:]:
+        indent = (len(line) - len(line.lstrip())) // 2
+        if indent == 0 or indent > 10:  # another root (examples/, tests/) or a description's continuation
+            folders = [] if indent == 0 else folders
+            continue
+        entry = line.split()[0]
+        folders = folders[:indent - 1]
+        if entry.endswith("/"):
+            folders.append(entry.rstrip("/"))
+        elif entry.endswith(".py") and (not folders or folders[0] != "examples"):
+            listed.add("/".join(folders + [entry]))
+    return listed
+
+
+def test_architecture_tree_lists_every_module():
+    modules = {str(p.relative_to(ROOT / "paddle_cp")) for p in (ROOT / "paddle_cp").rglob("*.py")}
+    listed = _architecture_tree()
+    assert listed <= modules, f"docs/architecture.md lists modules that do not exist: {sorted(listed - modules)}"
+    unlisted = sorted(m for m in modules - listed if not m.endswith("__init__.py"))
+    assert not unlisted, f"docs/architecture.md's tree misses {unlisted}"

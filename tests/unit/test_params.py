@@ -1,6 +1,7 @@
 """The sharding record of a parameter: tensor-parallel slicing of fused weights and the boxes a rank holds."""
 import numpy as np
 import paddle
+import pytest
 
 from paddle_cp.mesh import MeshGroup
 from paddle_cp.params import Box, ParamRecord, local_boxes, record_of, shard_parameter
@@ -26,6 +27,14 @@ def test_record_is_created_once_and_describes_the_single_card_parameter():
     assert record is record_of(param)
     assert record == ParamRecord(full_shape=(4, 6))
     assert local_boxes(param) == [Box((0, 0), (4, 6), (slice(0, 4), slice(0, 6)))]
+
+
+def test_record_refuses_a_misspelt_field():
+    record = record_of(paddle.nn.Linear(4, 6).weight)
+    record.mp_partial = True
+    with pytest.raises(AttributeError, match="sequence_partial"):
+        record.sequence_partial = True
+    assert not hasattr(record, "sequence_partial")
 
 
 def test_fused_shard_boxes_place_every_local_column_in_the_global_tensor():

@@ -22,7 +22,8 @@ from report import run
 from tensor_parallel import CP_PLAN, fused_plan, paddle_plan
 
 import paddle_cp as pcp
-from paddle_cp.params import local_boxes, record_of
+from paddle_cp.params import local_boxes
+from paddle_cp.tools.io_phases import largest_parameter_bytes
 
 SEED, BATCH, SEQ, STEPS = 2024, 4, 16, 3
 VOCAB = 4096
@@ -128,9 +129,8 @@ def measured_start(make, mesh, config, lazy=True, two_step=False):
             p.initialize()
     if two_step:
         optimizer = pcp.parallelize_optimizer(adamw(model), mesh, config)
-    largest = max(math.prod(record_of(p).full_shape) * p.element_size() for p in model.parameters())
     memory = {"peak": core.host_memory_stat_peak_value("Allocated", 0) - base, "share": _allocated() - base,
-              "largest": largest}
+              "largest": largest_parameter_bytes(model)}
     return model, optimizer, uninitialized, memory
 
 

@@ -454,8 +454,8 @@ RUNS = {
         ("mp2xpp2", dict(mp=2, pp=2)),
         ("dp2xpp2_two_step", dict(dp=2, pp=2, one_api=False)),
     ],
-    # switches whose features came from other branches (lazy initialization, paddle_cp.shard_scaler)
-    "pending": [
+    # Paddle's use_lazy_init and fp16 GradScaler switches (lazy initialization, pcp.shard_scaler)
+    "lazy_and_scaler": [
         ("dp2xmp2_lazy", dict(dp=2, mp=2, use_lazy_init=True)),
         ("mp2xsep2_sp_lazy_acc2", dict(mp=2, sep=2, sequence_parallel=True, use_lazy_init=True, acc_step=2)),
         ("dp2xpp2_lazy_lora", dict(dp=2, pp=2, use_lazy_init=True, test_lora=True)),
@@ -463,7 +463,7 @@ RUNS = {
         ("mp2xsep2_amp_fp16_scaler_pcp", dict(mp=2, sep=2, amp=True, route="pcp")),
     ],
 }
-SEEDS = {"four": [seed_parallelize, seed_prepare_context_parallel, paddle_conv_parallel], "pending": []}
+SEEDS = {"four": [seed_parallelize, seed_prepare_context_parallel, paddle_conv_parallel], "lazy_and_scaler": []}
 
 
 def main(report):
