@@ -4,7 +4,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, wai
 from .checkpoint.export import export_pretrained
 from .checkpoint.pretrained import load_pretrained
 from .comm import bytes_sent, reset_counters
-from .watchdog import get_timeout, set_timeout
+from .comm.watchdog import get_timeout, set_timeout
 from .api.config import load_config
 from .mesh import get_mesh, set_mesh
 from .api.parallelize import parallelize, parallelize_model, parallelize_optimizer

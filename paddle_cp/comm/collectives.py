@@ -13,7 +13,7 @@ import paddle
 import paddle.distributed as dist
 
 from . import counters, p2p
-from ..watchdog import guard
+from .watchdog import guard
 
 
 def _sorted_positions(mesh_group):

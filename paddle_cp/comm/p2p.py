@@ -13,7 +13,7 @@ import paddle
 import paddle.distributed as dist
 
 from . import counters
-from ..watchdog import guard
+from .watchdog import guard
 
 
 def uses_native_p2p(tensor):

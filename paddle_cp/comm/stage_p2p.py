@@ -18,7 +18,7 @@ import paddle
 import paddle.distributed as dist
 
 from . import counters
-from ..watchdog import guard
+from .watchdog import guard
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import paddle.distributed as dist
 
 from launcher import ROOT
 from paddle_cp import mesh as mesh_lib
-from paddle_cp import watchdog
+from paddle_cp.comm import watchdog
 
 
 def _free_ports(n):

@@ -8,7 +8,7 @@ import pytest
 from launcher import ROOT
 
 import paddle_cp as pcp
-from paddle_cp import watchdog
+from paddle_cp.comm import watchdog
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "inf", "never"])
@@ -19,7 +19,7 @@ def test_timeout_environment_variable_is_checked(monkeypatch, value):
 
 
 def test_timeout_from_environment_or_set_timeout(monkeypatch):
-    from paddle_cp import watchdog
+    from paddle_cp.comm import watchdog
 
     monkeypatch.setitem(watchdog._state, "timeout", None)
     monkeypatch.delenv("PCP_TIMEOUT", raising=False)
@@ -41,7 +41,7 @@ def test_an_operation_past_the_timeout_ends_the_process_naming_it():
         import sys, time
         sys.path.insert(0, %r)
         import paddle_cp as pcp
-        from paddle_cp.watchdog import guard
+        from paddle_cp.comm.watchdog import guard
         pcp.set_timeout(0.5)
         with guard("stuck_all_reduce", (0, 1, 2)):
             time.sleep(60)

@@ -19,7 +19,7 @@ import paddle_cp as pcp
 from paddle_cp.checkpoint import api, export
 from paddle_cp.checkpoint.format import write_state
 from paddle_cp.checkpoint.safetensors_writer import StreamingFile
-from paddle_cp import watchdog
+from paddle_cp.comm import watchdog
 
 
 def sep2():
