@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 @dataclass
 class RuntimeState:
     sequence_split: bool = False  # is the sequence split over mp at this point of the forward?
+    # SequenceParallelBegin's split, waiting for the first block of the region (plans/sequence_parallel.py)
+    pending_split: object = None
+    # the whole [b, s, h] shape the region's first block was given before that split: what the model's code
+    # between the Begin layer and the blocks saw (a later pipeline stage's stand-ins give it that shape)
+    sequence_whole_shape: tuple | None = None
     bytes_sent: defaultdict = field(default_factory=lambda: defaultdict(int))  # bytes this rank sent, by tag
     # SequenceInfo of the batches whose top layer is running (innermost last), from PrepareContextParallel
     batches: list = field(default_factory=list)

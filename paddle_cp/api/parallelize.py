@@ -29,8 +29,7 @@ from .lazy_init import defer_initialization, require_initialized
 from .plan_annotation import annotate_plan
 from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
-from ..plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
-from ..sequence.positions import supply_positions
+from ..plans.sequence_parallel import is_sequence_plan, split_at_blocks, watch_partial_gradients
 from ..data_parallel.sharding import Sharding, check_level
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config")
@@ -152,7 +151,7 @@ def parallelize_model(model, mesh=None, config=None):
         plan.apply(layer, mesh, params)
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
         watch_partial_gradients(model)
-        supply_positions(model, applications)
+        split_at_blocks(model, applications)
     shared = apply_pipeline(model, mesh, *pipeline) if pipeline else None  # keeps this stage's only
     sharding = None
     if level > 0 and groups.dp.size > 1:

@@ -43,8 +43,9 @@ def phi3():
 
 
 def _tiny_config():
+    """As users build them: PaddleFormers' default (eager) attention."""
     return dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, fuse_rms_norm=False, _attn_implementation="sdpa")
+                num_key_value_heads=2, fuse_rms_norm=False)
 
 
 MODELS = {"llama": llama, "phi3": phi3, "small": small_model}
@@ -271,7 +272,7 @@ RUNS = {
     "hybrid": [
         dict(name="dp2xmp2", dims=DP2_MP2, plan=paddle_plan),
         dict(name="dp2xmp2_default_eps", dims=DP2_MP2, plan=paddle_plan, epsilon=DEFAULT_EPSILON),
-        dict(name="dp2xmp2_sp", dims=DP2_MP2, plan=sequence_parallel_plan()),  # positions supplied by paddle_cp
+        dict(name="dp2xmp2_sp", dims=DP2_MP2, plan=sequence_parallel_plan()),  # no position_ids given
         dict(name="mp2xsep2", dims=MP2_SEP2, plan=paddle_plan, cp=True),
         dict(name="mp2xsep2_sp", dims=MP2_SEP2, plan=sequence_parallel_plan(), explicit_positions=True, cp=True),
         dict(name="dp2xsep2_l2", dims=[("dp", 2), ("sep", 2)], cp=True, level=2),

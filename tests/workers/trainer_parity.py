@@ -168,11 +168,9 @@ RUNS = {
                                                 per_device_train_batch_size=1), global_batch=2),
     },
     "composed": {
-        # sequence parallel needs the sdpa build (eager makes its causal mask from the split length) and
-        # a length that splits evenly over mp after the context-parallel split
+        # sequence parallel needs a length that splits evenly over mp after the context-parallel split
         "mp2_sp_cp2": dict(parallel=dict(CP2, tensor_model_parallel_size=2, sequence_parallel=True,
-                                         per_device_train_batch_size=2), global_batch=2,
-                           model=dict(_attn_implementation="sdpa"), seq=24),
+                                         per_device_train_batch_size=2), global_batch=2, seq=24),
         "dp2_sharding2_cp2": dict(parallel=dict(CP2, sharding="stage2", sharding_parallel_size=2,
                                                 per_device_train_batch_size=2), global_batch=4, export=True),
         "cp2_recompute_chunked_loss": dict(
