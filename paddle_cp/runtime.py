@@ -25,6 +25,9 @@ class RuntimeState:
     running: list = field(default_factory=list)
     # query-key pairs computed and skipped by attention forwards
     attention_work: dict = field(default_factory=lambda: {"computed": 0, "skipped": 0})
+    # one memo per running recompute call: the sep groups whose batch PrepareContextParallel has checked
+    # in it, so a replay in backward does not gather again (plans/same_batch.py)
+    checked_batches: list = field(default_factory=list)
     # pipeline: the factor the script applied to the losses scheduled steps returned since the last
     # optimizer step (`(loss / k).backward()`, a GradScaler's scale); the optimizer applies it
     pipeline_loss_scale: float | None = None
