@@ -28,6 +28,9 @@ class RuntimeState:
     # one memo per running recompute call: the sep groups whose batch PrepareContextParallel has checked
     # in it, so a replay in backward does not gather again (plans/same_batch.py)
     checked_batches: list = field(default_factory=list)
+    # check_parity's reference forward: PrepareContextParallel splits nothing and ContextParallel routes
+    # nothing (every rank computes the whole sequence with the model's own attention)
+    context_parallel_paused: bool = False
     # pipeline: the factor the script applied to the losses scheduled steps returned since the last
     # optimizer step (`(loss / k).backward()`, a GradScaler's scale); the optimizer applies it
     pipeline_loss_scale: float | None = None

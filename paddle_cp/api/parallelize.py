@@ -29,6 +29,7 @@ from .lazy_init import defer_initialization, require_initialized
 from .plan_annotation import annotate_plan
 from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
+from ..plans.context_parallel import PrepareContextParallel
 from ..plans.sequence_parallel import is_sequence_plan, split_at_blocks, watch_partial_gradients
 from ..data_parallel.sharding import Sharding, check_level
 
@@ -129,6 +130,7 @@ class _Parallelized:
     groups: GradientGroups
     sharding: Optional[Sharding]
     shared: object  # pipeline: SharedGradients, else None
+    prepare: tuple = ()  # (PrepareContextParallel, its layer) of each one applied: check_parity
 
 
 def parallelize_model(model, mesh=None, config=None):
@@ -161,7 +163,8 @@ def parallelize_model(model, mesh=None, config=None):
             sharding.release_parameters(model)
     if lazy:
         require_initialized(model)
-    state = _Parallelized(mesh, level, groups, sharding, shared)
+    prepare = tuple((plan, layer) for plan, layer, _ in applications if isinstance(plan, PrepareContextParallel))
+    state = _Parallelized(mesh, level, groups, sharding, shared, prepare)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)
     return model
@@ -182,6 +185,11 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
     if state.shared is not None:  # a pipeline: the optimizer keeps this stage's parameters
         keep_own_parameters(optimizer)
     return ParallelOptimizer(optimizer, state.groups, state.sharding, state.shared)
+
+
+def parallelized_state(model):
+    """What parallelize_model left on `model`'s parameters, or None (not parallelized)."""
+    return next((getattr(p, _STATE_ATTR) for p in model.parameters() if hasattr(p, _STATE_ATTR)), None)
 
 
 def _model_state(params):

@@ -4,7 +4,8 @@ A call is routed to paddle_cp when the module it names is covered by a
 ContextParallel plan (the planned layer or a sublayer: a recomputed attention
 is routed too), else when a ContextParallel layer's forward is running (calls
 that name no module, or a fresh one as DeepSeek-V3's). Any other call runs the
-original function. A ContextParallel layer whose forward ends without paddle_cp
+original function, and so does every call while context parallelism is paused
+(check_parity's one-card forward). A ContextParallel layer whose forward ends without paddle_cp
 having run an attention raises: its attention went around every adapter and
 would have seen only this rank's tokens.
 """
@@ -39,7 +40,8 @@ def cover(plan, layer):
 
 
 def enter(plan, layer):
-    runtime.state.running.append(Frame(plan, layer))
+    if not runtime.state.context_parallel_paused:
+        runtime.state.running.append(Frame(plan, layer))
 
 
 def leave(layer):
@@ -83,6 +85,8 @@ recompute.carry(_capture_running)
 
 def plan_for(module=None):
     """The plan a call should run under, or None for the original function."""
+    if runtime.state.context_parallel_paused:
+        return None
     plan = _planned.get(module) if module is not None else None
     if plan is None and runtime.state.running:
         plan = runtime.state.running[-1].plan

@@ -6,6 +6,7 @@ import inspect
 import paddle
 
 from .. import mesh as mesh_lib
+from .. import runtime
 from ..attention import recompute
 from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, resolve_groups, routing
 from ..attention import ulysses_size
@@ -139,7 +140,7 @@ class PrepareContextParallel(_SepPlan):
 
     def _split_inputs(self, layer, args, kwargs):
         batch, seq_len = _sequence_length(args, kwargs)
-        if seq_len is None:
+        if seq_len is None or runtime.state.context_parallel_paused:
             return None
         named = {**{f"argument {i}": v for i, v in enumerate(args)}, **kwargs}
         check_same_batch(self._groups.sep, {name: v for name, v in named.items() if _of_batch(v, batch, seq_len)},
@@ -173,7 +174,8 @@ class PrepareContextParallel(_SepPlan):
         return bound.args, bound.kwargs
 
     def _forget_batch(self, layer, inputs, outputs):
-        context.retract()
+        if not runtime.state.context_parallel_paused:
+            context.retract()
 
 
 class ContextParallel(_SepPlan):

@@ -221,10 +221,9 @@ def train(report, name, dims, plan=None, explicit_positions=False, cp=False, lev
     model, optimizer = pcp.parallelize(model, optimizer, mesh=mesh, config=config)
     want_losses, want_grads, want_state = reference(model_name, epsilon)
     losses = []
-    for ids, labels in batches(model_name):
-        ids, labels = pcp.shard_batch((ids, labels), mesh=mesh)
-        if cp:
-            labels = pcp.shard_sequence(labels, mesh=mesh)
+    for ids, whole_labels in batches(model_name):
+        ids, whole_labels = pcp.shard_batch((ids, whole_labels), mesh=mesh)
+        labels = pcp.shard_sequence(whole_labels, mesh=mesh) if cp else whole_labels
         kwargs = {"position_ids": positions(ids.shape[0])} if explicit_positions else {}
         loss = model(input_ids=ids, labels=labels, **kwargs)[0]
         loss.backward()
@@ -250,6 +249,8 @@ def train(report, name, dims, plan=None, explicit_positions=False, cp=False, lev
     if epsilon == DEFAULT_EPSILON:
         report.diff(f"{name}.step1.loss", losses[0], want_losses[0])
         report.value(f"{name}.rounding_spread", rounding_spread(model_name, epsilon))
+    if cp:  # the whole labels: check_parity splits them for the inner model's PrepareContextParallel
+        report.value(f"{name}.check_parity", pcp.check_parity(model, input_ids=ids, labels=whole_labels, **kwargs))
     if level == 3:
         report.value(f"{name}.restored_after_error",
                      placeholders_restored_after_error(model, optimizer, model.model.embed_tokens))
@@ -284,9 +285,46 @@ RUNS = {
 }
 
 
+class TokenMixer(paddle.nn.Layer):
+    """A model paddle_cp never saw: `running_sum` mixes tokens along the sequence without any attention
+    call (each rank would sum its own tokens only); without it every token is computed alone."""
+
+    def __init__(self, running_sum):
+        super().__init__()
+        self.running_sum = running_sum
+        self.embed = paddle.nn.Embedding(128, 16)
+        self.proj = paddle.nn.Linear(16, 16)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        return self.proj(paddle.cumsum(x, axis=1) if self.running_sum else x)
+
+
+def parity_checks(report):
+    """check_parity on dp2 x sep2 (each dp replica its own batch, uneven 13-token sequences): PaddleFormers'
+    Llama returning a ModelOutput (PrepareContextParallel on the model itself, labels split by it), and
+    models returning a Tensor: token-wise (exact) and mixing tokens outside any attention (caught)."""
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "sep"])
+    paddle.seed(3)
+    ids, labels = pcp.shard_batch((paddle.randint(0, 128, [4, 13]), paddle.randint(0, 128, [4, 13])), mesh=mesh)
+    labels[0, :5] = -100  # ranks hold different numbers of labelled tokens
+    model, _ = build("llama", WELL_CONDITIONED_EPSILON)
+    plan = {"": pcp.PrepareContextParallel("all2all"), "model.layers.*.self_attn": pcp.ContextParallel("all2all")}
+    pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan}})
+    report.value("parity.model_output", pcp.check_parity(model, input_ids=ids, labels=labels, return_dict=True))
+    for running_sum in (False, True):
+        paddle.seed(3)
+        mixer = TokenMixer(running_sum)
+        pcp.parallelize(mixer, None, mesh, {"cp_config": {"parallelize_plan": {"": pcp.PrepareContextParallel()}}})
+        report.value(f"parity.running_sum_{running_sum}", pcp.check_parity(mixer, input_ids=ids))
+    report.expect_error("parity.not_parallelized", lambda: pcp.check_parity(TokenMixer(False), input_ids=ids))
+
+
 def main(report):
     for spec in RUNS[sys.argv[1]]:
         train(report, **spec)
+    if sys.argv[1] == "hybrid":
+        parity_checks(report)
 
 
 if __name__ == "__main__":
