@@ -163,6 +163,12 @@ RUNS = {
         # fused qkv_proj / gate_up_proj split per part
         "phi3_dp2_mp2": dict(family="phi3", global_batch=4,
                              parallel=dict(tensor_model_parallel_size=2, per_device_train_batch_size=2)),
+        # ERNIE 4.5: q/k/v fused by k/v head (PaddleFormers' fused_qkv), tied embeddings; ring x Ulysses, and
+        # tensor + sequence parallel on the default eager build
+        "ernie_ring2_ulysses2": dict(family="ernie4_5", parallel=dict(CP2, sep_parallel_size=2,
+                                                                      per_device_train_batch_size=4), global_batch=4),
+        "ernie_dp2_mp2_sp": dict(family="ernie4_5", global_batch=4, parallel=dict(
+            tensor_model_parallel_size=2, sequence_parallel=True, per_device_train_batch_size=2)),
         # tensor parallel alone (default eager attention) with sharding stage 3
         "dp2_mp2_sharding3": dict(parallel=dict(tensor_model_parallel_size=2, sharding="stage3",
                                                 per_device_train_batch_size=1), global_batch=2),
@@ -184,6 +190,12 @@ RUNS = {
         # two stages split at the decoder layers, ring attention inside each; micro-batches of one sample
         "pp2_cp2_accum": dict(parallel=dict(CP2, pipeline_model_parallel_size=2, per_device_train_batch_size=2),
                               global_batch=2, args=dict(gradient_accumulation_steps=2)),
+        # per-head q/k norms of split attention heads (gradients summed over mp), MoE, sequence parallel
+        "qwen3_moe_dp2_mp2_sp": dict(family="qwen3_moe", global_batch=4, parallel=dict(
+            tensor_model_parallel_size=2, sequence_parallel=True, per_device_train_batch_size=2)),
+        # a later stage builds the eager causal mask from a stand-in of the whole embeddings
+        "pp2_mp2_sp": dict(parallel=dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                                         sequence_parallel=True, per_device_train_batch_size=2), global_batch=2),
         # saved at step 2 on ring 2 x Ulysses 2 (one replica), resumed on dp 2 x Ulysses 2
         "resume_hybrid_to_dp2_ulysses2": dict(
             resume=dict(parallel=dict(CP2, sep_parallel_size=2, per_device_train_batch_size=4)),
