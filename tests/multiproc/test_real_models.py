@@ -11,8 +11,9 @@ from workers.paddleformers_models import FAMILIES
 pytest.importorskip("paddleformers")
 
 TOL = 1e-5
+ATTENTION_FAMILIES = [f for f in FAMILIES if f != "qwen3_next"]  # its linear attention: test_hybrid_models.py
 RUNS = {
-    2: [f"{family}:{backend}" for family in FAMILIES for backend in ("p2p", "all2all")]
+    2: [f"{family}:{backend}" for family in ATTENTION_FAMILIES for backend in ("p2p", "all2all")]
     + ["llama:p2p:padded", "qwen3:all2all:padded", "gemma3:p2p:packed", "gpt_oss:all2all:packed",
        "gemma3:p2p:sdpa", "deepseek_v3:p2p:flashmask", "gpt_oss:all2all:flashmask"]
     # recomputation replays attention in backward: DeepSeek's selective "core_attn" (the attention function
