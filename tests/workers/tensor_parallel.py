@@ -13,6 +13,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from plan_variants import VOCAB as SMALL_VOCAB
+from paddleformers_models import build as build_family
 from plan_variants import add_reference_hooks, small_model, variants_plan
 from report import run
 
@@ -303,7 +304,8 @@ class TokenMixer(paddle.nn.Layer):
 def parity_checks(report):
     """check_parity on dp2 x sep2 (each dp replica its own batch, uneven 13-token sequences): PaddleFormers'
     Llama returning a ModelOutput (PrepareContextParallel on the model itself, labels split by it), and
-    models returning a Tensor: token-wise (exact) and mixing tokens outside any attention (caught)."""
+    models returning a Tensor: token-wise (exact) and mixing tokens outside any attention (caught); Qwen3-Next
+    with its attention and Gated DeltaNet layers under ContextParallel."""
     mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "sep"])
     paddle.seed(3)
     ids, labels = pcp.shard_batch((paddle.randint(0, 128, [4, 13]), paddle.randint(0, 128, [4, 13])), mesh=mesh)
@@ -318,6 +320,12 @@ def parity_checks(report):
         pcp.parallelize(mixer, None, mesh, {"cp_config": {"parallelize_plan": {"": pcp.PrepareContextParallel()}}})
         report.value(f"parity.running_sum_{running_sum}", pcp.check_parity(mixer, input_ids=ids))
     report.expect_error("parity.not_parallelized", lambda: pcp.check_parity(TokenMixer(False), input_ids=ids))
+    paddle.seed(3)
+    hybrid = build_family("qwen3_next")  # Gated DeltaNet layers (state passing) and attention
+    plan = {"": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p"),
+            "model.layers.*.linear_attn": pcp.ContextParallel("p2p")}
+    pcp.parallelize(hybrid, None, mesh, {"cp_config": {"parallelize_plan": plan}})
+    report.value("parity.qwen3_next", pcp.check_parity(hybrid, input_ids=ids, labels=labels))
 
 
 def main(report):

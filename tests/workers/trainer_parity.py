@@ -169,6 +169,12 @@ RUNS = {
                                                                       per_device_train_batch_size=4), global_batch=4),
         "ernie_dp2_mp2_sp": dict(family="ernie4_5", global_batch=4, parallel=dict(
             tensor_model_parallel_size=2, sequence_parallel=True, per_device_train_batch_size=2)),
+        # Qwen3-Next: ContextParallel on its attention and its Gated DeltaNet layers (state passing). Its GDN
+        # gradients (up to ~10) carry fp32 rounding that AdamW with epsilon 1e-3 amplifies to 3e-5 on parameters
+        # (one card differs from itself that much, tests/multiproc/test_hybrid_models.py): epsilon 1 keeps the
+        # steps well conditioned
+        "qwen3_next_dp2_cp2": dict(family="qwen3_next", parallel=dict(CP2, per_device_train_batch_size=2),
+                                   global_batch=4, args=dict(adam_epsilon=1.0)),
         # tensor parallel alone (default eager attention) with sharding stage 3
         "dp2_mp2_sharding3": dict(parallel=dict(tensor_model_parallel_size=2, sharding="stage3",
                                                 per_device_train_batch_size=1), global_batch=2),
@@ -190,6 +196,9 @@ RUNS = {
         # two stages split at the decoder layers, ring attention inside each; micro-batches of one sample
         "pp2_cp2_accum": dict(parallel=dict(CP2, pipeline_model_parallel_size=2, per_device_train_batch_size=2),
                               global_batch=2, args=dict(gradient_accumulation_steps=2)),
+        # Qwen3-Next's Gated DeltaNet by head all-to-all
+        "qwen3_next_dp2_ulysses2": dict(family="qwen3_next", global_batch=4, args=dict(adam_epsilon=1.0),
+                                        parallel=dict(sep_parallel_size=2, per_device_train_batch_size=2)),
         # per-head q/k norms of split attention heads (gradients summed over mp), MoE, sequence parallel
         "qwen3_moe_dp2_mp2_sp": dict(family="qwen3_moe", global_batch=4, parallel=dict(
             tensor_model_parallel_size=2, sequence_parallel=True, per_device_train_batch_size=2)),
