@@ -27,7 +27,6 @@ REFUSED = {
     "lstm_routed": ["LSTM", "no context-parallel form"],
     "conv1d": ["mix (Conv1D over the sequence), same (Conv1D over the sequence)", "'mix': pcp.ContextParallel"],
     "nested": ["keyed on '' and on 'mix'"],
-    "sdpa_packed": ["drops the mask", "_attn_implementation='eager' or 'flashmask'"],
     "unrouted_sdpa": ["scaled_dot_product_attention ran outside every ContextParallel layer"],
 }
 
