@@ -14,8 +14,8 @@ path and paddle_cp hold it:
   and normalized value (fp32 input copy below fp32) at t/tp and its output at t; RoPE's q and k and their
   rotated halves (fp32); attention's q, k, v, output and fp32 log-sum-exp (attention_cost.attention_held_bytes,
   Ulysses' head-split copies included); the MLP's gate, up, activation and product (4 x intermediate/tp);
-  MoE layers the router's fp32 logits and probabilities, each token's top-k copies and their expert MLPs,
-  the shared experts. Full recomputation keeps each layer's input and the rotary tables it is called with,
+  MoE layers MOE_TENSORS_PER_EXPERT_WIDTH expert-width tensors per top-k copy, the routing bookkeeping
+  (MOE_ROUTER_BYTES_PER_EXPERT per expert), the shared experts' four. Full recomputation keeps each layer's input and the rotary tables it is called with,
   and rebuilds one layer in backward; selective recomputation drops what its modules hold. Plus the final
   norm. Under a pipeline the first stage holds 1F1B's min(m, p) micro-batches (interleaved: its warm-up's
   chunks).
@@ -45,6 +45,10 @@ CHUNK_TEMPORARIES = 6  # [chunk, vocab] fp32 tensors PaddleFormers' fused head +
 HEAD_WEIGHT_COPIES = 5  # lm_head-sized fp32 tensors it holds then (per-chunk weight gradients and their sum)
 LOSS_BACKWARD_LOGITS = 2  # [t, vocab] fp32 tensors the unchunked loss backward adds to the logits
 STEP_GRADIENT_COPIES = 3  # gradients, their flat buffer, its pieces (or padded buckets) at the step
+# a MoE layer, per token (measured on gpt-oss, stacked experts): expert-width tensors per top-k copy (its
+# gate/up output, clamps, GLU), and routing bookkeeping (logits, weights, per-expert masks) per expert
+MOE_TENSORS_PER_EXPERT_WIDTH = 10
+MOE_ROUTER_BYTES_PER_EXPERT = 292
 PARTS = ("weights", "gradients", "optimizer", "activations", "logits")
 
 
@@ -88,7 +92,7 @@ def layer_activations(model, layout, tokens, seq, batch, elem):
     """Bytes one decoder layer holds for one micro-batch (`tokens` per rank, `batch` sequences of `seq`),
     without recomputation: {"attention": ..., "mlp": ..., "dense_mlp": ...} (norms in attention and mlp)."""
     tp, h, d = layout.tp, model.hidden, model.head_dim
-    heads, kv_heads = model.heads // tp, max(model.kv_heads // tp, 1)
+    heads, kv_heads = model.heads // tp, model.kv_heads // tp
     # input (fp32 copy) and normalized value at t/tp; the output at t, which the projections read, or under
     # tensor parallelism each column-split projection's own copy of it (q, k, v; gate, up)
     norm = tokens / tp * h * (FP32 + elem) + tokens * h * elem
@@ -98,9 +102,9 @@ def layer_activations(model, layout, tokens, seq, batch, elem):
                                      layout.ulysses)
     dense_mlp = tokens * 4 * model.intermediate / tp * elem + split_inputs[1]  # gate, up, activation, product
     mlp = dense_mlp
-    if model.experts:  # experts and shared experts are not split over tp
-        routed = model.experts_per_token * (2 * h + 4 * model.expert_intermediate)  # top-k copies in and out
-        mlp = tokens * (2 * model.experts * FP32 + (routed + 4 * model.shared_intermediate) * elem)
+    if model.experts:  # experts and shared experts are not split over tp; under ep the same count, elsewhere
+        routed = MOE_TENSORS_PER_EXPERT_WIDTH * model.experts_per_token * model.expert_intermediate + h
+        mlp = tokens * (MOE_ROUTER_BYTES_PER_EXPERT * model.experts + (routed + 4 * model.shared_intermediate) * elem)
     return {"attention": norm + split_inputs[0] + rope + attention, "mlp": norm + mlp, "dense_mlp": norm + dense_mlp}
 
 

@@ -52,8 +52,9 @@ def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHU
     for pp, tp, ulysses, ring in itertools.product(_divisors(devices), repeat=4):
         dp, rest = divmod(devices, pp * tp * ulysses * ring)
         # Heads and tokens need not divide (the busiest rank then has one more; the model uses the mean),
-        # but every Ulysses rank needs a head, every context-parallel rank a token, every stage a layer.
-        if (rest or tp > max_tp or model.heads % tp or model.heads // tp < ulysses or seq < ring * ulysses
+        # but every Ulysses rank needs a head, every context-parallel rank a token, every stage a layer, and tp
+        # must divide the k/v heads (paddle_cp refuses otherwise).
+        if (rest or tp > max_tp or model.kv_heads % tp or model.heads // tp < ulysses or seq < ring * ulysses
                 or model.layers < pp):
             continue
         cp, micro = ring * ulysses, batch if pp > 1 else 1

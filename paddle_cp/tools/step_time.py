@@ -49,7 +49,7 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True):
     """{term: seconds} of one step (`batch` sequences of `seq` per data-parallel replica)."""
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     tokens = batch * seq / cp  # per rank, all micro-batches
-    heads, kv_heads = model.heads // tp, max(model.kv_heads // tp, 1)
+    heads, kv_heads = model.heads // tp, model.kv_heads // tp
     dense_flops = 6 * tokens * model.active_matmul_params / tp
     attention = model.layers * batch * attention_flops(1, seq, model.heads, model.head_dim, causal) / (cp * tp)
     total = dense_flops + attention
