@@ -3,6 +3,7 @@
     pcp-memory --nproc 1 2 4 --seq 1024 --budget-mib 64 --json out.json
     (from a checkout: python tools/bench_memory.py ...)
     pcp-memory --phases ...: startup and I/O phases instead (tools/memory_phases.py)
+    pcp-memory --layouts "dp2 ring2 l3@dp" ...: pcp-plan's layouts beside its estimate (tools/memory_layouts.py)
 
 For each N (one launch of N CPU ranks; N = 1 is one process with the same plans,
 so the same blockwise attention kernel) and each variant (recompute: PaddleFormers'

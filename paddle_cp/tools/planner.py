@@ -82,7 +82,8 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True):
 
 
 def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK):
-    """Estimates of every candidate, best first: layouts that fit, by throughput, then the rest by memory."""
+    """Estimates of every candidate, best first: layouts that fit, by throughput (then the least memory), then the
+    rest by memory."""
     found = [estimate(model, layout, cluster, seq, batch, elem, causal)
              for layout in candidates(model, cluster.devices, seq, cluster.devices_per_node, batch, loss_chunk)]
-    return sorted(found, key=lambda e: (not e["fits"], -e["tokens_per_second"] if e["fits"] else e["memory_total"]))
+    return sorted(found, key=lambda e: (not e["fits"], -e["tokens_per_second"] if e["fits"] else 0, e["memory_total"]))
