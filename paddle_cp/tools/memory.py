@@ -78,7 +78,8 @@ def parse_args(argv=None):
 
 # ---- the rank side ----------------------------------------------------------------
 
-def _allocated():
+def allocated():
+    """Bytes Paddle's host allocator holds in tensors now."""
     from paddle.base import core
 
     return core.host_memory_stat_current_value("Allocated", 0)
@@ -122,7 +123,7 @@ def measure(args, mesh, seq, recompute=False, chunked=False):
     import paddle_cp as pcp
 
     gc.collect()
-    start = _allocated()
+    start = allocated()
     paddle.seed(0)
     world = 1 if args.no_cp else mesh.shape[0]
     model = _build(args, seq // world, recompute, chunked)
@@ -133,7 +134,7 @@ def measure(args, mesh, seq, recompute=False, chunked=False):
         plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel(args.backend)}
         model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
         labels_of = lambda labels: pcp.shard_sequence(labels, backend=prepare, mesh=mesh)  # noqa: E731
-    params = _allocated() - start
+    params = allocated() - start
     ids = paddle.randint(0, args.vocab, [1, seq + 1])
     return step_parts(model, opt, {"input_ids": ids[:, :-1], "labels": labels_of(ids[:, 1:])}, start, params)
 
@@ -143,21 +144,21 @@ def step_parts(model, opt, inputs, start, params):
     model). `activations` and `logits` are None where the decoder's forward does not end inside `model(...)`'s
     forward (a pipeline runs forward and backward in one call)."""
     body_end = []
-    model.model.register_forward_post_hook(lambda *_: body_end.append(_allocated()))
+    model.model.register_forward_post_hook(lambda *_: body_end.append(allocated()))
 
     def step():
         loss = model(**inputs)[0]
-        held = _allocated()
+        held = allocated()
         loss.backward()
         del loss
         opt.step()
         opt.clear_grad(set_to_zero=False)  # free the gradients: `optimizer` then counts AdamW's state alone
         return held
 
-    before = _allocated()
+    before = allocated()
     step()  # creates AdamW's state
-    optimizer = _allocated() - before
-    base = _allocated()
+    optimizer = allocated() - before
+    base = allocated()
     body_end.clear()
     _reset_peak()
     held = step()
@@ -167,7 +168,8 @@ def step_parts(model, opt, inputs, start, params):
             "logits": None if pipelined else held - body_end[-1], "peak": _peak() - start}
 
 
-def _max_over_ranks(values):
+def max_over_ranks(values):
+    """Each of `values` (numbers) at its largest over the launched ranks."""
     import paddle
     import paddle.distributed as dist
 
@@ -179,7 +181,7 @@ def _max_over_ranks(values):
 
 def breakdown(args, mesh, seq, variant):
     parts = measure(args, mesh, seq, **VARIANTS[variant])
-    return dict(zip(PARTS, (int(v) for v in _max_over_ranks([parts[p] for p in PARTS]))))
+    return dict(zip(PARTS, (int(v) for v in max_over_ranks([parts[p] for p in PARTS]))))
 
 
 def longest_fit(args, mesh, variant, world):

@@ -50,17 +50,17 @@ def measure(args, layout, seq):
     import paddle.distributed as dist
 
     import paddle_cp as pcp
-    from paddle_cp.tools.memory import _allocated, build_llama, step_parts
+    from paddle_cp.tools.memory import allocated, build_llama, step_parts
     from paddle_cp.tools.plan_config import model_config, parallelize_config
 
     gc.collect()
-    start = _allocated()
+    start = allocated()
     paddle.seed(0)
     model = build_llama(args, **model_config(layout))
     opt = paddle.optimizer.AdamW(learning_rate=1e-4, parameters=model.parameters())
     mesh, config = pcp.load_config(parallelize_config(layout), world_size=dist.get_world_size())
     model, opt = pcp.parallelize(model, opt, mesh, config)
-    params = _allocated() - start
+    params = allocated() - start
     ids = paddle.randint(0, args.vocab, [layout.dp * layout.micro, seq + 1])
     inputs, labels = ids[:, :-1], ids[:, 1:]
     if layout.dp > 1:
@@ -73,7 +73,7 @@ def run_ranks(args):
     import paddle.distributed as dist
 
     from paddle_cp.tools.bench import progress
-    from paddle_cp.tools.memory import _max_over_ranks
+    from paddle_cp.tools.memory import max_over_ranks
 
     paddle.set_device("cpu")
     dist.init_parallel_env()
@@ -82,7 +82,7 @@ def run_ranks(args):
         for seq in args.seq:
             progress(f"layout {name}: seq {seq}")
             parts = measure(args, layout, seq)
-            largest = _max_over_ranks([-1 if parts[p] is None else parts[p] for p in PARTS])
+            largest = max_over_ranks([-1 if parts[p] is None else parts[p] for p in PARTS])
             rows.append({"layout": name, "seq": seq, **{p: None if v < 0 else int(v) for p, v in zip(PARTS, largest)}})
     return rows if dist.get_rank() == 0 else None
 

@@ -38,7 +38,7 @@ activation inventory within 1% of PaddleFormers' Llama per layer; the rest check
 from __future__ import annotations
 
 from .attention_cost import FP32, attention_held_bytes
-from .plan_layout import RECOMPUTE_FULL
+from .plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL
 
 MOMENTS_BYTES = 2 * FP32  # AdamW's two moments per parameter, fp32
 CHUNK_TEMPORARIES = 6  # [chunk, vocab] fp32 tensors PaddleFormers' fused head + loss holds at once in backward
@@ -49,7 +49,6 @@ STEP_GRADIENT_COPIES = 3  # gradients, their flat buffer, its pieces (or padded 
 # gate/up output, clamps, GLU), and routing bookkeeping (logits, weights, per-expert masks) per expert
 MOE_TENSORS_PER_EXPERT_WIDTH = 10
 MOE_ROUTER_BYTES_PER_EXPERT = 292
-PARTS = ("weights", "gradients", "optimizer", "activations", "logits")
 
 
 def stage_layers(model, pp, stage):
@@ -88,38 +87,40 @@ def _state(model, layout, stage, elem):
             "whole_gradients": (dense + experts) * elem}
 
 
-def layer_activations(model, layout, tokens, seq, batch, elem):
-    """Bytes one decoder layer holds for one micro-batch (`tokens` per rank, `batch` sequences of `seq`),
-    without recomputation: {"attention": ..., "mlp": ..., "dense_mlp": ...} (norms in attention and mlp)."""
+def layer_activations(model, layout, tokens, seq, batch, elem, moe):
+    """Bytes one decoder layer (a MoE layer if `moe`) holds for one micro-batch (`tokens` per rank, `batch`
+    sequences of `seq`) without recomputation, by block, and what recomputation works with:
+    {"attention", "mlp", "block_input" (a block's [t, h] input), "core_attention" (attention's output and lse)}."""
     tp, h, d = layout.tp, model.hidden, model.head_dim
     heads, kv_heads = model.heads // tp, model.kv_heads // tp
     # input (fp32 copy) and normalized value at t/tp; the output at t, which the projections read, or under
     # tensor parallelism each column-split projection's own copy of it (q, k, v; gate, up)
     norm = tokens / tp * h * (FP32 + elem) + tokens * h * elem
-    split_inputs = (2 if tp > 1 else 0) * tokens * h * elem, (1 if tp > 1 else 0) * tokens * h * elem
+    block_input = tokens * h * elem
+    copies = 1 if tp > 1 else 0
     rope = tokens * (heads + kv_heads) * d * 2 * FP32  # q, k and their rotated halves, fp32
     attention = attention_held_bytes(layout.backend, batch, seq, heads, kv_heads, d, layout.cp, elem,
                                      layout.ulysses)
-    dense_mlp = tokens * 4 * model.intermediate / tp * elem + split_inputs[1]  # gate, up, activation, product
-    mlp = dense_mlp
-    if model.experts:  # experts and shared experts are not split over tp; under ep the same count, elsewhere
+    if moe:  # experts and shared experts are not split over tp; under ep the same count, elsewhere
         routed = MOE_TENSORS_PER_EXPERT_WIDTH * model.experts_per_token * model.expert_intermediate + h
         mlp = tokens * (MOE_ROUTER_BYTES_PER_EXPERT * model.experts + (routed + 4 * model.shared_intermediate) * elem)
-    return {"attention": norm + split_inputs[0] + rope + attention, "mlp": norm + mlp, "dense_mlp": norm + dense_mlp}
+    else:  # gate, up, activation, product
+        mlp = tokens * 4 * model.intermediate / tp * elem + copies * block_input
+    return {"attention": norm + 2 * copies * block_input + rope + attention, "mlp": norm + mlp,
+            "block_input": block_input, "core_attention": tokens * heads * (d * elem + FP32)}
 
 
-def _kept(model, layout, parts, tokens):
+def kept_by_layer(model, layout, parts, tokens, elem):
     """Bytes a layer keeps until its backward under the layout's recomputation."""
     if layout.recompute == RECOMPUTE_FULL:  # its input and the rotary tables passed to it
-        return tokens / layout.tp * model.hidden * parts["elem"] + tokens * 2 * model.head_dim * FP32
+        return tokens / layout.tp * model.hidden * elem + tokens * 2 * model.head_dim * FP32
     attention, mlp = parts["attention"], parts["mlp"]
-    selective = layout.selective
-    if "full_attn" in selective:
-        attention = parts["attention_input"]
-    elif "core_attn" in selective:
+    if "full_attn" in layout.selective:
+        attention = parts["block_input"]
+    elif "core_attn" in layout.selective:
         attention -= parts["core_attention"]
-    if "mlp" in selective:
-        mlp = parts["mlp_input"]
+    if "mlp" in layout.selective:
+        mlp = parts["block_input"]
     return attention + mlp
 
 
@@ -135,22 +136,20 @@ def in_flight(layout, stage):
 
 def activations(model, layout, seq, batch, elem, stage):
     """(held at the end of the forward, one layer rebuilt in backward) for `stage`."""
-    tokens = batch / layout.micro * seq / layout.cp
-    per_mb = batch / layout.micro
-    parts = layer_activations(model, layout, tokens, seq, per_mb, elem)
-    heads = model.heads // layout.tp
-    parts.update(elem=elem, attention_input=tokens * model.hidden * elem,
-                 mlp_input=tokens * model.hidden * elem,
-                 core_attention=tokens * (heads * model.head_dim * elem + heads * FP32))
+    sequences = batch / layout.micro  # per micro-batch
+    tokens = sequences * seq / layout.cp
     layers = stage_layers(model, layout.pp, stage)
-    moe = layers * model.moe_layers / model.layers
-    dense_parts = {**parts, "mlp": parts["dense_mlp"]}
-    kept = moe * _kept(model, layout, parts, tokens) + (layers - moe) * _kept(model, layout, dense_parts, tokens)
-    held = kept * in_flight(layout, stage)
+    moe_layers = layers * model.moe_layers / model.layers
+    held, rebuilt = 0, 0
+    for count, moe in ((moe_layers, True), (layers - moe_layers, False)):
+        if count:
+            parts = layer_activations(model, layout, tokens, seq, sequences, elem, moe)
+            held += count * kept_by_layer(model, layout, parts, tokens, elem)
+            rebuilt = max(rebuilt, parts["attention"] + parts["mlp"])
+    held *= in_flight(layout, stage)
     if stage == layout.pp - 1:  # the final norm
         held += tokens / layout.tp * model.hidden * (FP32 + elem) + tokens * model.hidden * elem
-    rebuilt = parts["attention"] + parts["mlp"] if layout.recompute != "none" else 0
-    return held, rebuilt
+    return held, rebuilt if layout.recompute != NO_RECOMPUTE else 0
 
 
 def logits(model, layout, seq, batch, stage):
