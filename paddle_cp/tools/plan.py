@@ -110,7 +110,10 @@ def describe(plan, estimate):
 
 def main(argv=None):
     args = parse_args(argv)
-    model = model_shape(args)
+    try:
+        model = model_shape(args)
+    except ValueError as error:  # a shape the planner cannot model: say so, no traceback
+        sys.exit(f"pcp-plan: {error}")
     cluster = Cluster(args.devices, args.memory_gb * GB, args.tflops * 1e12, args.intra_gbps * GB,
                       args.inter_gbps * GB, args.devices_per_node)
     estimates = planner.rank_layouts(model, cluster, args.seq, args.batch, args.dtype_bytes, not args.no_causal,

@@ -112,6 +112,12 @@ def test_experts_divide_over_ep_and_their_replicas():
         ModelShape.from_config({**QWEN3_MOE, "kv_lora_rank": 512})
 
 
+def test_cli_refuses_a_model_it_cannot_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_MOE, "model_type": "deepseek_v3", "kv_lora_rank": 512}))
+    with pytest.raises(SystemExit, match="pcp-plan: deepseek_v3 uses multi-head latent attention"):
+        plan.main(["--config", str(tmp_path / "config.json"), "--seq", "4096", "--devices", "8"])
+
+
 @pytest.mark.parametrize("layout", [Layout(), Layout(dp=2, ring=4, tp=8, pp=2, micro=8, vpp=2, sharding=3),
                                     Layout(ring=2, ulysses=2, ep=4, sharding=2, shard_dims=("dp",), loss_chunk=1024),
                                     Layout(dp=4, recompute="full_attn+mlp"), Layout(ring=8, recompute="full")])
