@@ -342,7 +342,7 @@ def master_weight_checkpoint(report, name, dims, level):
         shape = [1] if name in layout.SCALAR_ACCUMULATORS else list(layout.global_shape(param))
         full = np.random.RandomState(zlib.crc32(f"{key}.{name}".encode())).rand(*shape).astype("float32") + 1e-4
         record = find_record(param)
-        scalar_or_whole = name in layout.SCALAR_ACCUMULATORS or record is None or record.tp_axis is None
+        scalar_or_whole = name in layout.SCALAR_ACCUMULATORS or record is None or not record.shards()
         return full if scalar_or_whole else record.local(full)
 
     def states(model, optimizer):

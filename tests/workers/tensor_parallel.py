@@ -140,9 +140,9 @@ def full_gradients(model):
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        record = record_of(p)
-        grads[name] = p.grad.numpy() if record.tp_axis is None else record.assemble(
-            [g.numpy() for g in collectives.all_gather(record.mp_group, p.grad, tag="test_gradients")])
+        shards = record_of(p).shards()
+        grads[name] = p.grad.numpy() if not shards else shards[0].assemble(
+            [g.numpy() for g in collectives.all_gather(shards[0].group, p.grad, tag="test_gradients")])
     return grads
 
 
