@@ -22,7 +22,7 @@ import paddle
 
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from .optimizer import gradient_dtype
+from .optimizer import OwnGradients, gradient_dtype
 from .parameter_fetch import GatheredBytes, fetch_around
 from ..params import SHARDING, Owned, Partial, record_of, release_value
 
@@ -148,10 +148,20 @@ class Sharding:
     def _grad(self, p):
         """This rank's gradient of `p` in its reduced dtype (zeros if it has none): the same buckets on every rank."""
         dtype = gradient_dtype(p)
-        grad = self._stash.get(id(p)) if self.level == 3 and not self.owns(p) else p.grad
+        grad = self.gradient(p)
         if grad is None:
             return paddle.zeros(record_of(p).local_shape(), dtype)
         return grad if grad.dtype == dtype else grad.astype(dtype)
+
+    def gradient(self, p):
+        """This rank's gradient of `p`: at level 3 a non-owner's is in the stash until the reduce-scatter."""
+        return self._stash.get(id(p)) if self.level == 3 and not self.owns(p) else p.grad
+
+    def zero_gradient(self, p):
+        if self.level == 3 and not self.owns(p):
+            self._stash[id(p)] = paddle.zeros(record_of(p).local_shape(), gradient_dtype(p))
+        else:
+            OwnGradients.zero_gradient(p)
 
     def drop_foreign_gradients(self):
         """Free the gradients of parameters another rank owns: the inner optimizer then skips them
