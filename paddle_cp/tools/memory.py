@@ -4,6 +4,7 @@
     (from a checkout: python tools/bench_memory.py ...)
     pcp-memory --phases ...: startup and I/O phases instead (tools/memory_phases.py)
     pcp-memory --layouts "dp2 ring2 l3@dp" ...: pcp-plan's layouts beside its estimate (tools/memory_layouts.py)
+    pcp-memory --sharding ...: what each sharding level leaves a rank instead (tools/memory_sharding.py)
 
 For each N (one launch of N CPU ranks; N = 1 is one process with the same plans,
 so the same blockwise attention kernel) and each variant (recompute: PaddleFormers'
@@ -278,6 +279,10 @@ def main(argv=None):
         from paddle_cp.tools.memory_phases import main as phases_main
 
         return phases_main(argv)
+    if "--sharding" in argv:  # sharding levels on a context-parallel mesh: their own tool
+        from paddle_cp.tools.memory_sharding import main as sharding_main
+
+        return sharding_main(argv)
     args = parse_args(argv)
     tool = memory_layouts if args.layouts else sys.modules[__name__]
     if "PADDLE_TRAINER_ID" not in os.environ and not args.no_cp:
