@@ -52,10 +52,10 @@ def check_parity(model, **inputs):
         raise ValueError(f"check_parity: the model returned outputs {list(parallel)} split and {list(reference)} "
                          "whole: it must return the same structure both ways")
     tokens = _local_tokens(model, inputs, local_labels, prepare, state.mesh)
-    diffs = [_largest_difference(name, parallel[name], reference[name], prepare, state, tokens)
+    diffs = [_largest_difference(name, parallel[name], reference[name], prepare, state.mesh, tokens)
              for name in reference]
     mine = paddle.to_tensor(np.array(diffs or [0.0], dtype="float64"))
-    gathered = collectives.all_gather(state.groups.world, mine, tag="check_parity")
+    gathered = collectives.all_gather(state.world, mine, tag="check_parity")
     worst = np.max(np.stack([t.numpy() for t in gathered]), axis=0)
     return {name: float(worst[i]) for i, name in enumerate(reference)}
 
@@ -114,11 +114,13 @@ def _local_tokens(model, inputs, local_labels, prepare, mesh):
     return float(local.shape[0] * local.shape[1])
 
 
-def _largest_difference(name, got, want, prepare, state, tokens):
+def _largest_difference(name, got, want, prepare, mesh, tokens):
     if got.numel() == 1 and want.numel() == 1:
-        return abs(_token_mean(got, tokens, state.groups.sep) - float(want.astype("float64")))
+        if prepare is not None:  # each sep rank's mean over its own tokens
+            got = _token_mean(got, tokens, prepare._groups.sep)
+        return abs(float(got) - float(want.astype("float64")))
     if tuple(got.shape) != tuple(want.shape):
-        got = _in_token_order(name, got, want, prepare, state.mesh)
+        got = _in_token_order(name, got, want, prepare, mesh)
     return float((got.astype("float64") - want.astype("float64")).abs().max())
 
 
