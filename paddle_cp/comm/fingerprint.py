@@ -22,7 +22,9 @@ _SAME_WIDTH_INT = {paddle.float16: paddle.int16, paddle.bfloat16: paddle.int16, 
 
 def _bits(x):
     """The elements of `x` as int64 values carrying all their bits, flattened."""
-    x = x.contiguous().reshape([-1])
+    if not x.is_contiguous():
+        x = paddle.assign(x)  # a contiguous copy: Tensor.contiguous() would compact the caller's tensor in place
+    x = x.reshape([-1])
     if x.dtype in _SAME_WIDTH_INT:
         x = paddle.view(x, _SAME_WIDTH_INT[x.dtype])
     return x.astype("int64")

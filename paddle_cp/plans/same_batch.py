@@ -20,6 +20,7 @@ from ..comm import collectives
 from ..comm.fingerprint import fingerprint
 
 SLOTS = 4  # value fingerprints per rank: inputs in name order share slot i % SLOTS
+TAG = "cp_batch_check"  # its bytes in paddle_cp.bytes_sent()
 
 
 def check_same_batch(sep_group, inputs, batch, seq_len):
@@ -36,7 +37,7 @@ def check_same_batch(sep_group, inputs, batch, seq_len):
     for i, name in enumerate(names):
         slots[i % SLOTS] = slots[i % SLOTS] + fingerprint(inputs[name])
     mine = paddle.concat([paddle.to_tensor([zlib.crc32(layout.encode()), batch, seq_len], dtype="int64"), *slots])
-    rows = paddle.stack(collectives.all_gather(sep_group, mine, tag="cp_batch_check")).numpy().tolist()
+    rows = paddle.stack(collectives.all_gather(sep_group, mine, tag=TAG)).numpy().tolist()
     if memo is not None:
         memo[id(sep_group)] = True
     _raise_unless_equal(rows, names)
