@@ -20,7 +20,10 @@ def full_value(tensor):
         return tensor.numpy()
     local = tensor
     for group, source in record.value_sources():
-        buffer = local if group.index == source else paddle.empty(record.local_shape(), tensor.dtype)
+        # a source without the value (another placement keeps it elsewhere: a pipeline stage's rank that does
+        # not own this expert) sends a placeholder; the fetch over that other placement's group fills it in
+        keeps = group.index == source and local._is_initialized() and tuple(local.shape) == record.local_shape()
+        buffer = local if keeps else paddle.empty(record.local_shape(), tensor.dtype)
         local = collectives.broadcast(group, buffer, source, tag="state_dict")
     for shard in reversed(record.shards()):
         local = _gathered(shard, local)
