@@ -1,0 +1,264 @@
+"""MoE models of three families trained 3 AdamW steps under ep_config vs one card on the global batch:
+Qwen3-MoE (listed experts; also its stacked `fd_fallback` form), DeepSeek-V3 (shared + routed experts,
+one expert no token reaches: one card runs it on a zero row, AdamW decays it) and gpt-oss (stacked
+experts, its aux loss in the training loss); how much of the routed experts each rank holds; and the bad
+configs' errors, raised on every rank before any collective.
+
+argv: runs "family:layout[:recompute][:lazy]". Expert counts do not divide the degrees: ranges are uneven.
+"""
+import sys
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddleformers_models import SIZES, stub_gpu_modules
+from report import run
+
+import paddle_cp as pcp
+from paddle_cp.experts.layout import ExpertLayout
+from paddle_cp.mesh import fold_groups
+from paddle_cp.params import record_of
+
+STEPS = 3
+BATCH, SEQ = 4, 19
+AUX_COEF = 0.5  # large enough that an aux loss from the wrong statistics shows in every gradient
+IDLE_EXPERT = 4  # DeepSeek-V3: its router's correction bias keeps every token away from it
+EXPERT_TP = {"model.layers.*.mlp.experts.*.up_gate_proj": pcp.ColWiseParallel(),
+             "model.layers.*.mlp.experts.*.down_proj": pcp.RowWiseParallel()}
+PIPELINE = {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "schedule_mode": "1F1B",
+            "accumulate_steps": 2}
+LAYOUTS = {  # mesh, context-parallel backend, expert degree, other config sections
+    "dp2xsep2": ([("dp", 2), ("sep", 2)], "p2p", 4, {}),
+    "sep4": ([("sep", 4)], "all2all", 2, {}),
+    "dp4": ([("dp", 4)], None, 4, {}),
+    "dp2xmp2": ([("dp", 2), ("mp", 2)], None, 2, {"mp_config": {"parallelize_plan": EXPERT_TP}}),
+    "pp2xsep2": ([("pp", 2), ("sep", 2)], "p2p", 2, {"pp_config": PIPELINE}),
+}
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, use_cache=False)
+
+
+def build(family, recompute=False):
+    stub_gpu_modules()
+    import paddleformers.transformers as pf
+
+    extra = RECOMPUTE if recompute else {}
+    if family.startswith("qwen3_moe"):  # softmax top-k router; its model drops the router logits: no aux loss
+        from paddleformers.transformers.qwen3_moe.modeling import Qwen3MoeForCausalLMDeprecated
+
+        return Qwen3MoeForCausalLMDeprecated(pf.Qwen3MoeConfig(
+            **SIZES, **extra, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, fd_fallback=family.endswith("stacked")))
+    if family == "deepseek_v3":  # sigmoid group router, layer 0 dense
+        model = pf.DeepseekV3ForCausalLM(pf.DeepseekV3Config(
+            **{**SIZES, "num_key_value_heads": 4}, **extra, head_dim=8, kv_lora_rank=32, q_lora_rank=48,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=5, n_shared_experts=1,
+            num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+            topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+            rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=64, beta_fast=32.0,
+                              beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)))
+        bias = np.zeros([5], "float32")
+        bias[IDLE_EXPERT] = -100.0
+        model.model.layers[1].mlp.gate.e_score_correction_bias.set_value(bias)
+        return model
+    if family == "gpt_oss":  # dense routing weights, biases in the experts
+        return pf.GptOssForCausalLM(pf.GptOssConfig(
+            **SIZES, **extra, head_dim=16, num_local_experts=5, num_experts_per_tok=2, sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"], output_router_logits=True,
+            router_aux_loss_coef=AUX_COEF))
+    raise ValueError(family)
+
+
+def made(family, recompute=False, lazy=False):
+    paddle.seed(2024)
+    if not lazy:
+        return build(family, recompute)
+    with paddle.LazyGuard():
+        return build(family, recompute)
+
+
+def keep_router_scores(model):
+    """gpt-oss's decoder layer drops its MLP's router scores (`hidden, _ = self.mlp(...)`), so with
+    output_router_logits its aux loss fails even on one card in PaddleFormers 1.2.0 (HF's gpt-oss records
+    them). Hand them on as the layer's code expects (a tuple in the first output): the aux loss is then in
+    the training loss as the family means it to be."""
+    if getattr(model.config, "output_router_logits", False):
+        for layer in model.model.layers:
+            layer.mlp.register_forward_post_hook(lambda mlp, inputs, out: ((out[0], out[1]), out[1]))
+
+
+def adamw(model):
+    return paddle.optimizer.AdamW(learning_rate=1e-2, weight_decay=0.1, epsilon=1e-3, parameters=model.parameters())
+
+
+def batch():
+    paddle.seed(7)
+    ids = paddle.randint(0, 128, [BATCH, SEQ + 1])
+    return ids[:, :-1], ids[:, 1:]
+
+
+def step_outputs(out):
+    """(loss, aux loss or None, logits or None) of a model call (a pipeline's returns the loss alone)."""
+    if not hasattr(out, "get"):
+        return out[0] if isinstance(out, (tuple, list)) else out, None, None
+    aux = out.get("aux_loss")
+    return out.loss, (aux.numpy() if isinstance(aux, paddle.Tensor) else None), out.logits.numpy()
+
+
+def reference(family, lazy):
+    ids, labels = batch()
+    model = made(family, lazy=lazy)
+    if lazy:
+        for param in model.parameters():
+            param.initialize()
+    keep_router_scores(model)
+    initial = {k: v.numpy() for k, v in model.state_dict().items()}
+    opt = adamw(model)
+    losses, first = [], None
+    for _ in range(STEPS):
+        loss, aux, logits = step_outputs(model(input_ids=ids, labels=labels, return_dict=True))
+        first = first or (aux, logits)
+        losses.append(float(loss))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    return losses, first, initial, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def routed_expert_sizes(model):
+    """(elements of routed-expert parameters this rank holds, their single-card total)."""
+    held = total = 0
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            total += int(np.prod(pcp_full_shape(param)))
+            held += int(np.prod(param.shape)) if param._is_initialized() else 0
+    return held, total
+
+
+def pcp_full_shape(param):
+    return record_of(param).full_shape
+
+
+def expected_share(model, degree, group_index, tp):
+    """Elements this rank should hold: its contiguous range of each block's experts (split over `tp` mp ranks)."""
+    share = 0
+    for name, layer in model.named_sublayers():
+        experts = getattr(layer, "experts", None)
+        on_stage = experts is not None and record_of(next(
+            p for n, p in layer.named_parameters() if not n.startswith("experts."))).held_here()
+        if name.endswith(".mlp") and on_stage:  # a pipeline stage holds its own layers' experts only
+            count = len(experts) if isinstance(experts, paddle.nn.LayerList) else pcp_full_shape(
+                next(iter(experts.parameters())))[0]
+            start, stop = ExpertLayout(count, degree).range_of(group_index)
+            share += sum(int(np.prod(pcp_full_shape(p))) for p in experts.parameters()) * (stop - start) // (count * tp)
+    return share
+
+
+def local_tokens(tensor, backend, mesh):
+    """This rank's tokens of a [b, s, ...] tensor (all of them without context parallelism)."""
+    return pcp.shard_sequence(tensor, backend=backend, mesh=mesh) if backend else tensor
+
+
+def weighted_loss(model, weight):
+    """pp_config's loss_fn: the model's own criterion on a micro-batch's logits, times this rank's loss weight."""
+    def loss_fn(output, labels):
+        logits = output[0] if isinstance(output, (tuple, list)) else output.logits
+        return model.criterion(logits, labels)[0] * weight
+    return loss_fn
+
+
+def parallel(family, layout, recompute, lazy):
+    dims, backend, degree, sections = LAYOUTS[layout]
+    world = dist.get_world_size()
+    mesh = dist.ProcessMesh(np.arange(world).reshape([n for _, n in dims]).tolist(), dim_names=[d for d, _ in dims])
+    ids, labels = pcp.shard_batch(batch(), mesh=mesh)  # first: it seeds, and a lazy model draws its values later
+    model = made(family, recompute, lazy)
+    opt = adamw(model)
+    config = {"ep_config": {"degree": degree, "parallelize_plan": {"model.layers.*.mlp": pcp.ExpertParallel()}},
+              **sections}
+    if backend:
+        config["cp_config"] = {"parallelize_plan": {  # "": the model itself, its labels split too
+            "": pcp.PrepareContextParallel(backend), "model.layers.*.self_attn": pcp.ContextParallel(backend)}}
+    weight = pcp.loss_weight(int(local_tokens(labels, backend, mesh).numel()), mesh)
+    if "pp_config" in config:  # each micro-batch's loss weighted before its backward, which runs in the schedule
+        config["pp_config"] = {**config["pp_config"], "loss_fn": weighted_loss(model, weight)}
+        weight = 1.0
+    model, opt = pcp.parallelize(model, opt, mesh, config)
+    if lazy:
+        for param in model.parameters():
+            param.initialize()
+    keep_router_scores(model)  # after parallelize's hooks: the gathered scores are handed on
+    sizes = routed_expert_sizes(model)
+    losses, first = [], None
+    for _ in range(STEPS):
+        loss, aux, logits = step_outputs(model(input_ids=ids, labels=labels, return_dict=True))
+        first = first or (aux, logits)
+        loss = loss * weight
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)  # mp and pp copies are equal: the world mean is the dp x sep mean
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    position = fold_groups(mesh, ["dp", "sep"], degree)[0].index  # made by parallelize: no new group
+    return losses, first, pcp.full_state_dict(model), mesh, lambda t: local_tokens(t, backend, mesh), sizes, expected_share(model, degree, position, dict(dims).get("mp", 1))
+
+
+def check_bad_configs(report):
+    """Each must raise the same error on every rank before any collective."""
+    stub_gpu_modules()
+    world = dist.get_world_size()
+    dp_sep = dist.ProcessMesh(np.arange(world).reshape([2, 2]).tolist(), dim_names=["dp", "sep"])
+    dp_mp = dist.ProcessMesh(np.arange(world).reshape([2, 2]).tolist(), dim_names=["dp", "mp"])
+    plan = {"model.layers.*.mlp": pcp.ExpertParallel()}
+    cases = {
+        "degree_not_dividing": (dp_sep, {"ep_config": {"degree": 3, "parallelize_plan": plan}}),
+        "degree_beyond_experts": (dp_sep, {"ep_config": {"degree": 4, "parallelize_plan": plan}}, 3),
+        "key_not_moe": (dp_sep, {"ep_config": {"degree": 2, "parallelize_plan": {
+            "model.layers.*.self_attn": pcp.ExpertParallel()}}}),
+        "key_matches_nothing": (dp_sep, {"ep_config": {"degree": 2, "parallelize_plan": {
+            "model.blocks.*.mlp": pcp.ExpertParallel()}}}),
+        "mp_in_group": (dp_mp, {"ep_config": {"degree": 4, "mesh_dims": ["dp", "mp"], "parallelize_plan": plan}}),
+        "in_mp_config": (dp_sep, {"mp_config": {"parallelize_plan": plan}}),
+    }
+    for name, (mesh, config, *experts) in cases.items():
+        model = build("qwen3_moe") if not experts else _qwen3_with_experts(experts[0])
+        report.expect_error(f"bad.{name}", lambda: pcp.parallelize(model, None, mesh, config))
+
+
+def _qwen3_with_experts(count):
+    import paddleformers.transformers as pf
+    from paddleformers.transformers.qwen3_moe.modeling import Qwen3MoeForCausalLMDeprecated
+
+    return Qwen3MoeForCausalLMDeprecated(pf.Qwen3MoeConfig(
+        **SIZES, head_dim=16, num_experts=count, num_experts_per_tok=2, moe_intermediate_size=32))
+
+
+def main(report):
+    check_bad_configs(report)  # first: a rank that went on to a collective would hang the others
+    references = {}
+    for spec in sys.argv[1:]:
+        family, layout, *options = spec.split(":")
+        lazy = "lazy" in options
+        if (family, lazy) not in references:
+            references[family, lazy] = reference(family, lazy)
+        want_losses, (want_aux, want_logits), initial, want_state = references[family, lazy]
+        losses, (aux, logits), state, mesh, local, sizes, share = parallel(
+            family, layout, "recompute" in options, lazy)
+        report.value(f"{spec}.losses", losses)
+        report.value(f"{spec}.held", [*sizes, share])
+        report.diff(f"{spec}.loss", np.array(losses), np.array(want_losses))
+        if want_aux is not None:
+            report.diff(f"{spec}.aux", aux, want_aux)
+        if logits is not None:
+            report.diff(f"{spec}.logits", logits, local(pcp.shard_batch(paddle.to_tensor(want_logits), mesh=mesh)))
+        report.value(f"{spec}.keys_match", sorted(state) == sorted(want_state))
+        for key, value in want_state.items():
+            report.diff(f"{spec}.param", state[key], value)
+        if family == "deepseek_v3":  # the expert no token reached moved (decayed) as on one card
+            key = f"model.layers.1.mlp.experts.{IDLE_EXPERT}.down_proj.weight"
+            report.value(f"{spec}.idle_moved", [float(np.abs(state[key] - initial[key]).max()),
+                                                float(np.abs(want_state[key] - initial[key]).max())])
+
+
+if __name__ == "__main__":
+    run(main)
