@@ -4,8 +4,10 @@ one expert no token reaches: one card runs it on a zero row, AdamW decays it) an
 experts, its aux loss in the training loss); how much of the routed experts each rank holds; and the bad
 configs' errors, raised on every rank before any collective.
 
-argv: runs "family:layout[:recompute][:lazy]". Expert counts do not divide the degrees: ranges are uneven.
+argv: runs "family:layout[:recompute][:lazy]", and "root=DIR": pretrained weights in and out, checkpoints
+(weights_and_checkpoints). Expert counts do not divide the degrees: ranges are uneven.
 """
+import os
 import sys
 
 import numpy as np
@@ -18,6 +20,7 @@ import paddle_cp as pcp
 from paddle_cp.experts.layout import ExpertLayout
 from paddle_cp.mesh import fold_groups
 from paddle_cp.params import record_of
+from paddle_cp.tools.io_phases import measure
 
 STEPS = 3
 BATCH, SEQ = 4, 19
@@ -41,7 +44,7 @@ def build(family, recompute=False):
     stub_gpu_modules()
     import paddleformers.transformers as pf
 
-    extra = RECOMPUTE if recompute else {}
+    extra = {**(RECOMPUTE if recompute else {}), "dtype": "float32"}  # also what save_pretrained writes
     if family.startswith("qwen3_moe"):  # softmax top-k router; its model drops the router logits: no aux loss
         from paddleformers.transformers.qwen3_moe.modeling import Qwen3MoeForCausalLMDeprecated
 
@@ -166,41 +169,87 @@ def weighted_loss(model, weight):
     return loss_fn
 
 
-def parallel(family, layout, recompute, lazy):
-    dims, backend, degree, sections = LAYOUTS[layout]
-    world = dist.get_world_size()
-    mesh = dist.ProcessMesh(np.arange(world).reshape([n for _, n in dims]).tolist(), dim_names=[d for d, _ in dims])
-    ids, labels = pcp.shard_batch(batch(), mesh=mesh)  # first: it seeds, and a lazy model draws its values later
-    model = made(family, recompute, lazy)
-    opt = adamw(model)
-    config = {"ep_config": {"degree": degree, "parallelize_plan": {"model.layers.*.mlp": pcp.ExpertParallel()}},
-              **sections}
-    if backend:
-        config["cp_config"] = {"parallelize_plan": {  # "": the model itself, its labels split too
-            "": pcp.PrepareContextParallel(backend), "model.layers.*.self_attn": pcp.ContextParallel(backend)}}
-    weight = pcp.loss_weight(int(local_tokens(labels, backend, mesh).numel()), mesh)
-    if "pp_config" in config:  # each micro-batch's loss weighted before its backward, which runs in the schedule
-        config["pp_config"] = {**config["pp_config"], "loss_fn": weighted_loss(model, weight)}
-        weight = 1.0
-    model, opt = pcp.parallelize(model, opt, mesh, config)
-    if lazy:
-        for param in model.parameters():
-            param.initialize()
-    keep_router_scores(model)  # after parallelize's hooks: the gathered scores are handed on
-    sizes = routed_expert_sizes(model)
-    losses, first = [], None
-    for _ in range(STEPS):
-        loss, aux, logits = step_outputs(model(input_ids=ids, labels=labels, return_dict=True))
-        first = first or (aux, logits)
-        loss = loss * weight
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / world)  # mp and pp copies are equal: the world mean is the dp x sep mean
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-    position = fold_groups(mesh, ["dp", "sep"], degree)[0].index  # made by parallelize: no new group
-    return losses, first, pcp.full_state_dict(model), mesh, lambda t: local_tokens(t, backend, mesh), sizes, expected_share(model, degree, position, dict(dims).get("mp", 1))
+class Run:
+    """A model of `family` parallelized on `layout`, with its optimizer and this rank's batch."""
+
+    def __init__(self, family, layout, recompute=False, lazy=False):
+        dims, self.backend, self.degree, sections = LAYOUTS[layout]
+        world = dist.get_world_size()
+        self.dims, self.mesh = dims, dist.ProcessMesh(np.arange(world).reshape([n for _, n in dims]).tolist(),
+                                                      dim_names=[d for d, _ in dims])
+        self.ids, self.labels = pcp.shard_batch(batch(), mesh=self.mesh)  # first: it seeds; a lazy model draws later
+        model = made(family, recompute, lazy)
+        config = {"ep_config": {"degree": self.degree,
+                                "parallelize_plan": {"model.layers.*.mlp": pcp.ExpertParallel()}}, **sections}
+        if self.backend:
+            config["cp_config"] = {"parallelize_plan": {  # "": the model itself, its labels split too
+                "": pcp.PrepareContextParallel(self.backend),
+                "model.layers.*.self_attn": pcp.ContextParallel(self.backend)}}
+        self.weight = pcp.loss_weight(int(self.local(self.labels).numel()), self.mesh)
+        if "pp_config" in config:  # each micro-batch's loss weighted before its backward, which runs in the schedule
+            config["pp_config"] = {**config["pp_config"], "loss_fn": weighted_loss(model, self.weight)}
+            self.weight = 1.0
+        self.model, self.opt = pcp.parallelize(model, adamw(model), self.mesh, config)
+        if lazy:
+            for param in self.model.parameters():
+                param.initialize()
+        keep_router_scores(self.model)  # after parallelize's hooks: the gathered scores are handed on
+
+    def local(self, tensor):
+        return local_tokens(tensor, self.backend, self.mesh)
+
+    def train(self, steps):
+        """(global losses, (aux, logits) of the first step)."""
+        losses, first = [], None
+        for _ in range(steps):
+            loss, aux, logits = step_outputs(self.model(input_ids=self.ids, labels=self.labels, return_dict=True))
+            first = first or (aux, logits)
+            loss = loss * self.weight
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(float(total) / dist.get_world_size())  # mp, pp copies equal: the dp x sep mean
+            loss.backward()
+            self.opt.step()
+            self.opt.clear_grad()
+        return losses, first
+
+    def held(self):
+        """[routed-expert elements held here, their single-card total, this rank's expected share]."""
+        position = fold_groups(self.mesh, ["dp", "sep"], self.degree)[0].index  # made by parallelize: no new group
+        return [*routed_expert_sizes(self.model),
+                expected_share(self.model, self.degree, position, dict(self.dims).get("mp", 1))]
+
+
+def weights_and_checkpoints(report, root, references):
+    """load_pretrained of what save_pretrained wrote (the test, one card) into a lazily built dp2 x sep2 E=4 model,
+    export_pretrained back out (the test compares the files), for listed (DeepSeek-V3) and stacked (gpt-oss)
+    experts; a checkpoint saved there after one step resumed on sep4 E=2 for two more steps."""
+    for family in ("deepseek_v3", "gpt_oss"):
+        want = np.load(os.path.join(root, f"{family}.npz"))  # from_pretrained on one card (the test's process)
+        with paddle.LazyGuard():  # no values: only loading gives them (the fine-tuning recipe)
+            source = Run(family, "dp2xsep2")
+        row = measure("load_pretrained", lambda: pcp.load_pretrained(source.model, os.path.join(root, family)),
+                      source.model)
+        report.value(f"io.{family}.load_pretrained", row)
+        loaded = pcp.full_state_dict(source.model)
+        for key, value in loaded.items():
+            report.diff(f"io.{family}.loaded", value, want[key])
+        report.value(f"io.{family}.differing", sorted(k for k, v in loaded.items() if not np.array_equal(v, want[k])))
+        row = measure("export", lambda: pcp.export_pretrained(source.model, os.path.join(root, f"export_{family}")),
+                      source.model)
+        report.value(f"io.{family}.export", row)
+
+        resumed = Run(family, "dp2xsep2")  # one card's start again
+        first, _ = resumed.train(1)
+        checkpoint = os.path.join(root, f"checkpoint_{family}")
+        pcp.save_checkpoint(checkpoint, resumed.model, resumed.opt)
+        target = Run(family, "sep4")
+        pcp.load_checkpoint(checkpoint, target.model, target.opt)
+        rest, _ = target.train(STEPS - 1)
+        want_losses, _, _, want_state = references(family)
+        report.diff(f"ckpt.{family}.loss", np.array(first + rest), np.array(want_losses))
+        for key, value in pcp.full_state_dict(target.model).items():
+            report.diff(f"ckpt.{family}.param", value, want_state[key])
 
 
 def check_bad_configs(report):
@@ -235,22 +284,31 @@ def _qwen3_with_experts(count):
 
 def main(report):
     check_bad_configs(report)  # first: a rank that went on to a collective would hang the others
-    references = {}
+    cached = {}
+
+    def references(family, lazy=False):
+        if (family, lazy) not in cached:
+            cached[family, lazy] = reference(family, lazy)
+        return cached[family, lazy]
+
     for spec in sys.argv[1:]:
+        if spec.startswith("root="):
+            weights_and_checkpoints(report, spec[len("root="):], references)
+            continue
         family, layout, *options = spec.split(":")
         lazy = "lazy" in options
-        if (family, lazy) not in references:
-            references[family, lazy] = reference(family, lazy)
-        want_losses, (want_aux, want_logits), initial, want_state = references[family, lazy]
-        losses, (aux, logits), state, mesh, local, sizes, share = parallel(
-            family, layout, "recompute" in options, lazy)
+        want_losses, (want_aux, want_logits), initial, want_state = references(family, lazy)
+        run_ = Run(family, layout, "recompute" in options, lazy)
+        report.value(f"{spec}.held", run_.held())
+        losses, (aux, logits) = run_.train(STEPS)
+        state = pcp.full_state_dict(run_.model)
         report.value(f"{spec}.losses", losses)
-        report.value(f"{spec}.held", [*sizes, share])
         report.diff(f"{spec}.loss", np.array(losses), np.array(want_losses))
         if want_aux is not None:
             report.diff(f"{spec}.aux", aux, want_aux)
         if logits is not None:
-            report.diff(f"{spec}.logits", logits, local(pcp.shard_batch(paddle.to_tensor(want_logits), mesh=mesh)))
+            report.diff(f"{spec}.logits", logits, run_.local(pcp.shard_batch(paddle.to_tensor(want_logits),
+                                                                              mesh=run_.mesh)))
         report.value(f"{spec}.keys_match", sorted(state) == sorted(want_state))
         for key, value in want_state.items():
             report.diff(f"{spec}.param", state[key], value)
