@@ -3,6 +3,7 @@
     pcp-memory --nproc 1 2 4 --seq 1024 --budget-mib 64 --json out.json
     (from a checkout: python tools/bench_memory.py ...)
     pcp-memory --phases ...: startup and I/O phases instead (tools/memory_phases.py)
+    pcp-memory --experts ...: a MoE model with and without expert parallelism (tools/memory_experts.py)
 
 For each N (one launch of N CPU ranks; N = 1 is one process with the same plans,
 so the same blockwise attention kernel) and each variant (recompute: PaddleFormers'
@@ -259,6 +260,10 @@ def main(argv=None):
         from paddle_cp.tools.memory_phases import main as phases_main
 
         return phases_main(argv)
+    if "--experts" in argv:  # a MoE model with and without expert parallelism: its own tool
+        from paddle_cp.tools.memory_experts import main as experts_main
+
+        return experts_main(argv)
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" not in os.environ and not args.no_cp:
         result = collect(args, argv)

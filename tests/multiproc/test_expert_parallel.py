@@ -4,8 +4,11 @@ experts, a pipeline, recomputation and LazyGuard; each rank holds only its range
 bad configs fail alike on every rank before any collective. One launch of 4 ranks.
 """
 import json
+import os
 import struct
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from paddle_cp.tools.io_phases import bound
 pytest.importorskip("paddleformers")
 
 TOL = 1e-5
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = ("qwen3_moe:dp2xsep2", "deepseek_v3:dp2xsep2", "gpt_oss:dp2xsep2",
         "qwen3_moe:sep4", "deepseek_v3:sep4", "gpt_oss:sep4",
         "qwen3_moe:dp4", "deepseek_v3:dp4", "gpt_oss:dp4",
@@ -136,3 +140,20 @@ def test_checkpoint_saved_at_four_resumes_at_two_as_one_card(reports, family):
     for report in reports:
         for kind in ("loss", "param"):
             assert report["max_abs"][f"ckpt.{family}.{kind}"] <= TOL, (report["rank"], kind, report["max_abs"])
+
+
+def test_pcp_memory_experts_sets_expert_parallel_beside_level_3(tmp_path):
+    """`pcp-memory --experts` on dp2 x sep2: EP holds a quarter of the routed experts and moves less than
+    level 3 (which fetches every parameter twice a step); its all-to-alls move exactly the analytic minimum."""
+    out = tmp_path / "experts.json"
+    cmd = [sys.executable, "-m", "paddle_cp.tools.memory", "--experts", "--dims", "dp=2", "sep=2", "--hidden", "64",
+           "--expert-intermediate", "64", "--layers", "1", "--seq", "32", "--vocab", "256", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())["summary"]
+    ep, level3, replicated = summary["ep"], summary["level3"], summary["replicated"]
+    assert ep["experts"] * 4 == replicated["experts"]  # 8 experts over groups of 4: two each
+    assert ep["all_to_all"]["minimum"] > 0 and ep["all_to_all"]["moved"] == ep["all_to_all"]["minimum"]
+    assert ep["sent_per_rank"] < level3["sent_per_rank"]
+    assert "all_to_all" not in level3["sent_by_kind"] and level3["sent_by_kind"]["param_fetch"] > 0
