@@ -1,7 +1,7 @@
 """MoE models of three families trained 3 AdamW steps under ep_config vs one card on the global batch:
 Qwen3-MoE (listed experts; also its stacked `fd_fallback` form), DeepSeek-V3 (shared + routed experts,
 one expert no token reaches: one card runs it on a zero row, AdamW decays it) and gpt-oss (stacked
-experts, its aux loss in the training loss); how much of the routed experts each rank holds; and the bad
+experts, its aux loss in the training loss); Qwen2-MoE and GLM4-MoE (whose idle expert does not run); how much of the routed experts each rank holds; and the bad
 configs' errors, raised on every rank before any collective.
 
 argv: runs "family:layout[:recompute][:lazy]", and "root=DIR": pretrained weights in and out, checkpoints
@@ -25,7 +25,7 @@ from paddle_cp.tools.io_phases import measure
 STEPS = 3
 BATCH, SEQ = 4, 19
 AUX_COEF = 0.5  # large enough that an aux loss from the wrong statistics shows in every gradient
-IDLE_EXPERT = 4  # DeepSeek-V3: its router's correction bias keeps every token away from it
+IDLE_EXPERT = 4  # no token reaches it (keep_away_from_idle_expert)
 EXPERT_TP = {"model.layers.*.mlp.experts.*.up_gate_proj": pcp.ColWiseParallel(),
              "model.layers.*.mlp.experts.*.down_proj": pcp.RowWiseParallel()}
 PIPELINE = {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "schedule_mode": "1F1B",
@@ -51,24 +51,41 @@ def build(family, recompute=False):
         return Qwen3MoeForCausalLMDeprecated(pf.Qwen3MoeConfig(
             **SIZES, **extra, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
             norm_topk_prob=True, fd_fallback=family.endswith("stacked")))
+    if family == "qwen2_moe":  # softmax router, a shared expert behind a sigmoid gate
+        from paddleformers.transformers.qwen2_moe.modeling import Qwen2MoeForCausalLMDeprecated
+
+        return Qwen2MoeForCausalLMDeprecated(pf.Qwen2MoeConfig(
+            **SIZES, **extra, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48))
+    if family == "glm4_moe":  # sigmoid group router, shared expert, layer 0 dense; idle experts do not run
+        from paddleformers.transformers.glm4_moe.modeling import Glm4MoeForCausalLMDeprecated
+
+        return keep_away_from_idle_expert(Glm4MoeForCausalLMDeprecated(pf.Glm4MoeConfig(
+            **SIZES, **extra, head_dim=16, n_routed_experts=5, n_shared_experts=1, num_experts_per_tok=2,
+            moe_intermediate_size=32, first_k_dense_replace=1)))
     if family == "deepseek_v3":  # sigmoid group router, layer 0 dense
-        model = pf.DeepseekV3ForCausalLM(pf.DeepseekV3Config(
+        return keep_away_from_idle_expert(pf.DeepseekV3ForCausalLM(pf.DeepseekV3Config(
             **{**SIZES, "num_key_value_heads": 4}, **extra, head_dim=8, kv_lora_rank=32, q_lora_rank=48,
             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=5, n_shared_experts=1,
             num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
             topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
             rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=64, beta_fast=32.0,
-                              beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)))
-        bias = np.zeros([5], "float32")
-        bias[IDLE_EXPERT] = -100.0
-        model.model.layers[1].mlp.gate.e_score_correction_bias.set_value(bias)
-        return model
+                              beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))))
     if family == "gpt_oss":  # dense routing weights, biases in the experts
         return pf.GptOssForCausalLM(pf.GptOssConfig(
             **SIZES, **extra, head_dim=16, num_local_experts=5, num_experts_per_tok=2, sliding_window=5,
             layer_types=["sliding_attention", "full_attention"], output_router_logits=True,
             router_aux_loss_coef=AUX_COEF))
     raise ValueError(family)
+
+
+def keep_away_from_idle_expert(model):
+    """The routers' correction bias (DeepSeek-V3, GLM4-MoE) keeps every token away from expert IDLE_EXPERT."""
+    for layer in model.model.layers[1:]:  # layer 0 is dense
+        bias = np.zeros(layer.mlp.gate.e_score_correction_bias.shape, "float32")
+        bias[IDLE_EXPERT] = -100.0
+        layer.mlp.gate.e_score_correction_bias.set_value(bias)
+    return model
 
 
 def made(family, recompute=False, lazy=False):
@@ -312,7 +329,7 @@ def main(report):
         report.value(f"{spec}.keys_match", sorted(state) == sorted(want_state))
         for key, value in want_state.items():
             report.diff(f"{spec}.param", state[key], value)
-        if family == "deepseek_v3":  # the expert no token reached moved (decayed) as on one card
+        if family in ("deepseek_v3", "glm4_moe"):  # the expert no token reached moved (or not) as on one card
             key = f"model.layers.1.mlp.experts.{IDLE_EXPERT}.down_proj.weight"
             report.value(f"{spec}.idle_moved", [float(np.abs(state[key] - initial[key]).max()),
                                                 float(np.abs(want_state[key] - initial[key]).max())])
