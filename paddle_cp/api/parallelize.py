@@ -33,7 +33,7 @@ from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
 from ..plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
 from ..sequence.positions import supply_positions
-from ..data_parallel.sharding import Sharding, check_level
+from ..data_parallel.sharding import Sharding, check_level, shard_parameters, sharding_dims
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config", "ep_config")
 _STATE_ATTR = "_pcp_parallelized"
@@ -126,6 +126,7 @@ class _Parallelized:
 
     mesh: object
     level: int
+    dims: tuple  # the dims sharding spans
     world: object  # MeshGroup of the whole mesh
     sharding: Optional[Sharding]
 
@@ -156,16 +157,13 @@ def parallelize_model(model, mesh=None, config=None):
         apply_pipeline(model, mesh, *pipeline)  # keeps this stage's only
     for param in model.parameters():
         complete_placements(param, mesh)
-    sharding = None
-    if level > 0:
-        sharding = Sharding(level, [p for p in model.parameters() if record_of(p).held_here()], mesh)
-        if not sharding.sharded:
-            sharding = None  # nothing replicated over the chosen dims
-        elif level == 3:
-            sharding.release_parameters(model)
+    dims = sharding_dims(config.get("dp_config"))
+    sharding = shard_parameters(level, [p for p in model.parameters() if record_of(p).held_here()], mesh, dims)
+    if sharding is not None and level == 3:
+        sharding.release_parameters(model)
     if lazy:
         require_initialized(model)
-    state = _Parallelized(mesh, level, world, sharding)
+    state = _Parallelized(mesh, level, dims, world, sharding)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)
     return model
@@ -180,9 +178,11 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
     state = _model_state(optimizer_parameters(optimizer))
     if mesh is not None and not mesh_lib.same_mesh(mesh, state.mesh):
         raise ValueError("parallelize_optimizer got another mesh than parallelize_model: pass the same one, or none")
-    if level != state.level:
-        raise ValueError(f"dp_config sharding_level {level} differs from the {state.level} parallelize_model got: "
-                         "pass both calls the same config")
+    dims = sharding_dims(config.get("dp_config"))
+    if (level, dims) != (state.level, state.dims):
+        differs = (f"sharding_level {level} differs from the {state.level}" if level != state.level else
+                   f"sharding_mesh_dim {list(dims)} differs from the {list(state.dims)}")
+        raise ValueError(f"dp_config {differs} parallelize_model got: pass both calls the same config")
     if not all(record_of(p).held_here() for p in optimizer_parameters(optimizer)):
         keep_own_parameters(optimizer)  # a pipeline: the optimizer keeps this stage's parameters
     return ParallelOptimizer(optimizer, state.world, state.sharding)

@@ -43,25 +43,39 @@ def gradient_dtype(param):
     return param.dtype
 
 
-def _agree_on_gradients(parameters, mesh_group):
+class OwnGradients:
+    """Where this rank's gradient of each parameter is: its `.grad` (sharding level 3 keeps a non-owner's
+    elsewhere: Sharding answers the same two questions)."""
+
+    @staticmethod
+    def gradient(param):
+        return param.grad
+
+    @staticmethod
+    def zero_gradient(param):
+        param._set_grad_ivar(paddle.zeros(param.shape, gradient_dtype(param)))
+
+
+def _agree_on_gradients(parameters, mesh_group, gradients):
     """Give a zero gradient to every parameter that has one on some rank of the group but not here
     (a branch only some ranks took), so all ranks reduce buffers of one size, as one card would."""
-    present = paddle.to_tensor([int(p.grad is not None) for p in parameters], dtype="int32")
+    present = paddle.to_tensor([int(gradients.gradient(p) is not None) for p in parameters], dtype="int32")
     collectives.all_reduce(mesh_group, present, tag="grad_presence")
     for param, count in zip(parameters, present.numpy().tolist()):
-        if count and param.grad is None:
-            param._set_grad_ivar(paddle.zeros(param.shape, gradient_dtype(param)))
+        if count and gradients.gradient(param) is None:
+            gradients.zero_gradient(param)
 
 
-def _reduce_gradients(parameters, mesh_group, tag, average):
-    """Sum (or average) the parameters' gradients over the group, coalesced by dtype."""
+def _reduce_gradients(parameters, mesh_group, tag, average, gradients):
+    """Sum (or average) the parameters' gradients over the group, coalesced by dtype, in place."""
     parameters = [p for p in parameters if not p.stop_gradient]  # frozen: no gradient on any rank
     if mesh_group.size == 1 or not parameters:
         return
-    _agree_on_gradients(parameters, mesh_group)
-    # dropped gradients (another dp rank owns them) are empty: nothing to reduce
+    _agree_on_gradients(parameters, mesh_group, gradients)
+    # dropped gradients (another rank owns them) are empty: nothing to reduce
     # sizes from shapes: int(numel()) would read a device tensor, a host sync per parameter per step
-    grads = [p.grad for p in parameters if p.grad is not None and p.grad._is_initialized() and math.prod(p.grad.shape)]
+    grads = [g for g in map(gradients.gradient, parameters)
+             if g is not None and g._is_initialized() and math.prod(g.shape)]
     for same_dtype in _coalesced(grads):
         flat = paddle.concat([g.reshape([-1]) for g in same_dtype])
         collectives.all_reduce(mesh_group, flat, tag=tag)
@@ -71,7 +85,7 @@ def _reduce_gradients(parameters, mesh_group, tag, average):
             paddle.assign(part.reshape(grad.shape), grad)
 
 
-def run_reductions(parameters, phase):
+def run_reductions(parameters, phase, gradients=OwnGradients):
     """Every reduction of `phase` the parameters' placements ask for: one coalesced all-reduce per (group, op),
     the groups in the order of their kinds (MeshGroup.kind), the same on every rank."""
     work = {}
@@ -82,7 +96,7 @@ def run_reductions(parameters, phase):
                 work.setdefault(key, (reduction.group, []))[1].append(param)
     for (_, _, op), (group, params) in sorted(work.items(), key=lambda item: item[0]):
         average = op == "avg"
-        _reduce_gradients(params, group, "grad_all_reduce" if average else "grad_sum_all_reduce", average)
+        _reduce_gradients(params, group, "grad_all_reduce" if average else "grad_sum_all_reduce", average, gradients)
 
 
 def optimizer_parameters(optimizer):
@@ -166,7 +180,8 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         if self._reduced:
             return
         self._apply_pipeline_loss_scale()
-        run_reductions(self._params, BEFORE_SHARDING)
+        # before the reduce-scatter a level-3 non-owner's gradients are in the sharding's stash
+        run_reductions(self._params, BEFORE_SHARDING, self._sharding or OwnGradients)
         if self._sharding is not None and self._sharding.level >= 2:
             self._sharding.reduce_scatter_gradients()
         run_reductions(self._params, AFTER_SHARDING)

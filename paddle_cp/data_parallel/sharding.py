@@ -1,13 +1,15 @@
 """dp_config sharding levels (ZeRO stages) over the ranks holding replicas of a parameter.
 
 A parameter's data replicas are its `Partial("avg")` placement (params.py): the dp and sep ranks,
-each fed its own tokens. Sharding replaces it by `Owned`: over the replicas along the dims
-`sharding_mesh_dim` chooses (`dp`), one position owns the parameter (greedy, by size, so owners
-carry about equal bytes); the other chosen dims' ranks (`rest`) still average the owner's gradient.
+each fed its own tokens (for an expert, the ranks holding the same experts). Sharding replaces it
+by `Owned`: over the replicas along the dims `sharding_mesh_dim` chooses (all of them unless it
+says `dp` or `sep`), one position owns the parameter (greedy, by size, so owners carry about equal
+bytes); the ranks along the dims it leaves out (`rest`) still average the owner's gradient.
 - level 1: only the owner keeps the parameter's optimizer state and steps it;
   then it broadcasts the new value to the other ranks it shards over.
 - level 2: also gradients: they are reduce-scattered so each rank receives only
-  the summed gradients of the parameters it owns.
+  the summed gradients of the parameters it owns (one reduce-scatter over all the
+  replicas; over the chosen dims, then an average over the rest).
 - level 3: also parameters: non-owners keep an empty placeholder; the full value
   is fetched from the owner for each layer's forward and again for its backward,
   and freed after each (parameter_fetch.py). Gradients computed on non-owners are
@@ -16,35 +18,48 @@ carry about equal bytes); the other chosen dims' ranks (`rest`) still average th
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import paddle
 
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from .optimizer import gradient_dtype
+from .optimizer import OwnGradients, gradient_dtype
 from .parameter_fetch import GatheredBytes, fetch_around
-from ..params import SHARDING, Owned, Partial, record_of, release_value
+from ..params import DATA_DIMS, SHARDING, Owned, Partial, record_of, release_value
 
 LEVELS = (0, 1, 2, 3)
-SHARDING_DIMS = ("dp",)
+SHARDABLE_DIMS = ("dp", "sep", "cp")  # the data dims (params.DATA_DIMS; `cp` is sep's alias)
 
 
 def check_level(dp_config):
+    """The sharding level of a dp_config, every key checked (the dims by `sharding_dims`)."""
     dp_config = dp_config or {}
     if not isinstance(dp_config, dict):
         raise TypeError(f"dp_config must be a dict like {{'sharding_level': 1}}, got {type(dp_config).__name__}")
     unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim"}
     if unknown:
         raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level' "
-                         "(and 'sharding_mesh_dim', always 'dp')")
-    if dp_config.get("sharding_mesh_dim") not in (None, "dp"):  # Paddle's default; PaddleFormers passes None
-        raise ValueError(f"dp_config sharding_mesh_dim {dp_config['sharding_mesh_dim']!r}: paddle_cp shards over "
-                         "the 'dp' mesh dim only; leave it out or give 'dp'")
+                         "and 'sharding_mesh_dim'")
+    sharding_dims(dp_config)
     level = dp_config.get("sharding_level", 0)
     if level not in LEVELS:
         raise ValueError(f"dp_config sharding_level must be one of {LEVELS}, got {level!r}")
     return level
+
+
+def sharding_dims(dp_config):
+    """The mesh dims sharding spans: `sharding_mesh_dim` ("dp", "sep" or a list of them); by default (None, as
+    PaddleFormers passes it) every data dim, so each parameter is sharded over all the ranks holding a replica."""
+    dims = (dp_config or {}).get("sharding_mesh_dim")
+    if dims is None:
+        return DATA_DIMS
+    listed = [dims] if isinstance(dims, str) else list(dims) if isinstance(dims, (list, tuple)) else None
+    if not listed or any(d not in SHARDABLE_DIMS for d in listed) or len(set(listed)) < len(listed):
+        raise ValueError(f"dp_config sharding_mesh_dim {dims!r}: give 'dp', 'sep' or a list of them (the dims whose "
+                         "ranks hold replicas), or leave it out to shard over both")
+    return tuple(listed)
 
 
 def _owners(params, size):
@@ -82,10 +97,28 @@ def owned(param):
     return next(iter(record_of(param).find(Owned)), None)
 
 
+def shard_parameters(level, params, mesh, dims):
+    """The Sharding of `params` at `level` over the mesh dims `dims`, or None: at level 0, and with a warning
+    naming why when no parameter has more than one replica there (every rank would keep everything)."""
+    if level == 0:
+        return None
+    sharding = Sharding(level, params, mesh, dims)
+    if sharding.sharded:
+        return sharding
+    sizes = ", ".join(f"{d}={mesh_lib.dim_size(mesh, d)}" for d in dims)
+    kept = "optimizer state and parameters" if level == 3 else "optimizer state"
+    warnings.warn(f"dp_config sharding_level {level} shards nothing: it shards each parameter over the ranks "
+                  f"holding its replicas along mesh dims {sizes} (mesh {dict(zip(mesh.dim_names, mesh.shape))}), "
+                  f"and no parameter has more than one there, so every rank keeps the whole {kept}. Give the "
+                  "mesh dp or sep ranks (or sharding_mesh_dim a dim that has them), or set sharding_level 0",
+                  stacklevel=3)
+    return None
+
+
 class Sharding:
     """The level's reduce/update steps; each parameter's owner is in its record (an Owned placement)."""
 
-    def __init__(self, level, params, mesh, dims=SHARDING_DIMS):
+    def __init__(self, level, params, mesh, dims=DATA_DIMS):
         self.level, self.params = level, list(params)
         # frozen parameters (a LoRA model's base weights) have no gradient and never change: they are left
         # out of the gradient and update traffic, and balanced apart so the trained ones' state is balanced too
@@ -148,10 +181,20 @@ class Sharding:
     def _grad(self, p):
         """This rank's gradient of `p` in its reduced dtype (zeros if it has none): the same buckets on every rank."""
         dtype = gradient_dtype(p)
-        grad = self._stash.get(id(p)) if self.level == 3 and not self.owns(p) else p.grad
+        grad = self.gradient(p)
         if grad is None:
             return paddle.zeros(record_of(p).local_shape(), dtype)
         return grad if grad.dtype == dtype else grad.astype(dtype)
+
+    def gradient(self, p):
+        """This rank's gradient of `p`: at level 3 a non-owner's is in the stash until the reduce-scatter."""
+        return self._stash.get(id(p)) if self.level == 3 and not self.owns(p) else p.grad
+
+    def zero_gradient(self, p):
+        if self.level == 3 and not self.owns(p):
+            self._stash[id(p)] = paddle.zeros(record_of(p).local_shape(), gradient_dtype(p))
+        else:
+            OwnGradients.zero_gradient(p)
 
     def drop_foreign_gradients(self):
         """Free the gradients of parameters another rank owns: the inner optimizer then skips them

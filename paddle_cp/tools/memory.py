@@ -4,6 +4,7 @@
     (from a checkout: python tools/bench_memory.py ...)
     pcp-memory --phases ...: startup and I/O phases instead (tools/memory_phases.py)
     pcp-memory --experts ...: a MoE model with and without expert parallelism (tools/memory_experts.py)
+    pcp-memory --sharding ...: what each sharding level leaves a rank instead (tools/memory_sharding.py)
 
 For each N (one launch of N CPU ranks; N = 1 is one process with the same plans,
 so the same blockwise attention kernel) and each variant (recompute: PaddleFormers'
@@ -264,6 +265,10 @@ def main(argv=None):
         from paddle_cp.tools.memory_experts import main as experts_main
 
         return experts_main(argv)
+    if "--sharding" in argv:  # sharding levels on a context-parallel mesh: their own tool
+        from paddle_cp.tools.memory_sharding import main as sharding_main
+
+        return sharding_main(argv)
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" not in os.environ and not args.no_cp:
         result = collect(args, argv)

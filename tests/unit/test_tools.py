@@ -147,3 +147,25 @@ def test_memory_phases_table_and_arguments():
     assert [line.split()[:2] for line in lines[2:]] == [["0", "initialize"], ["1", "initialize"], ["0", "load"],
                                                         ["1", "load"]]
     assert lines[2].split()[2:4] == ["3.00", "2.00"]
+
+
+def test_memory_sharding_cases_table_and_arguments():
+    """pcp-memory --sharding: level 0 first on each mesh (what the others are measured against), then each level
+    over dp x sep and over dp; traffic sorted by purpose; one row per case."""
+    from paddle_cp.tools import memory_sharding
+
+    args = memory_sharding.parse_args(["--sharding", "--meshes", "sep4", "--levels", "2", "3"])
+    assert memory_sharding.cases(args) == [("sep4", "-", 0), ("sep4", "dp x sep", 2), ("sep4", "dp", 2),
+                                           ("sep4", "dp x sep", 3), ("sep4", "dp", 3)]
+    with pytest.raises(SystemExit):
+        memory_sharding.parse_args(["--sharding", "--levels", "0"])
+    assert [memory_sharding.purpose(t) for t in ("grad_reduce_scatter", "param_fetch", "ring", "pp_recv")] == [
+        "gradients", "parameters", "attention", "other"]
+    rank = dict.fromkeys(memory_sharding.FIELDS, 2 ** 20)
+    results = memory_sharding.with_ratios([
+        {"mesh": "sep4", "sharded_over": over, "level": level, "largest_parameter": 1024,
+         "ranks": [dict(rank, params=2 ** 20 // share, adam=2 ** 21 // share)] * 4}
+        for over, level, share in (("-", 0, 1), ("dp x sep", 3, 4))])
+    assert [(r["params_ratio"], r["adam_ratio"]) for r in results] == [(1.0, 1.0), (0.25, 0.25)]
+    lines = memory_sharding.table(results).splitlines()
+    assert len(lines) == 2 + len(results) + 1 and "0.250" in lines[3]

@@ -106,6 +106,8 @@ def parallelize_config(model, degrees, schedule_mode="1F1B", micro_batches=1):
         config["ep_config"] = {"degree": degrees.ep,
                                "parallelize_plan": {f"{decoder_stack(model)}.*.mlp": pcp.ExpertParallel()}}
     config["dp_config"] = {"sharding_level": degrees.sharding_level}
+    if degrees.sharding_mesh_dim is not None:
+        config["dp_config"]["sharding_mesh_dim"] = degrees.sharding_mesh_dim
     return config
 
 
