@@ -8,7 +8,7 @@ from ..experts.blocks import check_block, find_moe_block, known_blocks
 from ..experts.layout import ExpertLayout
 from ..experts.local import HeldExperts
 from ..experts.router_statistics import gather_router_logits
-from ..params import Partial, hold_parameter, record_of, shard_parameter
+from ..params import Partial, hold_parameter, mark_fetch_unit, record_of, shard_parameter
 from .base import Plan, refuse_param_plan
 
 
@@ -66,6 +66,7 @@ def _place_experts(block, held, replicas):
     """Each rank keeps only its experts: listed ones held by their owner's position of the expert group,
     stacked tensors sharded along the expert dim (uneven ranges, as ExpertLayout cuts them); both averaged
     over `replicas`, the ranks holding the same experts (HeldExperts' gradients are its sources' mean)."""
+    mark_fetch_unit(block.experts)  # which experts run, on how many rows, depends on the routing
     if block.listed:
         for expert, layer in enumerate(block.experts):
             owner = held.layout.owner(expert)

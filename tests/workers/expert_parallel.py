@@ -4,7 +4,8 @@ one expert no token reaches: one card runs it on a zero row, AdamW decays it) an
 experts, its aux loss in the training loss); Qwen2-MoE and GLM4-MoE (whose idle expert does not run); how much of the routed experts each rank holds; and the bad
 configs' errors, raised on every rank before any collective.
 
-argv: runs "family:layout[:recompute][:lazy]", and "root=DIR": pretrained weights in and out, checkpoints
+argv: runs "family:layout[:recompute][:lazy][:levelN]" (levelN: dp_config sharding_level N, which shards
+the experts over the ranks holding the same ones), and "root=DIR": pretrained weights in and out, checkpoints
 (weights_and_checkpoints). Expert counts do not divide the degrees: ranges are uneven.
 """
 import os
@@ -189,7 +190,7 @@ def weighted_loss(model, weight):
 class Run:
     """A model of `family` parallelized on `layout`, with its optimizer and this rank's batch."""
 
-    def __init__(self, family, layout, recompute=False, lazy=False):
+    def __init__(self, family, layout, recompute=False, lazy=False, level=0):
         dims, self.backend, self.degree, sections = LAYOUTS[layout]
         world = dist.get_world_size()
         self.dims, self.mesh = dims, dist.ProcessMesh(np.arange(world).reshape([n for _, n in dims]).tolist(),
@@ -197,7 +198,8 @@ class Run:
         self.ids, self.labels = pcp.shard_batch(batch(), mesh=self.mesh)  # first: it seeds; a lazy model draws later
         model = made(family, recompute, lazy)
         config = {"ep_config": {"degree": self.degree,
-                                "parallelize_plan": {"model.layers.*.mlp": pcp.ExpertParallel()}}, **sections}
+                                "parallelize_plan": {"model.layers.*.mlp": pcp.ExpertParallel()}},
+                  "dp_config": {"sharding_level": level}, **sections}
         if self.backend:
             config["cp_config"] = {"parallelize_plan": {  # "": the model itself, its labels split too
                 "": pcp.PrepareContextParallel(self.backend),
@@ -315,7 +317,8 @@ def main(report):
         family, layout, *options = spec.split(":")
         lazy = "lazy" in options
         want_losses, (want_aux, want_logits), initial, want_state = references(family, lazy)
-        run_ = Run(family, layout, "recompute" in options, lazy)
+        level = next((int(o[len("level"):]) for o in options if o.startswith("level")), 0)
+        run_ = Run(family, layout, "recompute" in options, lazy, level)
         report.value(f"{spec}.held", run_.held())
         losses, (aux, logits) = run_.train(STEPS)
         state = pcp.full_state_dict(run_.model)
