@@ -4,8 +4,9 @@ sharding level 3 without it (and replicated), in one launch.
     pcp-memory --experts --dims dp=2 sep=2 --json experts.json
 
 One launch of dp x sep CPU ranks trains PaddleFormers' gpt-oss (stacked routed experts; it builds without
-GPU modules) with context parallelism over `sep` (ring) under three configs: `ep` (ep_config, expert groups
-of --degree ranks), `level3` (dp_config sharding level 3, no expert parallelism) and `replicated`. Each
+GPU modules) with context parallelism over `sep` (ring) under four configs: `ep` (ep_config, expert groups
+of --degree ranks), `ep+level3` (also sharding level 3: the experts over the ranks holding the same ones,
+the rest over dp x sep), `level3` (sharding level 3 over dp x sep, no expert parallelism) and `replicated`. Each
 reports per rank, from Paddle's host allocator statistics and the byte counters: the parameters and
 routed experts it holds, AdamW's state after a step, the peak of the second step, and the bytes it sent in
 that step by kind (the experts' all-to-alls, parameter fetches, gradient reductions, attention). The
@@ -25,7 +26,7 @@ from pathlib import Path
 from paddle_cp.tools.bench import launch, progress
 from paddle_cp.tools.text import ruled_table, show
 
-CONFIGS = ("ep", "level3", "replicated")
+CONFIGS = ("ep", "ep+level3", "level3", "replicated")
 MIB = 2 ** 20
 KINDS = {  # counter tag prefix -> column
     "ep_dispatch": "all_to_all", "ep_combine": "all_to_all", "ep_counts": "counts", "ep_router": "counts",
@@ -88,9 +89,9 @@ def _config(name, args):
                                                  "model.layers.*.self_attn": pcp.ContextParallel("p2p")}}}
     if args.mesh.get("sep", 1) == 1:
         config = {}
-    if name == "ep":
+    if name.startswith("ep"):
         config["ep_config"] = {"degree": args.degree, "parallelize_plan": {"model.layers.*.mlp": pcp.ExpertParallel()}}
-    config["dp_config"] = {"sharding_level": 3 if name == "level3" else 0}
+    config["dp_config"] = {"sharding_level": 3 if name.endswith("level3") else 0}
     return config
 
 
@@ -138,7 +139,7 @@ def measure(name, args, mesh):
     held = share_bytes(model)
     experts = sum(math.prod(p.shape) * p.element_size() for n, p in model.named_parameters()
                   if ".mlp.experts." in n and p._is_initialized())
-    remote = _remote_pairs(model, mesh, args.degree) if name == "ep" else [0]
+    remote = _remote_pairs(model, mesh, args.degree) if name.startswith("ep") else [0]
     paddle.seed(1)
     ids = paddle.randint(0, args.vocab, [args.batch, args.seq + 1])
     inputs, labels = pcp.shard_batch((ids[:, :-1], ids[:, 1:]), mesh=mesh)
@@ -196,7 +197,7 @@ def summary(rows, args):
         out[name] = {**{key: max(r[key] for r in mine) for key in ("held", "experts", "adam", "peak")},
                      "sent_per_rank": max(r["sent_total"] for r in mine),
                      "sent_by_kind": {k: sum(r["sent"].get(k, 0) for r in mine) for k in kinds}}
-        if name == "ep":
+        if name.startswith("ep"):
             minimum = 4 * sum(r["remote_pairs"] for r in mine) * args.hidden * 4
             moved = out[name]["sent_by_kind"].get("all_to_all", 0)
             out[name]["all_to_all"] = {"moved": moved, "minimum": minimum,
@@ -212,9 +213,10 @@ def table(result):
         kinds = ", ".join(f"{k} {v / MIB:.2f}" for k, v in s["sent_by_kind"].items())
         lines.append(f"{name:12} {s['held'] / MIB:>9.2f} {s['experts'] / MIB:>12.2f} {s['adam'] / MIB:>9.2f} "
                      f"{s['peak'] / MIB:>9.2f} {s['sent_per_rank'] / MIB:>14.2f}  {kinds}")
-    a2a = result["summary"]["ep"]["all_to_all"]
-    lines.append(f"expert all-to-alls: {a2a['moved'] / MIB:.3f} MiB moved, analytic minimum "
-                 f"{a2a['minimum'] / MIB:.3f} MiB (ratio {a2a['ratio']:.3f})")
+    for name in ("ep", "ep+level3"):
+        a2a = result["summary"][name]["all_to_all"]
+        lines.append(f"{name}: expert all-to-alls {a2a['moved'] / MIB:.3f} MiB moved, analytic minimum "
+                     f"{a2a['minimum'] / MIB:.3f} MiB (ratio {a2a['ratio']:.3f})")
     return ruled_table(head, lines)
 
 
