@@ -17,13 +17,11 @@ its group owns crosses once to the owner and once back, forward and again backwa
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-from pathlib import Path
 
-from paddle_cp.tools.bench import launch, progress
+from paddle_cp.tools.bench import launch, progress, write_every_ranks_rows
 from paddle_cp.tools.text import ruled_table, show
 
 CONFIGS = ("ep", "ep+level3", "level3", "replicated")
@@ -224,15 +222,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" in os.environ:  # a rank
-        import paddle.distributed as dist
-
-        rows = run_rank(args)
-        Path(f"{args.result_file}.{dist.get_rank()}").write_text(json.dumps(rows))
-        dist.barrier()
-        if dist.get_rank() == 0:
-            merged = [row for rank in range(dist.get_world_size())
-                      for row in json.loads(Path(f"{args.result_file}.{rank}").read_text())]
-            Path(args.result_file).write_text(json.dumps(merged))
+        write_every_ranks_rows(args.result_file, run_rank(args))
         return
     rows = launch(argparse.Namespace(nproc=math.prod(args.mesh.values())), argv, script=__file__)
     config = {k: v for k, v in vars(args).items() if k not in ("result_file", "json", "experts")}
