@@ -26,7 +26,14 @@ Placement subclass answering the same questions): the optimizer, sharding, check
 pretrained load and export and lazy initialization follow without change.
 
 `complete_placements` closes a record at parallelize: it accounts for every mesh dim no placement
-names (the data dims dp and sep as one Partial "avg" group, any other as Replicate).
+names (the data dims dp and sep as one Partial "avg" group, any other as Replicate). A plan that
+places a parameter over part of the data dims places the rest itself. Experts, for instance, with
+`inner, outer = mesh.fold_groups(mesh, ["dp", "sep"], E)`: stacked experts [E, H, 2I] are
+`shard_parameter(p, 0, inner, allow_uneven=True)` plus `Partial(outer, "avg")`; an expert of a
+LayerList is `hold_parameter(p, inner, [its position])` plus `Partial(outer, "avg")`. Completion
+then adds nothing over dp and sep; sharding levels shard over `outer` (its Partial "avg"), the
+optimizer averages over it, and checkpoints, full state, export and lazy init cut and gather the
+experts from the Shard or Held placement.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from paddle_cp.tools import planner
+from paddle_cp.tools import attention_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
@@ -73,7 +73,7 @@ def test_bench_sends_the_analytic_minimum(causal_two, gqa_four):
 def test_planner_bytes_equal_measured_bytes(causal_two, gqa_four):
     for result, n in ((causal_two, 2), (gqa_four, 4)):
         for backend, case in _cases(result).items():
-            assert case["bytes_per_rank"] == planner.attention_bytes(
+            assert case["bytes_per_rank"] == attention_cost.attention_bytes(
                 backend, *_shape(result, case), n, ulysses_degree=case["ulysses_degree"])
 
 
@@ -82,6 +82,6 @@ def test_planner_held_memory_ratio_matches_measured(causal_two, gqa_four):
         for backend, case in _cases(result).items():
             shape = _shape(result, case)
             degree = case["ulysses_degree"]
-            predicted = (planner.attention_held_bytes(backend, *shape, n, ulysses_degree=degree)
-                         / planner.attention_held_bytes(backend, *shape, 1))
+            predicted = (attention_cost.attention_held_bytes(backend, *shape, n, ulysses_degree=degree)
+                         / attention_cost.attention_held_bytes(backend, *shape, 1))
             assert case["held_ratio"] == pytest.approx(predicted, rel=0.02), (backend, n)
