@@ -56,6 +56,10 @@ def test_planner_output_loads():
     mesh, config = load_config(yaml.safe_load(yaml.safe_dump(parallelize_config(layout))), world_size=4)
     assert list(mesh.dim_names) == ["dp", "sep"]
     assert config["cp_config"]["parallelize_plan"][""].backend == "all2all"
+    _, config = load_config(yaml.safe_load(yaml.safe_dump(parallelize_config(Layout(dp=2, ring=2, ep=4)))),
+                            world_size=4)  # a MoE layout: its ep_config loads
+    assert config["ep_config"]["degree"] == 4
+    assert type(config["ep_config"]["parallelize_plan"]["model.layers.*.mlp"]).__name__ == "ExpertParallel"
 
 
 def _with_plan(spec):
