@@ -45,6 +45,21 @@ def all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes=None, gat
     return AllToAll.apply(x, mesh_group, scatter_axis, gather_axis, list(scatter_sizes), list(gather_sizes), tag)
 
 
+def _padded(x, axis, width):
+    """`x` with zeros appended along `axis` up to `width`."""
+    if x.shape[axis] >= width:
+        return x
+    pad = list(x.shape)
+    pad[axis] = width - x.shape[axis]
+    return paddle.concat([x, paddle.zeros(pad, x.dtype)], axis=axis)
+
+
+def _gathered(x, mesh_group, axis, sizes, tag):
+    """Every position's `x` concatenated along `axis` (uneven parts padded to the largest for the gather)."""
+    parts = collectives.all_gather(mesh_group, _padded(x, axis, max(sizes)), tag=tag)
+    return paddle.concat([paddle.slice(p, [axis], [0], [n]) for p, n in zip(parts, sizes)], axis=axis)
+
+
 class GatherReplicated(PyLayer):
     """All-gather along `axis` for a consumer that every rank runs identically.
 
@@ -57,13 +72,7 @@ class GatherReplicated(PyLayer):
     @staticmethod
     def forward(ctx, x, mesh_group, axis, sizes, tag="all_gather"):
         ctx.args = (axis, sum(sizes[: mesh_group.index]), x.shape[axis])
-        width = max(sizes)
-        if x.shape[axis] < width:
-            pad = list(x.shape)
-            pad[axis] = width - x.shape[axis]
-            x = paddle.concat([x, paddle.zeros(pad, x.dtype)], axis=axis)
-        parts = collectives.all_gather(mesh_group, x, tag=tag)
-        return paddle.concat([paddle.slice(p, [axis], [0], [n]) for p, n in zip(parts, sizes)], axis=axis)
+        return _gathered(x, mesh_group, axis, sizes, tag)
 
     @staticmethod
     def backward(ctx, grad):
@@ -76,6 +85,30 @@ def gather_replicated(x, mesh_group, axis, sizes=None, tag="all_gather"):
         return x
     sizes = list(sizes) if sizes is not None else [x.shape[axis]] * mesh_group.size
     return GatherReplicated.apply(x, mesh_group, axis, sizes, tag)
+
+
+class GatherSummed(PyLayer):
+    """All-gather along `axis` for a consumer every rank runs on the gathered whole, each rank's result
+    then counted once (a statistic over every rank's tokens added to each rank's loss): backward sums the
+    gradient over the ranks (reduce-scatter) and keeps this rank's slice. `sizes[j]` as in GatherReplicated."""
+
+    @staticmethod
+    def forward(ctx, x, mesh_group, axis, sizes, tag="all_gather"):
+        ctx.args = (mesh_group, axis, sizes, tag)
+        return _gathered(x, mesh_group, axis, sizes, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mesh_group, axis, sizes, tag = ctx.args
+        chunks = [_padded(part, axis, max(sizes)) for part in paddle.split(grad, sizes, axis=axis)]
+        mine = collectives.reduce_scatter(mesh_group, chunks, tag=tag + "_grad")
+        return paddle.slice(mine, [axis], [0], [sizes[mesh_group.index]])
+
+
+def gather_summed(x, mesh_group, axis, sizes, tag="all_gather"):
+    if mesh_group.size == 1:
+        return x
+    return GatherSummed.apply(x, mesh_group, axis, list(sizes), tag)
 
 
 # Tensor-parallel pairs (Megatron's f/g): a replicated input entering column-split

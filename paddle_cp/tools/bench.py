@@ -104,6 +104,19 @@ def progress(message):
 
 # ---- the launcher side ------------------------------------------------------------
 
+def write_every_ranks_rows(result_file, rows):
+    """A rank's side of `launch` for a tool whose every rank reports: its rows beside the result file, then
+    rank 0 writes all of them, in rank order, as the result."""
+    import paddle.distributed as dist
+
+    Path(f"{result_file}.{dist.get_rank()}").write_text(json.dumps(rows))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        merged = [row for rank in range(dist.get_world_size())
+                  for row in json.loads(Path(f"{result_file}.{rank}").read_text())]
+        Path(result_file).write_text(json.dumps(merged))
+
+
 def launch(args, argv, script=__file__):
     """Run `script` (this one by default) on args.nproc ranks; return rank 0's measurements."""
     with tempfile.TemporaryDirectory(prefix="bench_cp_") as tmp:

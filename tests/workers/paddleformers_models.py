@@ -10,7 +10,7 @@ from dataclasses import dataclass
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, fuse_rms_norm=False)  # the fused norm has no CPU kernel
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
-FAMILIES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "phi3", "qwen3")
+FAMILIES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "phi3", "qwen3", "qwen3_moe")
 WINDOW = 5
 
 
@@ -57,4 +57,9 @@ def build(family, **overrides):
         from paddleformers.transformers.qwen3.modeling import Qwen3ForCausalLMDeprecated
 
         return Qwen3ForCausalLMDeprecated(pf.Qwen3Config(**sizes, head_dim=16))
+    if family == "qwen3_moe":  # listed routed experts (6, top-2), through its *Deprecated class
+        from paddleformers.transformers.qwen3_moe.modeling import Qwen3MoeForCausalLMDeprecated
+
+        return Qwen3MoeForCausalLMDeprecated(pf.Qwen3MoeConfig(
+            **sizes, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))
     raise ValueError(f"unknown family {family!r}: use one of {FAMILIES}")
