@@ -28,6 +28,7 @@ from ..data_parallel.optimizer import ParallelOptimizer, optimizer_parameters
 from ..params import complete_placements, is_lazy, record_of
 from .expert_config import expert_applications
 from .lazy_init import defer_initialization, require_initialized
+from .mixer_check import check_mixers_routed
 from .plan_annotation import annotate_plan
 from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
@@ -106,6 +107,7 @@ def _validated_plan(model, config, mesh):
     for _, layer, plans, params in matched:
         for plan in plans:
             plan.check(layer, mesh, params)
+    check_mixers_routed(model, matched)  # after each plan's own checks: a plan that cannot apply says why first
     applications = [(plan, layer, params) for _, layer, plans, params in matched for plan in plans]
     applications.sort(key=lambda item: item[0].order)  # stable; see Plan.order
     return applications, annotation

@@ -46,7 +46,7 @@ def all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes=None, gat
 
 
 def _padded(x, axis, width):
-    """`x` with zeros appended along `axis` up to `width`."""
+    """`x` with zeros appended along `axis` up to `width` (gloo gathers equal shapes only)."""
     if x.shape[axis] >= width:
         return x
     pad = list(x.shape)
@@ -88,9 +88,10 @@ def gather_replicated(x, mesh_group, axis, sizes=None, tag="all_gather"):
 
 
 class GatherSummed(PyLayer):
-    """All-gather along `axis` for a consumer every rank runs on the gathered whole, each rank's result
-    then counted once (a statistic over every rank's tokens added to each rank's loss): backward sums the
-    gradient over the ranks (reduce-scatter) and keeps this rank's slice. `sizes[j]` as in GatherReplicated."""
+    """All-gather along `axis` for consumers that differ by rank (each uses the parts it needs, or a
+    statistic over every rank's tokens counted once in the loss): backward sums every rank's gradient of
+    each part and hands each owner its own (a reduce-scatter, the all-gather's mirror). `sizes[j]`: how
+    much of `axis` position j holds."""
 
     @staticmethod
     def forward(ctx, x, mesh_group, axis, sizes, tag="all_gather"):
@@ -101,14 +102,15 @@ class GatherSummed(PyLayer):
     def backward(ctx, grad):
         mesh_group, axis, sizes, tag = ctx.args
         chunks = [_padded(part, axis, max(sizes)) for part in paddle.split(grad, sizes, axis=axis)]
-        mine = collectives.reduce_scatter(mesh_group, chunks, tag=tag + "_grad")
+        mine = collectives.reduce_scatter(mesh_group, chunks, tag=tag)
         return paddle.slice(mine, [axis], [0], [sizes[mesh_group.index]])
 
 
-def gather_summed(x, mesh_group, axis, sizes, tag="all_gather"):
+def gather_summed(x, mesh_group, axis, sizes=None, tag="all_gather"):
     if mesh_group.size == 1:
         return x
-    return GatherSummed.apply(x, mesh_group, axis, list(sizes), tag)
+    sizes = list(sizes) if sizes is not None else [x.shape[axis]] * mesh_group.size
+    return GatherSummed.apply(x, mesh_group, axis, sizes, tag)
 
 
 # Tensor-parallel pairs (Megatron's f/g): a replicated input entering column-split

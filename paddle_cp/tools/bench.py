@@ -1,6 +1,7 @@
 """Benchmark context-parallel attention against one process doing the whole sequence.
 
     pcp-bench --nproc 2 --seq 2048 --backend p2p --causal --json out.json
+    pcp-bench --mixer gated_deltanet --nproc 2 4 --seq 2048    (a Gated DeltaNet layer: tools/bench_gdn.py)
 
 Launches N CPU ranks itself (`python -m paddle.distributed.launch`, one thread per
 rank), or runs as one of them when started inside a launch (PADDLE_TRAINER_ID set).
@@ -393,6 +394,15 @@ def finish(result, args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    mixer = argparse.ArgumentParser(add_help=False)
+    mixer.add_argument("--mixer", choices=["attention", "gated_deltanet"], default="attention")
+    chosen, rest = mixer.parse_known_args(argv)
+    if chosen.mixer == "gated_deltanet":  # a Gated DeltaNet layer instead (tools/bench_gdn.py)
+        from paddle_cp.tools import bench_gdn
+
+        bench_gdn.main(rest)
+        return
+    argv = rest
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" not in os.environ:
         os.environ.update({name: "1" for name in THREAD_VARS})  # one thread, like each rank (before paddle loads)
