@@ -186,6 +186,13 @@ class BlockMask:
         (qs, qe), (ks, ke) = q_range, k_range
         return self.dense[:, :, qs:qe, ks:ke]
 
+    def row_bounds(self, q_range, k_range):
+        """Per key of a tile of consecutive query positions, the rows that see it: [start, end) counted
+        from the tile's first query, clipped to its rows; int64 [b or 1, Bk] each (dense masks aside)."""
+        (qs, qe), (ks, ke) = q_range, k_range
+        first, rows = self.q_pos[qs], qe - qs
+        return np.broadcast_arrays(np.clip(self.lo[:, ks:ke] - first, 0, rows), np.clip(self.hi[:, ks:ke] - first, 0, rows))
+
     def tile(self, q_range, k_range):
         """[b or 1, 1 or heads, Bq, Bk] mask for a tile: boolean, or additive when the dense mask is."""
         (qs, qe), (ks, ke) = q_range, k_range

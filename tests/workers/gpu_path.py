@@ -1,5 +1,6 @@
-"""paddle_cp's GPU path on CPU ranks: the flash kernel over the emulated `flash_attn` op, ring
-exchanges over the emulated asynchronous p2p group (emulated_flash.py, emulated_async.py).
+"""paddle_cp's GPU path on CPU ranks: the flash and flashmask kernels over the emulated `flash_attn` and
+`flashmask_attention` ops, ring exchanges over the emulated asynchronous p2p group (emulated_flash.py,
+emulated_async.py).
 
 Modes (argv): `parity` runs every backend and rotation in bf16 (one case fp16) through the flash path and
 through the blockwise kernel on the same inputs, both also against fp32 SDPA, with the
@@ -25,24 +26,28 @@ from paddle_cp.comm import p2p
 
 HEAD_DIM = 32  # flash_attn needs d % 8 == 0
 BF16 = paddle.bfloat16
-_calls = {"flash_attn": 0, "flash_attn_grad": 0, "overlapped": 0, "grad_overlapped": 0}
+_calls = {"flash_attn": 0, "flash_attn_grad": 0, "flashmask_attention": 0, "flashmask_attention_grad": 0,
+          "blockwise": 0, "overlapped": 0, "grad_overlapped": 0}
 
 
 def _observed_flash():
-    """Count the emulated op's calls, and those made while an exchange is in flight."""
-    forward, backward = _C_ops.flash_attn, _C_ops.flash_attn_grad
+    """Count the emulated ops' calls (and those made while an exchange is in flight) and the blockwise
+    kernel's forwards and backwards."""
+    def observed(name, op, overlap_key):
+        def call(*args):
+            _calls[name] += 1
+            _calls[overlap_key] += bool(emulated_async.in_flight())
+            return op(*args)
+        return call
 
-    def flash_attn(*args):
-        _calls["flash_attn"] += 1
-        _calls["overlapped"] += bool(emulated_async.in_flight())
-        return forward(*args)
-
-    def flash_attn_grad(*args):
-        _calls["flash_attn_grad"] += 1
-        _calls["grad_overlapped"] += bool(emulated_async.in_flight())
-        return backward(*args)
-
-    _C_ops.flash_attn, _C_ops.flash_attn_grad = flash_attn, flash_attn_grad
+    for name in ("flash_attn", "flashmask_attention"):
+        setattr(_C_ops, name, observed(name, getattr(_C_ops, name), "overlapped"))
+        setattr(_C_ops, name + "_grad", observed(name + "_grad", getattr(_C_ops, name + "_grad"), "grad_overlapped"))
+    for method in ("forward", "backward"):
+        original = getattr(kernels.BlockwiseKernel, method)
+        setattr(kernels.BlockwiseKernel, method,
+                lambda self, *args, original=original: _calls.__setitem__("blockwise", _calls["blockwise"] + 1)
+                or original(self, *args))
 
 
 def cases(n):
@@ -131,9 +136,9 @@ def check_case(report, mesh, case):
     reference = fp32_reference(q, k, v, grad_out, causal, scale, doc_ids, window)
     reference = reference[:1] + [pcp.shard_sequence(g, **layout) for g in reference[1:]]
 
-    kernels.flash_available = lambda: False
+    kernels.flash_available = kernels.flashmask_available = lambda: False
     blockwise = context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window)
-    kernels.flash_available = lambda: True
+    kernels.flash_available = kernels.flashmask_available = lambda: True
     before = dict(_calls)
     flash = context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window)
     calls = {key: _calls[key] - before[key] for key in _calls}
