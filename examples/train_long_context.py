@@ -129,7 +129,8 @@ def train_parallel(args):
     first, losses = start(args, model, optimizer)
     progress = Progress("parallel", first, args.steps, args.batch_size * args.seq_len)
     for step, batch in batches(args, first):
-        local_labels = pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh)
+        # the batch's documents decide how it is split: labels follow with the same position ids
+        local_labels = pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh, position_ids=batch["position_ids"])
         # this rank's mean over its labelled tokens, weighted by its share of all of them
         weight = pcp.loss_weight(int((local_labels != IGNORE).sum()), mesh)
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"],

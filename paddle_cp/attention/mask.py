@@ -91,6 +91,19 @@ class Documents:
     def seq_len(self):
         return self.start.shape[1]
 
+    def keys_seen(self):
+        """int64 [batch, seq_len]: the keys each query sees under causal attention (key j is seen by
+        rows j <= i < end[j]), the work the documents layout balances."""
+        batch, length = self.end.shape
+        keys = np.broadcast_to(np.arange(length), (batch, length))
+        row = np.broadcast_to(np.arange(batch)[:, None] * (length + 1), (batch, length))
+        end = np.clip(self.end, 0, length)
+        seen = end > keys
+        changes = np.zeros(batch * (length + 1), np.int64)  # +1 where a key starts being seen, -1 where it stops
+        np.add.at(changes, (row + keys)[seen], 1)
+        np.add.at(changes, (row + end)[seen], -1)
+        return np.cumsum(changes.reshape(batch, length + 1), axis=1)[:, :length]
+
 
 def _numpy(values):
     return np.asarray(values.numpy() if isinstance(values, paddle.Tensor) else values)

@@ -103,12 +103,12 @@ def _batch(plan):
 def attend(plan, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True, scale=None,
            enable_gqa=True, window=None, sinks=None):
     """Context-parallel attention of [b, s_local, h, d] q/k/v under `plan` for the current batch
-    (its length, documents and padding, published by PrepareContextParallel)."""
+    (its layout, length, documents and padding, published by PrepareContextParallel)."""
     info = _batch(plan)
-    seq_len = documents = valid = None
-    if info is not None:
-        seq_len, documents, valid = info.seq_len, info.documents, info.valid
-    out = context_parallel_attention(plan._layout, plan._groups, query, key, value, attn_mask, dropout_p,
+    layout, seq_len, documents, valid = plan._layout, None, None, None
+    if info is not None:  # the batch's layout: its split may follow its documents
+        layout, seq_len, documents, valid = info.layout, info.seq_len, info.documents, info.valid
+    out = context_parallel_attention(layout, plan._groups, query, key, value, attn_mask, dropout_p,
                                      is_causal, training, scale, seq_len, documents, plan.rotate,
                                      enable_gqa=enable_gqa, window=window, sinks=sinks, valid=valid)
     for frame in runtime.state.running:
