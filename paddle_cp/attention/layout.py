@@ -10,7 +10,8 @@ group holds; a group's positions are split contiguously over its U ranks.
   ranks works: chunk sizes differ by at most one token, and the extra tokens go
   one per rank before any rank gets a second, so local lengths differ by at most one.
 - `documents` (DocumentSplit): one batch's packed documents balanced by
-  attention work (balance.py); local lengths differ by a few tokens.
+  attention work (balance.py), when the chunks leave the slowest ring group
+  more than BALANCED over the mean; local lengths differ by a few tokens.
 
 PrepareContextParallel picks the split per batch (`SPLITS`); input splitting,
 unsharding and the attention all read the batch's layout from here.
@@ -26,6 +27,7 @@ from .balance import balanced_groups, piece_starts
 
 BACKENDS = ("p2p", "all2all", "hybrid")
 SPLITS = ("documents", "chunks")  # PrepareContextParallel(layout=...): how a batch with documents is split
+BALANCED = 1.05  # slowest ring group's work over the mean at which the chunks are kept
 
 
 def check_split(name):
@@ -74,6 +76,7 @@ class ChunkSplit:
     """Ring group g holds chunks g and 2R-1-g of 2R, for any sequence."""
 
     name = "chunks"
+    fragment = 0  # every run its own tiles
 
     @staticmethod
     def _sizes(seq_len, ring):
@@ -99,6 +102,7 @@ class DocumentSplit:
     """One batch's positions over R ring groups, balanced by attention work (balance.py)."""
 
     name = "documents"
+    fragment = 64  # many documents make many short pieces: those share the kernels' tiles
 
     def __init__(self, work, ring):
         """`work`: int64 [batch, seq_len], the keys each query sees (Documents.keys_seen)."""
@@ -132,10 +136,18 @@ class SequenceLayout:
     def for_batch(self, documents, split="documents"):
         """The layout of a batch: balanced over its `documents` (a Documents, or None) with split
         'documents', else this one. Also this one with a single ring group (Ulysses alone: every
-        rank attends for every query) or when the balance would leave a rank without a token."""
+        rank attends for every query), when its chunks already balance the work within BALANCED
+        (many short documents: chunks keep each on one rank, which tiles best), and when the balance
+        would leave a rank without a token."""
         if check_split(split) == "chunks" or documents is None or self.ring == 1:
             return self
-        balanced = DocumentSplit(documents.keys_seen(), self.ring)
+        work = documents.keys_seen()
+        per_position = work.sum(axis=0)
+        seq_len = work.shape[1]
+        chunks = [per_position[self.group_positions(seq_len, g)].sum() for g in range(self.ring)]
+        if max(chunks) <= BALANCED * sum(chunks) / self.ring:
+            return self
+        balanced = DocumentSplit(work, self.ring)
         if min(len(p) for p in balanced.positions) < self.ulysses:
             return self
         layout = copy.copy(self)

@@ -105,6 +105,32 @@ class Documents:
         return np.cumsum(changes.reshape(batch, length + 1), axis=1)[:, :length]
 
 
+def tiles(row_runs, size=None, fragment=0):
+    """Index ranges to compute over: runs cut into tiles of at most `size` rows (None: whole), and
+    consecutive runs shorter than `fragment` gathered into shared tiles of about `fragment` rows (a
+    layout of many short pieces would otherwise make many tiny tiles; masks keep them exact)."""
+    out, pending = [], None
+
+    def emit(start, end):
+        step = size or end - start
+        out.extend((a, min(a + step, end)) for a in range(start, end, step))
+
+    for start, end in row_runs:
+        if end - start >= fragment:
+            if pending:
+                emit(*pending)
+                pending = None
+            emit(start, end)
+            continue
+        pending = (pending[0] if pending else start, end)
+        if pending[1] - pending[0] >= fragment:
+            emit(*pending)
+            pending = None
+    if pending:
+        emit(*pending)
+    return out
+
+
 def _numpy(values):
     return np.asarray(values.numpy() if isinstance(values, paddle.Tensor) else values)
 
@@ -123,14 +149,16 @@ class BlockMask:
 
     `dense`: this pair's slice of a dense mask, [b, 1 or heads, len(q_pos), len(k_pos)],
     boolean (True = attend) or additive (-inf or a dtype's min = masked).
-    `cuts`: positions where tiles must start (the layout's chunk starts).
+    `cuts`: positions where tiles must start (the layout's chunk starts);
+    `fragment`: runs shorter than this share tiles (see `tiles`; 0: every run its own).
     `window`: causal sliding window (a key is seen by itself and the w-1 queries after it);
     `valid`: [b, seq_len] bool over global positions, False for padding keys.
     """
 
-    def __init__(self, q_pos, k_pos, causal, documents=None, dense=None, cuts=(), window=None, valid=None):
+    def __init__(self, q_pos, k_pos, causal, documents=None, dense=None, cuts=(), window=None, valid=None,
+                 fragment=0):
         self.q_pos, self.k_pos = np.asarray(q_pos), np.asarray(k_pos)
-        self.cuts = cuts
+        self.cuts, self.fragment = cuts, fragment
         self.causal, self.dense, self.window = causal, dense, window
         if documents is not None and documents.causal_only and not causal:
             raise ValueError("attn_mask_startend_row_indices describe a causal mask: call attention with is_causal=True")
@@ -159,6 +187,12 @@ class BlockMask:
     def k_runs(self):
         return runs(self.k_pos, self.cuts)
 
+    def q_tiles(self, size=None):
+        return tiles(self.q_runs(), size, self.fragment)
+
+    def k_tiles(self, size=None):
+        return tiles(self.k_runs(), size, self.fragment)
+
     def classify(self, q_range, k_range, record=False):
         """'none', 'all', 'diagonal' (plain causal, same positions) or 'some' for a tile of
         consecutive query rows and consecutive key rows."""
@@ -184,8 +218,8 @@ class BlockMask:
             return "all" if every and seen.all() else "some"
         if every:
             return "all"
-        diagonal = (self.causal and (qe - qs) == (ke - ks)
-                    and first == self.k_pos[ks] and np.all(hi > last))
+        diagonal = (self.causal and (qe - qs) == (ke - ks) and first == self.k_pos[ks]
+                    and np.all(hi > last) and np.array_equal(self.q_pos[qs:qe], self.k_pos[ks:ke]))
         return "diagonal" if diagonal else "some"
 
     def _dense_seen(self):
@@ -200,11 +234,12 @@ class BlockMask:
         return self.dense[:, :, qs:qe, ks:ke]
 
     def row_bounds(self, q_range, k_range):
-        """Per key of a tile of consecutive query positions, the rows that see it: [start, end) counted
-        from the tile's first query, clipped to its rows; int64 [b or 1, Bk] each (dense masks aside)."""
+        """Per key of a tile, the tile's rows that see it, [start, end) (query positions ascend, so they are
+        one range); int64 [b or 1, Bk] each (dense masks aside)."""
         (qs, qe), (ks, ke) = q_range, k_range
-        first, rows = self.q_pos[qs], qe - qs
-        return np.broadcast_arrays(np.clip(self.lo[:, ks:ke] - first, 0, rows), np.clip(self.hi[:, ks:ke] - first, 0, rows))
+        rows = self.q_pos[qs:qe]
+        lo, hi = np.broadcast_arrays(self.lo[:, ks:ke], self.hi[:, ks:ke])
+        return np.searchsorted(rows, lo), np.searchsorted(rows, hi)
 
     def tile(self, q_range, k_range):
         """[b or 1, 1 or heads, Bq, Bk] mask for a tile: boolean, or additive when the dense mask is."""

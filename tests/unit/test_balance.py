@@ -38,9 +38,9 @@ def test_documents_layout_balances_work(source, seq_len, batch, steps, world, un
     old, new = [], []
     for position_ids in packing.batches(source, seq_len, batch, steps):
         chunks, balanced = layouts("p2p", world, position_ids)
-        assert balanced.split.name == "documents"
         old.append(packing.imbalance(packing.rank_work(chunks, position_ids)))
         new.append(packing.imbalance(packing.rank_work(balanced, position_ids)))
+        assert (balanced.split.name == "documents") == (old[-1] > BOUND)  # chunks kept where they balance
         assert check_partition(balanced, seq_len) <= 2 * world  # local lengths within a few tokens
     assert max(new) <= BOUND, new
     assert np.mean(old) > 1.15  # the 2N chunks alone leave it unbalanced
@@ -49,9 +49,12 @@ def test_documents_layout_balances_work(source, seq_len, batch, steps, world, un
 def test_documents_shorter_than_2n_and_hybrid_and_row_indices():
     rng = np.random.default_rng(1)
     tiny = packing.packed_position_ids(rng.integers(1, 8, 5000), 1024, 4)  # every document < 2N = 8 tokens
-    chunks, balanced = layouts("p2p", 4, tiny)
-    assert packing.imbalance(packing.rank_work(balanced, tiny)) <= 1.01
-    assert check_partition(balanced, 1024) <= 2
+    chunks, kept = layouts("p2p", 4, tiny)
+    assert kept is chunks and packing.imbalance(packing.rank_work(chunks, tiny)) <= BOUND  # already balanced
+    uneven = np.concatenate([tiny[:1, :512], packing.packed_position_ids(np.array([512]), 512, 1)], axis=1)
+    _, balanced = layouts("p2p", 4, uneven)  # short documents, then one long one: chunks do not balance that
+    assert balanced.split.name == "documents" and packing.imbalance(packing.rank_work(balanced, uneven)) <= 1.01
+    assert check_partition(balanced, 1024) <= 8
     # hybrid: ring groups of two Ulysses ranks; a group's positions split contiguously over them
     positions = packing.batches("lognormal", 4096, 2, 1)[0]
     _, hybrid = layouts("hybrid", 4, positions, degree=2)

@@ -215,3 +215,37 @@ def test_flashmask_kernel_matches_blockwise_where_documents_cut_tiles(emulated_g
 ])
 def test_dispatch_rule(args, name):
     assert kernels.choose_kernel_name(*args) == name
+
+
+def test_tiles_gather_short_runs_and_flashmask_takes_them(emulated_gpu):
+    """A documents layout's short pieces share tiles (mask.tiles): the blockwise and flashmask kernels on such
+    tiles of scattered positions agree with the blockwise kernel on one tile per run."""
+    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.attention.mask import tiles
+    from paddle_cp.attention.ring import RingMasks
+    from paddle_cp.tools import packing
+
+    assert tiles([(0, 3), (3, 5), (5, 100), (100, 102)], 40, fragment=4) == [
+        (0, 5), (5, 45), (45, 85), (85, 100), (100, 102)]
+    assert tiles([(0, 3), (3, 5)], None, fragment=0) == [(0, 3), (3, 5)]
+    positions = packing.packed_position_ids(np.array([12, 3, 2, 5, 58, 4, 3, 9]), 80, 2)
+    documents = Documents.from_position_ids(positions)
+    layout = SequenceLayout("p2p", 2).for_batch(documents)
+    assert layout.split.name == "documents"
+    groups = [layout.group_positions(80, g) for g in range(2)]
+    paddle.seed(6)
+    q = paddle.randn([2, len(groups[0]), 4, 16]).astype("bfloat16")
+    k, v = (paddle.randn([2, len(groups[1]), 2, 16]).astype("bfloat16") for _ in range(2))
+    results = {}
+    for name, kernel, fragment in (("flashmask", "flashmask", 16), ("blockwise", "blockwise", 16),
+                                   ("per_run", "blockwise", 0)):
+        mask = RingMasks(groups, 0, True, documents, cuts=layout.chunk_starts(80), fragment=fragment).block(1)
+        inputs = [t.detach() for t in (q, k, v)]
+        for t in inputs:
+            t.stop_gradient = False
+        out = kernels.local_attention(*inputs, True, 0.25, kernel=kernels._KERNELS[kernel](), mask=mask)
+        results[name] = [out, *paddle.grad([out], inputs, [paddle.ones_like(out)])]
+    assert len(mask.q_runs()) > len(RingMasks(groups, 0, True, documents, fragment=16).block(1).q_tiles())
+    for name in ("flashmask", "blockwise"):
+        for got, want in zip(results[name], results["per_run"]):
+            assert _relative(got, want) < BF16_TOL, name

@@ -34,10 +34,15 @@ class FlashKernel:
         return all(mask.classify(qr, kr) in ("none", "all", "diagonal") for qr in mask.q_runs() for kr in mask.k_runs())
 
     @staticmethod
-    def _pairs(mask, record):
-        """(q run, [(k run, kind), ...]) for each query run, the runs its queries see nothing of left out."""
-        for qr in mask.q_runs():
-            seen = [(kr, mask.classify(qr, kr, record)) for kr in mask.k_runs()]
+    def _ranges(mask):
+        """(query ranges, key ranges) one call each: runs of consecutive positions."""
+        return mask.q_runs(), mask.k_runs()
+
+    def _pairs(self, mask, record):
+        """(q range, [(k range, kind), ...]) for each query range, the ranges its queries see nothing of left out."""
+        q_ranges, k_ranges = self._ranges(mask)
+        for qr in q_ranges:
+            seen = [(kr, mask.classify(qr, kr, record)) for kr in k_ranges]
             yield qr, [(kr, kind) for kr, kind in seen if kind != "none"]
 
     def forward(self, q, k, v, mask, scale):

@@ -1,8 +1,8 @@
 """Paddle's flashmask_attention op (GPU, fp16/bf16) for the tiles flash_attn cannot express.
 
 A tile cut by a document boundary, a sliding-window edge or padding keys is,
-for every key, one range of the tile's consecutive query rows that see it
-(BlockMask.row_bounds). flashmask_attention takes exactly that, per batch row
+for every key, one range of the tile's query rows that see it (query positions
+ascend; BlockMask.row_bounds). flashmask_attention takes exactly that, per batch row
 and key, so such a tile is one call; tiles that are all keys or causal on the
 diagonal still go to flash_attn (FlashKernel, whose loop this kernel shares).
 Dense masks are not ranges of rows and stay with the blockwise kernel.
@@ -58,6 +58,11 @@ class FlashMaskKernel(FlashKernel):
     def supports(mask):
         """Every tile is a range of rows per key except under a dense mask."""
         return mask.dense is None
+
+    @staticmethod
+    def _ranges(mask):
+        """Runs, with the short pieces of a documents layout sharing calls (their rows per key stay one range)."""
+        return mask.q_tiles(), mask.k_tiles()
 
     @staticmethod
     def _row_indices(mask, q_range, k_range, batch):
