@@ -1,5 +1,6 @@
 """paddle_cp: context-parallel training for PaddlePaddle, behind Paddle's `parallelize` API."""
 from .attention import attention_work, hybrid_attention, ring_attention, ulysses_attention
+from .attention.mixers import TokenMixer, register_mixer
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoint
 from .checkpoint.export import export_pretrained
 from .checkpoint.pretrained import load_pretrained
@@ -25,6 +26,7 @@ from .plans import (
     SequenceParallelDisable,
     SequenceParallelEnable,
     SequenceParallelEnd,
+    TokenWise,
 )
 from .sequence.shard import sequence_positions, shard_sequence, unshard_sequence
 from .checkpoint.full_state import full_state_dict
@@ -34,7 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle",
     "set_mesh", "get_mesh", "SplitPoint",
-    "PrepareContextParallel", "ContextParallel",
+    "PrepareContextParallel", "ContextParallel", "TokenWise", "TokenMixer", "register_mixer",
     "ColWiseParallel", "RowWiseParallel", "ConvParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
     "PrepareLayerInput", "PrepareLayerOutput",

@@ -26,6 +26,7 @@ from ..pipeline import apply_pipeline, keep_own_parameters, plan_pipeline
 from ..data_parallel.optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
 from ..params import is_lazy, record_of
 from .lazy_init import defer_initialization, require_initialized
+from .mixer_check import check_mixers_routed
 from .plan_annotation import annotate_plan
 from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
@@ -104,6 +105,7 @@ def _validated_plan(model, config, mesh):
     matched = resolve_plan(model, _merged_plan(config))
     matched += implied_lora_plans(matched)
     annotation = annotate_plan(model, matched, mesh)
+    check_mixers_routed(model, matched)
     for _, layer, plans, params in matched:
         for plan in plans:
             plan.check(layer, mesh, params)

@@ -1,12 +1,14 @@
-"""Which attention calls paddle_cp runs, and the check that a ContextParallel layer's did run.
+"""Which attention calls paddle_cp runs, and the check that a ContextParallel layer's mixing did run.
 
 A call is routed to paddle_cp when the module it names is covered by a
 ContextParallel plan (the planned layer or a sublayer: a recomputed attention
 is routed too), else when a ContextParallel layer's forward is running (calls
 that name no module, or a fresh one as DeepSeek-V3's). Any other call runs the
-original function. A ContextParallel layer whose forward ends without paddle_cp
-having run an attention raises: its attention went around every adapter and
-would have seen only this rank's tokens.
+original function, unless PrepareContextParallel has split the running batch:
+then it would attend over this rank's tokens only, and raises. A ContextParallel
+layer whose forward ends without paddle_cp having run a token mixer (attention,
+linear attention, a convolution over the sequence: attention/mixers/) raises: its
+mixing went around every adapter and would have seen only this rank's tokens.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from .. import runtime
 from . import recompute
 from . import context
 from .api import context_parallel_attention
+from .lengths import agreed_seq_len
+from .validation import check_local_length
 
 
 # module -> the ContextParallel plan covering it (configuration, set when the plan is applied)
@@ -52,11 +56,30 @@ def leave(layer):
         return
     name = f"{type(layer).__name__} ({layer.full_name()})"
     raise ValueError(
-        f"ContextParallel layer {name} ran its forward without paddle_cp computing its attention, so each rank "
-        "attended over its own tokens only. paddle_cp intercepts paddle.nn.functional.scaled_dot_product_attention "
-        "and PaddleFormers' ALL_ATTENTION_FUNCTIONS (any _attn_implementation), looked up at call time: call one of "
-        "them from the layer, or call paddle_cp.ring_attention / ulysses_attention yourself; or put ContextParallel "
-        "on the layer that computes attention"
+        f"ContextParallel layer {name} ran its forward without paddle_cp computing its attention (or any token "
+        "mixer), so each rank attended over its own tokens only. paddle_cp intercepts "
+        "paddle.nn.functional.scaled_dot_product_attention and PaddleFormers' ALL_ATTENTION_FUNCTIONS (any "
+        "_attn_implementation), looked up at call time, and the mixers of docs/hybrid_models.md: call one of them "
+        "from the layer, or call paddle_cp.ring_attention / ulysses_attention yourself; or put ContextParallel on "
+        "the layer that computes attention"
+    )
+
+
+def mark_ran():
+    """A token mixer ran under context parallelism for every ContextParallel layer now running."""
+    for frame in runtime.state.running:
+        frame.ran = True
+
+
+def refuse_unrouted(what):
+    """Raise if a split batch is running: an unrouted mixing call would see this rank's tokens only.
+    Called by the adapters before they run an original function."""
+    if context.current() is None:
+        return
+    raise ValueError(
+        f"{what} ran outside every ContextParallel layer while PrepareContextParallel had split the sequence, "
+        "so it would have mixed this rank's tokens only: put ContextParallel on the layer that makes this call "
+        "(e.g. 'model.layers.*.self_attn': pcp.ContextParallel(backend)), see docs/hybrid_models.md"
     )
 
 
@@ -89,7 +112,9 @@ def plan_for(module=None):
     return plan
 
 
-def _batch(plan):
+def batch(plan):
+    """The current batch's SequenceInfo (None when no PrepareContextParallel published one), checked
+    against `plan`'s layout."""
     info = context.current()
     if info is not None and (info.layout.backend, info.layout.ulysses) != (plan._layout.backend, plan._layout.ulysses):
         raise ValueError(
@@ -100,17 +125,29 @@ def _batch(plan):
     return info
 
 
+def sequence(plan, local_len):
+    """(layout, global length) of the sequence this rank holds `local_len` tokens of: the batch's (its
+    split may follow its documents), else the plan's layout and a length agreed with the other ranks (one
+    tiny all-gather); checked against the layout on every rank."""
+    info = batch(plan)
+    if info is None:
+        return plan._layout, agreed_seq_len(plan._layout, plan._groups.sep, local_len)
+    check_local_length(info.layout, info.seq_len, plan._groups.sep.index, local_len)
+    return info.layout, info.seq_len
+
+
 def attend(plan, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True, scale=None,
-           enable_gqa=True, window=None, sinks=None):
+           enable_gqa=True, window=None, sinks=None, padding=True):
     """Context-parallel attention of [b, s_local, h, d] q/k/v under `plan` for the current batch
-    (its layout, length, documents and padding, published by PrepareContextParallel)."""
-    info = _batch(plan)
+    (its layout, length, documents and padding, published by PrepareContextParallel). `padding`: whether the
+    batch's padding keys are masked (the one-card call carried a mask built from it)."""
+    info = batch(plan)
     layout, seq_len, documents, valid = plan._layout, None, None, None
     if info is not None:  # the batch's layout: its split may follow its documents
-        layout, seq_len, documents, valid = info.layout, info.seq_len, info.documents, info.valid
+        layout, seq_len, documents = info.layout, info.seq_len, info.documents
+        valid = info.valid if padding else None
     out = context_parallel_attention(layout, plan._groups, query, key, value, attn_mask, dropout_p,
                                      is_causal, training, scale, seq_len, documents, plan.rotate,
                                      enable_gqa=enable_gqa, window=window, sinks=sinks, valid=valid)
-    for frame in runtime.state.running:
-        frame.ran = True
+    mark_ran()
     return out

@@ -47,16 +47,27 @@ def repeat_kv_heads(x, times):
     return x.unsqueeze(3).expand([b, s, h, times, d]).reshape([b, s, h * times, d])
 
 
+def to_heads(x, group, head_counts, lengths):
+    """[b, s_u, h, ...] -> [b, s_group, h_u, ...]: the group's whole sequence for this rank's heads
+    (`head_counts[j]`: heads of member j; `lengths[j]`: tokens member j holds)."""
+    return all_to_all(x, group, 2, 1, head_counts, lengths, tag="ulysses")
+
+
+def to_sequence(x, group, head_counts, lengths):
+    """[b, s_group, h_u, ...] -> [b, s_u, h, ...]: the trade back."""
+    return all_to_all(x, group, 1, 2, lengths, head_counts, tag="ulysses")
+
+
 def scatter_heads(q, k, v, group, split, lengths):
     """Local [b, s_u, h, d] -> [b, s_group, h_u, d] (`lengths`: s of each group member)."""
     k, v = repeat_kv_heads(k, split.repeat), repeat_kv_heads(v, split.repeat)
-    q = all_to_all(q, group, 2, 1, split.q_counts, lengths, tag="ulysses")
-    k, v = (all_to_all(x, group, 2, 1, split.kv_counts, lengths, tag="ulysses") for x in (k, v))
+    q = to_heads(q, group, split.q_counts, lengths)
+    k, v = (to_heads(x, group, split.kv_counts, lengths) for x in (k, v))
     return q, k, v
 
 
 def gather_heads(out, group, split, lengths):
-    return all_to_all(out, group, 1, 2, lengths, split.q_counts, tag="ulysses")
+    return to_sequence(out, group, split.q_counts, lengths)
 
 
 def gather_mask_rows(dense, group, split, lengths, q_heads):

@@ -45,6 +45,21 @@ def all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes=None, gat
     return AllToAll.apply(x, mesh_group, scatter_axis, gather_axis, list(scatter_sizes), list(gather_sizes), tag)
 
 
+def _padded(x, axis, width):
+    """`x` with zeros appended along `axis` up to `width` (gloo gathers equal shapes only)."""
+    if x.shape[axis] == width:
+        return x
+    pad = list(x.shape)
+    pad[axis] = width - x.shape[axis]
+    return paddle.concat([x, paddle.zeros(pad, x.dtype)], axis=axis)
+
+
+def _gathered_parts(x, mesh_group, axis, sizes, tag):
+    """Every position's part along `axis` (position j holds sizes[j]), in mesh order."""
+    parts = collectives.all_gather(mesh_group, _padded(x, axis, max(sizes)), tag=tag)
+    return [paddle.slice(p, [axis], [0], [n]) for p, n in zip(parts, sizes)]
+
+
 class GatherReplicated(PyLayer):
     """All-gather along `axis` for a consumer that every rank runs identically.
 
@@ -57,13 +72,7 @@ class GatherReplicated(PyLayer):
     @staticmethod
     def forward(ctx, x, mesh_group, axis, sizes, tag="all_gather"):
         ctx.args = (axis, sum(sizes[: mesh_group.index]), x.shape[axis])
-        width = max(sizes)
-        if x.shape[axis] < width:
-            pad = list(x.shape)
-            pad[axis] = width - x.shape[axis]
-            x = paddle.concat([x, paddle.zeros(pad, x.dtype)], axis=axis)
-        parts = collectives.all_gather(mesh_group, x, tag=tag)
-        return paddle.concat([paddle.slice(p, [axis], [0], [n]) for p, n in zip(parts, sizes)], axis=axis)
+        return paddle.concat(_gathered_parts(x, mesh_group, axis, sizes, tag), axis=axis)
 
     @staticmethod
     def backward(ctx, grad):
@@ -76,6 +85,32 @@ def gather_replicated(x, mesh_group, axis, sizes=None, tag="all_gather"):
         return x
     sizes = list(sizes) if sizes is not None else [x.shape[axis]] * mesh_group.size
     return GatherReplicated.apply(x, mesh_group, axis, sizes, tag)
+
+
+class GatherSummed(PyLayer):
+    """All-gather along `axis` for consumers that differ by rank (each uses the parts it needs):
+    backward sums every rank's gradient of each part and hands each owner its own (a reduce-scatter,
+    the all-gather's mirror). `sizes[j]`: how much of `axis` position j holds."""
+
+    @staticmethod
+    def forward(ctx, x, mesh_group, axis, sizes, tag="all_gather"):
+        ctx.args = (mesh_group, axis, sizes, tag)
+        return paddle.concat(_gathered_parts(x, mesh_group, axis, sizes, tag), axis=axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mesh_group, axis, sizes, tag = ctx.args
+        width = max(sizes)
+        parts = [_padded(part, axis, width) for part in paddle.split(grad, sizes, axis=axis)]
+        own = collectives.reduce_scatter(mesh_group, parts, tag=tag)
+        return paddle.slice(own, [axis], [0], [sizes[mesh_group.index]])
+
+
+def gather_summed(x, mesh_group, axis, sizes=None, tag="all_gather"):
+    if mesh_group.size == 1:
+        return x
+    sizes = list(sizes) if sizes is not None else [x.shape[axis]] * mesh_group.size
+    return GatherSummed.apply(x, mesh_group, axis, sizes, tag)
 
 
 # Tensor-parallel pairs (Megatron's f/g): a replicated input entering column-split

@@ -7,7 +7,7 @@ import paddle
 
 from .. import mesh as mesh_lib
 from ..attention import recompute
-from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, resolve_groups, routing
+from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, mixers, resolve_groups, routing
 from ..attention import ulysses_size
 from ..attention.layout import check_split
 from .base import Plan, refuse_param_plan
@@ -114,6 +114,7 @@ class PrepareContextParallel(_SepPlan):
 
     def apply(self, layer, mesh, param_names=()):
         self._join_sep_group(layer, mesh, param_names)
+        adapters.install()  # attention reached outside every ContextParallel layer then raises, not runs locally
         self._signature = inspect.signature(layer.forward)
         layer.register_forward_pre_hook(self._split_inputs, with_kwargs=True)
         return layer.register_forward_post_hook(self._forget_batch, always_call=True)
@@ -207,21 +208,26 @@ class PrepareContextParallel(_SepPlan):
 
 
 class ContextParallel(_SepPlan):
-    """The attention of this layer (and its sublayers) runs across `sep` (ring for `p2p`,
-    Ulysses for `all2all`, both for `hybrid`): calls of
-    `paddle.nn.functional.scaled_dot_product_attention` made while the layer runs, and
+    """The token mixing of this layer (and its sublayers) runs across `sep`: softmax attention
+    (ring for `p2p`, Ulysses for `all2all`, both for `hybrid`) through calls of
+    `paddle.nn.functional.scaled_dot_product_attention` made while the layer runs and
     PaddleFormers' attention functions (any `_attn_implementation`) called for the layer or a
-    sublayer, see attention/routing.py. A forward that ends without such a call raises.
+    sublayer (attention/routing.py); linear attention (Gated DeltaNet: state passing, head
+    all-to-all or both) and Conv1D over the sequence (halo) in the sublayers the mixer registry
+    claims (attention/mixers/). A forward that ends without any of them raises.
     `rotate`: how ring k/v blocks move, 'ring' (one hop per step) or 'allgather' (all at once)."""
 
     def __init__(self, backend="p2p", ulysses_degree=None, rotate="ring"):
         super().__init__(backend, ulysses_degree)
         self.rotate = check_rotation(rotate)
 
+    def check(self, layer, mesh, param_names=()):
+        super().check(layer, mesh, param_names)
+        mixers.check(layer, SequenceLayout(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree))
+
     def apply(self, layer, mesh, param_names=()):
         self._join_sep_group(layer, mesh, param_names)
-        adapters.install()
-        routing.cover(self, layer)
+        mixers.route(layer, self)
         layer.register_forward_pre_hook(self._enter)
         return layer.register_forward_post_hook(self._leave, always_call=True)
 
@@ -230,3 +236,15 @@ class ContextParallel(_SepPlan):
 
     def _leave(self, layer, inputs, outputs):
         routing.leave(layer)
+
+
+class TokenWise(Plan):
+    """Declares the keyed layer (and its sublayers) free of mixing along the split sequence, so that
+    parallelize does not refuse it: e.g. a Conv1D over channels, or an attention module that attends
+    over something other than the sequence. Changes nothing in the layer."""
+
+    def check(self, layer, mesh, param_names=()):
+        refuse_param_plan(self, param_names)
+
+    def apply(self, layer, mesh, param_names=()):
+        return None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, fuse_rms_norm=False)  # the fused norm has no CPU kernel
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
-FAMILIES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "phi3", "qwen3")
+FAMILIES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "phi3", "qwen3", "qwen3_next")
 WINDOW = 5
 
 
@@ -57,4 +57,9 @@ def build(family, **overrides):
         from paddleformers.transformers.qwen3.modeling import Qwen3ForCausalLMDeprecated
 
         return Qwen3ForCausalLMDeprecated(pf.Qwen3Config(**sizes, head_dim=16))
+    if family == "qwen3_next":  # 3 Gated DeltaNet layers + 1 full attention; 2 q/k heads repeated to 6 v heads
+        return pf.Qwen3NextForCausalLM(pf.Qwen3NextConfig(
+            **{**SIZES, "num_hidden_layers": 4, **overrides}, head_dim=16, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=6, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32))
     raise ValueError(f"unknown family {family!r}: use one of {FAMILIES}")

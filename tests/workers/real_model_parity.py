@@ -130,4 +130,5 @@ def main(report):
     check_length_dependent_rope(report, mesh)
 
 
-run(main)
+if __name__ == "__main__":
+    run(main)

@@ -9,25 +9,55 @@ with [b, heads, s, d] tensors, returning ([b, s, heads * d_v], None). Each entry
 registered too. PaddleFormers is never imported here: the wrap happens when
 it already is (a model of it exists), else paddle_cp works without it.
 
-Semantics of a routed call, from the module and the batch paddle_cp knows:
-causal unless the module says `is_causal=False`; the sliding window from the
-`sliding_window` keyword (Phi3) or `module.sliding_window`; sinks from `sink`;
-scale from `scaling` (as "eager"; "sdpa" drops it, a PaddleFormers bug that
-one card shows), except "flashmask" without sinks, whose op uses
-1/sqrt(head_dim) and whose callers (DeepSeek-V3) pre-scale q for it. Masks the
-model built from local lengths are dropped (paddle_cp applies causality, the
-window, documents and the padding of the 2-D attention_mask given to the top
-layer); a full dense mask the user gave (its rows split by PrepareContextParallel)
-is applied instead of causality, as "eager" does.
+Semantics of a routed call: what the original function computes for the same
+call on one card, from the module and the batch paddle_cp knows (one_card_semantics).
+Causality: "eager" has none of its own (its mask decides: called with no mask it
+attends both ways, as Qwen3-Next's full-attention layers are called; with the
+batch's causal attn_mask_startend_row_indices it is causal); "sdpa", "flashmask"
+and the others take `is_causal`, else `module.is_causal` (default True). Masks the
+model built from local lengths are dropped and stand for causality, the window and
+the padding of the 2-D attention_mask given to the top layer, which paddle_cp
+applies over global positions; a call with no mask sees padding keys too, as on one
+card ("flashmask" ignores attention_mask altogether). Packed documents given as
+attn_mask_startend_row_indices are refused under "sdpa", which hands Paddle's SDPA
+their mask with is_causal=True and so loses them on one card. A full dense mask the user
+gave (its rows split by PrepareContextParallel) is applied instead of causality, as
+"eager" does. The sliding window comes from the `sliding_window` keyword (Phi3) or
+`module.sliding_window`; sinks from `sink`; scale from `scaling` (as "eager";
+"sdpa" drops it, a PaddleFormers bug that one card shows), except "flashmask"
+without sinks, whose op uses 1/sqrt(head_dim) and whose callers (DeepSeek-V3)
+pre-scale q for it.
 """
 from __future__ import annotations
 
 import sys
 
-from .. import context, routing
+from .. import routing
 
 INTERFACE_MODULE = "paddleformers.nn.attention.interface"
 NAME = "paddle_cp"
+
+
+def one_card_semantics(implementation, module, attention_mask, is_causal, seq_len, documents):
+    """(causal, dense mask to apply or None, whether padding keys are masked) of an original call."""
+    from_startend = documents is not None and documents.causal_only  # the call had causal start-end indices
+    if from_startend and implementation == "sdpa":
+        raise ValueError(
+            "PaddleFormers' 'sdpa' attention turns attn_mask_startend_row_indices into a mask and passes it to "
+            "Paddle's SDPA with is_causal=True, which then drops the mask (its math and memory-efficient kernels): "
+            "one card attends across the packed documents, and paddle_cp will not guess which you meant. Build the "
+            "model with _attn_implementation='eager' or 'flashmask' for packed documents"
+        )
+    if implementation == "flashmask":  # attention_mask is never read
+        causal = is_causal if is_causal is not None else from_startend or getattr(module, "is_causal", True)
+        return causal, None, False
+    if attention_mask is not None and attention_mask.shape[-1] == seq_len:
+        return False, attention_mask, True  # the user's full dense mask, as "eager" applies it
+    if attention_mask is not None:  # built by the model from local lengths: causal (its window, its padding)
+        return (is_causal if is_causal is not None else getattr(module, "is_causal", True)), None, True
+    if implementation == "eager":  # no mask: both directions unless the indices made it causal
+        return from_startend, None, False
+    return (from_startend or (is_causal if is_causal is not None else getattr(module, "is_causal", True))), None, False
 
 
 def _attend(plan, implementation, module, query, key, value, attention_mask=None, dropout=0.0, sink=None,
@@ -41,12 +71,13 @@ def _attend(plan, implementation, module, query, key, value, attention_mask=None
     query, key, value = (x.transpose([0, 2, 1, 3]) for x in (query, key, value))
     scale = None if implementation == "flashmask" and sink is None else scaling
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    info = context.current()
+    info = routing.batch(plan)
     seq_len = info.seq_len if info is not None else query.shape[1] * plan._layout.world
-    full_mask = attention_mask is not None and attention_mask.shape[-1] == seq_len  # else built from local lengths
-    causal = not full_mask and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    out = routing.attend(plan, query, key, value, attention_mask if full_mask else None, dropout, causal,
-                         module.training, scale, window=window if causal else None, sinks=sink)
+    documents = info.documents if info is not None else None
+    causal, dense, padding = one_card_semantics(implementation, module, attention_mask, is_causal, seq_len,
+                                                documents)
+    out = routing.attend(plan, query, key, value, dense, dropout, causal, module.training, scale,
+                         window=window if causal else None, sinks=sink, padding=padding)
     b, s, h, dv = out.shape
     return out.reshape([b, s, h * dv]), None  # [b, s, h, dv] -> [b, s, h * dv]
 
@@ -55,6 +86,7 @@ def _routed(implementation, original):
     def attention(module, query, key, value, *args, **kwargs):
         plan = routing.plan_for(module)
         if plan is None:
+            routing.refuse_unrouted(f"PaddleFormers' {implementation!r} attention of {type(module).__name__}")
             return original(module, query, key, value, *args, **kwargs)
         if args:
             raise TypeError(f"paddle_cp's {implementation!r} attention takes its arguments after q/k/v by keyword, "
@@ -71,7 +103,7 @@ def paddle_cp_attention(module, query, key, value, **kwargs):
     if plan is None:
         raise ValueError("_attn_implementation='paddle_cp' runs only in layers ContextParallel covers: "
                          "parallelize the model with a ContextParallel plan on its attention layers")
-    return _attend(plan, "eager", module, query, key, value, **kwargs)
+    return _attend(plan, NAME, module, query, key, value, **kwargs)
 
 
 def install():

@@ -2,7 +2,8 @@
 
 Installed once (first ContextParallel applied) and looked up at call time by
 models that call `F.scaled_dot_product_attention(...)`; calls made while no
-ContextParallel layer runs go to Paddle's own function.
+ContextParallel layer runs go to Paddle's own function (an error while
+PrepareContextParallel has split the running batch).
 """
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
                 scale=None, enable_gqa=True, name=None):
     plan = routing.plan_for()
     if plan is None:
+        routing.refuse_unrouted("paddle.nn.functional.scaled_dot_product_attention")
         return _original(query, key, value, attn_mask, dropout_p, is_causal, training, backend, scale, enable_gqa,
                          name)
-    return routing.attend(plan, query, key, value, attn_mask, dropout_p, is_causal, training, scale, enable_gqa)
+    # a call with no mask attends padding keys too, as Paddle's SDPA does on one card
+    return routing.attend(plan, query, key, value, attn_mask, dropout_p, is_causal, training, scale, enable_gqa,
+                          padding=attn_mask is not None)
 
 
 def install():

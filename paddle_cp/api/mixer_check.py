@@ -1,0 +1,71 @@
+"""No layer mixes tokens over this rank's part of the sequence only: checked at parallelize, before
+any collective, the same on every rank.
+
+When the plan splits the sequence (a PrepareContextParallel), every layer the mixer registry claims
+(attention/mixers/: Gated DeltaNet, Conv1D, recurrent layers, PaddleFormers attention modules, any
+registered mixer) must sit under a ContextParallel plan, or be declared TokenWise; else each rank
+would mix its own tokens and train silently wrong. The error names the layers and the plan key that
+routes them. A layer no mixer claims (a custom attention calling SDPA) is caught when it runs: the
+adapters refuse an unrouted attention call while the batch is split (attention/routing.py).
+"""
+from __future__ import annotations
+
+import re
+
+from ..attention.mixers import mixer_of
+from ..plans.context_parallel import ContextParallel, PrepareContextParallel, TokenWise
+
+
+def _plan_key(name):
+    """A key matching this layer in every repeated block: model.layers.3.linear_attn -> model.layers.*.linear_attn."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def _covered(matched, kinds):
+    """ids of the layers (and their sublayers) keyed with a plan of `kinds`."""
+    return {id(sub) for _, layer, plans, _ in matched if any(isinstance(p, kinds) for p in plans)
+            for sub in layer.sublayers(include_self=True)}
+
+
+def _check_nesting(matched):
+    planned = [(name, layer) for name, layer, plans, _ in matched if any(isinstance(p, ContextParallel) for p in plans)]
+    for outer_name, outer in planned:
+        inner = {id(sub) for sub in outer.sublayers()}
+        for name, layer in planned:
+            if id(layer) in inner:
+                raise ValueError(f"ContextParallel is keyed on {outer_name!r} and on {name!r} inside it: key it on one "
+                                 "of them (on the outer layer it routes every mixer inside)")
+
+
+def check_mixers_routed(model, matched):
+    """Raise ValueError if the plan splits the sequence and a claimed layer is not routed or declared."""
+    split = [p for _, _, plans, _ in matched for p in plans if isinstance(p, PrepareContextParallel)]
+    if not split:
+        return
+    _check_nesting(matched)
+    covered = _covered(matched, (ContextParallel, TokenWise))
+    unrouted = []
+    for name, layer in model.named_sublayers():
+        if id(layer) in covered or any(name.startswith(outer + ".") for outer, _ in unrouted):
+            continue
+        mixer = mixer_of(layer)
+        if mixer is not None:
+            unrouted.append((name, mixer))
+    if not unrouted:
+        return
+    listed = ", ".join(f"{name} ({mixer.name})" for name, mixer in unrouted)
+    backend = split[0].backend
+    routable = sorted({_plan_key(name) for name, mixer in unrouted if mixer.routable})
+    fixes = []
+    if routable:
+        fixes.append("add " + ", ".join(f"'{key}': pcp.ContextParallel({backend!r})" for key in routable)
+                     + " to the plan (ContextParallel on an enclosing layer routes every mixer inside it)")
+    if len(routable) < len(unrouted):
+        fixes.append("the recurrent layers have no context-parallel form: train without context parallelism or "
+                     "register a mixer (pcp.register_mixer)")
+    fixes.append("declare a layer that does not mix tokens along the sequence with pcp.TokenWise()")
+    raise ValueError(
+        f"these layers mix tokens along the sequence PrepareContextParallel splits, but no ContextParallel plan "
+        f"routes them, so each rank would mix only its own tokens: {listed}. Fix: {'; '.join(fixes)} "
+        "(docs/hybrid_models.md)"
+    )

@@ -1,0 +1,42 @@
+"""What a token mixer is to ContextParallel: a kind of layer that mixes tokens along the sequence,
+recognised by what the layer is, checked before any collective and attached to the layer.
+
+A mixer is stateless apart from which layer it is attached to under which plan (a layer is
+attached once: the hooks and wrappers it installs must not stack).
+"""
+from __future__ import annotations
+
+import weakref
+
+
+class TokenMixer:
+    """Subclass, then `paddle_cp.register_mixer(YourMixer())`: ContextParallel routes every layer your
+    `claims` accepts (the planned layer or a sublayer), and parallelize refuses a claimed layer that no
+    ContextParallel plan covers while the plan splits the sequence."""
+
+    name = "token mixer"  # what such a layer is, in messages
+    routable = True  # False: it mixes tokens, but paddle_cp has no context-parallel form of it
+
+    def __init__(self):
+        self._attached = weakref.WeakKeyDictionary()  # layer -> the plan it runs under
+
+    def claims(self, layer):
+        """Whether `layer` is of this mixer's kind."""
+        raise NotImplementedError
+
+    def check(self, layer, layout):
+        """Raise ValueError naming the fix if `layer` cannot run in `layout` (a SequenceLayout); no collective."""
+
+    def attach(self, layer, plan):
+        """Run `layer`'s mixing under `plan` (a ContextParallel with its _layout and _groups) from now on."""
+        attached = self._attached.get(layer)
+        if attached is plan:
+            return
+        if attached is not None:
+            raise ValueError(f"{type(layer).__name__} ({layer.full_name()}) is covered by two ContextParallel plans: "
+                             "key ContextParallel on one of its enclosing layers only")
+        self._attached[layer] = plan
+        self._route(layer, plan)
+
+    def _route(self, layer, plan):
+        raise NotImplementedError
