@@ -149,7 +149,8 @@ def train_parallel(args):
                 print(f"per-rank attention work, slowest over mean: {balance['documents']:.3f} "
                       f"({balance['chunks']:.3f} with 2N equal chunks)", flush=True)
         # the batch's documents decide how it is split: labels follow with the same position ids
-        local_labels = pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh, position_ids=batch["position_ids"])
+        local_labels = pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh,
+                                          position_ids=batch["position_ids"])
         # this rank's mean over its labelled tokens, weighted by its share of all of them
         weight = pcp.loss_weight(int((local_labels != IGNORE).sum()), mesh)
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"],

@@ -495,7 +495,8 @@ def table(result):
     documents = result["config"]["documents"] is not None
     metrics = DOCUMENT_TABLE if documents else TABLE
     layout = f" {'layout':9}" if documents else ""
-    head = f"{'backend':8}{layout} {'seq':>6} {'N':>2} {'T_single':>9} {'T_rank':>9}" + "".join(f" {m:>12}" for m in metrics)
+    head = (f"{'backend':8}{layout} {'seq':>6} {'N':>2} {'T_single':>9} {'T_rank':>9}"
+            + "".join(f" {m:>12}" for m in metrics))
     return ruled_table(head, [
         f"{c['backend']:8}" + (f" {c['layout']:9}" if documents else "")
         + f" {c['seq']:>6} {c['nproc']:>2} {c['t_single']:>8.3f}s {c['t_rank']:>8.3f}s"

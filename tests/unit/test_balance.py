@@ -66,8 +66,8 @@ def test_documents_shorter_than_2n_and_hybrid_and_row_indices():
     from_rows = Documents.from_startend_row_indices(documents.end[:, None])
     assert np.array_equal(documents.keys_seen(), from_rows.keys_seen())
     base = SequenceLayout("p2p", 4)
-    assert all(np.array_equal(base.for_batch(documents).positions(4096, r), base.for_batch(from_rows).positions(4096, r))
-               for r in range(4))
+    by_ids, by_rows = base.for_batch(documents), base.for_batch(from_rows)
+    assert all(np.array_equal(by_ids.positions(4096, r), by_rows.positions(4096, r)) for r in range(4))
 
 
 def test_chunks_where_documents_cannot_help():

@@ -14,8 +14,9 @@ from paddle_cp.attention.mask import BlockMask, Documents
 BF16_TOL = emulated_flash.RELATIVE_TOLERANCE[paddle.bfloat16]
 
 
-def _reference(q, k, v, causal):
-    """fp32 attention [b, sq, hq, d] with a top-left causal mask, GQA, and its lse [b, hq, sq]."""
+def _reference(q, k, v, causal=False, seen=None):
+    """fp32 attention [b, sq, hq, d] (GQA) and its lse [b, hq, sq], over the pairs `seen` (bool, broadcast to
+    [b, hq, sq, sk]) or under a top-left causal mask; rows that see nothing: output 0."""
     q, k, v = (paddle.to_tensor(t.astype("float32").numpy()) for t in (q, k, v))
     for t in (q, k, v):
         t.stop_gradient = False
@@ -25,9 +26,11 @@ def _reference(q, k, v, causal):
     s = paddle.matmul(qh, kh, transpose_y=True) / math.sqrt(q.shape[3])
     if causal:
         seen = np.tri(q.shape[1], k.shape[1], dtype=bool)  # row i sees keys j <= i
-        s = paddle.where(paddle.to_tensor(seen), s, paddle.full([], -1e30, "float32"))
+    seen = paddle.to_tensor(np.ones(s.shape, bool) if seen is None else np.broadcast_to(seen, s.shape))
+    s = paddle.where(seen, s, paddle.full([], -1e30, "float32"))
     lse = paddle.logsumexp(s, axis=-1)
-    out = paddle.matmul(paddle.nn.functional.softmax(s, axis=-1), vh).transpose([0, 2, 1, 3])
+    p = paddle.where(seen, paddle.exp(s - lse.unsqueeze(-1)), paddle.zeros_like(s))
+    out = paddle.matmul(p, vh).transpose([0, 2, 1, 3])
     return (q, k, v), out, lse
 
 
@@ -106,22 +109,6 @@ def test_flash_kernel_runs_on_cpu_under_the_emulation(emulated_gpu):
         assert _relative(got, want) < BF16_TOL
 
 
-def _dense_reference(q, k, v, seen):
-    """fp32 attention over the pairs `seen` ([b, hq, sq, sk] bool) and its lse; rows that see nothing: 0 and -inf."""
-    q, k, v = (paddle.to_tensor(t.astype("float32").numpy()) for t in (q, k, v))
-    for t in (q, k, v):
-        t.stop_gradient = False
-    group = q.shape[2] // k.shape[2]
-    qh = q.transpose([0, 2, 1, 3])
-    kh, vh = (t.transpose([0, 2, 1, 3]).repeat_interleave(group, axis=1) for t in (k, v))
-    s = paddle.matmul(qh, kh, transpose_y=True) / math.sqrt(q.shape[3])
-    s = paddle.where(paddle.to_tensor(seen), s, paddle.full([], -1e30, "float32"))
-    lse = paddle.logsumexp(s, axis=-1)
-    p = paddle.where(paddle.to_tensor(seen), paddle.exp(s - lse.unsqueeze(-1)), paddle.zeros_like(s))
-    out = paddle.matmul(p, vh).transpose([0, 2, 1, 3])
-    return (q, k, v), out, lse
-
-
 def test_emulated_flashmask_matches_fp32_reference():
     """Non-causal two-bound flashmask: key j is seen by rows [bounds[..., 1], bounds[..., 0]); per k/v head masks
     serve their GQA groups; a row that sees nothing gets out 0 and lse +inf; the lse buffer is [b, h, sq]."""
@@ -138,7 +125,7 @@ def test_emulated_flashmask_matches_fp32_reference():
     seen = (row >= np.where(start < 0, np.iinfo(np.uint32).max, start)[:, :, None]) & (row < end[:, :, None])
     seen = np.repeat(seen, hq // hk, axis=1)
     out, _, lse, seed_offset = emulated_flash.flashmask_attention(q, k, v, bounds, None, 0.0, False, False, False, "")
-    inputs, ref_out, ref_lse = _dense_reference(q, k, v, seen)
+    inputs, ref_out, ref_lse = _reference(q, k, v, seen=seen)
     assert lse.shape == [b, hq, sq] and out.dtype == paddle.bfloat16
     assert _relative(out, ref_out) < BF16_TOL
     empty = ~seen.any(-1)
