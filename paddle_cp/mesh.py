@@ -3,7 +3,7 @@ each mesh slice (made once, in one order, on every rank)."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import paddle
@@ -90,13 +90,20 @@ class MeshGroup:
     a ring or a sequence layout); `index` is this rank's position among them;
     `group` is Paddle's Group (None for the default group, or a one-rank
     slice); `pairs` holds a two-rank group per peer where gloo's
-    point-to-point traffic needs them (see needs_pair_groups).
+    point-to-point traffic needs them (see needs_pair_groups); `dims` names the
+    mesh dims the group was made from (a `fold_groups` part spans them only partly;
+    a hand-made group or a line's subgroup names none); `kind` is the same on every
+    rank for the slices made together (whatever their ranks): where a rank reduces over
+    several groups, it goes through them in the order of their kinds, so every rank
+    sums the same values (in another order, ranks would add partial sums of partial sums).
     """
 
     ranks: tuple
     index: int
     group: object
     pairs: dict = field(default_factory=dict, compare=False, repr=False)
+    dims: tuple = field(default=(), compare=False)
+    kind: str = field(default="", compare=False, repr=False)
 
     @property
     def size(self):
@@ -128,32 +135,57 @@ def mesh_group(mesh, dims, p2p=False):
     also creates the pair groups gloo needs for point-to-point traffic.
     """
     ensure_initialized()
-    names = [find_dim(mesh, d) for d in dims]
-    axes = sorted({mesh.dim_names.index(n) for n in names if n is not None})
+    axes = _axes(mesh, dims)
     key = (tuple(mesh.process_ids), tuple(mesh.shape), tuple(axes))
-    return _slice_group(key, np.asarray(mesh.mesh), axes, p2p)
+    return _slice_group(key, np.asarray(mesh.mesh), axes, p2p, _names(mesh, axes))
+
+
+def fold_groups(mesh, dims, inner):
+    """(inner, outer) MeshGroups of the ranks of mesh dims `dims` taken together, numbered row-major in
+    mesh order and cut into blocks of `inner` consecutive positions: `inner` varies within a block
+    (position % inner), `outer` across blocks (position // inner). Folding dp x sep into expert groups
+    of E ranks gives the expert group (inner) and the ranks holding the same experts (outer).
+    Collective like mesh_group; `inner` must divide the folded size."""
+    ensure_initialized()
+    axes = _axes(mesh, dims)
+    array = np.asarray(mesh.mesh)
+    other = [a for a in range(array.ndim) if a not in axes]
+    folded = int(np.prod([array.shape[a] for a in axes], dtype=int))
+    if inner < 1 or folded % inner:
+        raise ValueError(f"cannot cut the {folded} ranks of mesh dims {list(dims)} into blocks of {inner}: "
+                         f"choose a size that divides {folded}")
+    # [other dims..., folded dims...] -> [other dims..., folded / inner, inner]
+    cut = np.transpose(array, other + axes).reshape([array.shape[a] for a in other] + [folded // inner, inner])
+    key = (tuple(mesh.process_ids), tuple(mesh.shape), ("fold", tuple(axes), inner))
+    names, last = _names(mesh, axes), len(other)
+    return (_slice_group(key + ("inner",), cut, [last + 1], True, names),
+            _slice_group(key + ("outer",), cut, [last], True, names))
 
 
 def split_dim_groups(mesh, dim, inner):
-    """(inner, outer) MeshGroups of mesh dim `dim` cut into blocks of `inner` consecutive positions:
-    `inner` varies within a block (position % inner), `outer` across blocks (position // inner)."""
-    ensure_initialized()
-    axis = mesh.dim_names.index(find_dim(mesh, dim))
-    shape = list(mesh.shape)
-    cut = np.asarray(mesh.mesh).reshape(shape[:axis] + [shape[axis] // inner, inner] + shape[axis + 1:])
-    key = (tuple(mesh.process_ids), tuple(mesh.shape), ("split", axis, inner))
-    return (_slice_group(key + ("inner",), cut, [axis + 1], True),
-            _slice_group(key + ("outer",), cut, [axis], True))
+    """(inner, outer) MeshGroups of mesh dim `dim` cut into blocks of `inner` consecutive positions."""
+    return fold_groups(mesh, [dim], inner)
 
 
-def _slice_group(key, mesh_array, axes, p2p):
+def _axes(mesh, dims):
+    """The mesh axes of dim names `dims` (missing ones skipped), in mesh order."""
+    names = [find_dim(mesh, d) for d in dims]
+    return sorted({mesh.dim_names.index(n) for n in names if n is not None})
+
+
+def _names(mesh, axes):
+    return tuple(mesh.dim_names[a] for a in axes)
+
+
+def _slice_group(key, mesh_array, axes, p2p, dims):
     slices = _slices(mesh_array, axes)
     if key not in _groups:
         _groups[key] = _create_groups(slices)
     mine = _groups[key]
     if p2p and needs_pair_groups(mine.size) and not mine.pairs and paddle.get_device() == "cpu":
         _create_pairs(slices, mine)
-    return mine
+    # the groups are shared by meshes of the same ranks and shape, whatever their dims are called
+    return replace(mine, dims=dims, kind=repr(key))
 
 
 @dataclass(frozen=True)
@@ -181,7 +213,7 @@ def line_subgroups(mesh, dim, position_sets):
                 ranks = tuple(line[i] for i in positions)
                 group = _new_group(ranks)
                 if me in ranks:
-                    found = MeshGroup(ranks, ranks.index(me), group)
+                    found = MeshGroup(ranks, ranks.index(me), group, kind=repr(key))
             _groups[key] = found
         mine[tuple(positions)] = _groups[key]
     return mine
@@ -227,4 +259,4 @@ def _create_pairs(slices, mine):
                 mine.pairs[frozenset((a, b))] = group
 
 
-__all__ = ["set_mesh", "get_mesh", "resolve_mesh", "find_dim", "require_dim", "dim_size", "mesh_group", "split_dim_groups", "line_subgroups", "MeshGroup", "Peer"]
+__all__ = ["set_mesh", "get_mesh", "resolve_mesh", "find_dim", "require_dim", "dim_size", "mesh_group", "fold_groups", "split_dim_groups", "line_subgroups", "MeshGroup", "Peer"]

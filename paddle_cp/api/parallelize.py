@@ -6,8 +6,9 @@ changes, so a call that raises leaves the model as it was and no rank waits in
 a collective; parameters are made identical on all ranks (a lazily built model's
 are left uninitialized: lazy_init.py); tensor and sequence
 plans (mp_config) with the context-parallel plans (cp_config) merged in after
-them are applied; then data parallel (dp_config): sharding over `dp` and the
-optimizer that reduces gradients.
+them are applied; then the pipeline (pp_config); every parameter's placements are
+completed over the mesh; then data parallel (dp_config): sharding over the
+replicas and the optimizer that reduces gradients.
 
 Paddle's two steps are the same path cut in two: `parallelize_model` does all of
 the model's part (sharding levels shard the model's parameters, which the optimizer
@@ -23,8 +24,8 @@ from typing import Optional
 from .. import mesh as mesh_lib
 from ..comm import collectives
 from ..pipeline import apply_pipeline, keep_own_parameters, plan_pipeline
-from ..data_parallel.optimizer import GradientGroups, ParallelOptimizer, optimizer_parameters
-from ..params import is_lazy, record_of
+from ..data_parallel.optimizer import ParallelOptimizer, optimizer_parameters
+from ..params import complete_placements, is_lazy, record_of
 from .lazy_init import defer_initialization, require_initialized
 from .mixer_check import check_mixers_routed
 from .plan_annotation import annotate_plan
@@ -32,7 +33,7 @@ from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
 from ..plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
 from ..sequence.positions import supply_positions
-from ..data_parallel.sharding import Sharding, check_level
+from ..data_parallel.sharding import Sharding, check_level, shard_parameters, sharding_dims
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config")
 _STATE_ATTR = "_pcp_parallelized"
@@ -89,15 +90,12 @@ def broadcast_parameters(model, mesh_group):
             collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
 
 
-def _gradient_groups(mesh):
-    """Made in one fixed order on every rank (gloo needs that)."""
-    return GradientGroups(
-        replicas=mesh_lib.mesh_group(mesh, ["dp", "sep"]),
-        dp=mesh_lib.mesh_group(mesh, ["dp"]),
-        sep=mesh_lib.mesh_group(mesh, ["sep"]),
-        mp=mesh_lib.mesh_group(mesh, ["mp"]),
-        world=mesh_lib.mesh_group(mesh, list(mesh.dim_names)),
-    )
+def _world_group(mesh):
+    """The whole mesh's group, after the groups placements use most, made first in one fixed order on
+    every rank (gloo needs that; later calls find them made)."""
+    for dims in (["dp", "sep"], ["dp"], ["sep"], ["mp"]):
+        mesh_lib.mesh_group(mesh, dims)
+    return mesh_lib.mesh_group(mesh, list(mesh.dim_names))
 
 
 def _validated_plan(model, config, mesh):
@@ -129,9 +127,9 @@ class _Parallelized:
 
     mesh: object
     level: int
-    groups: GradientGroups
+    dims: tuple  # the dims sharding spans
+    world: object  # MeshGroup of the whole mesh
     sharding: Optional[Sharding]
-    shared: object  # pipeline: SharedGradients, else None
 
 
 def parallelize_model(model, mesh=None, config=None):
@@ -146,25 +144,26 @@ def parallelize_model(model, mesh=None, config=None):
     pipeline = plan_pipeline(model, mesh, config["pp_config"]) if config.get("pp_config") else None
     applications, annotation = _validated_plan(model, config, mesh)
     # nothing has changed so far; from here on every rank runs the same collectives
-    groups = _gradient_groups(mesh)
-    lazy = defer_initialization(model, groups.world)
-    broadcast_parameters(model, groups.world)
-    annotation.apply()
+    world = _world_group(mesh)
+    lazy = defer_initialization(model, world)
+    broadcast_parameters(model, world)
+    annotation.apply(mesh)
     for plan, layer, params in applications:
         plan.apply(layer, mesh, params)
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
-        watch_partial_gradients(model)
+        watch_partial_gradients(model, mesh)
         supply_positions(model, applications)
-    shared = apply_pipeline(model, mesh, *pipeline) if pipeline else None  # keeps this stage's only
-    sharding = None
-    if level > 0 and groups.dp.size > 1:
-        held = [p for p in model.parameters() if record_of(p).on_this_stage()]
-        sharding = Sharding(level, held, groups.dp)
-        if level == 3:
-            sharding.release_parameters(model)
+    if pipeline:
+        apply_pipeline(model, mesh, *pipeline)  # keeps this stage's only
+    for param in model.parameters():
+        complete_placements(param, mesh)
+    dims = sharding_dims(config.get("dp_config"))
+    sharding = shard_parameters(level, [p for p in model.parameters() if record_of(p).held_here()], mesh, dims)
+    if sharding is not None and level == 3:
+        sharding.release_parameters(model)
     if lazy:
         require_initialized(model)
-    state = _Parallelized(mesh, level, groups, sharding, shared)
+    state = _Parallelized(mesh, level, dims, world, sharding)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)
     return model
@@ -179,12 +178,14 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
     state = _model_state(optimizer_parameters(optimizer))
     if mesh is not None and not mesh_lib.same_mesh(mesh, state.mesh):
         raise ValueError("parallelize_optimizer got another mesh than parallelize_model: pass the same one, or none")
-    if level != state.level:
-        raise ValueError(f"dp_config sharding_level {level} differs from the {state.level} parallelize_model got: "
-                         "pass both calls the same config")
-    if state.shared is not None:  # a pipeline: the optimizer keeps this stage's parameters
-        keep_own_parameters(optimizer)
-    return ParallelOptimizer(optimizer, state.groups, state.sharding, state.shared)
+    dims = sharding_dims(config.get("dp_config"))
+    if (level, dims) != (state.level, state.dims):
+        differs = (f"sharding_level {level} differs from the {state.level}" if level != state.level else
+                   f"sharding_mesh_dim {list(dims)} differs from the {list(state.dims)}")
+        raise ValueError(f"dp_config {differs} parallelize_model got: pass both calls the same config")
+    if not all(record_of(p).held_here() for p in optimizer_parameters(optimizer)):
+        keep_own_parameters(optimizer)  # a pipeline: the optimizer keeps this stage's parameters
+    return ParallelOptimizer(optimizer, state.world, state.sharding)
 
 
 def _model_state(params):

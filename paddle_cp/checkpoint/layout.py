@@ -1,10 +1,11 @@
 """How the current run holds each parameter and its optimizer state: the link between local
 tensors and the single-card (global) tensors a checkpoint stores.
 
-Everything comes from the parameter's `ParamRecord` (paddle_cp/params.py): its local
-tensor is its tensor-parallel slice, of which at sharding level 3 only the dp owner keeps
-a copy; its optimizer state exists only where the optimizer steps it (every rank at
-level 0, the dp owner at levels 1-3), on the pipeline stages that hold it. Buffers and
+Everything comes from the parameter's `ParamRecord` (paddle_cp/params.py), whatever its
+placements: its local tensor holds the boxes of the global tensor `local_boxes` says (its
+tensor-parallel pieces; nothing where it keeps only a placeholder: a level-3 non-owner,
+another pipeline stage); its optimizer state exists only where the optimizer steps it
+(`steps_here`: the owner at sharding levels 1-3, on the stages that hold it). Buffers and
 unparallelized models have no record.
 """
 from __future__ import annotations
@@ -46,13 +47,9 @@ def holds_value(tensor):
 
 
 def steps_here(param):
-    """Whether this rank's optimizer steps `param` (and so holds its state and master weight): its dp owner, on a
-    pipeline stage that holds it."""
+    """Whether this rank's optimizer steps `param` (and so holds its state and master weight)."""
     record = find_record(param)
-    if record is None:
-        return True
-    on_stage = record.pp_group is None or record.pp_group.index in record.pp_stages
-    return on_stage and record.owned_here()
+    return record is None or record.steps_here()
 
 
 def has_master_weight(optimizer, param):
@@ -119,6 +116,6 @@ def local_value(tensor, read_box):
     for box in local_boxes(tensor):
         block = read_box(box.global_offset, box.local_shape)
         if local is None:
-            local = np.empty(record.tp_shape(), dtype=block.dtype)
+            local = np.empty(record.local_shape(), dtype=block.dtype)
         local[box.local_slice] = block
     return local

@@ -3,10 +3,11 @@
 pipeline stage), each written by exactly one of the ranks holding it, so no data moves between
 ranks to save.
 
-The writer of a piece is found from the record alone, the same on every rank: on the first
-pipeline stage holding it, the dp owner (sharding levels 1-3), and across the ranks that
-replicate it (dp at level 0, mp for an unsplit tensor, sep, any other mesh dim) the position
-a hash of its key picks, which spreads the writing over the replicas.
+The writer of a piece is found from the record's placements alone, the same on every rank
+(`ParamRecord.chosen_here`): the first pipeline stage holding it, the owner (sharding levels
+1-3), and across the ranks that replicate it (dp at level 0, mp for an unsplit tensor, sep, any
+other mesh dim) the position a hash of its key picks, which spreads the writing over the
+replicas. A tensor without a record (a buffer) is written by the rank the hash picks.
 """
 from __future__ import annotations
 
@@ -14,11 +15,9 @@ import math
 import zlib
 from dataclasses import dataclass
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from .. import mesh as mesh_lib
 from ..params import Box, find_record, local_boxes
 from . import layout
 from .format import data_file, optimizer_key
@@ -50,41 +49,15 @@ class SavedBox:
         return self.value
 
 
-def _replica_position(groups, seed):
-    """Whether this rank is the one picked by `seed` among the ranks that share its position in
-    `groups` and differ only on the mesh dims none of them spans (always True in one process)."""
-    mesh = mesh_lib.get_mesh()
-    if mesh is None or dist.get_world_size() == 1:
-        return True
-    ranks = np.asarray(mesh.mesh)
-    here = mesh_lib.coordinates(mesh)
-    spanned = [set(g.ranks) for g in groups if g is not None]
-    free, position, size = [], 0, 1
-    for axis in range(ranks.ndim):
-        line = {int(r) for r in ranks[here[:axis] + (slice(None),) + here[axis + 1:]]}  # the ranks along `axis`
-        if not any(line <= group for group in spanned):
-            free.append(axis)
-    for axis in free:
-        position, size = position * ranks.shape[axis] + here[axis], size * ranks.shape[axis]
-    return position == seed % size
-
-
 def writes_here(tensor, key, split):
     """Whether this rank writes its boxes of `tensor` (it must hold them); `split`: whether the value is
-    cut over mp (an accumulator of one number is not, even for a split parameter)."""
+    cut as the record says (an accumulator of one number is not, even for a split parameter)."""
     record = find_record(tensor)
     seed = zlib.crc32(key.encode())
-    if record is None:
-        return _replica_position([], seed)
-    if record.pp_group is not None and record.pp_group.index != record.pp_stages[0]:
-        return False  # a tied weight: its first stage writes it
-    if record.dp_group is not None:
-        chosen = record.dp_owner if record.dp_owner is not None else seed % record.dp_group.size
-        if record.dp_group.index != chosen:
-            return False
-    if record.mp_group is not None and not split and record.mp_group.index != seed % record.mp_group.size:
-        return False
-    return _replica_position([record.pp_group, record.dp_group, record.mp_group], seed)
+    if record is not None:
+        return record.chosen_here(seed, split)
+    world = layout.world_group()
+    return world is None or world.index == seed % world.size
 
 
 def _boxes(tensor, split):
@@ -120,7 +93,7 @@ def model_boxes(model):
     """[(key, SavedBox)] this rank writes of the model's state."""
     boxes = []
     for key, tensor in model.state_dict().items():
-        split = find_record(tensor) is not None and find_record(tensor).tp_axis is not None
+        split = find_record(tensor) is not None and bool(find_record(tensor).shards())
         if layout.holds_value(tensor) and writes_here(tensor, key, split):
             _add(boxes, key, tensor, _boxes(tensor, split), layout.global_shape(tensor))
     return boxes
@@ -137,7 +110,7 @@ def optimizer_boxes(model, optimizer):
         record = find_record(param)
         for name in layout.state_names(optimizer, param):
             state_key = optimizer_key(key, name)
-            split = record is not None and record.tp_axis is not None and name not in layout.SCALAR_ACCUMULATORS
+            split = record is not None and bool(record.shards()) and name not in layout.SCALAR_ACCUMULATORS
             if writes_here(param, state_key, split):
                 value = layout.state_tensor(optimizer, param, name)
                 shape = tuple(value.shape) if name in layout.SCALAR_ACCUMULATORS else layout.global_shape(param)

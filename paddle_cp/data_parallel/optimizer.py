@@ -5,23 +5,24 @@ parameters replicated over `dp` and `sep` are averaged over those ranks, so with
 equal token counts per rank this reproduces one card on the global batch.
 Parameters used while the sequence is split over `mp` (sequence parallelism)
 saw only this rank's tokens, and a LoRA factor beside a split weight only this
-rank's slice of it: their gradients are summed over `mp` first. Frozen parameters
-(no gradient on any rank) are skipped.
+rank's slice of it: their gradients are summed over `mp`; a parameter held by
+several pipeline stages is summed over them. Which group does what comes from
+each parameter's placements (`ParamRecord.reductions`, params.py). Frozen
+parameters (no gradient on any rank) are skipped.
 `ClipGradByGlobalNorm` clips by the norm over all shards, every gradient
-counted once (tensor-parallel slices on each `mp` rank, replicated ones on one).
+counted once (`ParamRecord.chosen_here`: each shard's piece on one of the ranks
+holding it).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import paddle
 from paddle.amp.auto_cast import amp_global_state
 
 from .. import runtime
 from ..comm import collectives
-from ..mesh import MeshGroup
-from ..params import record_of
+from ..params import AFTER_SHARDING, BEFORE_SHARDING, record_of
 
 
 def _coalesced(tensors):
@@ -42,24 +43,39 @@ def gradient_dtype(param):
     return param.dtype
 
 
-def _agree_on_gradients(parameters, mesh_group):
+class OwnGradients:
+    """Where this rank's gradient of each parameter is: its `.grad` (sharding level 3 keeps a non-owner's
+    elsewhere: Sharding answers the same two questions)."""
+
+    @staticmethod
+    def gradient(param):
+        return param.grad
+
+    @staticmethod
+    def zero_gradient(param):
+        param._set_grad_ivar(paddle.zeros(param.shape, gradient_dtype(param)))
+
+
+def _agree_on_gradients(parameters, mesh_group, gradients):
     """Give a zero gradient to every parameter that has one on some rank of the group but not here
     (a branch only some ranks took), so all ranks reduce buffers of one size, as one card would."""
-    present = paddle.to_tensor([int(p.grad is not None) for p in parameters], dtype="int32")
+    present = paddle.to_tensor([int(gradients.gradient(p) is not None) for p in parameters], dtype="int32")
     collectives.all_reduce(mesh_group, present, tag="grad_presence")
     for param, count in zip(parameters, present.numpy().tolist()):
-        if count and param.grad is None:
-            param._set_grad_ivar(paddle.zeros(param.shape, gradient_dtype(param)))
+        if count and gradients.gradient(param) is None:
+            gradients.zero_gradient(param)
 
 
-def _reduce_gradients(parameters, mesh_group, tag, average):
+def _reduce_gradients(parameters, mesh_group, tag, average, gradients):
+    """Sum (or average) the parameters' gradients over the group, coalesced by dtype, in place."""
     parameters = [p for p in parameters if not p.stop_gradient]  # frozen: no gradient on any rank
     if mesh_group.size == 1 or not parameters:
         return
-    _agree_on_gradients(parameters, mesh_group)
-    # dropped gradients (another dp rank owns them) are empty: nothing to reduce
+    _agree_on_gradients(parameters, mesh_group, gradients)
+    # dropped gradients (another rank owns them) are empty: nothing to reduce
     # sizes from shapes: int(numel()) would read a device tensor, a host sync per parameter per step
-    grads = [p.grad for p in parameters if p.grad is not None and p.grad._is_initialized() and math.prod(p.grad.shape)]
+    grads = [g for g in map(gradients.gradient, parameters)
+             if g is not None and g._is_initialized() and math.prod(g.shape)]
     for same_dtype in _coalesced(grads):
         flat = paddle.concat([g.reshape([-1]) for g in same_dtype])
         collectives.all_reduce(mesh_group, flat, tag=tag)
@@ -69,8 +85,18 @@ def _reduce_gradients(parameters, mesh_group, tag, average):
             paddle.assign(part.reshape(grad.shape), grad)
 
 
-def average_gradients(parameters, mesh_group):
-    _reduce_gradients(parameters, mesh_group, "grad_all_reduce", average=True)
+def run_reductions(parameters, phase, gradients=OwnGradients):
+    """Every reduction of `phase` the parameters' placements ask for: one coalesced all-reduce per (group, op),
+    the groups in the order of their kinds (MeshGroup.kind), the same on every rank."""
+    work = {}
+    for param in parameters:
+        for reduction in record_of(param).reductions():
+            if reduction.phase == phase and reduction.group.size > 1:
+                key = (reduction.group.kind, reduction.group.ranks, reduction.op)
+                work.setdefault(key, (reduction.group, []))[1].append(param)
+    for (_, _, op), (group, params) in sorted(work.items(), key=lambda item: item[0]):
+        average = op == "avg"
+        _reduce_gradients(params, group, "grad_all_reduce" if average else "grad_sum_all_reduce", average, gradients)
 
 
 def optimizer_parameters(optimizer):
@@ -78,17 +104,6 @@ def optimizer_parameters(optimizer):
     if getattr(optimizer, "_param_groups", None) and isinstance(optimizer._param_groups[0], dict):
         return [p for group in optimizer._param_groups for p in group["params"]]
     return list(optimizer._parameter_list)
-
-
-@dataclass(frozen=True)
-class GradientGroups:
-    """The mesh slices gradients are reduced over. `replicas` is dp x sep; `world` the whole mesh."""
-
-    replicas: MeshGroup
-    dp: MeshGroup
-    sep: MeshGroup
-    mp: MeshGroup
-    world: MeshGroup
 
 
 class ParallelOptimizer(paddle.optimizer.Optimizer):
@@ -103,12 +118,11 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
     several backwards before one `step()` are reduced once, as one card sums them.
     """
 
-    def __init__(self, optimizer, groups, sharding=None, shared=None):
+    def __init__(self, optimizer, world, sharding=None):
         own = object.__setattr__
         own(self, "_inner", optimizer)
-        own(self, "_groups", groups)
+        own(self, "_world", world)  # the whole mesh: the gradient norm and found-inf are agreed over it
         own(self, "_sharding", sharding)
-        own(self, "_shared", shared)  # pipeline: gradients of parameters held by several stages
         own(self, "_params", optimizer_parameters(optimizer))
         own(self, "_reduced", False)  # this step's gradients are reduced already
 
@@ -160,20 +174,17 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
     def reduce_gradients(self):
         """Reduce this step's gradients over the mesh (once; `step()` calls it if nobody did).
 
-        Sums over ranks commute: at sharding levels 2-3 reduce-scatter over dp first, so the mp
-        and sep reductions after it only touch the gradients this rank owns."""
+        Sums over ranks commute: sums over pipeline stages first (each stage owns its own
+        parameters), then at sharding levels 2-3 the reduce-scatter onto owners, so the
+        reductions after it only touch the gradients this rank owns."""
         if self._reduced:
             return
-        groups, sharding = self._groups, self._sharding
         self._apply_pipeline_loss_scale()
-        if self._shared is not None:
-            self._shared.reduce()
-        scattered = sharding is not None and sharding.level >= 2
-        if scattered:
-            sharding.reduce_scatter_gradients()
-        partial = [p for p in self._params if record_of(p).mp_partial]
-        _reduce_gradients(partial, groups.mp, "grad_mp_partial_all_reduce", average=False)
-        average_gradients(self._params, groups.sep if scattered else groups.replicas)
+        # before the reduce-scatter a level-3 non-owner's gradients are in the sharding's stash
+        run_reductions(self._params, BEFORE_SHARDING, self._sharding or OwnGradients)
+        if self._sharding is not None and self._sharding.level >= 2:
+            self._sharding.reduce_scatter_gradients()
+        run_reductions(self._params, AFTER_SHARDING)
         self._reduced = True
 
     def _apply_pipeline_loss_scale(self):
@@ -193,7 +204,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         """True on every rank of the mesh when any rank found inf/nan in its gradients (one
         all-reduce of a flag), so every rank skips the step or every rank takes it."""
         flag = paddle.cast(found_inf, "int32").reshape([1])
-        collectives.all_reduce(self._groups.world, flag, tag="found_inf_all_reduce")
+        collectives.all_reduce(self._world, flag, tag="found_inf_all_reduce")
         return flag > 0
 
     def _check_scaler_reduced(self):
@@ -204,18 +215,6 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
             raise ValueError("a paddle.amp.GradScaler drives the optimizer parallelize returned: wrap it with "
                              "scaler = pcp.shard_scaler(scaler) (or dist.shard_scaler after pcp.patch_paddle()) "
                              "so gradients are reduced before unscaling and every rank agrees on skipping")
-
-    def _counted_here(self, param):
-        """Whether this rank adds `param`'s gradient to the global norm (exactly one rank per copy)."""
-        groups = self._groups
-        record = record_of(param)
-        if record.pp_group is not None and record.pp_group.index != record.stage:
-            return False  # pipeline: held by several stages (tied embeddings), counted on its first
-        if record.tp_axis is None and groups.mp.index != 0:
-            return False
-        if self._sharding is not None:
-            return self._sharding.owns(param) and groups.sep.index == 0
-        return groups.replicas.index == 0
 
     def _clip_groups(self):
         """(holder, key, clip, params) for every ClipGradByGlobalNorm the inner optimizer would apply.
@@ -235,9 +234,9 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         squares = []
         for _, _, _, params in clips:
             counted = [paddle.sum(paddle.square(p.grad.astype("float32"))) for p in params
-                       if p.grad is not None and getattr(p, "need_clip", True) and self._counted_here(p)]
+                       if p.grad is not None and getattr(p, "need_clip", True) and record_of(p).chosen_here()]
             squares.append(paddle.stack(counted).sum() if counted else paddle.zeros([], "float32"))
-        totals = collectives.all_reduce(self._groups.world, paddle.stack(squares), tag="grad_norm_all_reduce")
+        totals = collectives.all_reduce(self._world, paddle.stack(squares), tag="grad_norm_all_reduce")
         for (_, _, clip, params), total in zip(clips, paddle.sqrt(totals)):
             max_norm = paddle.full([], clip.clip_norm, "float32")
             scale = max_norm / paddle.maximum(total, max_norm)
@@ -258,7 +257,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
 
 
 _OWN_ATTRIBUTES = frozenset(vars(ParallelOptimizer)) | {
-    "_inner", "_groups", "_sharding", "_shared", "_params", "_reduced"}
+    "_inner", "_world", "_sharding", "_params", "_reduced"}
 
 
 class _AttrHolder:

@@ -1,7 +1,7 @@
 """Sharding level 3: a parameter's full value exists only while a layer computes with it.
 
 Forward: a pre-hook fetches the full value of each of the layer's parameters from
-its owner (a broadcast over dp); the post-hook puts the placeholders back and
+its owner (a broadcast over the ranks it is sharded over); the post-hook puts the placeholders back and
 frees the fetched copies, although autograd still refers to them. Backward: a
 hook on the layer's output fetches them again, into the same tensors, before the
 layer's gradient nodes run; once a copy's gradient is computed it is freed again.
@@ -12,13 +12,14 @@ when backward reaches it.
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import paddle
 from paddle.autograd import PyLayer
 
 from ..comm import collectives
-from ..params import record_of, share_record
+from ..params import Owned, record_of, share_record
 
 
 class GatheredBytes:
@@ -33,17 +34,15 @@ class GatheredBytes:
 
 
 def full_nbytes(param):
-    numel = 1
-    for d in record_of(param).tp_shape():
-        numel *= d
-    return numel * param.element_size()
+    return math.prod(record_of(param).local_shape()) * param.element_size()
 
 
 def broadcast_full(param, tag="param_fetch"):
-    """A new tensor with this rank's (tensor-parallel) value of `param`, sent by its dp owner."""
+    """A new tensor with this rank's (tensor-parallel) value of `param`, sent by its owner."""
     record = record_of(param)
-    full = param.clone() if record.owned_here() else paddle.empty(record.tp_shape(), param.dtype)
-    return collectives.broadcast(record.dp_group, full, record.dp_owner, tag=tag)
+    owned = record.find(Owned)[0]
+    full = param.clone() if owned.owner_here() else paddle.empty(record.local_shape(), param.dtype)
+    return collectives.broadcast(owned.shard_group, full, owned.owner, tag=tag)
 
 
 class _Copy:
@@ -73,7 +72,7 @@ def fetch_around(layer, names, sharding):
         for name in names:
             param = layer._parameters[name]
             copy = _Copy(param, sharding)
-            share_record(param, copy.tensor)  # marks made on the copy (mp_partial) reach the parameter
+            share_record(param, copy.tensor)  # marks made on the copy (a partial gradient) reach the parameter
             copy.tensor.is_distributed = param.is_distributed  # model code reads Parameter attributes
             layer._parameters[name] = copy.tensor
             fetched[name] = copy

@@ -1,11 +1,15 @@
-"""dp_config sharding levels over the `dp` mesh dim (ZeRO stages).
+"""dp_config sharding levels (ZeRO stages) over the ranks holding replicas of a parameter.
 
-Each parameter has one owner among the dp ranks (greedy, by size, so owners
-carry about equal bytes):
+A parameter's data replicas are its `Partial("avg")` placement (params.py): the dp and sep ranks,
+each fed its own tokens (for an expert, the ranks holding the same experts). Sharding replaces it
+by `Owned`: over the replicas along the dims `sharding_mesh_dim` chooses (all of them unless it
+says `dp` or `sep`), one position owns the parameter (greedy, by size, so owners carry about equal
+bytes); the ranks along the dims it leaves out (`rest`) still average the owner's gradient.
 - level 1: only the owner keeps the parameter's optimizer state and steps it;
-  then it broadcasts the new value to the other dp ranks.
+  then it broadcasts the new value to the other ranks it shards over.
 - level 2: also gradients: they are reduce-scattered so each rank receives only
-  the summed gradients of the parameters it owns.
+  the summed gradients of the parameters it owns (one reduce-scatter over all the
+  replicas; over the chosen dims, then an average over the rest).
 - level 3: also parameters: non-owners keep an empty placeholder; the full value
   is fetched from the owner for each layer's forward and again for its backward,
   and freed after each (parameter_fetch.py). Gradients computed on non-owners are
@@ -14,33 +18,48 @@ carry about equal bytes):
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import paddle
 
+from .. import mesh as mesh_lib
 from ..comm import collectives
-from .optimizer import gradient_dtype
+from .optimizer import OwnGradients, gradient_dtype
 from .parameter_fetch import GatheredBytes, fetch_around
-from ..params import record_of, release_value
+from ..params import DATA_DIMS, SHARDING, Owned, Partial, record_of, release_value
 
 LEVELS = (0, 1, 2, 3)
+SHARDABLE_DIMS = ("dp", "sep", "cp")  # the data dims (params.DATA_DIMS; `cp` is sep's alias)
 
 
 def check_level(dp_config):
+    """The sharding level of a dp_config, every key checked (the dims by `sharding_dims`)."""
     dp_config = dp_config or {}
     if not isinstance(dp_config, dict):
         raise TypeError(f"dp_config must be a dict like {{'sharding_level': 1}}, got {type(dp_config).__name__}")
     unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim"}
     if unknown:
         raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level' "
-                         "(and 'sharding_mesh_dim', always 'dp')")
-    if dp_config.get("sharding_mesh_dim") not in (None, "dp"):  # Paddle's default; PaddleFormers passes None
-        raise ValueError(f"dp_config sharding_mesh_dim {dp_config['sharding_mesh_dim']!r}: paddle_cp shards over "
-                         "the 'dp' mesh dim only; leave it out or give 'dp'")
+                         "and 'sharding_mesh_dim'")
+    sharding_dims(dp_config)
     level = dp_config.get("sharding_level", 0)
     if level not in LEVELS:
         raise ValueError(f"dp_config sharding_level must be one of {LEVELS}, got {level!r}")
     return level
+
+
+def sharding_dims(dp_config):
+    """The mesh dims sharding spans: `sharding_mesh_dim` ("dp", "sep" or a list of them); by default (None, as
+    PaddleFormers passes it) every data dim, so each parameter is sharded over all the ranks holding a replica."""
+    dims = (dp_config or {}).get("sharding_mesh_dim")
+    if dims is None:
+        return DATA_DIMS
+    listed = [dims] if isinstance(dims, str) else list(dims) if isinstance(dims, (list, tuple)) else None
+    if not listed or any(d not in SHARDABLE_DIMS for d in listed) or len(set(listed)) < len(listed):
+        raise ValueError(f"dp_config sharding_mesh_dim {dims!r}: give 'dp', 'sep' or a list of them (the dims whose "
+                         "ranks hold replicas), or leave it out to shard over both")
+    return tuple(listed)
 
 
 def _owners(params, size):
@@ -54,57 +73,128 @@ def _owners(params, size):
     return owner
 
 
-class Sharding:
-    """The level's reduce/update steps over the dp group; each parameter's owner is in its record."""
+def data_replicas(record):
+    """The parameter's data-replica placement (Partial "avg"), or None."""
+    return next((p for p in record.find(Partial) if p.reduce == "avg"), None)
 
-    def __init__(self, level, params, dp_group):
-        self.level, self.group, self.params = level, dp_group, list(params)
+
+def split_replicas(mesh, replicas, dims):
+    """(shard group, rest) of a replica group: its ranks along the mesh dims `dims` and along its other dims
+    (None when `dims` span it all). A group folded from dims (not a whole slice of them) is sharded whole
+    when `dims` cover them, else not at all (shard group None). Collective on first use of each group."""
+    chosen = [d for d in replicas.group.dims if d in {mesh_lib.find_dim(mesh, n) for n in dims}]
+    if len(chosen) == len(replicas.group.dims):
+        return replicas.group, None
+    whole = replicas.group.size == math.prod(mesh_lib.dim_size(mesh, d) for d in replicas.group.dims)
+    if not chosen or not whole:
+        return None, None
+    others = [d for d in replicas.group.dims if d not in chosen]
+    return mesh_lib.mesh_group(mesh, chosen), mesh_lib.mesh_group(mesh, others)
+
+
+def owned(param):
+    """The parameter's Owned placement, or None (not sharded)."""
+    return next(iter(record_of(param).find(Owned)), None)
+
+
+def shard_parameters(level, params, mesh, dims):
+    """The Sharding of `params` at `level` over the mesh dims `dims`, or None: at level 0, and with a warning
+    naming why when no parameter has more than one replica there (every rank would keep everything)."""
+    if level == 0:
+        return None
+    sharding = Sharding(level, params, mesh, dims)
+    if sharding.sharded:
+        return sharding
+    sizes = ", ".join(f"{d}={mesh_lib.dim_size(mesh, d)}" for d in dims)
+    kept = "optimizer state and parameters" if level == 3 else "optimizer state"
+    warnings.warn(f"dp_config sharding_level {level} shards nothing: it shards each parameter over the ranks "
+                  f"holding its replicas along mesh dims {sizes} (mesh {dict(zip(mesh.dim_names, mesh.shape))}), "
+                  f"and no parameter has more than one there, so every rank keeps the whole {kept}. Give the "
+                  "mesh dp or sep ranks (or sharding_mesh_dim a dim that has them), or set sharding_level 0",
+                  stacklevel=3)
+    return None
+
+
+class Sharding:
+    """The level's reduce/update steps; each parameter's owner is in its record (an Owned placement)."""
+
+    def __init__(self, level, params, mesh, dims=DATA_DIMS):
+        self.level, self.params = level, list(params)
         # frozen parameters (a LoRA model's base weights) have no gradient and never change: they are left
         # out of the gradient and update traffic, and balanced apart so the trained ones' state is balanced too
         self.trained = [p for p in self.params if not p.stop_gradient]
         frozen = [p for p in self.params if p.stop_gradient]
         for part in (self.trained, frozen):
-            for param, owner in zip(part, _owners(part, dp_group.size)):
-                record = record_of(param)
-                record.dp_group, record.dp_owner, record.level = dp_group, owner, level
+            by_group = {}  # shard group's ranks -> (shard group, [(param, replicas, rest)])
+            for param in part:
+                replicas = data_replicas(record_of(param))
+                shard_group, rest = split_replicas(mesh, replicas, dims) if replicas else (None, None)
+                if shard_group is not None and shard_group.size > 1:
+                    by_group.setdefault(shard_group.ranks, (shard_group, []))[1].append((param, replicas, rest))
+            for shard_group, members in by_group.values():
+                for (param, replicas, rest), owner in zip(members, _owners([m[0] for m in members], shard_group.size)):
+                    record_of(param).replace(replicas, Owned(replicas.group, shard_group, rest, owner, level))
+        self.sharded = [p for p in self.params if owned(p) is not None]
         self._stash = {}  # level 3: gradients of parameters this rank does not own
         self.gathered = GatheredBytes()  # level 3: full copies fetched for use
 
     @staticmethod
     def owns(param):
-        return record_of(param).owned_here()
+        placement = owned(param)
+        return placement is None or placement.owner_here()
 
     def reduce_scatter_gradients(self):
-        """Levels 2-3: each owner receives the dp average of its parameters' gradients, in one
-        reduce-scatter per dtype (bucket r holds rank r's parameters, padded to equal length)."""
-        n = self.group.size
-        grads = {id(p): self._grad(p) for p in self.trained}
-        by_dtype = {}
+        """Levels 2-3: each owner receives the average of its parameters' gradients, in one reduce-scatter
+        per shard group and dtype; the groups in the order of their kinds, the same on every rank."""
+        work = {}
         for p in self.trained:
+            for reduction in record_of(p).reductions():
+                if reduction.phase == SHARDING:
+                    key = (reduction.group.kind, reduction.group.ranks)
+                    work.setdefault(key, (reduction.group, []))[1].append(p)
+        for _, (group, params) in sorted(work.items(), key=lambda item: item[0]):
+            self._reduce_scatter(group, params)
+        self._stash.clear()
+        self.drop_foreign_gradients()
+
+    def _reduce_scatter(self, group, params):
+        """Bucket r holds position r's parameters, padded to equal length."""
+        n = group.size
+        grads = {id(p): self._grad(p) for p in params}
+        by_dtype = {}
+        for p in params:
             by_dtype.setdefault(grads[id(p)].dtype, []).append(p)
         for dtype, same_dtype in by_dtype.items():
-            buckets = [[p for p in same_dtype if record_of(p).dp_owner == r] for r in range(n)]
+            buckets = [[p for p in same_dtype if owned(p).owner == r] for r in range(n)]
             flats = [paddle.concat([grads[id(p)].reshape([-1]) for p in b]) if b else paddle.zeros([0], dtype)
                      for b in buckets]
             length = max(int(f.shape[0]) for f in flats)
             chunks = [paddle.concat([f, paddle.zeros([length - int(f.shape[0])], dtype)]) for f in flats]
-            mine = collectives.reduce_scatter(self.group, chunks, tag="grad_reduce_scatter") / n
+            mine = collectives.reduce_scatter(group, chunks, tag="grad_reduce_scatter") / n
             offset = 0
-            for p in buckets[self.group.index]:
-                size = int(np.prod(record_of(p).tp_shape()))
+            for p in buckets[group.index]:
+                size = int(np.prod(record_of(p).local_shape()))
                 if p.grad is not None:  # a parameter no rank used keeps no gradient, as on one card
                     paddle.assign(mine[offset:offset + size].reshape(p.grad.shape), p.grad)
                 offset += size
-        self._stash.clear()
-        self.drop_foreign_gradients()
 
     def _grad(self, p):
         """This rank's gradient of `p` in its reduced dtype (zeros if it has none): the same buckets on every rank."""
         dtype = gradient_dtype(p)
-        grad = self._stash.get(id(p)) if self.level == 3 and not self.owns(p) else p.grad
+        grad = self.gradient(p)
         if grad is None:
-            return paddle.zeros(record_of(p).tp_shape(), dtype)
+            return paddle.zeros(record_of(p).local_shape(), dtype)
         return grad if grad.dtype == dtype else grad.astype(dtype)
+
+    def gradient(self, p):
+        """This rank's gradient of `p`: at level 3 a non-owner's is in the stash until the reduce-scatter."""
+        return self._stash.get(id(p)) if self.level == 3 and not self.owns(p) else p.grad
+
+    def zero_gradient(self, p):
+        if self.level == 3 and not self.owns(p):
+            self._stash[id(p)] = paddle.zeros(record_of(p).local_shape(), gradient_dtype(p))
+        else:
+            OwnGradients.zero_gradient(p)
 
     def drop_foreign_gradients(self):
         """Free the gradients of parameters another rank owns: the inner optimizer then skips them
@@ -114,10 +204,12 @@ class Sharding:
                 p.clear_gradient(False)
 
     def sync_parameters(self):
-        """Levels 1-2: every dp rank gets each parameter's new value from its owner."""
+        """Levels 1-2: every rank it is sharded over gets each parameter's new value from its owner."""
         if self.level in (1, 2):
             for p in self.trained:
-                collectives.broadcast(self.group, p, record_of(p).dp_owner, tag="param_broadcast")
+                placement = owned(p)
+                if placement is not None:
+                    collectives.broadcast(placement.shard_group, p, placement.owner, tag="param_broadcast")
 
     # level 3 -----------------------------------------------------------------
 
@@ -126,7 +218,7 @@ class Sharding:
         for p in self.params:
             if not self.owns(p):
                 release_value(p)
-        sharded = {id(p) for p in self.params}
+        sharded = {id(p) for p in self.sharded}
         for layer in model.sublayers(include_self=True):
             names = [n for n, p in layer._parameters.items() if p is not None and id(p) in sharded]
             if names:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import mesh as mesh_lib
-from .ownership import SharedGradients, holders, keep_own_parameters, release_foreign
+from .ownership import holders, keep_own_parameters, place_on_stages
 from .runner import Pipeline
 from .settings import check_settings
 from .stages import SplitPoint, build_stage_plan
@@ -17,8 +17,8 @@ def plan_pipeline(model, mesh, pp_config):
 
 
 def apply_pipeline(model, mesh, settings, plan):
-    """Keep this rank's stage: free the rest, run the model's forward as a pipeline.
-    Returns the SharedGradients the optimizer reduces before its step. Collective (groups are made)."""
+    """Keep this rank's stage: place every parameter on its stages (freeing the rest), run the model's
+    forward as a pipeline. Collective (groups are made)."""
     pp_group = mesh_lib.mesh_group(mesh, ["pp"])
     stage, p = pp_group.index, plan.stages
     neighbours = sorted({tuple(sorted((s, (s + 1) % p))) for s in range(p - (plan.chunks == 1))})
@@ -28,11 +28,8 @@ def apply_pipeline(model, mesh, settings, plan):
         if group is not None:
             other = [r for r in group.ranks if r != group.ranks[group.index]][0]
             peers[positions[0] if positions[1] == stage else positions[1]] = mesh_lib.Peer(other, group.group)
-    held = holders(model, plan)
-    shared = SharedGradients(mesh, held, stage)
-    release_foreign(held, stage, pp_group)
+    place_on_stages(mesh, holders(model, plan), pp_group)
     Pipeline(model, plan, settings, stage, peers, pp_group)
-    return shared
 
 
 def step_timeline(model):

@@ -10,7 +10,7 @@ what Paddle's resharding hands any consumer (values and gradients are one card's
 
 The weight and bias stay whole on every rank; their gradients are partial (each rank
 saw only its columns) and are summed over mp by the optimizer parallelize returns
-(the record's `mp_partial`, as for layers in a sequence-parallel region).
+(`ParamRecord.mark_partial`, as for layers in a sequence-parallel region).
 
 Paddle's conditions (`ConvParallel._is_supported`), with two gaps of Paddle's closed:
 dilation 1 along W; without W padding the stride equals the kernel width and divides
@@ -123,7 +123,7 @@ class ConvParallel(Plan):
             return None
         for param in (layer.weight, layer.bias):
             if param is not None:
-                record_of(param).mp_partial = True  # this rank's columns give part of the gradient
+                record_of(param).mark_partial(group)  # this rank's columns give part of the gradient
         axis, (left, right) = geometry.axis, geometry.halo
 
         def widened_part(x):

@@ -117,13 +117,16 @@ def is_sequence_plan(plan):
     return isinstance(plan, _SequencePlan)
 
 
-def watch_partial_gradients(model):
-    """Mark every parameter a layer uses while the sequence is split (its record's `mp_partial`)."""
+def watch_partial_gradients(model, mesh):
+    """Mark every parameter a layer uses while the sequence is split over `mp` as having a partial gradient
+    there (`ParamRecord.mark_partial`: summed over mp)."""
+    group = mesh_lib.mesh_group(mesh, ["mp"])
+
     def mark(layer, inputs):
         if state.sequence_split:
             for value in layer._parameters.values():
                 if value is not None:  # at sharding level 3 a fetched copy, which shares the parameter's record
-                    record_of(value).mp_partial = True
+                    record_of(value).mark_partial(group)
 
     def reset(layer, inputs):
         state.sequence_split = False

@@ -114,11 +114,11 @@ class ColWiseParallel(_TensorParallel):
         contracts = False if isinstance(layer, paddle.nn.Linear) else None  # None: decided by the first input
         return self._register(layer, group, weight, info, contracts)
 
-    def _gathered(self, record):
+    def _gathered(self, shard):
         def gather(layer, inputs, output):
-            output = gather_replicated(output, record.mp_group, output.ndim - 1)
-            if len(record.parts) > 1:
-                output = paddle.index_select(output, paddle.to_tensor(record.column_order()), axis=output.ndim - 1)
+            output = gather_replicated(output, shard.group, output.ndim - 1)
+            if len(shard.parts) > 1:
+                output = paddle.index_select(output, paddle.to_tensor(shard.column_order()), axis=output.ndim - 1)
             return output
         return gather
 
@@ -145,10 +145,10 @@ class ColWiseParallel(_TensorParallel):
         return layer.register_forward_post_hook(after)
 
 
-def _contracts_split_dim(layer, in_features, record):
+def _contracts_split_dim(layer, in_features, shard):
     """Whether a non-Linear layer multiplies its input by the weight's split dim 1
     (a weight stored [out, in], like an lm_head's [vocab, hidden])."""
-    rows, cols = layer.weight.shape[0], sum(record.parts)
+    rows, cols = layer.weight.shape[0], sum(shard.parts)
     if in_features == cols and in_features != rows:
         if getattr(layer, "bias", None) is not None:
             raise ValueError(f"ColWiseParallel on {type(layer).__name__}: its weight is stored [out, in] and it has "

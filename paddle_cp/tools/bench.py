@@ -1,6 +1,7 @@
 """Benchmark context-parallel attention against one process doing the whole sequence.
 
     pcp-bench --nproc 2 --seq 2048 --backend p2p --causal --json out.json
+    pcp-bench --mixer gated_deltanet --nproc 2 4 --seq 2048    (a Gated DeltaNet layer: tools/bench_gdn.py)
 
 Launches N CPU ranks itself (`python -m paddle.distributed.launch`, one thread per
 rank), or runs as one of them when started inside a launch (PADDLE_TRAINER_ID set).
@@ -22,7 +23,7 @@ For every sequence length and backend it runs forward+backward of attention on
 - balance = max / mean over ranks of the visible score-matrix entries each rank
   computes: from the layout's token positions for p2p, the head split for all2all.
 - bytes_ratio = bytes sent per rank (paddle_cp.bytes_sent(), one forward+backward)
-  / the algorithm's minimum (`bytes_min`, paddle_cp.tools.planner): ring 3(N-1) x
+  / the algorithm's minimum (`bytes_min`, paddle_cp.tools.attention_cost): ring 3(N-1) x
   bytes(local k, v); Ulysses 2 x (N-1)/N x bytes(q, k, v, out); hybrid the
   Ulysses figure over U ranks plus the ring's over N/U groups on h_k/U heads.
 - mem_ratio = peak bytes allocated per rank during forward+backward (inputs,
@@ -30,7 +31,7 @@ For every sequence length and backend it runs forward+backward of attention on
   blockwise kernel on the whole sequence. Measured with Paddle's host allocator
   statistics, so it counts tensors only (not the Python heap or gloo buffers).
   `held_ratio` is the same for the bytes held between forward and backward,
-  which the planner predicts (`held_predicted_ratio`).
+  which attention_cost predicts (`held_predicted_ratio`).
 
 On a machine with fewer cores than ranks the ranks share cores: T_rank and the
 matmul rate are then both slowed, so kernel_util stays fair but efficiency
@@ -101,7 +102,7 @@ def _check(parser, args):
     """Refuse bad shapes here, with the library's own checks, before any rank starts waiting for another."""
     from paddle_cp.attention.layout import SequenceLayout
     from paddle_cp.attention.ulysses import head_split
-    from paddle_cp.tools.planner import degrees
+    from paddle_cp.tools.attention_cost import degrees
 
     from paddle_cp.tools.packing import document_lengths
 
@@ -424,7 +425,7 @@ def work_per_rank(backend, world, seq, heads, causal, ulysses_degree=None):
     """Visible score-matrix entries each rank computes (per batch element): the rows of its ring
     group (the p2p layout over groups of U adjacent ranks) times its share of the heads."""
     from paddle_cp.attention.layout import SequenceLayout, even_sizes
-    from paddle_cp.tools.planner import degrees
+    from paddle_cp.tools.attention_cost import degrees
 
     ring, ulysses = degrees(backend, world, ulysses_degree)
     head_counts, groups = even_sizes(heads, ulysses), SequenceLayout("p2p", ring)
@@ -449,17 +450,17 @@ def _work(args, backend, seq, split):
 
 
 def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=None):
-    from paddle_cp.tools import planner
+    from paddle_cp.tools import attention_cost
 
     n, degree = args.nproc, _degree(args, backend)
     shape = (args.batch, seq, args.heads, args.kv_heads, args.head_dim)
     t_rank = max(r[0] for r in per_rank)
     sent = max(r[1] for r in per_rank)
-    flops = planner.attention_flops(args.batch, seq, args.heads, args.head_dim, args.causal)
+    flops = attention_cost.attention_flops(args.batch, seq, args.heads, args.head_dim, args.causal)
     work = _work(args, backend, seq, split)
     kernel_seconds = [r[4] for r in per_rank]
-    predicted = planner.attention_bytes(backend, *shape, n, ulysses_degree=degree)
-    held_single = planner.attention_held_bytes(backend, *shape, 1)
+    predicted = attention_cost.attention_bytes(backend, *shape, n, ulysses_degree=degree)
+    held_single = attention_cost.attention_held_bytes(backend, *shape, 1)
     return {
         "backend": backend, "ulysses_degree": degree, "seq": seq, "nproc": n, "causal": args.causal,
         "layout": split, "documents": args.documents, "kernel_seconds": kernel_seconds,
@@ -476,7 +477,8 @@ def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=No
         "bytes_ratio": sent / predicted,
         "mem_ratio": max(r[2] for r in per_rank) / single["peak"],
         "held_ratio": max(r[3] for r in per_rank) / single["held"],
-        "held_predicted_ratio": planner.attention_held_bytes(backend, *shape, n, ulysses_degree=degree) / held_single,
+        "held_predicted_ratio": (attention_cost.attention_held_bytes(backend, *shape, n, ulysses_degree=degree)
+                                 / held_single),
         "peak_bytes_rank": max(r[2] for r in per_rank), "peak_bytes_single": single["peak"],
         "oversubscribed": n > (os.cpu_count() or 1),
     }
@@ -534,6 +536,15 @@ def finish(result, args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    mixer = argparse.ArgumentParser(add_help=False)
+    mixer.add_argument("--mixer", choices=["attention", "gated_deltanet"], default="attention")
+    chosen, rest = mixer.parse_known_args(argv)
+    if chosen.mixer == "gated_deltanet":  # a Gated DeltaNet layer instead (tools/bench_gdn.py)
+        from paddle_cp.tools import bench_gdn
+
+        bench_gdn.main(rest)
+        return
+    argv = rest
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" not in os.environ:
         os.environ.update({name: "1" for name in THREAD_VARS})  # one thread, like each rank (before paddle loads)

@@ -3,6 +3,8 @@
     pcp-memory --nproc 1 2 4 --seq 1024 --budget-mib 64 --json out.json
     (from a checkout: python tools/bench_memory.py ...)
     pcp-memory --phases ...: startup and I/O phases instead (tools/memory_phases.py)
+    pcp-memory --layouts "dp2 ring2 l3@dp" ...: pcp-plan's layouts beside its estimate (tools/memory_layouts.py)
+    pcp-memory --sharding ...: what each sharding level leaves a rank instead (tools/memory_sharding.py)
 
 For each N (one launch of N CPU ranks; N = 1 is one process with the same plans,
 so the same blockwise attention kernel) and each variant (recompute: PaddleFormers'
@@ -32,7 +34,10 @@ import os
 import sys
 from pathlib import Path
 
+from paddle_cp.tools import memory_layouts
 from paddle_cp.tools.bench import launch, progress
+from paddle_cp.tools.plan_config import model_config
+from paddle_cp.tools.plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
 from paddle_cp.tools.text import ruled_table, show
 
 VARIANTS = {"plain": {}, "recompute": {"recompute": True}, "chunked": {"chunked": True},
@@ -58,6 +63,8 @@ def parse_args(argv=None):
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--intermediate", type=int, default=344)
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--layouts", nargs="+", help="planned layouts instead of --nproc and --variants, "
+                        "each beside the planner's estimate (tools/memory_layouts.py), e.g. 'dp2 ring2 l3@dp'")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--result-file", help=argparse.SUPPRESS)  # launcher <-> rank 0
     parser.add_argument("--no-cp", action="store_true", help=argparse.SUPPRESS)  # the --single run
@@ -72,7 +79,8 @@ def parse_args(argv=None):
 
 # ---- the rank side ----------------------------------------------------------------
 
-def _allocated():
+def allocated():
+    """Bytes Paddle's host allocator holds in tensors now."""
     from paddle.base import core
 
     return core.host_memory_stat_current_value("Allocated", 0)
@@ -90,19 +98,21 @@ def _peak():
     return core.host_memory_stat_peak_value("Allocated", 0)
 
 
-def _build(args, local_len, recompute=False, chunked=False):
+def build_llama(args, **fields):
+    """PaddleFormers' Llama of the flags' sizes, unfused RMSNorm (CPU), Paddle's SDPA unless `fields` say."""
     from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
 
-    flags = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                 num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                 num_key_value_heads=args.kv_heads)
-    if recompute:
-        flags.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if chunked:
-        # PaddleFormers 1.2.0 chunks only sequences longer than the chunk, and its unchunked fallback
-        # fails under recompute (parallel_matmul reads is_distributed of the detached weight)
-        flags.update(use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=min(args.chunk, local_len - 1))
-    return LlamaForCausalLM(LlamaConfig(**flags, fuse_rms_norm=False, _attn_implementation="sdpa"))
+    sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+    return LlamaForCausalLM(LlamaConfig(**sizes, fuse_rms_norm=False, **{"_attn_implementation": "sdpa", **fields}))
+
+
+def _build(args, local_len, recompute=False, chunked=False):
+    # PaddleFormers 1.2.0 chunks only sequences longer than the chunk, and its unchunked fallback
+    # fails under recompute (parallel_matmul reads is_distributed of the detached weight)
+    layout = Layout(recompute=RECOMPUTE_FULL if recompute else NO_RECOMPUTE,
+                    loss_chunk=min(args.chunk, local_len - 1) if chunked else 0)
+    return build_llama(args, **model_config(layout))
 
 
 def measure(args, mesh, seq, recompute=False, chunked=False):
@@ -114,7 +124,7 @@ def measure(args, mesh, seq, recompute=False, chunked=False):
     import paddle_cp as pcp
 
     gc.collect()
-    start = _allocated()
+    start = allocated()
     paddle.seed(0)
     world = 1 if args.no_cp else mesh.shape[0]
     model = _build(args, seq // world, recompute, chunked)
@@ -125,32 +135,42 @@ def measure(args, mesh, seq, recompute=False, chunked=False):
         plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel(args.backend)}
         model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
         labels_of = lambda labels: pcp.shard_sequence(labels, backend=prepare, mesh=mesh)  # noqa: E731
-    params = _allocated() - start
+    params = allocated() - start
     ids = paddle.randint(0, args.vocab, [1, seq + 1])
-    inputs, labels = ids[:, :-1], labels_of(ids[:, 1:])
+    return step_parts(model, opt, {"input_ids": ids[:, :-1], "labels": labels_of(ids[:, 1:])}, start, params)
+
+
+def step_parts(model, opt, inputs, start, params):
+    """{part: bytes} of a training step on `inputs`, its state allocated since `start` (`params` of it by the
+    model). `activations` and `logits` are None where the decoder's forward does not end inside `model(...)`'s
+    forward (a pipeline runs forward and backward in one call)."""
     body_end = []
-    model.model.register_forward_post_hook(lambda *_: body_end.append(_allocated()))
+    model.model.register_forward_post_hook(lambda *_: body_end.append(allocated()))
 
     def step():
-        loss = model(input_ids=inputs, labels=labels)[0]
-        held = _allocated()
+        loss = model(**inputs)[0]
+        held = allocated()
         loss.backward()
         del loss
         opt.step()
         opt.clear_grad(set_to_zero=False)  # free the gradients: `optimizer` then counts AdamW's state alone
         return held
 
-    before = _allocated()
+    before = allocated()
     step()  # creates AdamW's state
-    optimizer = _allocated() - before
-    base = _allocated()
+    optimizer = allocated() - before
+    base = allocated()
+    body_end.clear()
     _reset_peak()
     held = step()
-    return {"params": params, "optimizer": optimizer, "activations": body_end[-1] - base,
-            "logits": held - body_end[-1], "peak": _peak() - start}
+    pipelined = not body_end or held < body_end[-1]
+    return {"params": params, "optimizer": optimizer,
+            "activations": None if pipelined else body_end[-1] - base,
+            "logits": None if pipelined else held - body_end[-1], "peak": _peak() - start}
 
 
-def _max_over_ranks(values):
+def max_over_ranks(values):
+    """Each of `values` (numbers) at its largest over the launched ranks."""
     import paddle
     import paddle.distributed as dist
 
@@ -162,7 +182,7 @@ def _max_over_ranks(values):
 
 def breakdown(args, mesh, seq, variant):
     parts = measure(args, mesh, seq, **VARIANTS[variant])
-    return dict(zip(PARTS, (int(v) for v in _max_over_ranks([parts[p] for p in PARTS]))))
+    return dict(zip(PARTS, (int(v) for v in max_over_ranks([parts[p] for p in PARTS]))))
 
 
 def longest_fit(args, mesh, variant, world):
@@ -259,12 +279,17 @@ def main(argv=None):
         from paddle_cp.tools.memory_phases import main as phases_main
 
         return phases_main(argv)
+    if "--sharding" in argv:  # sharding levels on a context-parallel mesh: their own tool
+        from paddle_cp.tools.memory_sharding import main as sharding_main
+
+        return sharding_main(argv)
     args = parse_args(argv)
+    tool = memory_layouts if args.layouts else sys.modules[__name__]
     if "PADDLE_TRAINER_ID" not in os.environ and not args.no_cp:
-        result = collect(args, argv)
-        show(table(result), result, args.json)
+        result = tool.collect(args, argv)
+        show(tool.table(result), result, args.json)
         return
-    result = run_ranks(args)
+    result = tool.run_ranks(args)
     if result is not None:
         Path(args.result_file).write_text(json.dumps(result))
 

@@ -1,10 +1,13 @@
-"""Rank data x context (ring / Ulysses / hybrid) x tensor parallel layouts for a model and a cluster.
+"""Plan a training run: pipeline x data x context (ring / Ulysses / hybrid) x tensor x expert parallel layouts,
+with sharding levels, recomputation and chunked loss, for a model and a cluster.
 
-    pcp-plan --config config.json --seq 131072 --devices 16 --memory-gb 80
+    pcp-plan --config config.json --seq 131072 --devices 64 --memory-gb 80
 
-Prints a table of candidates (best first) and the best layout paddle_cp can run as
-a YAML config for `paddle_cp.load_config`; `--json` writes everything. The cost
-model is paddle_cp/tools/planner.py: a model of GPU clusters, not a measurement.
+Prints a table of candidates (best first: those that fit, fastest first), then for the best `--configs` layouts
+the published recipe each resembles and the config to run it: YAML for `paddle_cp.load_config` (the PaddleFormers
+config fields it assumes as comments on top); `--json` writes every estimate and those plans (config as a dict,
+YAML, model fields). The cost model is paddle_cp/tools/planner.py: per-rank memory checked against pcp-memory on
+CPU, GPU step times modelled, not measured.
 """
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ from pathlib import Path
 import yaml
 
 from paddle_cp.tools import planner
+from paddle_cp.tools.model_shape import ModelShape
+from paddle_cp.tools.plan_config import gpu_attention_fields, model_config, parallelize_config
+from paddle_cp.tools.plan_layout import Cluster, Layout
+from paddle_cp.tools.recipes import closest
 from paddle_cp.tools.text import ruled_table
 
 GB = 1e9
@@ -23,7 +30,11 @@ SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate")
 
 
 class _Dumper(yaml.SafeDumper):
-    """Block style, except lists of scalars (mesh shape, dim names) on one line."""
+    """Block style, except lists of scalars (mesh shape, dim names) on one line; the empty plan key (the model
+    itself) as `'':`, not as a complex key."""
+
+    def check_simple_key(self):
+        return (isinstance(self.event, yaml.ScalarEvent) and self.event.value == "") or super().check_simple_key()
 
 
 _Dumper.add_representer(list, lambda dumper, value: dumper.represent_sequence(
@@ -46,8 +57,11 @@ def parse_args(argv=None):
     parser.add_argument("--dtype-bytes", type=int, default=2, help="2 for bf16/fp16 training, 4 for fp32")
     parser.add_argument("--no-causal", action="store_true")
     parser.add_argument("--model-prefix", default="model", help="name of the decoder in the model (for plan keys)")
+    parser.add_argument("--loss-chunk", type=int, default=planner.DEFAULT_LOSS_CHUNK,
+                        help="tokens per chunk of the chunked loss the search tries")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
-    parser.add_argument("--json", help="write all estimates and the winning config here")
+    parser.add_argument("--configs", type=int, default=1, help="how many of the best fitting layouts to print as YAML")
+    parser.add_argument("--json", help="write all estimates and the plans (configs) here")
     args = parser.parse_args(argv)
     if not args.config and any(getattr(args, f) is None for f in SHAPE_FLAGS if f != "kv_heads"):
         parser.error("give --config config.json, or --layers --hidden --heads --vocab --intermediate [--kv-heads]")
@@ -56,43 +70,67 @@ def parse_args(argv=None):
 
 def model_shape(args):
     if args.config:
-        return planner.ModelShape.from_config(json.loads(Path(args.config).read_text()))
+        return ModelShape.from_config(json.loads(Path(args.config).read_text()))
     values = {f: getattr(args, f) for f in SHAPE_FLAGS}
     values["kv_heads"] = values["kv_heads"] or values["heads"]
-    return planner.ModelShape(**values)
+    return ModelShape(**values)
 
 
 def table(estimates, top):
-    head = f"{'layout':24} {'backend':8} {'mem GB':>8} {'fits':>5} {'step s':>8} {'tok/s':>10}  time split (s)"
+    head = f"{'layout':40} {'backend':8} {'mem GB':>8} {'fits':>5} {'step s':>8} {'tok/s':>10}  time split (s)"
     rows = []
     for e in estimates[:top]:
         split = " ".join(f"{k}={v:.3g}" for k, v in e["time"].items() if v)
-        rows.append(f"{e['name']:24} {e['backend']:8} {e['memory_total'] / GB:>8.1f} {'yes' if e['fits'] else 'no':>5}"
+        rows.append(f"{e['name']:40} {e['backend']:8} {e['memory_total'] / GB:>8.1f} {'yes' if e['fits'] else 'no':>5}"
                     f" {e['step_time']:>8.3f} {e['tokens_per_second']:>10.0f}  {split}")
     return ruled_table(head, rows)
 
 
+def plan_of(estimate, model, seq, model_prefix):
+    """What runs one estimated layout: the parallelize config (dict and YAML), the PaddleFormers fields, and the
+    published recipe it resembles."""
+    layout = Layout(**estimate["layout"])
+    config = parallelize_config(layout, model_prefix)
+    fields = {**model_config(layout), **gpu_attention_fields(layout)}
+    header = "".join(f"# {line}\n" for line in yaml.dump(
+        {"PaddleFormers config": fields}, Dumper=_Dumper, sort_keys=False).splitlines()) if fields else ""
+    return {"name": estimate["name"], "config": config, "model_config": fields,
+            "yaml": header + yaml.dump(config, Dumper=_Dumper, sort_keys=False),
+            "resembles": closest(model.params, layout, seq)}
+
+
+def describe(plan, estimate):
+    like = plan["resembles"]
+    differs = "; ".join(like["differs"]) or "the same degrees"
+    return (f"# {plan['name']} ({estimate['backend']}): {estimate['tokens_per_second']:.0f} tokens/s, "
+            f"{estimate['memory_total'] / GB:.1f} GB per device\n"
+            f"# resembles {like['recipe']} ({like['degrees']}; {like['sharding']}; recompute {like['recompute']}): "
+            f"{differs}\n{plan['yaml']}")
+
+
 def main(argv=None):
     args = parse_args(argv)
-    model = model_shape(args)
-    cluster = planner.Cluster(args.devices, args.memory_gb * GB, args.tflops * 1e12, args.intra_gbps * GB,
-                              args.inter_gbps * GB, args.devices_per_node)
-    estimates = planner.rank_layouts(model, cluster, args.seq, args.batch, args.dtype_bytes, not args.no_causal)
+    try:
+        model = model_shape(args)
+    except ValueError as error:  # a shape the planner cannot model: say so, no traceback
+        sys.exit(f"pcp-plan: {error}")
+    cluster = Cluster(args.devices, args.memory_gb * GB, args.tflops * 1e12, args.intra_gbps * GB,
+                      args.inter_gbps * GB, args.devices_per_node)
+    estimates = planner.rank_layouts(model, cluster, args.seq, args.batch, args.dtype_bytes, not args.no_causal,
+                                     args.loss_chunk)
     if not estimates:
         sys.exit(f"no layout of {args.devices} devices suits {model} at sequence {args.seq}")
     print(table(estimates, args.top))
-    best = next((e for e in estimates if e["fits"]), None)
-    config = None
-    if best is None:
+    fitting = [e for e in estimates if e["fits"]][:args.configs]
+    plans = [plan_of(e, model, args.seq, args.model_prefix) for e in fitting]
+    if not plans:
         print("\nno layout fits in memory: add devices, shorten the sequence or lower the batch")
-    else:
-        config = planner.parallelize_config(planner.Layout(**best["layout"]), args.model_prefix)
-        print(f"\n# best layout: {best['name']} ({best['backend']}), "
-              f"{best['tokens_per_second']:.0f} tokens/s, {best['memory_total'] / GB:.1f} GB per device")
-        print(yaml.dump(config, Dumper=_Dumper, sort_keys=False), end="")
+    for plan, estimate in zip(plans, fitting):
+        print("\n" + describe(plan, estimate), end="")
     if args.json:
         result = {"model": vars(model), "cluster": vars(cluster), "seq": args.seq, "estimates": estimates,
-                  "best": best, "config": config}
+                  "best": fitting[0] if fitting else None, "plans": plans,
+                  "config": plans[0]["config"] if plans else None}
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from paddle_cp.tools import planner
+from paddle_cp.tools import attention_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
@@ -73,7 +73,7 @@ def test_bench_sends_the_analytic_minimum(causal_two, gqa_four):
 def test_planner_bytes_equal_measured_bytes(causal_two, gqa_four):
     for result, n in ((causal_two, 2), (gqa_four, 4)):
         for backend, case in _cases(result).items():
-            assert case["bytes_per_rank"] == planner.attention_bytes(
+            assert case["bytes_per_rank"] == attention_cost.attention_bytes(
                 backend, *_shape(result, case), n, ulysses_degree=case["ulysses_degree"])
 
 
@@ -82,9 +82,29 @@ def test_planner_held_memory_ratio_matches_measured(causal_two, gqa_four):
         for backend, case in _cases(result).items():
             shape = _shape(result, case)
             degree = case["ulysses_degree"]
-            predicted = (planner.attention_held_bytes(backend, *shape, n, ulysses_degree=degree)
-                         / planner.attention_held_bytes(backend, *shape, 1))
+            predicted = (attention_cost.attention_held_bytes(backend, *shape, n, ulysses_degree=degree)
+                         / attention_cost.attention_held_bytes(backend, *shape, 1))
             assert case["held_ratio"] == pytest.approx(predicted, rel=0.02), (backend, n)
+
+
+@pytest.fixture(scope="module")
+def gated_delta_two(tmp_path_factory):
+    pytest.importorskip("paddleformers")
+    return _bench(tmp_path_factory, "--mixer", "gated_deltanet", "--nproc", "2", "--seq", "130", "260",
+                  "--hidden", "32", "--heads", "4", "--head-dim", "16")
+
+
+def test_bench_gated_deltanet_layer(gated_delta_two):
+    """pcp-bench --mixer gated_deltanet: both backends measured; on 2 ranks each sends its algorithm's minimum
+    (one neighbour holds every halo); state passing sends as many bytes at 260 tokens as at 130."""
+    cases = {(c["backend"], c["seq"]): c for c in gated_delta_two["cases"]}
+    assert set(cases) == {(b, s) for b in ("p2p", "all2all") for s in (130, 260)}
+    for case in cases.values():
+        assert math.isfinite(case["efficiency"]) and case["efficiency"] > 0, case
+        assert case["bytes_ratio"] == pytest.approx(1.0), case
+    assert cases["p2p", 130]["bytes_by_tag"]["state_passing"] == cases["p2p", 260]["bytes_by_tag"]["state_passing"] > 0
+    assert cases["all2all", 260]["bytes_per_rank"] > 1.9 * cases["all2all", 130]["bytes_per_rank"]
+
 
 @pytest.fixture(scope="module")
 def documents_four(tmp_path_factory):

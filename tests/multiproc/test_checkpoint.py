@@ -15,7 +15,7 @@ from tensor_parallel import WELL_CONDITIONED_EPSILON, build  # noqa: E402
 TOL = 1e-5
 RESUMES = [  # (layout, ranks, load from, save to, flags)
     ("dp2xmp2_l3", 4, "-", "checkpoint-1", []),
-    ("sep2", 2, "checkpoint-1", "checkpoint-2", ["async"]),
+    ("sep2_l3", 2, "checkpoint-1", "checkpoint-2", ["async"]),
     ("dp2xmp2_l1", 4, "checkpoint-2", "-", ["export"]),
     ("pp2", 2, "checkpoint-2", "checkpoint-3", []),
 ]
@@ -31,7 +31,8 @@ def assert_close(reports, min_checks):
 
 
 def test_resume_on_other_layouts_matches_one_card(tmp_path):
-    """Save on dp2 x mp2 (level 3), resume on sep2 and in one process; save on sep2 (async), resume on
+    """Save on dp2 x mp2 (level 3), resume on sep2 (level 3: sharded over sep) and in one process; save on
+    sep2 (async), resume on
     dp2 x mp2 (level 1), on 2 pipeline stages and in one process: each next step's loss and state
     equal one card's. The dp2 x mp2 run exports its weights for PaddleFormers' from_pretrained; what
     the pipeline saves loads in one process with every optimizer accumulator equal to one card's."""

@@ -6,7 +6,7 @@ import pytest
 from launcher import launch_once
 
 MiB = 2 ** 20
-LAYOUTS = ("dp2xmp2_l3", "dp2xmp2_l3_two_step", "pp2xsep2", "dp2xmp2_l1_fused", "mp2xsep2_l0", "dp4_l2")
+LAYOUTS = ("dp2xmp2_l3", "dp2xmp2_l3_two_step", "pp2xsep2", "dp2xmp2_l1_fused", "mp2xsep2_l0", "dp2xsep2_l3")
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_default_adam_epsilon_differs_only_by_rounding(reports):
         assert report["max_abs"]["dp2xmp2_default_eps.param"] <= 4 * spread["state"]
 
 
-@pytest.mark.parametrize("run", ["scaler_dp2xmp2_l2", "scaler_dp2xmp2_l3"])
+@pytest.mark.parametrize("run", ["scaler_dp2xsep2_l2", "scaler_dp2xmp2_l3"])
 def test_shard_scaler_matches_one_card_and_all_ranks_skip_together(reports, run):
     """GradScaler's own logic (enabled on CPU) through pcp.shard_scaler: 3 steps equal one card's with the
     same scaler; an inf on rank 0 in a gradient only half the ranks hold makes every rank skip (the

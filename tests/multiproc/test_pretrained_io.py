@@ -86,7 +86,7 @@ def test_pretrained_export_and_checkpoints_within_each_ranks_share(tmp_path):
     save_pretrained_directories(tmp_path)
     reports = launch("pretrained_io.py", 4, tmp_path)  # both layouts in one launch
     check_layout(reports, "dp2xmp2_l3")
-    check_layout(reports, "pp2xsep2")
+    check_layout(reports, "pp2xsep2_l3")
     for report in reports:
         for case, (kind, text) in EXPECTED_ERRORS.items():
             got = report["errors"][case]
@@ -94,4 +94,4 @@ def test_pretrained_export_and_checkpoints_within_each_ranks_share(tmp_path):
         assert report["values"]["ranks_after_bad_inputs"] == 4
     assert reports[0]["values"]["dp2xmp2_l3.phi3_sharded.export_files"][-1] == "model.safetensors.index.json"
     check_export(tmp_path, "dp2xmp2_l3")
-    check_export(tmp_path, "pp2xsep2")
+    check_export(tmp_path, "pp2xsep2_l3")

@@ -55,9 +55,34 @@ def test_default_adam_epsilon_differs_only_by_rounding(hybrid):
         assert state and max(state.values()) <= spread["state"], (max(state.values()), spread)
 
 
-@pytest.mark.parametrize("run", ["dp4_l0", "dp4_l1", "dp4_l2", "dp4_l3", "dp2xmp2_sp_l3"])
+@pytest.mark.parametrize("run", ["dp4_l0", "dp4_l1", "dp4_l2", "dp4_l3", "dp2xmp2_sp_l3", "sep4_l1", "sep4_l2",
+                                 "sep4_l3", "dp2xsep2_l1", "dp2xsep2_l3", "dp2xsep2_l3_dp_only", "mp2xsep2_sp_l3"])
 def test_sharding_levels_match_one_card(sharding, run):
     _check_parity(sharding, run)
+
+
+def test_sharding_spans_every_replica_rank(sharding, hybrid):
+    """On sep4 and dp2 x sep2 each parameter is sharded over all four ranks holding a replica: level 3 leaves a
+    rank a quarter of the parameters and of AdamW's state, plus at most one whole parameter (owners hold whole
+    parameters, balanced by size); levels 1-2 a quarter of the state. Sharding over dp only leaves half."""
+    for report, other in zip(sharding, hybrid):
+        values = {**other["values"], **report["values"]}
+        full, largest = values["dp4_l0.bytes"], values["dp4_l0.largest_param_bytes"]
+        extra = {"params": largest, "grads": largest, "optimizer_state": 2 * largest + 8}  # moments, beta powers
+
+        def share(run, what, ranks):
+            held = values[f"{run}.bytes"][what]
+            assert full[what] / ranks - extra[what] <= held <= full[what] / ranks + extra[what], (run, what, held)
+
+        for mesh in ("sep4", "dp2xsep2"):
+            for level in (1, 2, 3):
+                share(f"{mesh}_l{level}", "optimizer_state", 4)
+                if level < 3:
+                    assert values[f"{mesh}_l{level}.bytes"]["params"] == full["params"]
+            share(f"{mesh}_l3", "params", 4)
+            share(f"{mesh}_l3", "grads", 4)
+        share("dp2xsep2_l3_dp_only", "params", 2)
+        share("dp2xsep2_l3_dp_only", "optimizer_state", 2)
 
 
 def test_sharding_levels_shrink_what_they_shard(sharding):
@@ -77,7 +102,7 @@ def test_level3_frees_full_copies_between_forward_and_backward(sharding):
     """Full copies are fetched per layer and freed after its forward and again after its
     backward: the most held at once is a few layers' parameters, not one forward's worth."""
     for report in sharding:
-        for run in ("dp4_l3", "dp2xmp2_sp_l3"):
+        for run in ("dp4_l3", "dp2xmp2_sp_l3", "sep4_l3", "mp2xsep2_sp_l3"):
             gathered = report["values"][f"{run}.gathered"]
             assert gathered["held_now"] == 0, gathered
             assert report["values"][f"{run}.restored_after_error"], run

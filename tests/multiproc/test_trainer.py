@@ -34,12 +34,11 @@ def test_context_parallel_trainer_matches_one_card(run):
     check_parity(_reports("core"), run)
 
 
-@pytest.mark.parametrize("run", ["mp2_sp_cp2", "dp2_sharding2_cp2", "cp2_recompute_chunked_loss", "pp2_cp2_accum",
-                                 "gemma3_dp2_cp2",
-                                 "resume_hybrid_to_dp2_ulysses2"])
+@pytest.mark.parametrize("run", ["mp2_sp_cp2", "dp2_sharding2_cp2", "cp2_recompute_chunked_loss_sharding3",
+                                 "pp2_cp2_accum", "gemma3_dp2_cp2", "resume_hybrid_to_dp2_ulysses2"])
 def test_composed_trainer_matches_one_card(run):
-    """tensor + sequence + context parallel; dp x sharding stage 2 x ring; PaddleFormers' recompute
-    and chunked loss under ring; Gemma3 under dp x ring; two pipeline stages with ring inside and gradient
+    """tensor + sequence + context parallel; sharding stage 2 over dp x ring; PaddleFormers' recompute
+    and chunked loss under ring with sharding stage 3 over dp x ring; Gemma3 under dp x ring; two pipeline stages with ring inside and gradient
     accumulation; saved on ring x Ulysses, resumed on dp x Ulysses."""
     check_parity(_reports("composed"), run)
 
@@ -52,7 +51,7 @@ def test_save_model_loads_with_from_pretrained():
 
 @pytest.mark.parametrize("case, words", [
     ("degrees_do_not_fit", ["context_parallel_size 3", "must divide the world size"]),
-    ("sharding_size", ["sharding_parallel_size 3", "set sharding_parallel_size to 2"]),
+    ("sharding_size", ["sharding_parallel_size 3", "set sharding_parallel_size to 4", "or 2 (the dp ranks only)"]),
     ("sequence_parallel_alone", ["tensor_model_parallel_size > 1"]),
     ("config_and_flags", ["paddle_cp_config", "context_parallel_size"]),
     ("uncovered_model", ["Linear", "self_attn", "paddle_cp_config"]),

@@ -4,7 +4,8 @@ from typing import NamedTuple
 import pytest
 import yaml
 
-from paddle_cp.tools import planner
+from paddle_cp.tools.plan_config import parallelize_config
+from paddle_cp.tools.plan_layout import Layout
 from paddle_cp.api.config import known_plans, load_config
 from paddle_cp.plans import ContextParallel, PrepareContextParallel
 
@@ -42,10 +43,10 @@ def test_dict_is_not_mutated_and_plan_objects_pass_through():
 
 
 def test_planner_output_loads():
-    layout = planner.Layout(dp=2, ring=1, ulysses=2, tp=1)
-    mesh, config = load_config(yaml.safe_load(yaml.safe_dump(planner.parallelize_config(layout))), world_size=4)
+    layout = Layout(dp=2, ring=1, ulysses=2, tp=1)
+    mesh, config = load_config(yaml.safe_load(yaml.safe_dump(parallelize_config(layout))), world_size=4)
     assert list(mesh.dim_names) == ["dp", "sep"]
-    assert config["cp_config"]["parallelize_plan"]["model"].backend == "all2all"
+    assert config["cp_config"]["parallelize_plan"][""].backend == "all2all"
 
 
 def _with_plan(spec):

@@ -6,7 +6,7 @@ import paddle
 
 from paddle_cp.api.lazy_init import defer_initialization
 from paddle_cp.mesh import MeshGroup
-from paddle_cp.params import record_of, release_value, shard_parameter, store_local_value
+from paddle_cp.params import Owned, record_of, release_value, shard_parameter, store_local_value
 
 ALONE = MeshGroup((0,), 0, None)
 
@@ -42,8 +42,8 @@ def test_level3_non_owner_draws_and_keeps_the_placeholder():
     full, next_draw = _one_card()
     layer = _lazy_linear()
     defer_initialization(layer, ALONE)
-    record = record_of(layer.weight)
-    record.dp_group, record.dp_owner, record.level = MeshGroup((0, 1), 0, None), 1, 3
+    replicas = MeshGroup((0, 1), 0, None)
+    record_of(layer.weight).place(Owned(replicas, replicas, None, 1, 3))
     release_value(layer.weight)
     assert list(layer.weight.shape) == [0] and not layer.weight._is_initialized()
     for p in layer.parameters():

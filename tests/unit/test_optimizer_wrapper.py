@@ -16,7 +16,7 @@ def _wrapped(**kwargs):
     layer = paddle.nn.Linear(3, 2)
     scheduler = paddle.optimizer.lr.LinearWarmup(learning_rate=0.1, warmup_steps=2, start_lr=0.01, end_lr=0.1)
     inner = paddle.optimizer.AdamW(learning_rate=scheduler, parameters=layer.parameters(), **kwargs)
-    return layer, scheduler, inner, ParallelOptimizer(inner, groups=None)
+    return layer, scheduler, inner, ParallelOptimizer(inner, world=None)
 
 
 def test_attributes_are_the_inner_optimizers_read_and_written():
@@ -34,7 +34,7 @@ def test_attributes_are_the_inner_optimizers_read_and_written():
 def test_set_lr_reaches_the_inner_optimizer():
     layer = paddle.nn.Linear(3, 2)
     inner = paddle.optimizer.AdamW(learning_rate=0.1, parameters=layer.parameters())
-    optimizer = ParallelOptimizer(inner, groups=None)
+    optimizer = ParallelOptimizer(inner, world=None)
     optimizer.set_lr(0.25)
     assert inner.get_lr() == pytest.approx(0.25) and optimizer.get_lr() == pytest.approx(0.25)
 

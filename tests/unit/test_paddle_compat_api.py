@@ -178,10 +178,13 @@ def test_shard_dataloader_errors():
 def test_two_step_api_checks_the_optimizer_matches_the_model():
     mesh = dist.ProcessMesh([0], dim_names=["dp"])
     config = {"dp_config": {"sharding_level": 1}}
-    model, other = pcp.parallelize_model(Net(), mesh, config), pcp.parallelize_model(Net(), mesh, config)
+    with pytest.warns(UserWarning, match=r"sharding_level 1 shards nothing: .* dp=1, sep=1"):
+        model, other = pcp.parallelize_model(Net(), mesh, config), pcp.parallelize_model(Net(), mesh, config)
     optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
     with pytest.raises(ValueError, match="sharding_level 0 differs"):
         pcp.parallelize_optimizer(optimizer, config={"dp_config": {"sharding_level": 0}})
+    with pytest.raises(ValueError, match=r"sharding_mesh_dim \['dp'\] differs from the \['dp', 'sep'\]"):
+        pcp.parallelize_optimizer(optimizer, config={"dp_config": {"sharding_level": 1, "sharding_mesh_dim": "dp"}})
     with pytest.raises(ValueError, match="another mesh"):
         pcp.parallelize_optimizer(optimizer, dist.ProcessMesh([0], dim_names=["sep"]), config)
     with pytest.raises(ValueError, match="several parallelized models"):
@@ -199,9 +202,13 @@ def test_shard_sequence_takes_paddles_prepare_context_parallel():
 
 
 def test_dp_config_takes_paddles_sharding_mesh_dim():
-    from paddle_cp.data_parallel.sharding import check_level
+    from paddle_cp.data_parallel.sharding import check_level, sharding_dims
 
     assert check_level({"sharding_level": 2, "sharding_mesh_dim": None}) == 2  # as PaddleFormers passes it
     assert check_level({"sharding_level": 1, "sharding_mesh_dim": "dp"}) == 1
-    with pytest.raises(ValueError, match="'dp' mesh dim only"):
-        check_level({"sharding_level": 1, "sharding_mesh_dim": "mp"})
+    assert sharding_dims({"sharding_level": 1}) == ("dp", "sep")  # every rank holding a replica
+    assert sharding_dims({"sharding_mesh_dim": "sep"}) == ("sep",)
+    assert sharding_dims({"sharding_mesh_dim": ["dp", "cp"]}) == ("dp", "cp")
+    for wrong in ("mp", [], ["dp", "dp"], 3):
+        with pytest.raises(ValueError, match="give 'dp', 'sep' or a list of them"):
+            check_level({"sharding_level": 1, "sharding_mesh_dim": wrong})

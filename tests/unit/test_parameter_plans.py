@@ -8,7 +8,7 @@ import paddle.distributed as dist
 import pytest
 
 import paddle_cp as pcp
-from paddle_cp.params import find_record
+from paddle_cp.params import Partial, find_record
 
 lora_layers = pytest.importorskip("paddleformers.peft.lora.lora_layers")
 
@@ -71,9 +71,9 @@ def test_lora_factor_plan_splits_that_factor_only(layer_plan, factor_plan, split
     pcp.parallelize(model, None, dist.ProcessMesh([0], dim_names=["mp"]), _mp_plan(plan))
     layer = model[0]
     for name, axis in split.items():
-        record = find_record(getattr(layer, name))
-        assert (record.tp_axis if record else None) == axis, name
-    assert [n for n in ("lora_A", "lora_B") if find_record(getattr(layer, n)).mp_partial] == [summed]
+        assert [s.axis for s in find_record(getattr(layer, name)).shards()] == ([] if axis is None else [axis]), name
+    assert [n for n in ("lora_A", "lora_B")
+            if any(p.reduce == "sum" for p in find_record(getattr(layer, n)).find(Partial))] == [summed]
     assert paddle.allclose(model(x), paddle.to_tensor(want)).item()
 
 
@@ -116,4 +116,4 @@ def test_key_naming_no_tensor_is_warned_about_and_applies_nowhere(key, message):
             pcp.parallelize(model, None, _mp2(), _mp_plan({"0.lora_A": pcp.RowWiseParallel(),
                                                            key: pcp.ColWiseParallel()}))
     assert any(message in str(w.message) and key in str(w.message) for w in caught), [str(w.message) for w in caught]
-    assert all(find_record(p) is None or find_record(p).tp_axis is None for p in model.parameters())
+    assert all(find_record(p) is None or not find_record(p).shards() for p in model.parameters())

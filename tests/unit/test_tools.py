@@ -7,9 +7,11 @@ from typing import NamedTuple
 
 import pytest
 
-from paddle_cp.tools import planner
 from paddle_cp.api.config import load_config
-from paddle_cp.tools import bench, bench_pp, memory, plan
+from paddle_cp.tools import attention_cost, bench, bench_pp, memory, plan
+from paddle_cp.tools.memory_model import memory as memory_estimate
+from paddle_cp.tools.model_shape import ModelShape
+from paddle_cp.tools.plan_layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,13 +57,13 @@ def test_bench_takes_any_length_and_head_count_the_library_runs():
 def test_planner_traffic_formulas():
     b, s, h, hk, d, e = 1, 1024, 8, 2, 64, 2
     kv = 2 * b * (s // 4) * hk * d * e
-    assert planner.attention_bytes("p2p", b, s, h, hk, d, 4, e) == 9 * kv  # 3(N-1) hops of k/v
+    assert attention_cost.attention_bytes("p2p", b, s, h, hk, d, 4, e) == 9 * kv  # 3(N-1) hops of k/v
     # Ulysses over 4 ranks with 2 k/v heads sends them repeated to 4
-    assert planner.attention_bytes("all2all", b, s, h, hk, d, 4, e) == 2 * 3 * (b * s // 4 * d * e) * (2 * h + 8) // 4
-    uly, ring = planner.attention_traffic(b, s, h, hk, d, ring=2, ulysses=2, elem=e)
-    assert uly == planner.ulysses_bytes(b, s // 2, h, hk, d, 2, e)
-    assert ring == planner.ring_bytes(b, s, 1, d, 2, e)
-    assert planner.attention_bytes("hybrid", b, s, h, hk, d, 4, e, ulysses_degree=2) == uly + ring
+    assert attention_cost.attention_bytes("all2all", b, s, h, hk, d, 4, e) == 2 * 3 * (b * s // 4 * d * e) * (2 * h + 8) // 4
+    uly, ring = attention_cost.attention_traffic(b, s, h, hk, d, ring=2, ulysses=2, elem=e)
+    assert uly == attention_cost.ulysses_bytes(b, s // 2, h, hk, d, 2, e)
+    assert ring == attention_cost.ring_bytes(b, s, 1, d, 2, e)
+    assert attention_cost.attention_bytes("hybrid", b, s, h, hk, d, 4, e, ulysses_degree=2) == uly + ring
 
 
 def test_planner_repeats_kv_heads_as_ulysses_does():
@@ -69,7 +71,7 @@ def test_planner_repeats_kv_heads_as_ulysses_does():
 
     for heads, kv_heads in ((8, 8), (8, 2), (6, 3), (8, 1), (12, 4)):
         for ulysses in range(1, heads + 1):
-            assert planner.kv_heads_sent(heads, kv_heads, ulysses) == sum(
+            assert attention_cost.kv_heads_sent(heads, kv_heads, ulysses) == sum(
                 head_split(heads, kv_heads, ulysses).kv_counts), (heads, kv_heads, ulysses)
 
 
@@ -77,11 +79,11 @@ def test_planner_hybrid_holds_ulysses_copies_over_its_group_only():
     """kv_heads=1 is repeated to U=2 for hybrid, to 4 for all2all over 4 ranks."""
     b, s, h, hk, d = 1, 1024, 8, 1, 64
     tokens = b * s // 4
-    hybrid = planner.attention_held_bytes("hybrid", b, s, h, hk, d, 4, ulysses_degree=2)
-    all2all = planner.attention_held_bytes("all2all", b, s, h, hk, d, 4)
-    assert all2all - hybrid == tokens * 2 * (4 - 2) * d * planner.FP32
-    model = planner.ModelShape(layers=2, hidden=512, heads=8, kv_heads=1, vocab=1000, intermediate=1024)
-    by_layout = {name: planner.memory(model, planner.Layout(1, ring, uly, 1), s, 1, 4)["activations"]
+    hybrid = attention_cost.attention_held_bytes("hybrid", b, s, h, hk, d, 4, ulysses_degree=2)
+    all2all = attention_cost.attention_held_bytes("all2all", b, s, h, hk, d, 4)
+    assert all2all - hybrid == tokens * 2 * (4 - 2) * d * attention_cost.FP32
+    model = ModelShape(layers=2, hidden=512, heads=8, kv_heads=1, vocab=1000, intermediate=1024)
+    by_layout = {name: memory_estimate(model, Layout(1, ring, uly, 1), s, 1, 4)["activations"]
                  for name, ring, uly in (("hybrid", 2, 2), ("all2all", 1, 4))}
     assert by_layout["all2all"] - by_layout["hybrid"] == 2 * (all2all - hybrid)
 
@@ -89,7 +91,7 @@ def test_planner_hybrid_holds_ulysses_copies_over_its_group_only():
 def test_model_shape_counts_llama_parameters():
     llama2_7b = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
                  "vocab_size": 32000, "intermediate_size": 11008}
-    assert planner.ModelShape.from_config(llama2_7b).params == 6_738_415_616
+    assert ModelShape.from_config(llama2_7b).params == 6_738_415_616
 
 
 def test_plan_cp_cli(tmp_path, capsys):
@@ -100,7 +102,7 @@ def test_plan_cp_cli(tmp_path, capsys):
     plan.main(["--config", str(tmp_path / "config.json"), "--seq", "131072", "--devices", "8",
                            "--memory-gb", "24", "--json", str(out)])
     printed = capsys.readouterr().out
-    assert "best layout" in printed and "cp_config:" in printed
+    assert "resembles" in printed and "cp_config:" in printed
     result = json.loads(out.read_text())
     fitting = [e["tokens_per_second"] for e in result["estimates"] if e["fits"]]
     assert fitting == sorted(fitting, reverse=True)
@@ -111,9 +113,9 @@ def test_plan_cp_cli(tmp_path, capsys):
 
 
 def test_context_parallel_divides_attention_memory():
-    model = planner.ModelShape(layers=4, hidden=512, heads=8, kv_heads=8, vocab=1000, intermediate=1024)
-    one = planner.memory(model, planner.Layout(1, 1, 1, 1), 8192, 1, 2)["activations"]
-    four = planner.memory(model, planner.Layout(1, 4, 1, 1), 8192, 1, 2)["activations"]
+    model = ModelShape(layers=4, hidden=512, heads=8, kv_heads=8, vocab=1000, intermediate=1024)
+    one = memory_estimate(model, Layout(1, 1, 1, 1), 8192, 1, 2)["activations"]
+    four = memory_estimate(model, Layout(1, 4, 1, 1), 8192, 1, 2)["activations"]
     assert four == pytest.approx(one / 4)
 
 
@@ -149,3 +151,25 @@ def test_memory_phases_table_and_arguments():
     assert [line.split()[:2] for line in lines[2:]] == [["0", "initialize"], ["1", "initialize"], ["0", "load"],
                                                         ["1", "load"]]
     assert lines[2].split()[2:4] == ["3.00", "2.00"]
+
+
+def test_memory_sharding_cases_table_and_arguments():
+    """pcp-memory --sharding: level 0 first on each mesh (what the others are measured against), then each level
+    over dp x sep and over dp; traffic sorted by purpose; one row per case."""
+    from paddle_cp.tools import memory_sharding
+
+    args = memory_sharding.parse_args(["--sharding", "--meshes", "sep4", "--levels", "2", "3"])
+    assert memory_sharding.cases(args) == [("sep4", "-", 0), ("sep4", "dp x sep", 2), ("sep4", "dp", 2),
+                                           ("sep4", "dp x sep", 3), ("sep4", "dp", 3)]
+    with pytest.raises(SystemExit):
+        memory_sharding.parse_args(["--sharding", "--levels", "0"])
+    assert [memory_sharding.purpose(t) for t in ("grad_reduce_scatter", "param_fetch", "ring", "pp_recv")] == [
+        "gradients", "parameters", "attention", "other"]
+    rank = dict.fromkeys(memory_sharding.FIELDS, 2 ** 20)
+    results = memory_sharding.with_ratios([
+        {"mesh": "sep4", "sharded_over": over, "level": level, "largest_parameter": 1024,
+         "ranks": [dict(rank, params=2 ** 20 // share, adam=2 ** 21 // share)] * 4}
+        for over, level, share in (("-", 0, 1), ("dp x sep", 3, 4))])
+    assert [(r["params_ratio"], r["adam_ratio"]) for r in results] == [(1.0, 1.0), (0.25, 0.25)]
+    lines = memory_sharding.table(results).splitlines()
+    assert len(lines) == 2 + len(results) + 1 and "0.250" in lines[3]

@@ -15,12 +15,20 @@ def test_flags_become_degrees():
     assert degrees_from_flags(4, sep_parallel_size=4).backend == "all2all"
     assert degrees_from_flags(4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2).dp == 1
     assert degrees_from_flags(4, sharding="stage1").sharding_level == 1
-    assert degrees_from_flags(2, context_parallel_size=2, sharding="stage2").sharding_level == 0  # one dp rank
+    one_dp = degrees_from_flags(2, context_parallel_size=2, sharding="stage2")
+    assert (one_dp.sharding_level, one_dp.sharding_mesh_dim) == (2, None)  # over the context-parallel ranks
+    dp_only = degrees_from_flags(4, context_parallel_size=2, sharding="stage1", sharding_parallel_size=2)
+    assert (dp_only.sharding_level, dp_only.sharding_mesh_dim) == (1, "dp")
+    none = degrees_from_flags(2, context_parallel_size=2, sharding="stage1", sharding_parallel_size=1)
+    assert none.sharding_level == 0  # PaddleFormers' sharding over one rank
+    assert degrees_from_flags(4, context_parallel_size=4, sharding="stage3", sharding_parallel_size=4).sharding_level
+    assert degrees_from_flags(1, sharding="stage2").sharding_level == 0  # one rank: nothing to shard over
 
 
 @pytest.mark.parametrize("flags, words", [
     (dict(context_parallel_size=3), "must divide the world size"),
-    (dict(sharding="stage2", sharding_parallel_size=2), "set sharding_parallel_size to 8"),
+    (dict(sharding="stage2", sharding_parallel_size=2), "set sharding_parallel_size to 8 "),
+    (dict(context_parallel_size=2, sharding="stage2", sharding_parallel_size=2), "to 8 .* or 4 "),
     (dict(sharding="stage2 offload"), "offload"),
     (dict(sharding="stage4"), "stage1"),
     (dict(sequence_parallel=True), "tensor_model_parallel_size > 1"),

@@ -23,6 +23,7 @@ LAYOUTS = {
     "dp2xmp2_l3": dict(dims=DP2_MP2, mp=True, level=3),
     "dp2xmp2_l1": dict(dims=DP2_MP2, mp=True, level=1),
     "sep2": dict(dims=[("sep", 2)], cp=True),
+    "sep2_l3": dict(dims=[("sep", 2)], cp=True, level=3),  # sharded over the context-parallel ranks
     "pp2": dict(dims=[("pp", 2)], pp=True),
 }
 PP_CONFIG = {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "schedule_mode": "1F1B",

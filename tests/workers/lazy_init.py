@@ -61,7 +61,10 @@ LAYOUTS = {  # name: (model, mesh dims, config builder, labels split over sep by
     "mp2xsep2_l0": ("llama", [("mp", 2), ("sep", 2)],
                     lambda m: {"mp_config": {"parallelize_plan": paddle_plan(m)},
                                "cp_config": {"parallelize_plan": CP_PLAN}}, True, False),
-    "dp4_l2": ("llama", [("dp", 4)], lambda m: {"dp_config": {"sharding_level": 2}}, False, False),
+    # sharded over all four ranks holding replicas (dp x sep)
+    "dp2xsep2_l3": ("llama", [("dp", 2), ("sep", 2)],
+                    lambda m: {"cp_config": {"parallelize_plan": CP_PLAN}, "dp_config": {"sharding_level": 3}},
+                    True, False),
 }
 
 

@@ -92,10 +92,10 @@ def trainable(model):
 
 
 def full_gradient(param):
-    record = record_of(param)
-    if record.tp_axis is None:
+    shards = record_of(param).shards()
+    if not shards:
         return param.grad.numpy()
-    return record.assemble([g.numpy() for g in collectives.all_gather(record.mp_group, param.grad, tag="test")])
+    return shards[0].assemble([g.numpy() for g in collectives.all_gather(shards[0].group, param.grad, tag="test")])
 
 
 def train(model, optimizer, seq, mesh=None, sep=False):
@@ -115,7 +115,7 @@ def train(model, optimizer, seq, mesh=None, sep=False):
         optimizer.step()  # reduces (and clips) the gradients in place: compared after it
         if step == STEPS - 1:  # a rank keeps the gradients it owns (sharding) of the parameters it holds (pp)
             grads = {n: full_gradient(p) for n, p in trainable(model).items()
-                     if record_of(p).owned_here() and record_of(p).holds_value()}
+                     if record_of(p).steps_here()}
         optimizer.clear_grad()
         total = loss.detach().clone()
         if mesh is not None:

@@ -10,7 +10,8 @@ made; an `optimizer.state_dict()` / `set_state_dict` round trip that replays a s
 Meshes: dp2 x mp2 at sharding levels 0, 2, 3 (and with Adam's default epsilon, against one
 card's rounding spread), sep2 x dp2, pp2 x dp2 (tied embedding on both stages). The scaler runs
 drive Paddle's GradScaler (enabled on CPU by construction, `cpu_scaler`) through
-`pcp.shard_scaler`, then inject an inf on one rank. The master-weight runs save and load the
+`pcp.shard_scaler` (dp2 x sep2 at level 2, sharded over all four ranks; dp2 x mp2 at level 3),
+then inject an inf on one rank. The master-weight runs save and load the
 fp32 master weights of a model cast as decorate O2 casts it.
 """
 import copy
@@ -298,11 +299,11 @@ def scaler_step(model, optimizer, scaler, shard, inject=True):
             "scale": float(scaler._scale.numpy()[0])}
 
 
-def scaled(report, name, dims, level):
+def scaled(report, name, dims, level, sep=False):
     """GradScaler through pcp.shard_scaler: STEPS steps vs one card with the same scaler logic; then
     an inf on one rank: every rank skips, and the next finite step steps. Controls: agreement switched
     off (ranks then disagree), and a scaler without shard_scaler (a clear error)."""
-    mesh, model, optimizer, scheduler, shard = parallel(dims, level, WELL_CONDITIONED_EPSILON, sep=False)
+    mesh, model, optimizer, scheduler, shard = parallel(dims, level, WELL_CONDITIONED_EPSILON, sep)
     scaler = pcp.shard_scaler(cpu_scaler())
     want_losses, _, _, want_state = reference(WELL_CONDITIONED_EPSILON, scaled=True)
     losses = train_steps(model, optimizer, scheduler, micro_batches(), shard, scaler=scaler)
@@ -342,7 +343,7 @@ def master_weight_checkpoint(report, name, dims, level):
         shape = [1] if name in layout.SCALAR_ACCUMULATORS else list(layout.global_shape(param))
         full = np.random.RandomState(zlib.crc32(f"{key}.{name}".encode())).rand(*shape).astype("float32") + 1e-4
         record = find_record(param)
-        scalar_or_whole = name in layout.SCALAR_ACCUMULATORS or record is None or record.tp_axis is None
+        scalar_or_whole = name in layout.SCALAR_ACCUMULATORS or record is None or not record.shards()
         return full if scalar_or_whole else record.local(full)
 
     def states(model, optimizer):
@@ -384,7 +385,7 @@ RUNS = {
         lambda r: train(r, "sep2xdp2", [("dp", 2), ("sep", 2)], sep=True),
         lambda r: train(r, "pp2xdp2_tied", [("pp", 2), ("dp", 2)]),  # the tied weight on both stages
         lambda r: train(r, "dp2xmp2_default_eps", DP2_MP2, epsilon=DEFAULT_EPSILON),
-        lambda r: scaled(r, "scaler_dp2xmp2_l2", DP2_MP2, level=2),
+        lambda r: scaled(r, "scaler_dp2xsep2_l2", [("dp", 2), ("sep", 2)], level=2, sep=True),  # sharded over 4
         lambda r: scaled(r, "scaler_dp2xmp2_l3", DP2_MP2, level=3),
         lambda r: master_weight_checkpoint(r, "master_weights_dp2xmp2_l2", DP2_MP2, level=2),
         lambda r: master_weight_checkpoint(r, "master_weights_dp2xmp2_l3", DP2_MP2, level=3),

@@ -287,8 +287,9 @@ def misplaced(model, s):
         if last in ("embed_tokens", "lm_head") and not s["test_share_embedding"]:
             want[f"{name}.weight"] = 1
     params = dict(model.named_parameters())
-    return [f"{key}: split on {record_of(params[key]).tp_axis}, Paddle's test wants {axis}"
-            for key, axis in want.items() if record_of(params[key]).tp_axis != axis]
+    split_on = {key: [s.axis for s in record_of(params[key]).shards()] for key in want}
+    return [f"{key}: split on {split_on[key]}, Paddle's test wants {axis}"
+            for key, axis in want.items() if split_on[key] != [axis]]
 
 
 def global_losses(losses, mesh):

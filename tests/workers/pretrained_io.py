@@ -2,8 +2,8 @@
 
 argv: root, holding the directories save_pretrained wrote (made by the test):
   llama_one (one file + index), llama_unified (model.safetensors, no index), phi3_sharded (many files).
-On each layout, dp2xmp2_l3 (PaddleFormers' tensor-parallel plan, sharding level 3) and pp2xsep2
-(2 stages, ring attention), for each directory: a model built from another seed is parallelized, load_pretrained fills it; each
+On each layout, dp2xmp2_l3 (PaddleFormers' tensor-parallel plan, sharding level 3) and pp2xsep2_l3
+(2 stages, ring attention, sharding level 3 over the context-parallel ranks), for each directory: a model built from another seed is parallelized, load_pretrained fills it; each
 rank's slices must equal ModelClass.from_pretrained(directory) on one card (computed by the test), then one
 AdamW step must give one card's loss and state. Then export_pretrained, save_checkpoint and
 load_checkpoint (sync and async). Every phase reports its peak, share and bytes (tools/io_phases.py).
@@ -29,7 +29,7 @@ BATCH, SEQ, EPSILON = 4, 16, 1e-3
 SIZES = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, fuse_rms_norm=False)
 CASES = {"llama_one": "llama", "llama_unified": "llama", "phi3_sharded": "phi3"}
-LAZY = {("dp2xmp2_l3", "llama_unified"), ("pp2xsep2", "llama_one")}  # built under paddle.LazyGuard()
+LAZY = {("dp2xmp2_l3", "llama_unified"), ("pp2xsep2_l3", "llama_one")}  # built under paddle.LazyGuard()
 
 
 def model_class(family):
@@ -89,7 +89,8 @@ def mesh_and_config(layout_name, family, model):
     return mesh, {"cp_config": {"parallelize_plan": {"": pcp.PrepareContextParallel("p2p"),
                                                      "model.layers.*.self_attn": pcp.ContextParallel("p2p")}},
                   "pp_config": {"split_spec": "model.layers", "global_spec": "model.rotary_emb",
-                                "accumulate_steps": 2}}
+                                "accumulate_steps": 2},
+                  "dp_config": {"sharding_level": 3}}
 
 
 def step(model, optimizer, mesh):
@@ -200,7 +201,7 @@ def main(report):
     paddle.set_device("cpu")
     dist.init_parallel_env()
     root = sys.argv[1]
-    for layout_name, names in (("dp2xmp2_l3", CASES), ("pp2xsep2", ("llama_one", "phi3_sharded"))):
+    for layout_name, names in (("dp2xmp2_l3", CASES), ("pp2xsep2_l3", ("llama_one", "phi3_sharded"))):
         rows = []
         for directory_name in names:
             rows += [dict(row, case=directory_name) for row in case(report, layout_name, root, directory_name)]

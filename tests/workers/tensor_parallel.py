@@ -140,9 +140,9 @@ def full_gradients(model):
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        record = record_of(p)
-        grads[name] = p.grad.numpy() if record.tp_axis is None else record.assemble(
-            [g.numpy() for g in collectives.all_gather(record.mp_group, p.grad, tag="test_gradients")])
+        shards = record_of(p).shards()
+        grads[name] = p.grad.numpy() if not shards else shards[0].assemble(
+            [g.numpy() for g in collectives.all_gather(shards[0].group, p.grad, tag="test_gradients")])
     return grads
 
 
@@ -207,12 +207,12 @@ def fetched_per_forward(model):
 
 
 def train(report, name, dims, plan=None, explicit_positions=False, cp=False, level=0, model="llama",
-          epsilon=WELL_CONDITIONED_EPSILON):
+          epsilon=WELL_CONDITIONED_EPSILON, shard_dims=None):
     model_name, world = model, dist.get_world_size()
     shape = [d for _, d in dims]
     mesh = dist.ProcessMesh(np.arange(world).reshape(shape).tolist(), dim_names=[n for n, _ in dims])
     model, optimizer = build(model_name, epsilon)
-    config = {"dp_config": {"sharding_level": level}}
+    config = {"dp_config": {"sharding_level": level, "sharding_mesh_dim": shard_dims}}
     if plan is not None:
         config["mp_config"] = {"parallelize_plan": plan(model) if callable(plan) else plan}
     if cp:
@@ -230,6 +230,7 @@ def train(report, name, dims, plan=None, explicit_positions=False, cp=False, lev
         optimizer.step()
         if len(losses) == STEPS - 1:
             report.value(f"{name}.bytes", local_bytes(model, optimizer))
+            report.value(f"{name}.largest_param_bytes", max(full_nbytes(p) for p in model.parameters()))
             if level == 3:
                 report.value(f"{name}.gathered", {"peak": optimizer._sharding.gathered.peak,
                                                   "held_now": optimizer._sharding.gathered.held,
@@ -279,7 +280,13 @@ RUNS = {
         dict(name="dp2xmp2_variants", dims=DP2_MP2, plan=variants_plan(), model="small"),
     ],
     "sharding": [dict(name=f"dp4_l{level}", dims=[("dp", 4)], level=level) for level in range(4)]
-    + [dict(name="dp2xmp2_sp_l3", dims=DP2_MP2, plan=sequence_parallel_plan(), explicit_positions=True, level=3)],
+    + [dict(name="dp2xmp2_sp_l3", dims=DP2_MP2, plan=sequence_parallel_plan(), explicit_positions=True, level=3)]
+    # sharded over every rank holding a replica: the context-parallel ranks too (dp2xsep2_l2 is in "hybrid")
+    + [dict(name=f"sep4_l{level}", dims=[("sep", 4)], cp=True, level=level) for level in (1, 2, 3)]
+    + [dict(name=f"dp2xsep2_l{level}", dims=[("dp", 2), ("sep", 2)], cp=True, level=level) for level in (1, 3)]
+    + [dict(name="dp2xsep2_l3_dp_only", dims=[("dp", 2), ("sep", 2)], cp=True, level=3, shard_dims="dp"),
+       dict(name="mp2xsep2_sp_l3", dims=MP2_SEP2, plan=sequence_parallel_plan(), explicit_positions=True, cp=True,
+            level=3)],
 }
 
 

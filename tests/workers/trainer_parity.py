@@ -173,10 +173,12 @@ RUNS = {
         "mp2_sp_cp2": dict(parallel=dict(CP2, tensor_model_parallel_size=2, sequence_parallel=True,
                                          per_device_train_batch_size=2), global_batch=2,
                            model=dict(_attn_implementation="sdpa"), seq=24),
-        "dp2_sharding2_cp2": dict(parallel=dict(CP2, sharding="stage2", sharding_parallel_size=2,
+        # sharding stage 2 over all four ranks holding replicas (dp 2 x ring 2)
+        "dp2_sharding2_cp2": dict(parallel=dict(CP2, sharding="stage2", sharding_parallel_size=4,
                                                 per_device_train_batch_size=2), global_batch=4, export=True),
-        "cp2_recompute_chunked_loss": dict(
-            parallel=dict(CP2, per_device_train_batch_size=2), global_batch=4,
+        # recomputed layers fetch their sharded parameters again (stage 3 over dp 2 x ring 2)
+        "cp2_recompute_chunked_loss_sharding3": dict(
+            parallel=dict(CP2, sharding="stage3", per_device_train_batch_size=2), global_batch=4,
             args=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
             model=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
                        use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=4)),

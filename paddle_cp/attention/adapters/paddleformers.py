@@ -19,8 +19,9 @@ model built from local lengths are dropped and stand for causality, the window a
 the padding of the 2-D attention_mask given to the top layer, which paddle_cp
 applies over global positions; a call with no mask sees padding keys too, as on one
 card ("flashmask" ignores attention_mask altogether). Packed documents given as
-attn_mask_startend_row_indices are refused under "sdpa", which hands Paddle's SDPA
-their mask with is_causal=True and so loses them on one card. A full dense mask the user
+attn_mask_startend_row_indices stay inside their documents, as PaddleFormers means
+them, under "sdpa" too (which hands Paddle's SDPA their mask with is_causal=True:
+its flash kernel keeps it, its CPU math kernel drops it). A full dense mask the user
 gave (its rows split by PrepareContextParallel) is applied instead of causality, as
 "eager" does. The sliding window comes from the `sliding_window` keyword (Phi3) or
 `module.sliding_window`; sinks from `sink`; scale from `scaling` (as "eager";
@@ -41,13 +42,6 @@ NAME = "paddle_cp"
 def one_card_semantics(implementation, module, attention_mask, is_causal, seq_len, documents):
     """(causal, dense mask to apply or None, whether padding keys are masked) of an original call."""
     from_startend = documents is not None and documents.causal_only  # the call had causal start-end indices
-    if from_startend and implementation == "sdpa":
-        raise ValueError(
-            "PaddleFormers' 'sdpa' attention turns attn_mask_startend_row_indices into a mask and passes it to "
-            "Paddle's SDPA with is_causal=True, which then drops the mask (its math and memory-efficient kernels): "
-            "one card attends across the packed documents, and paddle_cp will not guess which you meant. Build the "
-            "model with _attn_implementation='eager' or 'flashmask' for packed documents"
-        )
     if implementation == "flashmask":  # attention_mask is never read
         causal = is_causal if is_causal is not None else from_startend or getattr(module, "is_causal", True)
         return causal, None, False

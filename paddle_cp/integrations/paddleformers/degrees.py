@@ -3,11 +3,13 @@
 `context_parallel_size` is the ring (`p2p`), `sep_parallel_size` Ulysses
 (`all2all`), both together the hybrid of the two on one `sep` dim;
 `tensor_model_parallel_size` is `mp`, `pipeline_model_parallel_size` is `pp`,
-and the ranks left over are `dp`, which `sharding` stages 1-3 shard.
+and the ranks left over are `dp`. `sharding` stages 1-3 shard over every rank
+holding a replica (dp x sep; `sharding_parallel_size` equal to dp: over dp only).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import paddle.distributed as dist
@@ -26,6 +28,7 @@ class ParallelDegrees:
     ring: int = 1  # context_parallel_size
     ulysses: int = 1  # sep_parallel_size
     sharding_level: int = 0
+    sharding_mesh_dim: Optional[str] = None  # dp_config's: None shards over dp x sep
     sequence_parallel: bool = False
 
     @property
@@ -91,18 +94,20 @@ def degrees_from_flags(world, *, context_parallel_size=-1, sep_parallel_size=-1,
     if sequence_parallel and mp == 1:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1 (it splits the sequence over the "
                          "tensor-parallel ranks): set both or neither")
-    shard_size = int(sharding_parallel_size)
-    if level and shard_size > 1 and shard_size != dp:
+    shard_size, replicas = int(sharding_parallel_size), dp * ring * ulysses
+    if level and shard_size > 1 and shard_size not in (replicas, dp):
+        dp_only = f" or {dp} (the dp ranks only)" if dp != replicas else ""
         raise ValueError(
-            f"sharding_parallel_size {shard_size} != the {dp} data-parallel ranks: paddle_cp shards over all of "
-            f"them; set sharding_parallel_size to {dp} or -1")
-    if level and dp == 1:
+            f"sharding_parallel_size {shard_size} fits no sharding group: paddle_cp shards over the ranks holding "
+            f"replicas; set sharding_parallel_size to {replicas} (dp x context-parallel ranks, as -1 does){dp_only}")
+    mesh_dim = "dp" if level and shard_size == dp != replicas else None
+    if level and (dp if mesh_dim else replicas) == 1:
         level = 0  # as PaddleFormers: sharding over one rank is no sharding
     if level > 1 and pp > 1:
         raise ValueError("sharding stage2/stage3 with pipeline_model_parallel_size > 1 is not supported "
                          "(as in PaddleFormers): use --sharding stage1")
     return ParallelDegrees(world=world, dp=dp, pp=pp, mp=mp, ring=ring, ulysses=ulysses, sharding_level=level,
-                           sequence_parallel=bool(sequence_parallel))
+                           sharding_mesh_dim=mesh_dim, sequence_parallel=bool(sequence_parallel))
 
 
 def degrees_from_mesh(mesh, sharding_level=0):

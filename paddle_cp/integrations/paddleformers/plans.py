@@ -102,6 +102,8 @@ def parallelize_config(model, degrees, schedule_mode="1F1B", micro_batches=1):
     if degrees.pp > 1:
         config["pp_config"] = pipeline_config(model, degrees, schedule_mode, micro_batches)
     config["dp_config"] = {"sharding_level": degrees.sharding_level}
+    if degrees.sharding_mesh_dim is not None:
+        config["dp_config"]["sharding_mesh_dim"] = degrees.sharding_mesh_dim
     return config
 
 

@@ -1,0 +1,200 @@
+"""Per-rank memory of a training step under a planned layout (pure functions, no Paddle).
+
+Everything is bytes on one rank of the busiest pipeline stage (the first: embedding and the most
+in-flight micro-batches; or the last: lm_head and the loss), counted as PaddleFormers' eager Llama
+path and paddle_cp hold it:
+
+- weights, gradients, optimizer: a stage's parameters, split by tensor parallelism (projections, embedding,
+  lm_head; norms, routers and MoE blocks' shared and routed experts stay whole) and expert parallelism
+  (routed experts / ep); AdamW keeps two fp32 moments and, below fp32, an fp32 master copy. Sharding
+  (issue 26) divides, over the layout's `shard_ranks` (dp x sep by default; experts over those / ep):
+  optimizer state at levels 1-3, gradients after the step's reduction at levels 2-3, weights at level 3.
+  paddle_cp gives each parameter one owner, so a rank holds its share plus at most one whole parameter.
+- activations (per layer and micro-batch, t tokens per rank, SP region t/tp): two RMSNorms, each its input
+  and normalized value (fp32 input copy below fp32) at t/tp and its output at t; RoPE's q and k and their
+  rotated halves (fp32); attention's q, k, v, output and fp32 log-sum-exp (attention_cost.attention_held_bytes,
+  Ulysses' head-split copies included); the MLP's gate, up, activation and product (4 x intermediate/tp);
+  MoE layers MOE_TENSORS_PER_EXPERT_WIDTH expert-width tensors per top-k copy, the routing bookkeeping
+  (MOE_ROUTER_BYTES_PER_EXPERT per expert), the shared experts' four. Full recomputation keeps each layer's input and the rotary tables it is called with,
+  and rebuilds one layer in backward; selective recomputation drops what its modules hold. Plus the final
+  norm. Under a pipeline the first stage holds 1F1B's min(m, p) micro-batches (interleaved: its warm-up's
+  chunks).
+- logits: the [t, vocab/tp] fp32 logits at the end of the forward; the loss backward adds two more.
+  Chunked (PaddleFormers' fused head + loss): nothing at the end of the forward, and its backward holds
+  CHUNK_TEMPORARIES [chunk, vocab/tp] fp32 tensors and HEAD_WEIGHT_COPIES of the lm_head weight (fp32).
+- the step: paddle_cp reduces gradients at the optimizer step from one flat copy: the gradients, the flat
+  buffer and its pieces (levels 2-3: the padded per-owner buckets) exist at once, STEP_GRADIENT_COPIES of the
+  stage's whole gradients, whatever the level (gradients are whole until then: no bucketed reduction
+  during backward yet).
+
+peak = max(loss backward: weights + optimizer + activations + 3 x logits (or the chunked loss's temporaries),
+           layer backward: weights + optimizer + max(activations, gradients) + a recomputed layer + level 3's
+           fetched parameter, step: weights + optimizer + STEP_GRADIENT_COPIES x whole gradients).
+
+The constants were measured on CPU, fp32, with `pcp-memory` (Paddle 3.3.1, PaddleFormers 1.2.0): the
+activation inventory within 1% of PaddleFormers' Llama per layer; the rest checked by `pcp-memory --layouts`
+(docs/tools.md gives the table). Fused GPU kernels (RMSNorm, SwiGLU) hold less: there it is an upper bound.
+"""
+from __future__ import annotations
+
+from .attention_cost import FP32, attention_held_bytes
+from .plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL
+
+MOMENTS_BYTES = 2 * FP32  # AdamW's two moments per parameter, fp32
+CHUNK_TEMPORARIES = 6  # [chunk, vocab] fp32 tensors PaddleFormers' fused head + loss holds at once in backward
+HEAD_WEIGHT_COPIES = 5  # lm_head-sized fp32 tensors it holds then (per-chunk weight gradients and their sum)
+LOSS_BACKWARD_LOGITS = 2  # [t, vocab] fp32 tensors the unchunked loss backward adds to the logits
+STEP_GRADIENT_COPIES = 3  # gradients, their flat buffer, its pieces (or padded buckets) at the step
+# a MoE layer, per token (measured on gpt-oss, stacked experts): expert-width tensors per top-k copy (its
+# gate/up output, clamps, GLU), and routing bookkeeping (logits, weights, per-expert masks) per expert
+MOE_TENSORS_PER_EXPERT_WIDTH = 10
+MOE_ROUTER_BYTES_PER_EXPERT = 292
+
+
+def stage_layers(model, pp, stage):
+    """Decoder layers of pipeline stage `stage`: L // p, plus one on the first L % p stages (Paddle's rule)."""
+    return model.layers // pp + (1 if stage < model.layers % pp else 0)
+
+
+def stage_params(model, layout, stage):
+    """(dense, routed-expert) parameter elements one rank of `stage` holds before sharding: split over tp
+    and ep; the first stage has the embedding, the last the final norm and the lm_head (the embedding again
+    when tied and split over stages)."""
+    tp, pp = layout.tp, layout.pp
+    layers = stage_layers(model, pp, stage)
+    moe = layers * model.moe_layers / model.layers
+    dense = (layers * model.attention_params + (layers - moe) * model.dense_mlp_params) / tp
+    dense += layers * 2 * model.hidden + moe * model.moe_replicated_params
+    if stage == 0:
+        dense += model.embedding_params / tp
+    if stage == pp - 1:
+        dense += model.hidden + (model.embedding_params / tp if pp > 1 or not model.tied_embeddings else 0)
+    return dense, moe * model.expert_params / layout.ep
+
+
+def _state(model, layout, stage, elem):
+    """weights, gradients (held after the step's reduction), optimizer state, and the whole gradients."""
+    dense, experts = stage_params(model, layout, stage)
+    dense_ranks = layout.shard_ranks
+    expert_ranks = max(1, dense_ranks // layout.ep)
+    level = layout.sharding
+
+    def share(at_level):
+        return dense / dense_ranks + experts / expert_ranks if level >= at_level else dense + experts
+
+    optimizer_bytes = MOMENTS_BYTES + (FP32 if elem < FP32 else 0)  # below fp32: an fp32 master copy
+    return {"weights": share(3) * elem, "gradients": share(2) * elem, "optimizer": share(1) * optimizer_bytes,
+            "whole_gradients": (dense + experts) * elem}
+
+
+def layer_activations(model, layout, tokens, seq, batch, elem, moe):
+    """Bytes one decoder layer (a MoE layer if `moe`) holds for one micro-batch (`tokens` per rank, `batch`
+    sequences of `seq`) without recomputation, by block, and what recomputation works with:
+    {"attention", "mlp", "block_input" (a block's [t, h] input), "core_attention" (attention's output and lse)}."""
+    tp, h, d = layout.tp, model.hidden, model.head_dim
+    heads, kv_heads = model.heads // tp, model.kv_heads // tp
+    # input (fp32 copy) and normalized value at t/tp; the output at t, which the projections read, or under
+    # tensor parallelism each column-split projection's own copy of it (q, k, v; gate, up)
+    norm = tokens / tp * h * (FP32 + elem) + tokens * h * elem
+    block_input = tokens * h * elem
+    copies = 1 if tp > 1 else 0
+    rope = tokens * (heads + kv_heads) * d * 2 * FP32  # q, k and their rotated halves, fp32
+    attention = attention_held_bytes(layout.backend, batch, seq, heads, kv_heads, d, layout.cp, elem,
+                                     layout.ulysses)
+    if moe:  # experts and shared experts are not split over tp; under ep the same count, elsewhere
+        routed = MOE_TENSORS_PER_EXPERT_WIDTH * model.experts_per_token * model.expert_intermediate + h
+        mlp = tokens * (MOE_ROUTER_BYTES_PER_EXPERT * model.experts + (routed + 4 * model.shared_intermediate) * elem)
+    else:  # gate, up, activation, product
+        mlp = tokens * 4 * model.intermediate / tp * elem + copies * block_input
+    return {"attention": norm + 2 * copies * block_input + rope + attention, "mlp": norm + mlp,
+            "block_input": block_input, "core_attention": tokens * heads * (d * elem + FP32)}
+
+
+def kept_by_layer(model, layout, parts, tokens, elem):
+    """Bytes a layer keeps until its backward under the layout's recomputation."""
+    if layout.recompute == RECOMPUTE_FULL:  # its input and the rotary tables passed to it
+        return tokens / layout.tp * model.hidden * elem + tokens * 2 * model.head_dim * FP32
+    attention, mlp = parts["attention"], parts["mlp"]
+    if "full_attn" in layout.selective:
+        attention = parts["block_input"]
+    elif "core_attn" in layout.selective:
+        attention -= parts["core_attention"]
+    if "mlp" in layout.selective:
+        mlp = parts["block_input"]
+    return attention + mlp
+
+
+def in_flight(layout, stage):
+    """Micro-batches of this stage's layers whose activations wait for their backward at once (in units of
+    the stage's whole layer set): 1F1B holds p - stage, interleaved 1F1B its warm-up's chunks plus one."""
+    p, v, m = layout.pp, layout.vpp, layout.micro
+    if p == 1:
+        return 1
+    warmup = p - 1 - stage if v == 1 else 2 * (p - 1 - stage) + (v - 1) * p
+    return min(m * v, warmup + 1) / v
+
+
+def activations(model, layout, seq, batch, elem, stage):
+    """(held at the end of the forward, one layer rebuilt in backward) for `stage`."""
+    sequences = batch / layout.micro  # per micro-batch
+    tokens = sequences * seq / layout.cp
+    layers = stage_layers(model, layout.pp, stage)
+    moe_layers = layers * model.moe_layers / model.layers
+    held, rebuilt = 0, 0
+    for count, moe in ((moe_layers, True), (layers - moe_layers, False)):
+        if count:
+            parts = layer_activations(model, layout, tokens, seq, sequences, elem, moe)
+            held += count * kept_by_layer(model, layout, parts, tokens, elem)
+            rebuilt = max(rebuilt, parts["attention"] + parts["mlp"])
+    held *= in_flight(layout, stage)
+    if stage == layout.pp - 1:  # the final norm
+        held += tokens / layout.tp * model.hidden * (FP32 + elem) + tokens * model.hidden * elem
+    return held, rebuilt if layout.recompute != NO_RECOMPUTE else 0
+
+
+def logits(model, layout, seq, batch, stage):
+    """(held at the end of the forward, added by the loss backward) on the last stage, one micro-batch. The
+    lm_head's output is gathered over tp (no vocabulary-parallel loss): whole-vocabulary logits on every rank.
+    PaddleFormers chunks only sequences longer than the chunk."""
+    if stage != layout.pp - 1:
+        return 0, 0
+    tokens = batch / layout.micro * seq / layout.cp
+    if layout.loss_chunk and layout.loss_chunk < tokens:
+        return 0, (CHUNK_TEMPORARIES * layout.loss_chunk + HEAD_WEIGHT_COPIES * model.hidden) * model.vocab * FP32
+    held = tokens * model.vocab * FP32
+    return held, LOSS_BACKWARD_LOGITS * held
+
+
+def stage_memory(model, layout, seq, batch, elem, stage):
+    state = _state(model, layout, stage, elem)
+    held, rebuilt = activations(model, layout, seq, batch, elem, stage)
+    logits_held, loss_backward = logits(model, layout, seq, batch, stage)
+    fetched = 2 * model.largest_param / layout.tp * elem if layout.sharding == 3 else 0  # a copy and its gradient
+    base = state["weights"] + state["optimizer"]
+    gradients = state["whole_gradients"]
+    if layout.pp > 1 and layout.micro > 1:
+        # later micro-batches run while the gradients of earlier ones are held; on the last stage the
+        # runner also still holds the previous micro-batch's logits (measured: one more logits tensor)
+        loss_backward += gradients + logits_held
+        during_layers = held + gradients
+    else:
+        during_layers = max(held, gradients)  # activations freed as gradients appear, layer by layer
+    phases = {"loss_backward": base + held + logits_held + loss_backward,
+              "layer_backward": base + during_layers + rebuilt + fetched,
+              "step": base + STEP_GRADIENT_COPIES * gradients}
+    return {"weights": state["weights"], "gradients": state["gradients"], "optimizer": state["optimizer"],
+            "activations": held, "logits": logits_held, "phases": phases, "peak": max(phases.values()),
+            "stage": stage}
+
+
+def memory(model, layout, seq, batch=1, elem=2):
+    """Per-rank bytes of the busier of the first and last pipeline stage (see the module docstring)."""
+    stages = {0, layout.pp - 1}
+    return max((stage_memory(model, layout, seq, batch, elem, s) for s in stages), key=lambda m: m["peak"])
+
+
+def measured_parts(estimate):
+    """The estimate under pcp-memory's names (params, optimizer, activations, logits, peak)."""
+    return {"params": estimate["weights"], "optimizer": estimate["optimizer"], "activations": estimate["activations"],
+            "logits": estimate["logits"], "peak": estimate["peak"]}
+

@@ -1,0 +1,79 @@
+"""What runs a planned layout: paddle_cp.parallelize's config (YAML-able, for paddle_cp.load_config) and the
+PaddleFormers config fields it needs (recomputation, chunked loss, the attention kernel). Pure, no Paddle.
+
+Plan keys are those of PaddleFormers' decoder models (`<prefix>.layers.<i>.self_attn.q_proj`, ...; see
+integrations/paddleformers/plans.py, which derives the same plans from a built model).
+"""
+from __future__ import annotations
+
+from .plan_layout import RECOMPUTE_FULL, SHARD_DIMS
+
+
+def parallelize_config(layout, model_prefix="model"):
+    """The config (see paddle_cp.api.config.load_config) that runs `layout`."""
+    dims = [(name, size) for name, size in (("pp", layout.pp), ("dp", layout.dp), ("sep", layout.cp), ("mp", layout.tp))
+            if size > 1] or [("dp", 1)]
+    config = {"mesh": {"shape": [s for _, s in dims], "dim_names": [n for n, _ in dims]},
+              "dp_config": _dp_config(layout)}
+    layers = f"{model_prefix}.layers.*"
+    if layout.pp > 1:  # PaddleFormers computes its rotary tables before the layer loop
+        config["pp_config"] = {"split_spec": f"{model_prefix}.layers", "global_spec": f"{model_prefix}.rotary_emb",
+                               "schedule_mode": "VPP" if layout.vpp > 1 else "1F1B", "accumulate_steps": layout.micro}
+        if layout.vpp > 1:
+            config["pp_config"]["vpp_degree"] = layout.vpp
+    if layout.tp > 1:
+        config["mp_config"] = {"parallelize_plan": _tensor_sequence_plan(model_prefix, layers)}
+    if layout.cp > 1:
+        args = {"backend": layout.backend}
+        if layout.backend == "hybrid":
+            args["ulysses_degree"] = layout.ulysses
+        config["cp_config"] = {"parallelize_plan": {
+            "": {"PrepareContextParallel": dict(args)},  # the model itself: splits input_ids and labels
+            f"{layers}.self_attn": [{"ContextParallel": dict(args)}],
+        }}
+    if layout.ep > 1:  # issue 25's API: the MoE block of every layer, experts folded onto dp x sep
+        config["ep_config"] = {"degree": layout.ep, "parallelize_plan": {f"{layers}.mlp": "ExpertParallel"}}
+    return config
+
+
+def _dp_config(layout):
+    dp_config = {"sharding_level": layout.sharding}
+    replica_dims = [d for d, size in (("dp", layout.dp), ("sep", layout.cp)) if size > 1]
+    chosen = [d for d in replica_dims if d in layout.shard_dims]
+    if layout.sharding and chosen != [d for d in replica_dims if d in SHARD_DIMS]:  # only when narrower
+        dp_config["sharding_mesh_dim"] = chosen[0] if len(chosen) == 1 else chosen
+    return dp_config
+
+
+def _tensor_sequence_plan(prefix, layers):
+    """Megatron's split (q/k/v and gate/up by columns, o and down by rows), the embedding and lm_head split too,
+    and the sequence split over mp between the embedding and lm_head (sequence parallelism)."""
+    plan = {f"{prefix}.embed_tokens": ["ColWiseParallel", "SequenceParallelBegin"]}
+    plan.update({f"{layers}.self_attn.{p}_proj": "ColWiseParallel" for p in "qkv"})
+    plan[f"{layers}.self_attn.o_proj"] = "RowWiseParallel"
+    plan.update({f"{layers}.mlp.{p}_proj": "ColWiseParallel" for p in ("gate", "up")})
+    plan[f"{layers}.mlp.down_proj"] = "RowWiseParallel"
+    plan[f"{layers}.self_attn"] = "SequenceParallelDisable"
+    plan[f"{layers}.mlp"] = {"SequenceParallelDisable": {"need_transpose": False}}
+    plan["lm_head"] = "SequenceParallelEnd"
+    plan["lm_head.weight"] = "ColWiseParallel"
+    return plan
+
+
+def model_config(layout):
+    """PaddleFormers config fields the layout assumes (set them before building the model): its
+    recomputation and chunked loss, and on GPU flash attention where no ContextParallel replaces the
+    model's own (`gpu_attention_fields`)."""
+    fields = {}
+    if layout.recompute == RECOMPUTE_FULL:
+        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif layout.selective:
+        fields.update(recompute_granularity="selective", recompute_modules=list(layout.selective))
+    if layout.loss_chunk:
+        fields.update(use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=layout.loss_chunk)
+    return fields
+
+
+def gpu_attention_fields(layout):
+    """Without ContextParallel the model's own attention runs: flash, which keeps no [s, s] scores."""
+    return {"_attn_implementation": "flashmask"} if layout.cp == 1 else {}

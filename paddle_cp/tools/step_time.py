@@ -1,0 +1,89 @@
+"""Seconds per training step of a planned layout on a GPU cluster (pure functions, a model, not a measurement).
+
+Compute at the cluster's FLOP/s; each communication at the bandwidth of the links its group spans (a group
+of `size` ranks `stride` apart stays on one node while stride x size <= devices per node); ring traffic
+hidden behind attention compute, the rest not overlapped. What each term counts:
+
+- compute: 6 FLOPs per active matmul parameter per token (the lm_head included, top-k experts only) and
+  attention_cost.attention_flops, over tp and cp; recomputation adds its forward again (full: the layer;
+  selective: attention's or the MLP's share); a chunked loss recomputes the lm_head forward. A pipeline
+  stage does 1/pp of it, stretched by the schedule's bubble.
+- tensor_parallel: sequence parallelism's all-gather and reduce-scatter around attention and the MLP, forward
+  and backward (the volume of Megatron's two all-reduces per layer each way).
+- ulysses, ring_exposed: attention_cost's exact traffic.
+- pipeline_p2p: every micro-batch's activations forward and gradients back, once per chunk (interleaved).
+- expert_all_to_all: each MoE layer sends its tokens' top-k copies to their experts and back, forward and
+  backward: 4 k t h bytes x (E-1)/E.
+- gradients: paddle_cp's reduction over the sharding ranks: level 0 an all-reduce, 1 an all-reduce then the
+  owners' broadcast of new values, 2 a reduce-scatter then the broadcast, 3 a reduce-scatter and every
+  parameter fetched from its owner for the forward and again for the backward (and the recomputed forward).
+"""
+from __future__ import annotations
+
+from .attention_cost import attention_flops, attention_traffic
+from .memory_model import stage_params
+from .plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL
+
+
+def _bandwidth(cluster, stride, size):
+    return cluster.intra_bandwidth if stride * size <= cluster.devices_per_node else cluster.inter_bandwidth
+
+
+def _ring_share(size):
+    """Bytes each rank sends per byte of the reduced buffer: (n-1)/n (an all-reduce is twice that)."""
+    return (size - 1) / size
+
+
+def _recompute_factor(layout, attention_share):
+    """Forward-pass share of a step that recomputation adds (forward = 1/3 of forward + backward)."""
+    if layout.recompute == NO_RECOMPUTE:
+        return 0.0
+    if layout.recompute == RECOMPUTE_FULL:
+        return 1 / 3
+    share = (attention_share if {"core_attn", "full_attn"} & set(layout.selective) else 0) + (
+        1 - attention_share if "mlp" in layout.selective else 0)
+    return share / 3
+
+
+def step_time(model, layout, cluster, seq, batch, elem, causal=True):
+    """{term: seconds} of one step (`batch` sequences of `seq` per data-parallel replica)."""
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    tokens = batch * seq / cp  # per rank, all micro-batches
+    heads, kv_heads = model.heads // tp, model.kv_heads // tp
+    dense_flops = 6 * tokens * model.active_matmul_params / tp
+    attention = model.layers * batch * attention_flops(1, seq, model.heads, model.head_dim, causal) / (cp * tp)
+    total = dense_flops + attention
+    recompute = _recompute_factor(layout, attention / total) * total
+    if layout.loss_chunk:
+        recompute += 2 * tokens * model.embedding_params / tp
+    stretch = 1 / (pp * (1 - layout.bubble))  # this stage's share, over the step's busy fraction
+    uly, ring = attention_traffic(batch, seq, heads, kv_heads, model.head_dim, layout.ring, layout.ulysses, elem)
+    attention_seconds = attention / cluster.flops
+    ring_seconds = model.layers * ring / _bandwidth(cluster, tp * layout.ulysses, layout.ring)
+    tp_bytes = model.layers * 4 * 2 * _ring_share(tp) * tokens * model.hidden * elem
+    expert_bytes = (model.moe_layers * 4 * model.experts_per_token * tokens / tp * model.hidden * elem
+                    * _ring_share(layout.ep))
+    dp_stride = tp * cp
+    times = {
+        "compute": (total + recompute) / cluster.flops * stretch,
+        "tensor_parallel": tp_bytes / _bandwidth(cluster, 1, tp) * stretch,
+        "ulysses": model.layers * uly / _bandwidth(cluster, tp, layout.ulysses) * stretch,
+        "ring_exposed": max(0.0, ring_seconds - attention_seconds) * stretch,
+        "pipeline_p2p": (2 * layout.vpp * tokens * model.hidden * elem / _bandwidth(cluster, cluster.devices // pp, 2)
+                         if pp > 1 else 0.0),
+        "expert_all_to_all": expert_bytes / _bandwidth(cluster, tp, layout.ep) * stretch if layout.ep > 1 else 0.0,
+        "gradients": _gradient_seconds(model, layout, cluster, elem, dp_stride),
+    }
+    return times
+
+
+def _gradient_seconds(model, layout, cluster, elem, stride):
+    """The first stage's gradient reduction (experts' over their own ranks, dp x sep / ep)."""
+    ranks = layout.shard_ranks
+    dense, experts = stage_params(model, layout, 0)
+    passes = {0: 2, 1: 3, 2: 2, 3: 3 + (layout.recompute != NO_RECOMPUTE)}[layout.sharding]
+    seconds = 0.0
+    for params, size in ((dense, ranks), (experts, max(1, ranks // layout.ep))):
+        if size > 1 and params:
+            seconds += passes * params * elem * _ring_share(size) / _bandwidth(cluster, stride, size)
+    return seconds

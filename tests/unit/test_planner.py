@@ -1,0 +1,133 @@
+"""pcp-plan on real sizes: the three cases of issue 26 fit, with configs that load; sharding over dp x sep,
+recomputation, chunked loss, experts and layout names, each against its arithmetic."""
+import json
+import math
+
+import pytest
+import yaml
+
+from paddle_cp.api.config import load_config
+from paddle_cp.tools import plan, planner
+from paddle_cp.tools.memory_model import logits, memory, stage_params
+from paddle_cp.tools.model_shape import ModelShape
+from paddle_cp.tools.plan_config import model_config, parallelize_config
+from paddle_cp.tools.plan_layout import Cluster, Layout
+from paddle_cp.tools.step_time import step_time
+
+# Meta's published config.json values
+LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False}
+LLAMA3_70B = {**LLAMA3_8B, "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
+              "intermediate_size": 28672}
+QWEN3_MOE = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 768, "moe_intermediate_size": 128,
+             "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+             "vocab_size": 1000}
+SMALL = ModelShape(layers=4, hidden=512, heads=8, kv_heads=4, vocab=1000, intermediate=1024)
+
+
+@pytest.mark.parametrize("config, seq, devices", [(LLAMA3_70B, 131072, 64), (LLAMA3_8B, 1 << 20, 64),
+                                                  (LLAMA3_8B, 131072, 8)], ids=["70b-128k-64", "8b-1m-64", "8b-128k-8"])
+def test_issue_cases_fit_with_configs_that_load(tmp_path, capsys, config, seq, devices):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "plan.json"
+    plan.main(["--config", str(tmp_path / "config.json"), "--seq", str(seq), "--devices", str(devices),
+               "--memory-gb", "80", "--configs", "3", "--json", str(out)])
+    assert "resembles" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert len(result["plans"]) == 3 and result["best"]["memory_total"] <= 80e9
+    for plan_ in result["plans"]:
+        path = tmp_path / "layout.yaml"
+        path.write_text(plan_["yaml"])
+        assert yaml.safe_load(plan_["yaml"]) == plan_["config"]  # the YAML is the dict
+        mesh, _ = load_config(str(path), world_size=devices)
+        assert math.prod(mesh.shape) == devices
+        assert plan_["resembles"]["recipe"] and plan_["resembles"]["source"]
+    assert result["best"]["layout"]["ring"] * result["best"]["layout"]["ulysses"] > 1  # context parallel each time
+
+
+def test_sharding_levels_divide_state_over_dp_and_sep():
+    whole = memory(SMALL, Layout(dp=2, ring=2), 4096, 1, 2)
+    by_level = {level: memory(SMALL, Layout(dp=2, ring=2, sharding=level), 4096, 1, 2) for level in (1, 2, 3)}
+    quarter = pytest.approx(0.25)
+    assert by_level[1]["optimizer"] / whole["optimizer"] == quarter
+    assert by_level[1]["gradients"] == whole["gradients"] and by_level[1]["weights"] == whole["weights"]
+    assert by_level[2]["gradients"] / whole["gradients"] == quarter and by_level[2]["weights"] == whole["weights"]
+    assert by_level[3]["weights"] / whole["weights"] == quarter
+    over_dp = memory(SMALL, Layout(dp=2, ring=2, sharding=3, shard_dims=("dp",)), 4096, 1, 2)
+    assert over_dp["weights"] / whole["weights"] == pytest.approx(0.5)
+    # paddle_cp holds whole gradients until the step reduces them: the step phase is the same at every level
+    assert len({m["phases"]["step"] - m["weights"] - m["optimizer"] for m in (whole, *by_level.values())}) == 1
+    assert "sharding_mesh_dim" not in parallelize_config(Layout(dp=2, ring=2, sharding=3))["dp_config"]
+    assert parallelize_config(Layout(dp=2, ring=2, sharding=3, shard_dims=("dp",)))["dp_config"] == {
+        "sharding_level": 3, "sharding_mesh_dim": "dp"}
+
+
+def test_recomputation_keeps_layer_inputs_and_selective_modules_follow_the_family():
+    plain = memory(SMALL, Layout(ring=2), 8192, 1, 2)
+    full = memory(SMALL, Layout(ring=2, recompute="full"), 8192, 1, 2)
+    tokens = 8192 / 2
+    final_norm = tokens * SMALL.hidden * (4 + 2) + tokens * SMALL.hidden * 2
+    kept = tokens * SMALL.hidden * 2 + tokens * 2 * SMALL.head_dim * 4  # input, rotary tables (fp32)
+    assert full["activations"] == pytest.approx(SMALL.layers * kept + final_norm)
+    assert full["activations"] < plain["activations"] / 5
+    assert model_config(Layout(recompute="full")) == {"recompute_granularity": "full", "recompute_method": "uniform",
+                                                      "recompute_num_layers": 1}
+    moe = ModelShape.from_config(QWEN3_MOE)
+    assert planner.recompute_options(SMALL, 1) == ["none", "full"]  # PaddleFormers' Llama: full layers only
+    assert {"core_attn", "mlp", "full_attn+mlp"} <= set(planner.recompute_options(moe, 1))
+    assert planner.recompute_options(moe, 2) == ["none"]  # its recompute refuses a pipeline stage's inputs
+    mlp = memory(moe, Layout(ring=2, recompute="mlp"), 8192, 1, 2)
+    assert mlp["activations"] < memory(moe, Layout(ring=2), 8192, 1, 2)["activations"]
+    assert model_config(Layout(recompute="core_attn+mlp"))["recompute_modules"] == ["core_attn", "mlp"]
+
+
+def test_chunked_loss_holds_a_chunk_and_runs_without_tensor_parallel_only():
+    held, backward = logits(SMALL, Layout(ring=2), 8192, 1, 0)
+    assert held == 4096 * SMALL.vocab * 4 and backward == 2 * held
+    chunked_held, chunked_backward = logits(SMALL, Layout(ring=2, loss_chunk=512), 8192, 1, 0)
+    assert chunked_held == 0 and chunked_backward < backward
+    assert logits(SMALL, Layout(ring=2, loss_chunk=4096), 8192, 1, 0) == (held, backward)  # not longer than the chunk
+    found = list(planner.candidates(SMALL, 8, 8192, 8, loss_chunk=512))
+    assert any(c.loss_chunk for c in found) and not any(c.loss_chunk and c.tp > 1 for c in found)
+
+
+def test_experts_divide_over_ep_and_their_replicas():
+    moe = ModelShape.from_config(QWEN3_MOE)
+    assert (moe.experts, moe.experts_per_token, moe.moe_layers, moe.expert_intermediate) == (8, 2, 3, 128)
+    assert moe.params == (4 * moe.attention_params + 1 * moe.dense_mlp_params + 3 * (moe.expert_params
+                          + moe.moe_replicated_params) + 2 * moe.embedding_params + moe.norm_params)
+    _, one = stage_params(moe, Layout(dp=2, ring=2), 0)
+    _, four = stage_params(moe, Layout(dp=2, ring=2, ep=4), 0)
+    assert four == pytest.approx(one / 4)
+    level1 = memory(moe, Layout(dp=2, ring=2, ep=2, sharding=1), 4096, 1, 2)["optimizer"]
+    dense, experts = stage_params(moe, Layout(dp=2, ring=2, ep=2), 0)
+    assert level1 == pytest.approx((dense / 4 + experts / 2) * 12)  # experts' replicas: dp x sep / ep
+    config = parallelize_config(Layout(dp=2, ring=2, ep=4))
+    assert config["ep_config"] == {"degree": 4, "parallelize_plan": {"model.layers.*.mlp": "ExpertParallel"}}
+    cluster = Cluster(8, 80e9, 400e12, 300e9, 25e9, 8)
+    assert step_time(moe, Layout(dp=2, ring=2, ep=4), cluster, 4096, 1, 2)["expert_all_to_all"] > 0
+    assert {c.ep for c in planner.candidates(moe, 8, 4096, 8)} == {1, 2, 4, 8}
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        ModelShape.from_config({**QWEN3_MOE, "kv_lora_rank": 512})
+
+
+def test_cli_refuses_a_model_it_cannot_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_MOE, "model_type": "deepseek_v3", "kv_lora_rank": 512}))
+    with pytest.raises(SystemExit, match="pcp-plan: deepseek_v3 uses multi-head latent attention"):
+        plan.main(["--config", str(tmp_path / "config.json"), "--seq", "4096", "--devices", "8"])
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp=2, ring=4, tp=8, pp=2, micro=8, vpp=2, sharding=3),
+                                    Layout(ring=2, ulysses=2, ep=4, sharding=2, shard_dims=("dp",), loss_chunk=1024),
+                                    Layout(dp=4, recompute="full_attn+mlp"), Layout(ring=8, recompute="full")])
+def test_layout_names_read_back(layout):
+    assert Layout.parse(layout.name) == layout
+    assert Layout.parse(layout.name.replace(" ", ",")) == layout
+
+
+def test_bad_layout_names_say_which_token():
+    with pytest.raises(ValueError, match="'dq2'.*tokens are"):
+        Layout.parse("dq2 ring2")
+    with pytest.raises(ValueError, match="'dp', 'sep' or both"):
+        Layout.parse("dp2 l3@mp")
