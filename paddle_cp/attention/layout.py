@@ -144,7 +144,7 @@ class SequenceLayout:
         work = documents.keys_seen()
         per_position = work.sum(axis=0)
         seq_len = work.shape[1]
-        chunks = [per_position[self.group_positions(seq_len, g)].sum() for g in range(self.ring)]
+        chunks = [per_position[ChunkSplit().group_positions(seq_len, self.ring, g)].sum() for g in range(self.ring)]
         if max(chunks) <= BALANCED * sum(chunks) / self.ring:
             return self
         balanced = DocumentSplit(work, self.ring)
