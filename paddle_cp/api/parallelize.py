@@ -103,10 +103,10 @@ def _validated_plan(model, config, mesh):
     matched = resolve_plan(model, _merged_plan(config))
     matched += implied_lora_plans(matched)
     annotation = annotate_plan(model, matched, mesh)
-    check_mixers_routed(model, matched)
     for _, layer, plans, params in matched:
         for plan in plans:
             plan.check(layer, mesh, params)
+    check_mixers_routed(model, matched)  # after each plan's own checks: a plan that cannot apply says why first
     applications = [(plan, layer, params) for _, layer, plans, params in matched for plan in plans]
     applications.sort(key=lambda item: item[0].order)  # stable; see Plan.order
     return applications, annotation
