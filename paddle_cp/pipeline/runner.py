@@ -128,17 +128,24 @@ class Pipeline:
             return received
         return stage_p2p.skeleton(received)[1][0]
 
-    def run_chunk(self, virtual, args, kwargs, received):
+    def run_chunk(self, virtual, args, kwargs, received, micro=(0, 1)):
         """One forward of virtual stage `virtual`. `received`: (output, whether the sequence is split over
-        mp there) from the stage before. Returns the model's output (last stage) or that pair for the next."""
+        mp there) from the stage before; `micro`: (index, count) of its micro-batch. Returns the model's
+        output (last stage) or that pair for the next."""
         self._current, self._received = virtual, received
         runtime.state.sequence_split = self._initial  # as the root's hooks left it, not the previous chunk
+        batches = runtime.state.batches
+        sliced = micro[1] > 1 and bool(batches)
+        if sliced:  # the whole batch's facts (documents, padding) as this micro-batch's rows
+            batches.append(batches[-1].micro_batch(*micro))
         try:
             return self._forward(*args, **kwargs)
         except _StageExit as done:
             return done.output, runtime.state.sequence_split
         finally:
             self._current = self._received = None
+            if sliced:
+                batches.pop()
 
     # ---- a step ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -168,7 +175,7 @@ class Pipeline:
                 inputs[at] = stage_p2p.recv_value(self.peers[a.peer], requires_grad=grad)
             elif a.kind == FORWARD:
                 args, kwargs, labels = micro[a.micro]
-                out = self.run_chunk(a.virtual, args, kwargs, inputs.get(at))
+                out = self.run_chunk(a.virtual, args, kwargs, inputs.get(at), (a.micro, m))
                 if a.virtual == self.last:
                     losses[a.micro] = self._loss(out, labels)
                 else:
