@@ -5,9 +5,10 @@
 PaddleFormers' LlamaForCausalLM, built from a config (defaults otherwise: eager attention), learns the
 source files of Python's standard library as bytes (stdlib_text.py: one document per file, packed into
 sequences of --seq-len tokens). Attention stays inside each document: PrepareContextParallel(
-documents="position_ids") reads the documents from the restarting position ids. Ring attention (p2p)
-runs over all ranks; each rank's mean loss is weighted by pcp.loss_weight, since the ranks hold
-different numbers of labelled tokens. Rank 0 prints a progress line per step; a checkpoint is saved
+documents="position_ids") reads the documents from the restarting position ids and splits each batch so
+that every rank's attention work is the same (printed once, beside what 2N equal chunks would give).
+Ring attention (p2p) runs over all ranks; each rank's mean loss is weighted by pcp.loss_weight, since
+the ranks hold different numbers of labelled tokens. Rank 0 prints a progress line per step; a checkpoint is saved
 every --save-every steps (--resume continues from the newest). At the end rank 0 replays the same steps
 in one process with PaddleFormers' own mask for packed documents (attn_mask_startend_row_indices),
 prints both losses falling and their largest difference, and writes the curves to --out as loss.csv
@@ -115,8 +116,19 @@ def start(args, model, optimizer):
     return 0, []
 
 
+def work_imbalance(prepare, mesh, position_ids):
+    """The slowest rank's attention work over the mean, in `prepare`'s layout of this batch; a rank's work
+    is the keys its queries see, each query's position in its document + 1 (one all-gather)."""
+    local = pcp.shard_sequence(position_ids, backend=prepare, mesh=mesh, position_ids=position_ids)
+    gathered = []
+    dist.all_gather(gathered, (local + 1).sum().astype("float64").reshape([1]))
+    work = [w.item() for w in gathered]
+    return max(work) / (sum(work) / len(work))
+
+
 def train_parallel(args):
-    """Every rank: train under context parallelism; returns every step's loss (the global mean)."""
+    """Every rank: train under context parallelism; returns every step's loss (the global mean) and the
+    first batch's work imbalance in both layouts."""
     world = dist.get_world_size()
     mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
     prepare = pcp.PrepareContextParallel("p2p", documents="position_ids")
@@ -129,7 +141,16 @@ def train_parallel(args):
     first, losses = start(args, model, optimizer)
     progress = Progress("parallel", first, args.steps, args.batch_size * args.seq_len)
     for step, batch in batches(args, first):
-        local_labels = pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh)
+        if step == first:  # the balance the documents layout gives, beside the 2N chunks' on the same batch
+            chunks = pcp.PrepareContextParallel("p2p", documents="position_ids", layout="chunks")
+            balance = {name: work_imbalance(plan, mesh, batch["position_ids"])
+                       for name, plan in (("documents", prepare), ("chunks", chunks))}
+            if dist.get_rank() == 0:
+                print(f"per-rank attention work, slowest over mean: {balance['documents']:.3f} "
+                      f"({balance['chunks']:.3f} with 2N equal chunks)", flush=True)
+        # the batch's documents decide how it is split: labels follow with the same position ids
+        local_labels = pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh,
+                                          position_ids=batch["position_ids"])
         # this rank's mean over its labelled tokens, weighted by its share of all of them
         weight = pcp.loss_weight(int((local_labels != IGNORE).sum()), mesh)
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"],
@@ -146,7 +167,7 @@ def train_parallel(args):
             path = os.path.join(checkpoint_root(args), f"checkpoint-{step + 1}")
             pcp.save_checkpoint(path, model, optimizer, extra={"step": step + 1, "losses": losses}, async_save=True)
     pcp.wait_checkpoint()
-    return losses
+    return losses, balance
 
 
 def replay_single(args):
@@ -167,12 +188,13 @@ def replay_single(args):
 
 
 def main(argv=None):
-    """Returns (losses, one-process losses, largest difference) on rank 0, None elsewhere."""
+    """Returns (losses, one-process losses, largest difference, first batch's work imbalance by layout) on
+    rank 0, None elsewhere."""
     args = parse_args(argv)
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks, ring attention; Llama hidden {args.hidden_size}, {args.layers} layers; "
               f"{args.steps} steps of {args.batch_size} x {args.seq_len} tokens of packed stdlib files", flush=True)
-    losses = train_parallel(args)
+    losses, balance = train_parallel(args)
     if dist.get_rank() != 0:
         return None
     print(f"loss fell from {losses[0]:.4f} (step 1) to {losses[-1]:.4f} (step {len(losses)}); "
@@ -185,7 +207,7 @@ def main(argv=None):
     written.append(write_png(os.path.join(args.out, "loss.png"), losses, reference,
                              title=f"{dist.get_world_size()} ranks vs one process: max |difference| {gap:.1e}"))
     print("wrote " + ", ".join(path for path in written if path), flush=True)
-    return losses, reference, gap
+    return losses, reference, gap, balance
 
 
 if __name__ == "__main__":

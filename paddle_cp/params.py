@@ -338,6 +338,20 @@ def _window(box):
     return tuple(slice(o, o + n) for o, n in zip(box.global_offset, box.local_shape))
 
 
+_FETCH_UNIT = "_pcp_fetch_unit"
+
+
+def mark_fetch_unit(layer):
+    """Sharding level 3 fetches the parameters of `layer` and all its sublayers together, around its forward and
+    backward, not around each sublayer's: for sublayers that run or not, and in an order, depending on the
+    data (a rank's experts), where per-sublayer fetches (collectives) would not meet on every rank."""
+    object.__setattr__(layer, _FETCH_UNIT, True)
+
+
+def is_fetch_unit(layer):
+    return getattr(layer, _FETCH_UNIT, False)
+
+
 def record_of(param):
     """The parameter's record, created (no placements: whole, everywhere) on first use."""
     record = getattr(param, _ATTR, None)

@@ -26,6 +26,7 @@ from ..comm import collectives
 from ..pipeline import apply_pipeline, keep_own_parameters, plan_pipeline
 from ..data_parallel.optimizer import ParallelOptimizer, optimizer_parameters
 from ..params import complete_placements, is_lazy, record_of
+from .expert_config import expert_applications
 from .lazy_init import defer_initialization, require_initialized
 from .mixer_check import check_mixers_routed
 from .plan_annotation import annotate_plan
@@ -35,7 +36,7 @@ from ..plans.context_parallel import PrepareContextParallel
 from ..plans.sequence_parallel import is_sequence_plan, split_at_blocks, watch_partial_gradients
 from ..data_parallel.sharding import Sharding, check_level, shard_parameters, sharding_dims
 
-CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config")
+CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config", "ep_config")
 _STATE_ATTR = "_pcp_parallelized"
 
 
@@ -106,7 +107,7 @@ def _validated_plan(model, config, mesh):
     for _, layer, plans, params in matched:
         for plan in plans:
             plan.check(layer, mesh, params)
-    check_mixers_routed(model, matched)  # after each plan's own checks (a mesh without `sep` says so first)
+    check_mixers_routed(model, matched)  # after each plan's own checks: a plan that cannot apply says why first
     applications = [(plan, layer, params) for _, layer, plans, params in matched for plan in plans]
     applications.sort(key=lambda item: item[0].order)  # stable; see Plan.order
     return applications, annotation
@@ -144,6 +145,7 @@ def parallelize_model(model, mesh=None, config=None):
     mesh = mesh_lib.resolve_mesh(mesh)
     pipeline = plan_pipeline(model, mesh, config["pp_config"]) if config.get("pp_config") else None
     applications, annotation = _validated_plan(model, config, mesh)
+    applications += expert_applications(model, config, mesh)  # after mp's plans: tensor parallel inside experts first
     # nothing has changed so far; from here on every rank runs the same collectives
     world = _world_group(mesh)
     lazy = defer_initialization(model, world)

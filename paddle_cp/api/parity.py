@@ -24,6 +24,7 @@ from ..sequence.shard import shard_sequence, unshard_sequence
 from .parallelize import parallelized_state
 
 IGNORED_LABEL = -100  # PaddleFormers' default `ignored_index`
+STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed documents: both forwards understand them
 
 
 def check_parity(model, **inputs):
@@ -42,24 +43,44 @@ def check_parity(model, **inputs):
         raise ValueError(
             f"check_parity: PrepareContextParallel(documents={prepare.documents!r}) confines attention to documents "
             "the model's own forward does not know of, so there is no one-card forward to compare with; pass the "
-            "documents as PaddleFormers' attn_mask_startend_row_indices instead, which both forwards understand")
+            f"documents as PaddleFormers' {STARTEND} instead, which both forwards understand")
+    split = _BatchSplit(prepare, state.mesh, inputs) if prepare is not None else None
     parallel_inputs, labels = dict(inputs), inputs.get("labels")
     local_labels = labels
-    if prepare is not None and labels is not None:
-        local_labels = shard_sequence(labels, backend=prepare, mesh=state.mesh)
+    if split is not None and labels is not None:
+        local_labels = split.shard(labels)
         if prepared_layer is not model:  # the plan splits the inner model's inputs, not the loss's labels
             parallel_inputs["labels"] = local_labels
+    tokens = _local_tokens(model, inputs, local_labels, split)  # split before the forward, as a script would
     parallel, reference = _two_forwards(model, parallel_inputs, inputs)
     if list(parallel) != list(reference):
         raise ValueError(f"check_parity: the model returned outputs {list(parallel)} split and {list(reference)} "
                          "whole: it must return the same structure both ways")
-    tokens = _local_tokens(model, inputs, local_labels, prepare, state.mesh)
-    diffs = [_largest_difference(name, parallel[name], reference[name], prepare, state.mesh, tokens)
-             for name in reference]
+    diffs = [_largest_difference(name, parallel[name], reference[name], split, tokens) for name in reference]
     mine = paddle.to_tensor(np.array(diffs or [0.0], dtype="float64"))
     gathered = collectives.all_gather(state.world, mine, tag="check_parity")
     worst = np.max(np.stack([t.numpy() for t in gathered]), axis=0)
     return {name: float(worst[i]) for i, name in enumerate(reference)}
+
+
+class _BatchSplit:
+    """This batch's split by the model's PrepareContextParallel (its row indices, if any, decide the layout)."""
+
+    def __init__(self, prepare, mesh, inputs):
+        self.prepare, self.mesh = prepare, mesh
+        self.documents = {STARTEND: inputs.get(STARTEND)}
+
+    def shard(self, x):
+        return shard_sequence(x, backend=self.prepare, mesh=self.mesh, **self.documents)
+
+    def gather(self, x, dim, seq_len):
+        # the plan notes the splits it gives out, for its next forward to check; gathering outputs is none of them
+        recorded = set(self.prepare._sharded)
+        try:
+            return unshard_sequence(x, seq_dim=dim, backend=self.prepare, mesh=self.mesh, seq_len=seq_len,
+                                    **self.documents)
+        finally:
+            self.prepare._sharded = recorded
 
 
 def _two_forwards(model, parallel_inputs, whole_inputs):
@@ -104,7 +125,7 @@ def _flatten(output, prefix):
     return named
 
 
-def _local_tokens(model, inputs, local_labels, prepare, mesh):
+def _local_tokens(model, inputs, local_labels, split):
     """The tokens behind this rank's scalar outputs: its labelled tokens, or all its tokens."""
     if local_labels is not None:
         ignored = getattr(getattr(model, "config", None), "ignored_index", IGNORED_LABEL)
@@ -112,17 +133,17 @@ def _local_tokens(model, inputs, local_labels, prepare, mesh):
     ids = next((inputs[k] for k in ("input_ids", "inputs_embeds") if isinstance(inputs.get(k), paddle.Tensor)), None)
     if ids is None:
         return 1.0
-    local = ids if prepare is None else shard_sequence(ids, backend=prepare, mesh=mesh)
+    local = ids if split is None else split.shard(ids)
     return float(local.shape[0] * local.shape[1])
 
 
-def _largest_difference(name, got, want, prepare, mesh, tokens):
+def _largest_difference(name, got, want, split, tokens):
     if got.numel() == 1 and want.numel() == 1:
-        if prepare is not None:  # each sep rank's mean over its own tokens
-            got = _token_mean(got, tokens, prepare._groups.sep)
+        if split is not None:  # each sep rank's mean over its own tokens
+            got = _token_mean(got, tokens, split.prepare._groups.sep)
         return abs(float(got) - float(want.astype("float64")))
     if tuple(got.shape) != tuple(want.shape):
-        got = _in_token_order(name, got, want, prepare, mesh)
+        got = _in_token_order(name, got, want, split)
     return float((got.astype("float64") - want.astype("float64")).abs().max())
 
 
@@ -134,10 +155,10 @@ def _token_mean(value, tokens, sep_group):
     return total / count if count else 0.0
 
 
-def _in_token_order(name, got, want, prepare, mesh):
+def _in_token_order(name, got, want, split):
     """A split output gathered in token order, along the one dim where it is shorter than the whole one."""
     dims = [d for d in range(got.ndim) if got.ndim == want.ndim and got.shape[d] != want.shape[d]]
-    if prepare is None or len(dims) != 1:
+    if split is None or len(dims) != 1:
         raise ValueError(f"check_parity: output {name!r} is {list(got.shape)} split and {list(want.shape)} whole; "
                          "only outputs that differ in one (sequence) dim can be gathered")
-    return unshard_sequence(got, seq_dim=dims[0], backend=prepare, mesh=mesh, seq_len=want.shape[dims[0]])
+    return split.gather(got, dims[0], want.shape[dims[0]])

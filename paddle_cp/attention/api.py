@@ -60,7 +60,7 @@ def context_parallel_attention(
         query, key, value = scatter_heads(query, key, value, groups.ulysses, split, lengths)
     positions = [layout.group_positions(seq_len, g) for g in range(layout.ring)]
     masks = RingMasks(positions, ring_index, bool(is_causal), documents, attn_mask, layout.chunk_starts(seq_len),
-                      window, valid)
+                      window, valid, layout.split.fragment)
     out = ring_attention_local(query, key, value, groups.ring, masks, scale, rotate, sinks)
     if groups.ulysses.size > 1:
         out = gather_heads(out, groups.ulysses, split, lengths)

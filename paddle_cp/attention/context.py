@@ -29,6 +29,19 @@ class SequenceInfo:
     documents: Documents | None = None
     valid: np.ndarray | None = None
 
+    def micro_batch(self, index, count):
+        """The facts of rows [index * b, (index + 1) * b) of `count` equal micro-batches (a pipeline's)."""
+        def rows(array):
+            if array is None or array.shape[0] == 1:
+                return array
+            size = array.shape[0] // count
+            return array[index * size:(index + 1) * size]
+
+        documents = self.documents
+        if documents is not None:
+            documents = Documents(rows(documents.start), rows(documents.end), documents.causal_only)
+        return SequenceInfo(self.layout, self.seq_len, documents, rows(self.valid))
+
 
 def publish(info):
     runtime.state.batches.append(info)

@@ -1,21 +1,40 @@
 """Sequence layouts: which global tokens each context-parallel rank holds.
 
-The `sep` ranks form R ring groups of U Ulysses ranks (rank index = g*U + u).
-Ring group g holds chunks g and 2R-1-g of 2R (Paddle's shard_seq_load_balance:
-equal causal work per group); its tokens are split contiguously over its U
-ranks. `p2p` is U = 1, `all2all` is R = 1, `hybrid` anything between.
+The backend fixes the shape: the `sep` ranks form R ring groups of U Ulysses
+ranks (rank index = g*U + u); `p2p` is U = 1, `all2all` is R = 1, `hybrid`
+anything between. A split, chosen apart from it, says which positions each ring
+group holds; a group's positions are split contiguously over its U ranks.
 
-Any length >= ranks works: chunk sizes differ by at most one token, and the
-extra tokens go one per rank before any rank gets a second, so local lengths
-differ by at most one. Input splitting, unsharding and the attention all read
-the layout from here.
+- `chunks` (ChunkSplit): group g holds chunks g and 2R-1-g of 2R (Paddle's
+  shard_seq_load_balance: equal causal work for one document). Any length >=
+  ranks works: chunk sizes differ by at most one token, and the extra tokens go
+  one per rank before any rank gets a second, so local lengths differ by at most one.
+- `documents` (DocumentSplit): one batch's packed documents balanced by
+  attention work (balance.py), when the chunks leave the slowest ring group
+  more than BALANCED over the mean; local lengths differ by a few tokens.
+
+PrepareContextParallel picks the split per batch (`SPLITS`); input splitting,
+unsharding and the attention all read the batch's layout from here.
 """
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import paddle
 
+from .balance import balanced_groups, piece_starts
+
 BACKENDS = ("p2p", "all2all", "hybrid")
+SPLITS = ("documents", "chunks")  # PrepareContextParallel(layout=...): how a batch with documents is split
+BALANCED = 1.05  # slowest ring group's work over the mean at which the chunks are kept
+
+
+def check_split(name):
+    if name not in SPLITS:
+        raise ValueError(f"unknown sequence layout {name!r}: use one of {list(SPLITS)} ('documents' balances packed "
+                         "documents' attention work over the ranks, 'chunks' always cuts 2N equal chunks)")
+    return name
 
 
 def check_backend(backend):
@@ -53,12 +72,87 @@ def runs(positions, cuts=()):
     return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
+class ChunkSplit:
+    """Ring group g holds chunks g and 2R-1-g of 2R, for any sequence."""
+
+    name = "chunks"
+    fragment = 0  # every run its own tiles
+
+    @staticmethod
+    def _sizes(seq_len, ring):
+        """Sizes of the 2R ring chunks; extra tokens go to chunks 0..R-1, then 2R-1 down to R."""
+        chunks = 2 * ring
+        order = list(range(ring)) + list(range(chunks - 1, ring - 1, -1))
+        sizes = [seq_len // chunks] * chunks
+        for chunk in order[: seq_len % chunks]:
+            sizes[chunk] += 1
+        return sizes
+
+    def cuts(self, seq_len, ring):
+        """Global positions where ring chunks start."""
+        return np.cumsum([0] + self._sizes(seq_len, ring))[1:-1]
+
+    def group_positions(self, seq_len, ring, index):
+        starts = np.cumsum([0] + self._sizes(seq_len, ring))
+        chunk_ids = (index, 2 * ring - 1 - index)
+        return np.concatenate([np.arange(starts[c], starts[c + 1]) for c in chunk_ids])
+
+
+class DocumentSplit:
+    """One batch's positions over R ring groups, balanced by attention work (balance.py)."""
+
+    name = "documents"
+    fragment = 64  # many documents make many short pieces: those share the kernels' tiles
+
+    def __init__(self, work, ring):
+        """`work`: int64 [batch, seq_len], the keys each query sees (Documents.keys_seen)."""
+        group = balanced_groups(work, ring)
+        self.seq_len = work.shape[1]
+        self.positions = [np.flatnonzero(group == g) for g in range(ring)]
+        self._cuts = piece_starts(group, work)
+
+    def _check(self, seq_len):
+        if seq_len != self.seq_len:
+            raise ValueError(f"this batch's layout covers {self.seq_len} tokens, not {seq_len}: split tensors of "
+                             "the batch whose documents made it")
+
+    def cuts(self, seq_len, ring):
+        self._check(seq_len)
+        return self._cuts
+
+    def group_positions(self, seq_len, ring, index):
+        self._check(seq_len)
+        return self.positions[index]
+
+
 class SequenceLayout:
     def __init__(self, backend, world, ulysses_degree=None):
         self.backend = check_backend(backend)
         self.world = world
         self.ulysses = ulysses_size(backend, world, ulysses_degree)
         self.ring = world // self.ulysses
+        self.split = ChunkSplit()
+
+    def for_batch(self, documents, split="documents"):
+        """The layout of a batch: balanced over its `documents` (a Documents, or None) with split
+        'documents', else this one. Also this one with a single ring group (Ulysses alone: every
+        rank attends for every query), when its chunks already balance the work within BALANCED
+        (many short documents: chunks keep each on one rank, which tiles best), and when the balance
+        would leave a rank without a token."""
+        if check_split(split) == "chunks" or documents is None or self.ring == 1:
+            return self
+        work = documents.keys_seen()
+        per_position = work.sum(axis=0)
+        seq_len = work.shape[1]
+        chunks = [per_position[ChunkSplit().group_positions(seq_len, self.ring, g)].sum() for g in range(self.ring)]
+        if max(chunks) <= BALANCED * sum(chunks) / self.ring:
+            return self
+        balanced = DocumentSplit(work, self.ring)
+        if min(len(p) for p in balanced.positions) < self.ulysses:
+            return self
+        layout = copy.copy(self)
+        layout.split = balanced
+        return layout
 
     def check_length(self, seq_len, what="sequence"):
         if seq_len < self.world:
@@ -67,25 +161,13 @@ class SequenceLayout:
                 f"every rank needs at least one token; use sequences of length >= {self.world} or fewer sep ranks"
             )
 
-    def _chunk_sizes(self, seq_len):
-        """Sizes of the 2R ring chunks; extra tokens go to chunks 0..R-1, then 2R-1 down to R."""
-        chunks = 2 * self.ring
-        order = list(range(self.ring)) + list(range(chunks - 1, self.ring - 1, -1))
-        sizes = [seq_len // chunks] * chunks
-        for chunk in order[: seq_len % chunks]:
-            sizes[chunk] += 1
-        return sizes
-
     def chunk_starts(self, seq_len):
-        """Global positions where ring chunks start."""
-        return np.cumsum([0] + self._chunk_sizes(seq_len))[1:-1]
+        """Global positions where the split's pieces start (tiles stay inside them)."""
+        return self.split.cuts(seq_len, self.ring)
 
     def group_positions(self, seq_len, ring_index):
-        """Global positions of ring group `ring_index`, in its order (its Ulysses ranks' tokens, in turn)."""
-        sizes = self._chunk_sizes(seq_len)
-        starts = np.cumsum([0] + sizes)
-        chunk_ids = (ring_index, 2 * self.ring - 1 - ring_index)
-        return np.concatenate([np.arange(starts[c], starts[c + 1]) for c in chunk_ids])
+        """Global positions of ring group `ring_index`, ascending (its Ulysses ranks' tokens, in turn)."""
+        return self.split.group_positions(seq_len, self.ring, ring_index)
 
     def positions(self, seq_len, index):
         """Global token positions held by rank `index`, in local order."""

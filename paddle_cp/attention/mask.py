@@ -91,6 +91,45 @@ class Documents:
     def seq_len(self):
         return self.start.shape[1]
 
+    def keys_seen(self):
+        """int64 [batch, seq_len]: the keys each query sees under causal attention (key j is seen by
+        rows j <= i < end[j]), the work the documents layout balances."""
+        batch, length = self.end.shape
+        keys = np.broadcast_to(np.arange(length), (batch, length))
+        row = np.broadcast_to(np.arange(batch)[:, None] * (length + 1), (batch, length))
+        end = np.clip(self.end, 0, length)
+        seen = end > keys
+        changes = np.zeros(batch * (length + 1), np.int64)  # +1 where a key starts being seen, -1 where it stops
+        np.add.at(changes, (row + keys)[seen], 1)
+        np.add.at(changes, (row + end)[seen], -1)
+        return np.cumsum(changes.reshape(batch, length + 1), axis=1)[:, :length]
+
+
+def tiles(row_runs, size=None, fragment=0):
+    """Index ranges to compute over: runs cut into tiles of at most `size` rows (None: whole), and
+    consecutive runs shorter than `fragment` gathered into shared tiles of about `fragment` rows (a
+    layout of many short pieces would otherwise make many tiny tiles; masks keep them exact)."""
+    out, pending = [], None
+
+    def emit(start, end):
+        step = size or end - start
+        out.extend((a, min(a + step, end)) for a in range(start, end, step))
+
+    for start, end in row_runs:
+        if end - start >= fragment:
+            if pending:
+                emit(*pending)
+                pending = None
+            emit(start, end)
+            continue
+        pending = (pending[0] if pending else start, end)
+        if pending[1] - pending[0] >= fragment:
+            emit(*pending)
+            pending = None
+    if pending:
+        emit(*pending)
+    return out
+
 
 def _numpy(values):
     return np.asarray(values.numpy() if isinstance(values, paddle.Tensor) else values)
@@ -110,14 +149,16 @@ class BlockMask:
 
     `dense`: this pair's slice of a dense mask, [b, 1 or heads, len(q_pos), len(k_pos)],
     boolean (True = attend) or additive (-inf or a dtype's min = masked).
-    `cuts`: positions where tiles must start (the layout's chunk starts).
+    `cuts`: positions where tiles must start (the layout's chunk starts);
+    `fragment`: runs shorter than this share tiles (see `tiles`; 0: every run its own).
     `window`: causal sliding window (a key is seen by itself and the w-1 queries after it);
     `valid`: [b, seq_len] bool over global positions, False for padding keys.
     """
 
-    def __init__(self, q_pos, k_pos, causal, documents=None, dense=None, cuts=(), window=None, valid=None):
+    def __init__(self, q_pos, k_pos, causal, documents=None, dense=None, cuts=(), window=None, valid=None,
+                 fragment=0):
         self.q_pos, self.k_pos = np.asarray(q_pos), np.asarray(k_pos)
-        self.cuts = cuts
+        self.cuts, self.fragment = cuts, fragment
         self.causal, self.dense, self.window = causal, dense, window
         if documents is not None and documents.causal_only and not causal:
             raise ValueError("attn_mask_startend_row_indices describe a causal mask: call attention with is_causal=True")
@@ -146,6 +187,12 @@ class BlockMask:
     def k_runs(self):
         return runs(self.k_pos, self.cuts)
 
+    def q_tiles(self, size=None):
+        return tiles(self.q_runs(), size, self.fragment)
+
+    def k_tiles(self, size=None):
+        return tiles(self.k_runs(), size, self.fragment)
+
     def classify(self, q_range, k_range, record=False):
         """'none', 'all', 'diagonal' (plain causal, same positions) or 'some' for a tile of
         consecutive query rows and consecutive key rows."""
@@ -171,8 +218,8 @@ class BlockMask:
             return "all" if every and seen.all() else "some"
         if every:
             return "all"
-        diagonal = (self.causal and (qe - qs) == (ke - ks)
-                    and first == self.k_pos[ks] and np.all(hi > last))
+        diagonal = (self.causal and (qe - qs) == (ke - ks) and first == self.k_pos[ks]
+                    and np.all(hi > last) and np.array_equal(self.q_pos[qs:qe], self.k_pos[ks:ke]))
         return "diagonal" if diagonal else "some"
 
     def _dense_seen(self):
@@ -185,6 +232,14 @@ class BlockMask:
     def _dense_tile(self, q_range, k_range):
         (qs, qe), (ks, ke) = q_range, k_range
         return self.dense[:, :, qs:qe, ks:ke]
+
+    def row_bounds(self, q_range, k_range):
+        """Per key of a tile, the tile's rows that see it, [start, end) (query positions ascend, so they are
+        one range); int64 [b or 1, Bk] each (dense masks aside)."""
+        (qs, qe), (ks, ke) = q_range, k_range
+        rows = self.q_pos[qs:qe]
+        lo, hi = np.broadcast_arrays(self.lo[:, ks:ke], self.hi[:, ks:ke])
+        return np.searchsorted(rows, lo), np.searchsorted(rows, hi)
 
     def tile(self, q_range, k_range):
         """[b or 1, 1 or heads, Bq, Bk] mask for a tile: boolean, or additive when the dense mask is."""

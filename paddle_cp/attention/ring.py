@@ -27,13 +27,14 @@ class RingMasks:
 
     `positions[i]`: global positions of member i's tokens; `dense`: this
     member's rows of a dense mask, [b, 1|h, len(positions[index]), seq_len];
-    `cuts`: the layout's chunk starts; `window`, `valid`: as BlockMask's.
+    `cuts`: the layout's chunk starts; `window`, `valid`, `fragment`: as BlockMask's.
     """
 
-    def __init__(self, positions, index, causal, documents=None, dense=None, cuts=(), window=None, valid=None):
+    def __init__(self, positions, index, causal, documents=None, dense=None, cuts=(), window=None, valid=None,
+                 fragment=0):
         self.positions, self.index, self.cuts = positions, index, cuts
         self.causal, self.documents, self.dense = causal, documents, dense
-        self.window, self.valid = window, valid
+        self.window, self.valid, self.fragment = window, valid, fragment
 
     def lengths(self):
         return [len(p) for p in self.positions]
@@ -41,7 +42,7 @@ class RingMasks:
     def block(self, src):
         keys = self.positions[src]
         return BlockMask(self.positions[self.index], keys, self.causal, self.documents, self._columns(keys),
-                         self.cuts, self.window, self.valid)
+                         self.cuts, self.window, self.valid, self.fragment)
 
     def _columns(self, keys):
         if self.dense is None:

@@ -135,27 +135,28 @@ def batch(plan):
     return info
 
 
-def sequence_length(plan, local_len):
-    """The global length of the sequence this rank holds `local_len` tokens of: the batch's, else agreed
-    with the other ranks (one tiny all-gather); checked against the layout on every rank."""
+def sequence(plan, local_len):
+    """(layout, global length) of the sequence this rank holds `local_len` tokens of: the batch's (its
+    split may follow its documents), else the plan's layout and a length agreed with the other ranks (one
+    tiny all-gather); checked against the layout on every rank."""
     info = batch(plan)
     if info is None:
-        return agreed_seq_len(plan._layout, plan._groups.sep, local_len)
-    check_local_length(plan._layout, info.seq_len, plan._groups.sep.index, local_len)
-    return info.seq_len
+        return plan._layout, agreed_seq_len(plan._layout, plan._groups.sep, local_len)
+    check_local_length(info.layout, info.seq_len, plan._groups.sep.index, local_len)
+    return info.layout, info.seq_len
 
 
 def attend(plan, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True, scale=None,
            enable_gqa=True, window=None, sinks=None, padding=True):
     """Context-parallel attention of [b, s_local, h, d] q/k/v under `plan` for the current batch
-    (its length, documents and padding, published by PrepareContextParallel). `padding`: whether the
+    (its layout, length, documents and padding, published by PrepareContextParallel). `padding`: whether the
     batch's padding keys are masked (the one-card call carried a mask built from it)."""
     info = batch(plan)
-    seq_len = documents = valid = None
-    if info is not None:
-        seq_len, documents = info.seq_len, info.documents
+    layout, seq_len, documents, valid = plan._layout, None, None, None
+    if info is not None:  # the batch's layout: its split may follow its documents
+        layout, seq_len, documents = info.layout, info.seq_len, info.documents
         valid = info.valid if padding else None
-    out = context_parallel_attention(plan._layout, plan._groups, query, key, value, attn_mask, dropout_p,
+    out = context_parallel_attention(layout, plan._groups, query, key, value, attn_mask, dropout_p,
                                      is_causal, training, scale, seq_len, documents, plan.rotate,
                                      enable_gqa=enable_gqa, window=window, sinks=sinks, valid=valid)
     mark_ran()

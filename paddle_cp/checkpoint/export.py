@@ -29,7 +29,7 @@ from . import layout, restore
 from .agree import count_failures
 from .full_state import full_state_dict, full_value
 from .lora_export import PREFIX, is_lora_model, merged_lora_state, save_lora_adapter
-from .pretrained import SAFE_INDEX, postprocess, whole_desc, whole_descs
+from .pretrained import SAFE_INDEX, delivered_dtype, postprocess, whole_desc, whole_descs
 from .safetensors_writer import StreamingFile, nbytes
 
 
@@ -71,7 +71,7 @@ def inverse_mapping(model):
 def _outputs(model):
     """[(file key, shape, dtype, engine)] of what save_pretrained writes, from the model's global specs."""
     engine = AOAEngine(inverse_mapping(model), whole_descs(restore.expected_model_specs(model)), None)
-    return engine, [(key, tuple(var.shape), var.dtype) for key, var in sorted(engine.output_vars.items())
+    return engine, [(key, tuple(var.shape), delivered_dtype(var)) for key, var in sorted(engine.output_vars.items())
                     if var is not None]
 
 
@@ -97,11 +97,11 @@ def _make(engine, key, shape, dtype, state):
         if source.key != full_key:
             full, full_key = None, source.key  # the previous source is freed before the next is gathered
             full = full_value(state[source.key])
+        block = postprocess(full[tuple(slice(o, o + n) for o, n in zip(source.global_offset, source.local_shape))],
+                            entry.postprocess_list)
         if out is None:
-            out = np.empty(shape, dtype=full.dtype)
-        block = full[tuple(slice(o, o + n) for o, n in zip(source.global_offset, source.local_shape))]
-        out[tuple(slice(o, o + n) for o, n in zip(target.global_offset, target.local_shape))] = \
-            postprocess(block, entry.postprocess_list)
+            out = np.empty(shape, dtype=block.dtype)  # the mapping's cast (save_pretrained's bfloat16 router)
+        out[tuple(slice(o, o + n) for o, n in zip(target.global_offset, target.local_shape))] = block
     return out
 
 

@@ -20,7 +20,10 @@ def full_value(tensor):
         return tensor.numpy()
     local = tensor
     for group, source in record.value_sources():
-        buffer = local if group.index == source else paddle.empty(record.local_shape(), tensor.dtype)
+        # a source without the value (another placement keeps it elsewhere: a pipeline stage's rank that does
+        # not own this expert) sends a placeholder; the fetch over that other placement's group fills it in
+        keeps = group.index == source and local._is_initialized() and tuple(local.shape) == record.local_shape()
+        buffer = local if keeps else paddle.empty(record.local_shape(), tensor.dtype)
         local = collectives.broadcast(group, buffer, source, tag="state_dict")
     for shard in reversed(record.shards()):
         local = _gathered(shard, local)
@@ -28,17 +31,25 @@ def full_value(tensor):
 
 
 def _gathered(shard, local):
-    """The array whole along the shard's axis from every position's piece (a Tensor or array); uneven
-    pieces are padded to one length for the all-gather and trimmed after."""
+    """The array whole along the shard's axis from every position's piece (a Tensor or array): each position's
+    piece broadcast in turn into one array, so one piece is in flight besides it (an all-gather would hold every
+    position's, uneven ones padded to the largest: more than the whole tensor again)."""
     local = local if isinstance(local, paddle.Tensor) else paddle.to_tensor(local)
-    lengths = [shard.local_length(r) for r in range(shard.group.size)]
-    if local.shape[shard.axis] < max(lengths):
-        padding = list(local.shape)
-        padding[shard.axis] = max(lengths) - local.shape[shard.axis]
-        local = paddle.concat([local, paddle.zeros(padding, local.dtype)], axis=shard.axis)
-    pieces = [p.numpy() for p in collectives.all_gather(shard.group, local, tag="state_dict")]
-    return shard.assemble([p if p.shape[shard.axis] == n else np.take(p, range(n), axis=shard.axis)
-                           for p, n in zip(pieces, lengths)])
+    whole = None
+    for position in range(shard.group.size):
+        shape = list(local.shape)
+        shape[shard.axis] = shard.local_length(position)
+        buffer = local if position == shard.group.index else paddle.empty(shape, local.dtype)
+        piece = collectives.broadcast(shard.group, buffer, position, tag="state_dict").numpy()
+        if whole is None:
+            shape[shard.axis] = sum(shard.parts)
+            whole = np.empty(shape, piece.dtype)
+        offset = 0
+        for start, length in shard.pieces(position):  # one piece of each fused part
+            whole[(slice(None),) * shard.axis + (slice(start, start + length),)] = \
+                piece[(slice(None),) * shard.axis + (slice(offset, offset + length),)]
+            offset += length
+    return whole
 
 
 def full_state_dict(model):

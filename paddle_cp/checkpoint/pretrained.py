@@ -137,21 +137,40 @@ def _engine(files, specs, mapping, directory):
                          f"keys only in the files {unexpected[:5]}; {_REBUILD}")
     for key, (shape, dtype) in sorted(specs.items()):
         found = outputs[key]
-        if tuple(found.shape) != tuple(shape) or found.dtype != dtype:
-            raise ValueError(f"load_pretrained: {directory} holds '{key}' as {found.dtype}{list(found.shape)}, "
+        delivered = delivered_dtype(found)
+        if tuple(found.shape) != tuple(shape) or delivered != dtype:
+            raise ValueError(f"load_pretrained: {directory} holds '{key}' as {delivered}{list(found.shape)}, "
                              f"this model needs {dtype}{list(shape)}: build the model from the saved config, "
                              "with the dtype the weights were saved in")
     return engine
 
 
+def delivered_dtype(found):
+    """The dtype the engine delivers for a model key: its file dtype, or the cast the class's mapping declares
+    (`dtype='float32'`: DeepSeek-V3 and GLM4-MoE save their router in bfloat16 and load it as float32)."""
+    casts = {next((step for step in reversed(steps or ()) if not step.startswith("[")), found.dtype)
+             for *_, steps in found.slices}
+    return casts.pop() if len(casts) == 1 else found.dtype
+
+
 def postprocess(block, steps):
-    """Apply the engine's steps to a block read from a file: transposes ("[1, 0]") and casts."""
+    """Apply the engine's steps to a block (numpy; bfloat16 as its uint16 bits): transposes ("[1, 0]") and casts."""
     for step in steps or ():
         if step.startswith("["):
             block = np.transpose(block, ast.literal_eval(step))
         else:
-            block = block.astype(step)
+            block = _cast(block, step)
     return block
+
+
+def _cast(block, dtype):
+    """`block` as Paddle dtype `dtype`; bfloat16 is uint16 bits on both sides (numpy has none), cast by Paddle."""
+    bits = numpy_dtype("bfloat16")
+    if block.dtype != bits and dtype != "bfloat16":
+        return block.astype(dtype)
+    source = paddle.to_tensor(block.view(np.int16)).view(paddle.bfloat16) if block.dtype == bits else \
+        paddle.to_tensor(block)
+    return source.astype(dtype).numpy()
 
 
 def _read_box(files, engine, key, tensor, offset, shape):

@@ -47,17 +47,17 @@ def all_to_all(x, mesh_group, scatter_axis, gather_axis, scatter_sizes=None, gat
 
 def _padded(x, axis, width):
     """`x` with zeros appended along `axis` up to `width` (gloo gathers equal shapes only)."""
-    if x.shape[axis] == width:
+    if x.shape[axis] >= width:
         return x
     pad = list(x.shape)
     pad[axis] = width - x.shape[axis]
     return paddle.concat([x, paddle.zeros(pad, x.dtype)], axis=axis)
 
 
-def _gathered_parts(x, mesh_group, axis, sizes, tag):
-    """Every position's part along `axis` (position j holds sizes[j]), in mesh order."""
+def _gathered(x, mesh_group, axis, sizes, tag):
+    """Every position's `x` concatenated along `axis` (uneven parts padded to the largest for the gather)."""
     parts = collectives.all_gather(mesh_group, _padded(x, axis, max(sizes)), tag=tag)
-    return [paddle.slice(p, [axis], [0], [n]) for p, n in zip(parts, sizes)]
+    return paddle.concat([paddle.slice(p, [axis], [0], [n]) for p, n in zip(parts, sizes)], axis=axis)
 
 
 class GatherReplicated(PyLayer):
@@ -72,7 +72,7 @@ class GatherReplicated(PyLayer):
     @staticmethod
     def forward(ctx, x, mesh_group, axis, sizes, tag="all_gather"):
         ctx.args = (axis, sum(sizes[: mesh_group.index]), x.shape[axis])
-        return paddle.concat(_gathered_parts(x, mesh_group, axis, sizes, tag), axis=axis)
+        return _gathered(x, mesh_group, axis, sizes, tag)
 
     @staticmethod
     def backward(ctx, grad):
@@ -88,22 +88,22 @@ def gather_replicated(x, mesh_group, axis, sizes=None, tag="all_gather"):
 
 
 class GatherSummed(PyLayer):
-    """All-gather along `axis` for consumers that differ by rank (each uses the parts it needs):
-    backward sums every rank's gradient of each part and hands each owner its own (a reduce-scatter,
-    the all-gather's mirror). `sizes[j]`: how much of `axis` position j holds."""
+    """All-gather along `axis` for consumers that differ by rank (each uses the parts it needs, or a
+    statistic over every rank's tokens counted once in the loss): backward sums every rank's gradient of
+    each part and hands each owner its own (a reduce-scatter, the all-gather's mirror). `sizes[j]`: how
+    much of `axis` position j holds."""
 
     @staticmethod
     def forward(ctx, x, mesh_group, axis, sizes, tag="all_gather"):
         ctx.args = (mesh_group, axis, sizes, tag)
-        return paddle.concat(_gathered_parts(x, mesh_group, axis, sizes, tag), axis=axis)
+        return _gathered(x, mesh_group, axis, sizes, tag)
 
     @staticmethod
     def backward(ctx, grad):
         mesh_group, axis, sizes, tag = ctx.args
-        width = max(sizes)
-        parts = [_padded(part, axis, width) for part in paddle.split(grad, sizes, axis=axis)]
-        own = collectives.reduce_scatter(mesh_group, parts, tag=tag)
-        return paddle.slice(own, [axis], [0], [sizes[mesh_group.index]])
+        chunks = [_padded(part, axis, max(sizes)) for part in paddle.split(grad, sizes, axis=axis)]
+        mine = collectives.reduce_scatter(mesh_group, chunks, tag=tag)
+        return paddle.slice(mine, [axis], [0], [sizes[mesh_group.index]])
 
 
 def gather_summed(x, mesh_group, axis, sizes=None, tag="all_gather"):

@@ -63,24 +63,25 @@ class _Copy:
         self.sharding.gathered.add(full_nbytes(self.param))
 
 
-def fetch_around(layer, names, sharding):
-    """Give `layer` the full values of its parameters `names` for its forward (and backward)."""
-    fetched = {}  # name -> _Copy, while the layer's forward runs
+def fetch_around(layer, members, sharding):
+    """Give `layer` the full values of parameters `members`, [(holder, name)] of it or of its sublayers, for its
+    forward (and backward)."""
+    fetched = []  # (holder, name, _Copy), while the layer's forward runs
 
     def fetch(layer, inputs):
         fetched.clear()
-        for name in names:
-            param = layer._parameters[name]
+        for holder, name in members:
+            param = holder._parameters[name]
             copy = _Copy(param, sharding)
             share_record(param, copy.tensor)  # marks made on the copy (a partial gradient) reach the parameter
             copy.tensor.is_distributed = param.is_distributed  # model code reads Parameter attributes
-            layer._parameters[name] = copy.tensor
-            fetched[name] = copy
+            holder._parameters[name] = copy.tensor
+            fetched.append((holder, name, copy))
 
     def drop(layer, inputs, output):
-        copies = list(fetched.values())
-        for name, copy in fetched.items():
-            layer._parameters[name] = copy.param
+        copies = [copy for _, _, copy in fetched]
+        for holder, name, copy in fetched:
+            holder._parameters[name] = copy.param
         fetched.clear()
         if output is not None and not isinstance(output, paddle.Tensor):
             return

@@ -12,7 +12,8 @@ bytes); the ranks along the dims it leaves out (`rest`) still average the owner'
   replicas; over the chosen dims, then an average over the rest).
 - level 3: also parameters: non-owners keep an empty placeholder; the full value
   is fetched from the owner for each layer's forward and again for its backward,
-  and freed after each (parameter_fetch.py). Gradients computed on non-owners are
+  and freed after each (parameter_fetch.py); a fetch unit (params.mark_fetch_unit: a MoE
+  block's experts, which run on data-dependent rows) fetches its sublayers' together. Gradients computed on non-owners are
   stashed and reduce-scattered as at level 2.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .. import mesh as mesh_lib
 from ..comm import collectives
 from .optimizer import OwnGradients, gradient_dtype
 from .parameter_fetch import GatheredBytes, fetch_around
-from ..params import DATA_DIMS, SHARDING, Owned, Partial, record_of, release_value
+from ..params import DATA_DIMS, SHARDING, Owned, Partial, is_fetch_unit, record_of, release_value
 
 LEVELS = (0, 1, 2, 3)
 SHARDABLE_DIMS = ("dp", "sep", "cp")  # the data dims (params.DATA_DIMS; `cp` is sep's alias)
@@ -219,10 +220,16 @@ class Sharding:
             if not self.owns(p):
                 release_value(p)
         sharded = {id(p) for p in self.sharded}
-        for layer in model.sublayers(include_self=True):
-            names = [n for n, p in layer._parameters.items() if p is not None and id(p) in sharded]
-            if names:
-                fetch_around(layer, names, self)
+        inside_unit = set()  # layers whose parameters a fetch unit around them fetches
+        for layer in model.sublayers(include_self=True):  # pre-order: a unit comes before its sublayers
+            if id(layer) in inside_unit:
+                continue
+            holders = layer.sublayers(include_self=True) if is_fetch_unit(layer) else [layer]
+            inside_unit.update(id(holder) for holder in holders)
+            members = [(holder, n) for holder in holders for n, p in holder._parameters.items()
+                       if p is not None and id(p) in sharded]
+            if members:
+                fetch_around(layer, members, self)
 
     def clear_stash(self):
         self._stash.clear()

@@ -132,19 +132,26 @@ class Pipeline:
             return paddle.zeros(list(whole_shape), first.dtype)
         return first
 
-    def run_chunk(self, virtual, args, kwargs, received):
+    def run_chunk(self, virtual, args, kwargs, received, micro=(0, 1)):
         """One forward of virtual stage `virtual`. `received`: (output, whether the sequence is split over
-        mp there, the whole shape it had before: see plans/sequence_parallel.py) from the stage before.
-        Returns the model's output (last stage) or that triple for the next."""
+        mp there, the whole shape it had before: see plans/sequence_parallel.py) from the stage before;
+        `micro`: (index, count) of its micro-batch. Returns the model's output (last stage) or that triple
+        for the next."""
         self._current, self._received = virtual, received
         # as the root's hooks left it, not the previous chunk
         runtime.state.sequence_split, runtime.state.sequence_whole_shape = self._initial
+        batches = runtime.state.batches
+        sliced = micro[1] > 1 and bool(batches)
+        if sliced:  # the whole batch's facts (documents, padding) as this micro-batch's rows
+            batches.append(batches[-1].micro_batch(*micro))
         try:
             return self._forward(*args, **kwargs)
         except _StageExit as done:
             return done.output, runtime.state.sequence_split, runtime.state.sequence_whole_shape
         finally:
             self._current = self._received = None
+            if sliced:
+                batches.pop()
 
     # ---- a step ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -174,7 +181,7 @@ class Pipeline:
                 inputs[at] = stage_p2p.recv_value(self.peers[a.peer], requires_grad=grad)
             elif a.kind == FORWARD:
                 args, kwargs, labels = micro[a.micro]
-                out = self.run_chunk(a.virtual, args, kwargs, inputs.get(at))
+                out = self.run_chunk(a.virtual, args, kwargs, inputs.get(at), (a.micro, m))
                 if a.virtual == self.last:
                     losses[a.micro] = self._loss(out, labels)
                 else:

@@ -10,6 +10,7 @@ from .. import runtime
 from ..attention import recompute
 from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, mixers, resolve_groups, routing
 from ..attention import ulysses_size
+from ..attention.layout import check_split
 from .base import Plan, refuse_param_plan
 from .same_batch import check_same_batch
 
@@ -106,13 +107,25 @@ class PrepareContextParallel(_SepPlan):
     or the name of an extra input holding per-token document ids [batch, seq]
     (taken out before the layer runs). PaddleFormers' causal
     `attn_mask_startend_row_indices` is understood the same way.
+
+    `layout`: how a batch whose documents are known is split over the ring.
+    "documents" (default): each batch so that attention work (the keys each
+    query sees within its document, summed over the rows) is balanced over the
+    ring groups, whatever the document lengths (attention/balance.py); local
+    lengths then differ by a few tokens. "chunks": the 2N chunks used without
+    documents. Split other [batch, seq] tensors of the batch (labels) with
+    `paddle_cp.shard_sequence(x, backend=this plan, ...)` given the same
+    document inputs the model gets.
     """
 
-    def __init__(self, backend="p2p", ulysses_degree=None, documents=None):
+    def __init__(self, backend="p2p", ulysses_degree=None, documents=None, layout="documents"):
         super().__init__(backend, ulysses_degree)
         if documents is not None and not isinstance(documents, str):
             raise TypeError(f"documents must be 'position_ids' or an input name, got {documents!r}")
         self.documents = documents
+        self.layout = check_split(layout)
+        self._startend_seen = False  # a forward split a batch by attn_mask_startend_row_indices it was not told of
+        self._sharded = set()  # splits shard_sequence used since the last forward
 
     def check(self, layer, mesh, param_names=()):
         super().check(layer, mesh, param_names)
@@ -125,19 +138,47 @@ class PrepareContextParallel(_SepPlan):
         layer.register_forward_pre_hook(self._split_inputs, with_kwargs=True)
         return layer.register_forward_post_hook(self._forget_batch, always_call=True)
 
-    def _documents(self, kwargs, bound):
+    def documents_of(self, position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
+        """The batch's Documents as this plan reads them from these inputs (None: no documents)."""
         if self.documents == "position_ids":
-            positions = bound.get("position_ids")
-            if positions is None:
-                raise ValueError("PrepareContextParallel(documents='position_ids') needs position_ids in the call")
-            return Documents.from_position_ids(positions)
+            if position_ids is None:
+                raise ValueError("PrepareContextParallel(documents='position_ids') finds each batch's documents in "
+                                 "its position_ids: pass them (to the model, and to shard_sequence with this plan)")
+            return Documents.from_position_ids(position_ids)
         if self.documents is not None:
-            if self.documents not in kwargs:
-                raise ValueError(f"PrepareContextParallel(documents={self.documents!r}) needs that keyword in the call")
-            return Documents.from_ids(kwargs.pop(self.documents))
-        if bound.get(_STARTEND) is not None:
-            return Documents.from_startend_row_indices(bound[_STARTEND])
+            if doc_ids is None:
+                raise ValueError(f"PrepareContextParallel(documents={self.documents!r}) finds each batch's documents "
+                                 f"in the input {self.documents!r}: pass it to the model (and as doc_ids= to "
+                                 "shard_sequence with this plan)")
+            return Documents.from_ids(doc_ids)
+        if attn_mask_startend_row_indices is not None:
+            return Documents.from_startend_row_indices(attn_mask_startend_row_indices)
         return None
+
+    def batch_layout(self, layout, documents):
+        """`layout` (this plan's backend over a sep group) for a batch with `documents`."""
+        return layout.for_batch(documents, self.layout)
+
+    def shard_layout(self, layout, position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
+        """The layout shard_sequence splits a batch's tensors with, given the batch's document inputs.
+        Row indices the plan was not told about decide a batch's split only at the model call: a call
+        here without them, once a forward had them, would split labels unlike the inputs."""
+        if self.documents is None and attn_mask_startend_row_indices is None and self._startend_seen:
+            raise ValueError(
+                "this PrepareContextParallel's batches carry attn_mask_startend_row_indices, by whose documents each "
+                "batch is split: pass them to shard_sequence too (or build the plan with layout='chunks')")
+        batch = self.batch_layout(layout, self.documents_of(position_ids, doc_ids, attn_mask_startend_row_indices))
+        self._sharded.add(batch.split.name)
+        return batch
+
+    def _check_sharded(self, layout):
+        """The model's inputs and what shard_sequence split for this batch (labels) share one layout."""
+        sharded, self._sharded = self._sharded, set()
+        if sharded and layout.split.name not in sharded:
+            raise ValueError(
+                f"shard_sequence split this batch's tensors in the {sorted(sharded)} layout, the model's inputs are "
+                f"split in the {layout.split.name!r} layout (the batch's documents decide it): give shard_sequence the "
+                "document inputs the model gets (position_ids=, doc_ids=, attn_mask_startend_row_indices=)")
 
     def _split_inputs(self, layer, args, kwargs):
         batch, seq_len = _sequence_length(args, kwargs)
@@ -150,7 +191,14 @@ class PrepareContextParallel(_SepPlan):
         kwargs = dict(kwargs)
         extra = self.documents if self.documents != "position_ids" else None  # an input the layer does not take
         bound = self._signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k != extra})
-        documents = self._documents(kwargs, bound.arguments)
+        documents = self.documents_of(bound.arguments.get("position_ids"), kwargs.pop(extra, None) if extra else None,
+                                      bound.arguments.get(_STARTEND))
+        if documents is not None and documents.seq_len != seq_len:
+            raise ValueError(f"the documents given cover {documents.seq_len} tokens, the input sequence {seq_len}: "
+                             "give position ids / document ids / row indices of the whole [batch, seq] input")
+        layout = self.batch_layout(self._layout, documents)
+        self._check_sharded(layout)
+        self._startend_seen |= self.documents is None and layout.split.name == "documents"
         valid = _padding(bound.arguments.get("attention_mask"), batch, seq_len)
         if _STARTEND in bound.arguments:
             bound.arguments[_STARTEND] = None  # the attention applies it, from `documents`
@@ -158,7 +206,7 @@ class PrepareContextParallel(_SepPlan):
 
         def split(value):
             dim = _split_dim(value, seq_len)
-            return value if dim is None else self._layout.shard(value, dim, index)
+            return value if dim is None else layout.shard(value, dim, index)
 
         for name, value in bound.arguments.items():
             kind = self._signature.parameters[name].kind
@@ -169,9 +217,9 @@ class PrepareContextParallel(_SepPlan):
             else:
                 bound.arguments[name] = split(value)
         if "position_ids" in self._signature.parameters and bound.arguments.get("position_ids") is None:
-            positions = paddle.to_tensor(self._layout.positions(seq_len, index), dtype="int64")
+            positions = paddle.to_tensor(layout.positions(seq_len, index), dtype="int64")
             bound.arguments["position_ids"] = positions.unsqueeze(0).expand([batch, positions.shape[0]])
-        context.publish(context.SequenceInfo(self._layout, seq_len, documents, valid))
+        context.publish(context.SequenceInfo(layout, seq_len, documents, valid))
         return bound.args, bound.kwargs
 
     def _forget_batch(self, layer, inputs, outputs):

@@ -1,7 +1,12 @@
 """Split a full-sequence tensor the way PrepareContextParallel does, and put it back together.
 
 `backend` is a backend name (with `ulysses_degree` for 'hybrid') or a
-PrepareContextParallel plan, whose exact layout is then followed.
+PrepareContextParallel plan, whose exact layout is then followed. A plan that
+splits batches by their documents (the default whenever it knows them) needs
+the batch's document inputs here too, as the model gets them: `position_ids`
+for `documents="position_ids"`, `doc_ids` for a named document-id input,
+`attn_mask_startend_row_indices` when the model is given PaddleFormers' row
+indices.
 """
 from __future__ import annotations
 
@@ -14,21 +19,32 @@ from ..comm.autograd import gather_replicated
 from ..plans.context_parallel import PrepareContextParallel
 
 
-def _layout(backend, ulysses_degree, mesh, group):
+def _layout(backend, ulysses_degree, mesh, group, **documents):
+    """(the batch's SequenceLayout, the sep MeshGroup); `documents`: the document inputs given."""
     group = resolve_group(mesh, group)
-    if isinstance(backend, (PrepareContextParallel, dist.PrepareContextParallel)):  # Paddle's has no Ulysses degree
-        backend, ulysses_degree = backend.backend, getattr(backend, "ulysses_degree", None)
+    if isinstance(backend, PrepareContextParallel):
+        layout = SequenceLayout(backend.backend, group.size, backend.ulysses_degree)
+        return backend.shard_layout(layout, **documents), group
+    if any(value is not None for value in documents.values()):
+        given = [name for name, value in documents.items() if value is not None]
+        raise ValueError(f"{', '.join(given)} given with backend={backend!r}: the layout of a batch follows its "
+                         "documents only under a plan; pass backend=<the PrepareContextParallel plan>")
+    if isinstance(backend, dist.PrepareContextParallel):  # Paddle's has no Ulysses degree and no documents
+        backend = backend.backend
     return SequenceLayout(backend, group.size, ulysses_degree), group
 
 
-def shard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None):
+def shard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None, *, position_ids=None,
+                   doc_ids=None, attn_mask_startend_row_indices=None):
     """This rank's part of `x` (full sequence on dim `seq_dim`), in PrepareContextParallel's layout."""
-    layout, group = _layout(backend, ulysses_degree, mesh, group)
+    layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
+                            attn_mask_startend_row_indices=attn_mask_startend_row_indices)
     layout.check_length(x.shape[seq_dim])
     return layout.shard(x, seq_dim, group.index)
 
 
-def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None, seq_len=None):
+def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None, seq_len=None, *,
+                     position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
     """The full tensor, in token order, on every rank; differentiable.
 
     The ranks first exchange their local lengths (one tiny all-gather), so any
@@ -38,14 +54,17 @@ def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses
     same thing from the result), so the backward keeps this rank's slice of the
     gradient.
     """
-    layout, group = _layout(backend, ulysses_degree, mesh, group)
+    layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
+                            attn_mask_startend_row_indices=attn_mask_startend_row_indices)
     seq_len = agreed_seq_len(layout, group, x.shape[seq_dim], seq_len, seq_dim)
     lengths = layout.lengths(seq_len)
     gathered = gather_replicated(x, group, seq_dim, lengths)
     return paddle.index_select(gathered, paddle.to_tensor(layout.restore_order(seq_len)), axis=seq_dim)
 
 
-def sequence_positions(seq_len, backend="p2p", mesh=None, group=None, ulysses_degree=None):
+def sequence_positions(seq_len, backend="p2p", mesh=None, group=None, ulysses_degree=None, *, position_ids=None,
+                       doc_ids=None, attn_mask_startend_row_indices=None):
     """Global positions of this rank's tokens (int64 [s_local]): position ids for RoPE."""
-    layout, group = _layout(backend, ulysses_degree, mesh, group)
+    layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
+                            attn_mask_startend_row_indices=attn_mask_startend_row_indices)
     return paddle.to_tensor(layout.positions(seq_len, group.index), dtype="int64")

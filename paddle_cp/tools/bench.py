@@ -36,6 +36,21 @@ For every sequence length and backend it runs forward+backward of attention on
 On a machine with fewer cores than ranks the ranks share cores: T_rank and the
 matmul rate are then both slowed, so kernel_util stays fair but efficiency
 cannot reach 1 (the JSON records `oversubscribed`).
+
+Packed documents (`--documents stdlib|lognormal|FILE`, tools/packing.py): each
+case is a batch of `--batch` rows of packed documents (`--doc-batch` picks which
+of the stream's batches), causal attention inside each document, run in both
+layouts, `chunks` (2N equal chunks) beside `documents` (balanced by work):
+
+    pcp-bench --nproc 4 --seq 4096 --backend p2p --documents stdlib
+
+- work_imbalance (`balance`): max / mean over ranks of the keys their queries
+  see (tools/packing.py), the quantity the documents layout balances;
+- time_imbalance: max / mean over ranks of the seconds spent inside attention
+  kernels (forward + backward, exchanges excluded; median over iterations);
+- efficiency as above, T_single being Paddle's SDPA with the documents' dense
+  block-diagonal causal mask (the blockwise kernel with the documents for
+  `efficiency_same_kernel`).
 """
 from __future__ import annotations
 
@@ -52,6 +67,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # holds the paddle_cp package: the ranks import it from here
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 TABLE = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
+DOCUMENT_TABLE = ("balance", "time_imbalance", "efficiency", "efficiency_same_kernel", "bytes_ratio")
+DOCUMENT_LAYOUTS = ("chunks", "documents")  # old beside new
 MATMUL_BLOCK = 512  # BlockwiseKernel's default block: the matmul the kernel really does
 
 
@@ -68,11 +85,15 @@ def parse_args(argv=None):
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=3, help="timed repetitions (median)")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--documents", metavar="LENGTHS",
+                        help="packed documents: 'stdlib' (the main job's), 'lognormal' or a file of lengths")
+    parser.add_argument("--doc-batch", type=int, default=0, help="which batch of the packed stream (default: first)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     parser.add_argument("--result-file", help=argparse.SUPPRESS)  # launcher <-> rank 0
     args = parser.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
+    args.causal = args.causal or args.documents is not None  # attention stays causal inside each document
     _check(parser, args)
     return args
 
@@ -83,8 +104,17 @@ def _check(parser, args):
     from paddle_cp.attention.ulysses import head_split
     from paddle_cp.tools.attention_cost import degrees
 
+    from paddle_cp.tools.packing import document_lengths
+
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.documents is not None:
+        try:
+            document_lengths(args.documents)
+        except ValueError as error:
+            parser.error(f"--documents: {error}")
+        if args.doc_batch < 0:
+            parser.error("--doc-batch takes a batch index >= 0")
     for backend in args.backend:
         try:
             _, ulysses = degrees(backend, args.nproc, _degree(args, backend))
@@ -104,6 +134,19 @@ def progress(message):
 
 
 # ---- the launcher side ------------------------------------------------------------
+
+def write_every_ranks_rows(result_file, rows):
+    """A rank's side of `launch` for a tool whose every rank reports: its rows beside the result file, then
+    rank 0 writes all of them, in rank order, as the result."""
+    import paddle.distributed as dist
+
+    Path(f"{result_file}.{dist.get_rank()}").write_text(json.dumps(rows))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        merged = [row for rank in range(dist.get_world_size())
+                  for row in json.loads(Path(f"{result_file}.{rank}").read_text())]
+        Path(result_file).write_text(json.dumps(merged))
+
 
 def launch(args, argv, script=__file__):
     """Run `script` (this one by default) on args.nproc ranks; return rank 0's measurements."""
@@ -164,9 +207,26 @@ def run_ranks(args):
     for seq in args.seq:
         inputs = _inputs(paddle, args, seq)
         for backend in args.backend:
-            progress(f"seq {seq}: {backend} on {world} ranks")
-            runs.append([seq, backend, _gather(dist, _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs))])
+            for split in _layouts(args):
+                progress(f"seq {seq}: {backend}{' ' + split if split else ''} on {world} ranks")
+                measured = _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs, split)
+                runs.append([seq, backend, split, _gather(dist, measured)])
     return {"rates": rates, "runs": runs} if rank == 0 else None
+
+
+def _layouts(args):
+    return DOCUMENT_LAYOUTS if args.documents is not None else (None,)
+
+
+def _documents(args, seq):
+    """The case's packed documents (a Documents) and their position ids, or (None, None)."""
+    from paddle_cp.attention.mask import Documents
+    from paddle_cp.tools.packing import batches
+
+    if args.documents is None:
+        return None, None
+    positions = batches(args.documents, seq, args.batch, args.doc_batch + 1)[args.doc_batch]
+    return Documents.from_position_ids(positions), positions
 
 
 def measure_single(args):
@@ -183,8 +243,8 @@ def measure_single(args):
 
 
 def summarise_all(args, single, measured):
-    cases = [summarise(args, backend, seq, single["by_seq"][seq], single["rate"], per_rank, measured["rates"])
-             for seq, backend, per_rank in measured["runs"]]
+    cases = [summarise(args, backend, seq, single["by_seq"][seq], single["rate"], per_rank, measured["rates"], split)
+             for seq, backend, split, per_rank in measured["runs"]]
     return {"config": _config(args), "cases": cases}
 
 
@@ -248,15 +308,27 @@ def _memory(paddle, attention, q, k, v, dout):
 
 
 def _single(paddle, args, inputs):
+    import numpy as np
     import paddle.nn.functional as F
 
     from paddle_cp.attention.kernels import local_attention
+    from paddle_cp.attention.mask import BlockMask
+
+    seq = inputs[0].shape[1]
+    documents, _ = _documents(args, seq)
+    dense = mask = None
+    if documents is not None:  # one card sees packed documents as a block-diagonal causal mask
+        rows = np.arange(seq)[:, None]
+        dense = paddle.to_tensor(((documents.start[:, None, :, None] <= np.arange(seq)) & (np.arange(seq) <= rows)))
+        mask = BlockMask(np.arange(seq), np.arange(seq), True, documents)
 
     def sdpa(q, k, v):
+        if dense is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
         return F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
 
     def blockwise(q, k, v):
-        return local_attention(q, k, v, args.causal, args.head_dim ** -0.5)
+        return local_attention(q, k, v, args.causal, args.head_dim ** -0.5, mask=mask)
 
     q, k, v, dout = inputs
     t_sdpa = _median_time(lambda: _fwd_bwd(paddle, sdpa, *inputs), args.iters, args.warmup)
@@ -265,8 +337,24 @@ def _single(paddle, args, inputs):
     return {"t_sdpa": t_sdpa, "t_blockwise": t_blockwise, "peak": peak, "held": held}
 
 
-def _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs):
-    """[seconds, bytes sent, peak bytes, held bytes] of this rank for one forward+backward."""
+def _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs, split=None):
+    """[seconds, bytes sent, peak bytes, held bytes, kernel seconds] of this rank for one forward+backward;
+    `split`: the layout of a packed-document case."""
+    shards, attention = (_document_attention if split else _functional_attention)(pcp, mesh, args, backend, inputs,
+                                                                                   split)
+    pcp.reset_counters()
+    _fwd_bwd(paddle, attention, *shards)
+    sent = sum(pcp.bytes_sent().values())
+    clock = _KernelClock()
+    with clock:
+        seconds = _median_time(lambda: _fwd_bwd(paddle, attention, *shards), args.iters, args.warmup,
+                               lambda: clock.lap() or dist.barrier())
+    dist.barrier()
+    peak, held = _memory(paddle, attention, *shards)
+    return [seconds, sent, peak, held, clock.median(args.warmup)]
+
+
+def _functional_attention(pcp, mesh, args, backend, inputs, split):
     degree = _degree(args, backend)
     shards = [pcp.shard_sequence(t, backend=backend, mesh=mesh, ulysses_degree=degree) for t in inputs]
     attention_fn = {"p2p": pcp.ring_attention, "all2all": pcp.ulysses_attention, "hybrid": pcp.hybrid_attention}[backend]
@@ -276,13 +364,72 @@ def _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs):
     def attention(q, k, v):
         return attention_fn(q, k, v, is_causal=args.causal, mesh=mesh, seq_len=seq_len, **extra)
 
-    pcp.reset_counters()
-    _fwd_bwd(paddle, attention, *shards)
-    sent = sum(pcp.bytes_sent().values())
-    seconds = _median_time(lambda: _fwd_bwd(paddle, attention, *shards), args.iters, args.warmup, dist.barrier)
-    dist.barrier()
-    peak, held = _memory(paddle, attention, *shards)
-    return [seconds, sent, peak, held]
+    return shards, attention
+
+
+def _document_attention(pcp, mesh, args, backend, inputs, split):
+    """The batch's layout in `split` (what PrepareContextParallel(layout=split) makes of it), its shards and
+    the attention over them."""
+    from paddle_cp.attention import context_parallel_attention, resolve_groups
+    from paddle_cp.attention.layout import SequenceLayout
+
+    seq_len = inputs[0].shape[1]
+    documents, _ = _documents(args, seq_len)
+    layout = SequenceLayout(backend, args.nproc, _degree(args, backend)).for_batch(documents, split)
+    groups = resolve_groups(layout, mesh)
+    shards = [layout.shard(t, 1, groups.sep.index) for t in inputs]
+
+    def attention(q, k, v):
+        return context_parallel_attention(layout, groups, q, k, v, is_causal=True, seq_len=seq_len,
+                                          documents=documents)
+
+    return shards, attention
+
+
+class _KernelClock:
+    """Seconds this rank spends inside attention kernels (the ring's forward and backward calls, exchanges
+    excluded), per timed repetition: CPU kernels run synchronously, so the host clock measures them."""
+
+    def __init__(self):
+        from paddle_cp.attention import ring
+
+        self._ring, self._laps, self._seconds = ring, [], 0.0
+
+    def __enter__(self):
+        select = self._original = self._ring.select_kernel
+        clock = self
+
+        class Timed:
+            def __init__(self, kernel):
+                self.kernel = kernel
+
+            def forward(self, *args):
+                return clock._timed(self.kernel.forward, args)
+
+            def backward(self, *args):
+                return clock._timed(self.kernel.backward, args)
+
+        self._ring.select_kernel = lambda *args: Timed(select(*args))
+        return self
+
+    def __exit__(self, *exc):
+        self._ring.select_kernel = self._original
+        self.lap()
+
+    def _timed(self, call, args):
+        start = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self._seconds += time.perf_counter() - start
+
+    def lap(self):
+        """Close the current repetition (called before each one starts, and at the end)."""
+        self._laps.append(self._seconds)
+        self._seconds = 0.0
+
+    def median(self, warmup):
+        return statistics.median(self._laps[1 + warmup:])  # lap 0 closes before the first repetition
 
 
 # ---- figures ----------------------------------------------------------------------
@@ -303,7 +450,19 @@ def work_per_rank(backend, world, seq, heads, causal, ulysses_degree=None):
     return work
 
 
-def summarise(args, backend, seq, single, single_rate, per_rank, rates):
+def _work(args, backend, seq, split):
+    """Per-rank work: the layout's for a packed-document case, else visible score entries."""
+    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.tools import packing
+
+    if split is None:
+        return work_per_rank(backend, args.nproc, seq, args.heads, args.causal, _degree(args, backend))
+    documents, positions = _documents(args, seq)
+    layout = SequenceLayout(backend, args.nproc, _degree(args, backend)).for_batch(documents, split)
+    return packing.rank_work(layout, positions)
+
+
+def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=None):
     from paddle_cp.tools import attention_cost
 
     n, degree = args.nproc, _degree(args, backend)
@@ -311,11 +470,14 @@ def summarise(args, backend, seq, single, single_rate, per_rank, rates):
     t_rank = max(r[0] for r in per_rank)
     sent = max(r[1] for r in per_rank)
     flops = attention_cost.attention_flops(args.batch, seq, args.heads, args.head_dim, args.causal)
-    work = work_per_rank(backend, n, seq, args.heads, args.causal, degree)
+    work = _work(args, backend, seq, split)
+    kernel_seconds = [r[4] for r in per_rank]
     predicted = attention_cost.attention_bytes(backend, *shape, n, ulysses_degree=degree)
     held_single = attention_cost.attention_held_bytes(backend, *shape, 1)
     return {
         "backend": backend, "ulysses_degree": degree, "seq": seq, "nproc": n, "causal": args.causal,
+        "layout": split, "documents": args.documents, "kernel_seconds": kernel_seconds,
+        "time_imbalance": max(kernel_seconds) / statistics.mean(kernel_seconds),
         "t_single": single["t_sdpa"], "t_single_blockwise": single["t_blockwise"], "t_rank": t_rank,
         "efficiency": single["t_sdpa"] / (n * t_rank),
         "efficiency_same_kernel": single["t_blockwise"] / (n * t_rank),
@@ -338,16 +500,22 @@ def summarise(args, backend, seq, single, single_rate, per_rank, rates):
 def _config(args):
     return {"nproc": args.nproc, "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "causal": args.causal, "iters": args.iters, "dtype": "float32",
-            "threads_per_rank": 1, "cpu_count": os.cpu_count()}
+            "threads_per_rank": 1, "cpu_count": os.cpu_count(), "documents": args.documents,
+            "doc_batch": args.doc_batch}
 
 
 def table(result):
     from paddle_cp.tools.text import ruled_table  # here: the ranks run this file as a script
 
-    head = f"{'backend':8} {'seq':>6} {'N':>2} {'T_single':>9} {'T_rank':>9}" + "".join(f" {m:>12}" for m in TABLE)
+    documents = result["config"]["documents"] is not None
+    metrics = DOCUMENT_TABLE if documents else TABLE
+    layout = f" {'layout':9}" if documents else ""
+    head = (f"{'backend':8}{layout} {'seq':>6} {'N':>2} {'T_single':>9} {'T_rank':>9}"
+            + "".join(f" {m:>12}" for m in metrics))
     return ruled_table(head, [
-        f"{c['backend']:8} {c['seq']:>6} {c['nproc']:>2} {c['t_single']:>8.3f}s {c['t_rank']:>8.3f}s"
-        + "".join(f" {c[m]:>12.3f}" for m in TABLE) for c in result["cases"]])
+        f"{c['backend']:8}" + (f" {c['layout']:9}" if documents else "")
+        + f" {c['seq']:>6} {c['nproc']:>2} {c['t_single']:>8.3f}s {c['t_rank']:>8.3f}s"
+        + "".join(f" {c[m]:>12.3f}" for m in metrics) for c in result["cases"]])
 
 
 def plot(result, path):

@@ -3,6 +3,7 @@
     pcp-memory --nproc 1 2 4 --seq 1024 --budget-mib 64 --json out.json
     (from a checkout: python tools/bench_memory.py ...)
     pcp-memory --phases ...: startup and I/O phases instead (tools/memory_phases.py)
+    pcp-memory --experts ...: a MoE model with and without expert parallelism (tools/memory_experts.py)
     pcp-memory --layouts "dp2 ring2 l3@dp" ...: pcp-plan's layouts beside its estimate (tools/memory_layouts.py)
     pcp-memory --sharding ...: what each sharding level leaves a rank instead (tools/memory_sharding.py)
 
@@ -279,6 +280,10 @@ def main(argv=None):
         from paddle_cp.tools.memory_phases import main as phases_main
 
         return phases_main(argv)
+    if "--experts" in argv:  # a MoE model with and without expert parallelism: its own tool
+        from paddle_cp.tools.memory_experts import main as experts_main
+
+        return experts_main(argv)
     if "--sharding" in argv:  # sharding levels on a context-parallel mesh: their own tool
         from paddle_cp.tools.memory_sharding import main as sharding_main
 

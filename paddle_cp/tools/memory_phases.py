@@ -16,13 +16,11 @@ bytes read and written: a table, and JSON with --json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-from pathlib import Path
 
-from paddle_cp.tools.bench import launch
+from paddle_cp.tools.bench import launch, write_every_ranks_rows
 from paddle_cp.tools.io_phases import MIB, bound
 from paddle_cp.tools.text import ruled_table, show
 
@@ -156,16 +154,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" in os.environ:  # a rank
-        import paddle.distributed as dist
-
-        scratch = os.path.dirname(args.result_file)
-        rows = run_rank(args, scratch)
-        Path(f"{args.result_file}.{dist.get_rank()}").write_text(json.dumps(rows))
-        dist.barrier()
-        if dist.get_rank() == 0:
-            merged = [row for rank in range(dist.get_world_size())
-                      for row in json.loads(Path(f"{args.result_file}.{rank}").read_text())]
-            Path(args.result_file).write_text(json.dumps(merged))
+        write_every_ranks_rows(args.result_file, run_rank(args, os.path.dirname(args.result_file)))
         return
     with tempfile.TemporaryDirectory(prefix="pcp_memory_phases_") as weights:
         import paddle

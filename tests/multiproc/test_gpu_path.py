@@ -1,12 +1,13 @@
-"""paddle_cp's GPU path on CPU ranks: FlashKernel over the emulated flash_attn op, ring exchanges
-and collectives over the emulated asynchronous NCCL group (tests/workers/emulated_*.py, gpu_path.py)."""
+"""paddle_cp's GPU path on CPU ranks: FlashKernel and FlashMaskKernel over the emulated flash_attn and
+flashmask_attention ops, ring exchanges and collectives over the emulated asynchronous NCCL group
+(tests/workers/emulated_*.py, gpu_path.py)."""
 import paddle
 import pytest
 from launcher import launch, launch_once
 from workers.emulated_flash import RELATIVE_TOLERANCE
 
 WORLDS = [2, 3, 4]
-CUT = (".docs", ".window")  # blocks that a document boundary or a window edge cuts take the blockwise kernel
+CUT = (".docs", ".docs_layout", ".window")  # tiles a document boundary or a window edge cuts: the flashmask op
 
 
 def parity_reports(world):
@@ -24,7 +25,7 @@ def case_names(report):
 @pytest.mark.parametrize("world", WORLDS)
 def test_flash_path_matches_blockwise_and_fp32(world):
     for report in parity_reports(world):
-        assert len(case_names(report)) == 10 + 3 * (world == 4)
+        assert len(case_names(report)) == 11 + 3 * (world == 4)
         for key, err in report["values"].items():
             if key.rsplit(".", 1)[-1] in ("vs_blockwise", "vs_fp32", "blockwise_vs_fp32"):
                 dtype = paddle.float16 if ".fp16." in key else paddle.bfloat16
@@ -32,13 +33,19 @@ def test_flash_path_matches_blockwise_and_fp32(world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_flash_op_is_what_runs(world):
+def test_flash_ops_are_what_runs(world):
+    """The GPU path never falls back to the blockwise kernel: documents and windows run flashmask_attention."""
     reports = parity_reports(world)
     for report in reports:
         for name in case_names(report):
             calls = report["values"][f"{name}.calls"]
+            assert calls["blockwise"] == 0, (name, calls)
             if not name.endswith(CUT):
                 assert calls["flash_attn"] > 0 and calls["flash_attn_grad"] > 0, (name, calls)
+                assert calls["flashmask_attention"] == calls["flashmask_attention_grad"] == 0, (name, calls)
+    for name in [name for name in case_names(reports[0]) if name.endswith(CUT)]:
+        for op in ("flashmask_attention", "flashmask_attention_grad"):
+            assert sum(r["values"][f"{name}.calls"][op] for r in reports) > 0, (name, op)
     # with documents or a window, blocks they do not cut still go to flash_attn on some rank
     for name in ("p2p.docs", "p2p.window"):
         assert sum(r["values"][f"{name}.calls"]["flash_attn"] for r in reports) > 0, name
@@ -48,8 +55,6 @@ def test_flash_op_is_what_runs(world):
 def test_ring_computes_while_the_next_exchange_is_in_flight(world):
     for report in parity_reports(world):
         for name in case_names(report):
-            if name.endswith(CUT):
-                continue
             calls = report["values"][f"{name}.calls"]
             assert report["values"][f"{name}.left_in_flight"] == 0
             # the ring rotation overlaps forward and backward; all-gather and Ulysses exchanges do not

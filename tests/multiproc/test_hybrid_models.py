@@ -16,8 +16,9 @@ RUNS = {
     # runs > 64 tokens (the rule's chunks crossed inside a run): the 280-token layer (p2p runs of 70) and the
     # 70-token all2all model; the checks (refusals, Conv1D model) once
     2: ["layer:p2p:280", "p2p", "all2all:sdpa:fused_conv:seq=70", "p2p:packed", "all2all:padded:decoder", "checks"],
-    # 4 tokens over 6 chunks: runs of one token, shorter than the conv's 3; a layer replayed by recompute
-    3: ["layer:p2p:4", "layer:all2all:20:recompute", "p2p", "all2all"],
+    # layer:p2p:4: 4 tokens over 6 chunks, runs of one token, shorter than the conv's 3; a layer replayed by
+    # recompute; packed: the documents layout splits those batches (ring groups balanced by attention work)
+    3: ["layer:p2p:4", "layer:all2all:20:recompute", "p2p", "all2all", "p2p:packed"],
     4: ["layer:hybrid:2:70", "p2p:seq=9", "hybrid:2:sdpa", "hybrid:2:packed"],
 }
 REFUSED = {

@@ -36,14 +36,15 @@ def test_context_parallel_trainer_matches_one_card(run):
 
 
 @pytest.mark.parametrize("run", ["mp2_sp_cp2", "dp2_sharding2_cp2", "cp2_recompute_chunked_loss_sharding3",
-                                 "pp2_cp2_accum", "gemma3_dp2_cp2", "qwen3_moe_dp2_mp2_sp", "pp2_mp2_sp",
-                                 "qwen3_next_dp2_ulysses2", "resume_hybrid_to_dp2_ulysses2"])
+                                 "pp2_cp2_accum", "gemma3_dp2_cp2", "qwen3_moe_ep4_dp2_cp2", "qwen3_moe_dp2_mp2_sp",
+                                 "pp2_mp2_sp", "qwen3_next_dp2_ulysses2", "resume_hybrid_to_dp2_ulysses2"])
 def test_composed_trainer_matches_one_card(run):
     """tensor + sequence + context parallel; sharding stage 2 over dp x ring; PaddleFormers' recompute
-    and chunked loss under ring with sharding stage 3 over dp x ring; Gemma3 under dp x ring; Qwen3-MoE under
-    dp x tensor + sequence parallel; two pipeline stages with ring inside and gradient accumulation, and with
-    tensor + sequence parallel; Qwen3-Next (attention and Gated DeltaNet) under dp x Ulysses (under dp x ring in
-    the core group); saved on ring x Ulysses, resumed on dp x Ulysses. All on default (eager) builds."""
+    and chunked loss under ring with sharding stage 3 over dp x ring; Gemma3 under dp x ring; Qwen3-MoE's experts
+    over expert groups of 4 (use_expert_parallel), and Qwen3-MoE under dp x tensor + sequence parallel; two
+    pipeline stages with ring inside and gradient accumulation, and with tensor + sequence parallel; Qwen3-Next
+    (attention and Gated DeltaNet) under dp x Ulysses (under dp x ring in the core group); saved on ring x
+    Ulysses, resumed on dp x Ulysses. All on default (eager) builds."""
     check_parity(_reports("composed"), run)
 
 
@@ -60,6 +61,8 @@ def test_save_model_loads_with_from_pretrained():
     ("config_and_flags", ["paddle_cp_config", "context_parallel_size"]),
     ("uncovered_model", ["Linear", "self_attn", "paddle_cp_config"]),
     ("stage3_accumulation", ["stage3", "gradient_accumulation_steps", "stage2"]),
+    ("expert_size_alone", ["expert_model_parallel_size 2", "use_expert_parallel=True"]),
+    ("expert_size_not_dividing", ["expert_model_parallel_size 4", "the 2 data x context parallel ranks"]),
 ])
 def test_bad_configs_raise_the_same_error_on_every_rank(case, words):
     reports = _reports("core")

@@ -42,11 +42,24 @@ def test_dict_is_not_mutated_and_plan_objects_pass_through():
     assert config["cp_config"]["parallelize_plan"]["b"] is given["cp_config"]["parallelize_plan"]["b"]
 
 
+def test_ep_config_from_yaml(tmp_path):
+    path = tmp_path / "ep.yaml"
+    path.write_text("mesh: {shape: [2, 2], dim_names: [dp, sep]}\n"
+                    "ep_config:\n  degree: 4\n  parallelize_plan:\n    model.layers.*.mlp: ExpertParallel\n")
+    _, config = load_config(str(path), world_size=4)
+    assert config["ep_config"]["degree"] == 4
+    assert type(config["ep_config"]["parallelize_plan"]["model.layers.*.mlp"]).__name__ == "ExpertParallel"
+
+
 def test_planner_output_loads():
     layout = Layout(dp=2, ring=1, ulysses=2, tp=1)
     mesh, config = load_config(yaml.safe_load(yaml.safe_dump(parallelize_config(layout))), world_size=4)
     assert list(mesh.dim_names) == ["dp", "sep"]
     assert config["cp_config"]["parallelize_plan"][""].backend == "all2all"
+    _, config = load_config(yaml.safe_load(yaml.safe_dump(parallelize_config(Layout(dp=2, ring=2, ep=4)))),
+                            world_size=4)  # a MoE layout: its ep_config loads
+    assert config["ep_config"]["degree"] == 4
+    assert type(config["ep_config"]["parallelize_plan"]["model.layers.*.mlp"]).__name__ == "ExpertParallel"
 
 
 def _with_plan(spec):

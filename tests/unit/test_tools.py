@@ -36,6 +36,8 @@ BAD_BENCH_ARGS = [
                                                  "--backend", "all2all"]),
     BenchArgs("degree_not_dividing_ranks", ["--nproc", "4", "--backend", "hybrid", "--ulysses-degree", "3"]),
     BenchArgs("gqa_heads_not_a_multiple", ["--nproc", "2", "--heads", "6", "--kv-heads", "4"]),
+    BenchArgs("unknown_document_lengths", ["--nproc", "2", "--documents", "no-such-distribution"]),
+    BenchArgs("negative_document_batch", ["--nproc", "2", "--documents", "lognormal", "--doc-batch", "-1"]),
 ]
 
 

@@ -162,6 +162,16 @@ def test_pipeline_splits_the_decoder_layers_with_rotary_global():
                                    "schedule_mode": "1F1B", "accumulate_steps": 2}
 
 
+def test_expert_parallel_flags_become_ep_config():
+    degrees = degrees_from_flags(4, context_parallel_size=2, use_expert_parallel=True, expert_model_parallel_size=4)
+    assert (degrees.dp, degrees.sep, degrees.ep) == (2, 2, 4)  # folded onto dp x sep: no ranks of its own
+    config = parallelize_config(_model("qwen3_moe"), degrees)
+    assert config["ep_config"]["degree"] == 4
+    assert [(k, type(v).__name__) for k, v in config["ep_config"]["parallelize_plan"].items()] == [
+        ("model.layers.*.mlp", "ExpertParallel")]
+    assert "ep_config" not in parallelize_config(_model("qwen3_moe"), degrees_from_flags(4, context_parallel_size=2))
+
+
 def test_paddle_cp_never_imports_paddleformers():
     import subprocess
     import sys
@@ -172,7 +182,7 @@ def test_paddle_cp_never_imports_paddleformers():
 
 
 @pytest.mark.parametrize("flag, value", [("bf16", True), ("enable_auto_parallel", True),
-                                         ("expert_model_parallel_size", 2), ("load_best_model_at_end", True)])
+                                         ("to_static", True), ("load_best_model_at_end", True)])
 def test_fleet_only_flags_are_refused_with_the_reason(flag, value):
     from types import SimpleNamespace
 

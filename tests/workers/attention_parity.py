@@ -220,7 +220,9 @@ def check_sdpa_layer(report, mesh, world):
             model, _ = pcp.parallelize(Outer(), mesh=mesh, config={"cp_config": {"parallelize_plan": plan}})
             out = model(q, k, v, doc_ids=paddle.to_tensor(doc_ids)) if docs else model(q, k, v)
             name = f"layer.{backend}{'.docs' if docs else ''}"
-            report.diff(name + ".out", pcp.unshard_sequence(out, backend=prepare, mesh=mesh, seq_len=seq), ref)
+            gathered = pcp.unshard_sequence(out, backend=prepare, mesh=mesh, seq_len=seq,
+                                            doc_ids=doc_ids if docs else None)  # the batch's documents split it
+            report.diff(name + ".out", gathered, ref)
             if not docs:  # a dense mask given to the top layer reaches the attention as this rank's rows
                 mask = dense_mask("bool", 2, seq, 2 * world, np.random.RandomState(4))
                 ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -48,11 +48,32 @@ Written from Paddle 3.3.1's kernels and the FlashAttention-2 fork they load
   kernel's tile-by-tile running maximum is replaced by the row maximum.
 Not emulated (refused): dropout > 0, attn_mask, return_softmax, FlashAttention-3
 (FLAGS_flash_attn_version=3 on sm90 with d in {64, 128, 256}).
+
+`flashmask_attention` / `flashmask_attention_grad` (paddle_cp/attention/kernels/
+flashmask.py cites the same sources at length): FlashMaskKernel and
+FlashMaskGradKernel are flash_attn's base kernels given `startend_row_indices`,
+so everything above holds, plus:
+- Signature: flashmask_attention(q, k, v, startend_row_indices,
+  fixed_seed_offset, dropout, causal, return_softmax, is_test, rng_name) ->
+  (out, softmax, softmax_lse, seed_offset); flashmask_attention_grad(q, k, v,
+  startend_row_indices, out, softmax_lse, seed_offset, out_grad, dropout,
+  causal) -> (dq, dk, dv); seed_offset (position 6) a required Tensor
+  (the binding's ValueError, checked on this wheel).
+- startend_row_indices: int32, rank 4, [b, 1 | hk | hq, sk, n] (python wrapper
+  asserts); mask head h' serves q head h = h' * (hq / heads) + ... (`bidh /
+  params.h_h_sparsemask_ratio`). causal=False, n = 2: column j masked for rows
+  >= [.., j, 0] and rows < [.., j, 1], compared as uint32 (softmax.h
+  apply_sparse_mask, pairwise=false). Only that form is emulated.
+- softmax_lse: 3.3.1's shipped flash_attn_utils.h sizes it [b, h, sq]
+  (`softmax_lse_dims = {batch_size, num_heads, max_seqlen_q}`), the fork's
+  kernel writes it packed (compute_attn_1rowblock_flashmask, `row_offset_lse`):
+  emulated exactly so. A row that sees no key: out 0, lse +inf.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import paddle
 
 FP32 = paddle.float32
@@ -88,14 +109,17 @@ def _heads_first(x, repeat=1):
     return x.repeat_interleave(repeat, axis=1) if repeat > 1 else x
 
 
-def _scores(q, k, causal):
-    """fp32 scores [b, hq, sq, sk] at the op's fixed scale 1/sqrt(d); masked ones -inf."""
+def _scores(q, k, causal, seen=None):
+    """fp32 scores [b, hq, sq, sk] at the op's fixed scale 1/sqrt(d); masked ones -inf.
+    `seen`: bool [b, hq, sq, sk] of pairs a flashmask leaves visible."""
     sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
     s = paddle.matmul(_heads_first(q), _heads_first(k, q.shape[2] // k.shape[2]), transpose_y=True)
     s = s * (1.0 / math.sqrt(d))
     if causal:  # top-left: row i sees keys j <= i
         seen = paddle.arange(sk)[None, :] <= paddle.arange(sq)[:, None]
         s = paddle.where(seen, s, paddle.full([], float("-inf"), FP32))
+    elif seen is not None:
+        s = paddle.where(paddle.to_tensor(seen), s, paddle.full([], float("-inf"), FP32))
     return s
 
 
@@ -123,8 +147,13 @@ def flash_attn(q, k, v, fixed_seed_offset, attn_mask, dropout, causal, return_so
     _check(q, k, v, dropout, attn_mask)
     if return_softmax:
         raise ValueError("return_softmax is only supported when dropout > 0.0")
-    b, sq, hq, d = q.shape
-    s = _scores(q, k, causal)
+    out, lse = _forward(q, k, v, _scores(q, k, causal))
+    return out, paddle.empty([0], q.dtype), _packed_lse(lse, q.shape[1]), paddle.zeros([2], "int64")
+
+
+def _forward(q, k, v, s):
+    """(out like q, lse [b, hq, sq]) from the masked scores s [b, hq, sq, sk]."""
+    hq = q.shape[2]
     m = s.max(axis=-1, keepdim=True)
     empty = paddle.isinf(m)  # a row that sees no key
     p = _exp(s - paddle.where(empty, paddle.zeros_like(m), m))
@@ -132,21 +161,29 @@ def flash_attn(q, k, v, fixed_seed_offset, attn_mask, dropout, causal, return_so
     acc = paddle.matmul(_round(p, q.dtype), _heads_first(v, hq // k.shape[2]))  # [b, hq, sq, d]
     out = paddle.where(empty, paddle.zeros_like(acc), acc / paddle.where(empty, paddle.ones_like(total), total))
     lse = paddle.where(empty, paddle.full([], float("inf"), FP32), m + paddle.log(total)).squeeze(-1)
-    seed_offset = paddle.zeros([2], "int64")
-    return out.transpose([0, 2, 1, 3]).astype(q.dtype), paddle.empty([0], q.dtype), _packed_lse(lse, sq), seed_offset
+    return out.transpose([0, 2, 1, 3]).astype(q.dtype), lse
+
+
+def _check_seed_offset(seed_offset, op, position):
+    if not isinstance(seed_offset, paddle.Tensor):
+        raise ValueError(f"(InvalidArgument) {op}(): argument 'seed_offset' (position {position}) must be Tensor, "
+                         f"but got {type(seed_offset).__name__}")
+    if seed_offset.dtype != paddle.int64 or seed_offset.shape != [2]:
+        raise ValueError(f"{op}: seed_offset must be int64 [2], got {seed_offset.dtype} {seed_offset.shape}")
 
 
 def flash_attn_grad(q, k, v, out, softmax_lse, seed_offset, attn_mask, out_grad, dropout, causal):
-    if not isinstance(seed_offset, paddle.Tensor):
-        raise ValueError("(InvalidArgument) flash_attn_grad(): argument 'seed_offset' (position 5) must be Tensor, "
-                         f"but got {type(seed_offset).__name__}")
-    if seed_offset.dtype != paddle.int64 or seed_offset.shape != [2]:
-        raise ValueError(f"flash_attn_grad: seed_offset must be int64 [2], got {seed_offset.dtype} {seed_offset.shape}")
+    _check_seed_offset(seed_offset, "flash_attn_grad", 5)
     _check(q, k, v, dropout, attn_mask)
+    return _backward(q, k, v, out, softmax_lse, out_grad, _scores(q, k, causal))
+
+
+def _backward(q, k, v, out, softmax_lse, out_grad, s):
+    """(dq, dk, dv) in q's dtype from the masked scores s [b, hq, sq, sk] and the op's lse buffer."""
     dtype, (b, sq, hq, d), hk = q.dtype, q.shape, k.shape[2]
     group = hq // hk
     lse = _read_lse(softmax_lse, b, hq, sq)
-    p = _exp(_scores(q, k, causal) - lse.unsqueeze(-1))  # [b, hq, sq, sk]
+    p = _exp(s - lse.unsqueeze(-1))  # [b, hq, sq, sk]
     do, o = _heads_first(out_grad), _heads_first(out)
     delta = (do * o).sum(axis=-1, keepdim=True)
     dp = paddle.matmul(do, _heads_first(v, group), transpose_y=True)
@@ -162,8 +199,43 @@ def flash_attn_grad(q, k, v, out, softmax_lse, seed_offset, attn_mask, out_grad,
     return dq.transpose([0, 2, 1, 3]).astype(dtype), per_kv_head(dk), per_kv_head(dv)
 
 
+def _flashmask_seen(q, k, startend_row_indices, causal):
+    """bool [b, hq, sq, sk]: the pairs a non-causal two-bound flashmask leaves visible."""
+    (b, sq, hq, _), (sk, hk) = q.shape, k.shape[1:3]
+    rows = startend_row_indices
+    if rows.dtype != paddle.int32 or rows.ndim != 4 or rows.shape[0] != b or rows.shape[2] != sk:
+        raise ValueError(f"flashmask_attention: startend_row_indices must be int32 [{b}, heads, {sk}, bounds], "
+                         f"got {rows.dtype} {rows.shape}")
+    if rows.shape[1] not in (1, hk, hq):
+        raise ValueError("startend_row_indices head_num must be equal to 1(broadcast) or head_num_q or head_num_k.")
+    if causal or rows.shape[3] != 2:
+        raise NotImplementedError("the emulation covers causal=False with two bounds per key (what paddle_cp calls)")
+    bounds = rows.numpy().astype(np.uint32)  # the kernel compares rows as uint32
+    down_start, up_end = bounds[..., 0][:, :, None, :], bounds[..., 1][:, :, None, :]  # [b, heads, 1, sk]
+    row = np.arange(sq, dtype=np.uint32)[None, None, :, None]
+    seen = ~((row >= down_start) | (row < up_end))
+    return np.repeat(seen, hq // rows.shape[1], axis=1)  # mask head h' serves q heads h' * ratio ...
+
+
+def flashmask_attention(q, k, v, startend_row_indices, fixed_seed_offset, dropout, causal, return_softmax, is_test,
+                        rng_name):
+    _check(q, k, v, dropout, None)
+    if return_softmax:
+        raise ValueError("return_softmax is only supported when dropout > 0.0")
+    seen = _flashmask_seen(q, k, startend_row_indices, causal)
+    out, lse = _forward(q, k, v, _scores(q, k, False, seen))
+    return out, paddle.empty([0], q.dtype), lse, paddle.zeros([2], "int64")
+
+
+def flashmask_attention_grad(q, k, v, startend_row_indices, out, softmax_lse, seed_offset, out_grad, dropout, causal):
+    _check_seed_offset(seed_offset, "flashmask_attention_grad", 6)
+    _check(q, k, v, dropout, None)
+    seen = _flashmask_seen(q, k, startend_row_indices, causal)
+    return _backward(q, k, v, out, softmax_lse, out_grad, _scores(q, k, False, seen))
+
+
 def install(set_attr=setattr):
-    """Make paddle_cp take its GPU path on CPU tensors: flash kernel selected, ops emulated.
+    """Make paddle_cp take its GPU path on CPU tensors: flash and flashmask kernels selected, ops emulated.
     `set_attr`: pytest's monkeypatch.setattr to undo it after a test."""
     from paddle import _C_ops
 
@@ -171,5 +243,8 @@ def install(set_attr=setattr):
 
     set_attr(_C_ops, "flash_attn", flash_attn)
     set_attr(_C_ops, "flash_attn_grad", flash_attn_grad)
+    set_attr(_C_ops, "flashmask_attention", flashmask_attention)
+    set_attr(_C_ops, "flashmask_attention_grad", flashmask_attention_grad)
     set_attr(kernels, "on_gpu", lambda tensor: True)
     set_attr(kernels, "flash_available", lambda: True)
+    set_attr(kernels, "flashmask_available", lambda: True)

@@ -42,7 +42,8 @@ def main(report):
     for name, argv in (("first", ["--steps", "3", *short]), ("resumed", ["--steps", "4", "--resume", *short])):
         result = in_turn(out, name, train_long_context.main, argv)
         if result:
-            report.value(f"long_context.{name}", {"losses": result[0], "reference": result[1], "gap": result[2]})
+            report.value(f"long_context.{name}", {"losses": result[0], "reference": result[1], "gap": result[2],
+                                                  "balance": result[3]})
 
 
 run(main)

@@ -1,5 +1,6 @@
-"""paddle_cp's GPU path on CPU ranks: the flash kernel over the emulated `flash_attn` op, ring
-exchanges over the emulated asynchronous p2p group (emulated_flash.py, emulated_async.py).
+"""paddle_cp's GPU path on CPU ranks: the flash and flashmask kernels over the emulated `flash_attn` and
+`flashmask_attention` ops, ring exchanges over the emulated asynchronous p2p group (emulated_flash.py,
+emulated_async.py).
 
 Modes (argv): `parity` runs every backend and rotation in bf16 (one case fp16) through the flash path and
 through the blockwise kernel on the same inputs, both also against fp32 SDPA, with the
@@ -25,34 +26,41 @@ from paddle_cp.comm import p2p
 
 HEAD_DIM = 32  # flash_attn needs d % 8 == 0
 BF16 = paddle.bfloat16
-_calls = {"flash_attn": 0, "flash_attn_grad": 0, "overlapped": 0, "grad_overlapped": 0}
+_calls = {"flash_attn": 0, "flash_attn_grad": 0, "flashmask_attention": 0, "flashmask_attention_grad": 0,
+          "blockwise": 0, "overlapped": 0, "grad_overlapped": 0}
 
 
 def _observed_flash():
-    """Count the emulated op's calls, and those made while an exchange is in flight."""
-    forward, backward = _C_ops.flash_attn, _C_ops.flash_attn_grad
+    """Count the emulated ops' calls (and those made while an exchange is in flight) and the blockwise
+    kernel's forwards and backwards."""
+    def observed(name, op, overlap_key):
+        def call(*args):
+            _calls[name] += 1
+            _calls[overlap_key] += bool(emulated_async.in_flight())
+            return op(*args)
+        return call
 
-    def flash_attn(*args):
-        _calls["flash_attn"] += 1
-        _calls["overlapped"] += bool(emulated_async.in_flight())
-        return forward(*args)
-
-    def flash_attn_grad(*args):
-        _calls["flash_attn_grad"] += 1
-        _calls["grad_overlapped"] += bool(emulated_async.in_flight())
-        return backward(*args)
-
-    _C_ops.flash_attn, _C_ops.flash_attn_grad = flash_attn, flash_attn_grad
+    for name in ("flash_attn", "flashmask_attention"):
+        setattr(_C_ops, name, observed(name, getattr(_C_ops, name), "overlapped"))
+        setattr(_C_ops, name + "_grad", observed(name + "_grad", getattr(_C_ops, name + "_grad"), "grad_overlapped"))
+    for method in ("forward", "backward"):
+        original = getattr(kernels.BlockwiseKernel, method)
+        setattr(kernels.BlockwiseKernel, method,
+                lambda self, *args, original=original: _calls.__setitem__("blockwise", _calls["blockwise"] + 1)
+                or original(self, *args))
 
 
 def cases(n):
     """(name, backend, ulysses_degree, causal, batch, seq, q_heads, kv_heads, masking, rotate, scale);
-    masking: "" (causal or full only), "docs" (packed documents) or "window" (sliding window of seq // 3)."""
+    masking: "" (causal or full only), "docs" (packed documents), "docs_layout" (packed documents in the
+    documents layout: the ranks' positions scattered, short pieces sharing tiles) or "window" (sliding window of
+    seq // 3)."""
     table = [
         ("p2p.causal.uneven", "p2p", None, True, 2, 6 * n + 1, 4, 2, "", "ring", None),
         ("p2p.causal.uneven.allgather", "p2p", None, True, 1, 6 * n + 3, 2, 1, "", "allgather", None),
         ("p2p.full.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, "", "ring", 0.3),
         ("p2p.docs", "p2p", None, True, 1, 5 * n + 2, 2, 1, "docs", "ring", None),
+        ("p2p.docs_layout", "p2p", None, True, 2, 24 * n + 5, 2, 1, "docs_layout", "ring", None),
         ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, "", "ring", None),
         ("all2all.full", "all2all", None, False, 1, 4 * n, 2 * n, n, "", "ring", None),
         ("all2all.docs", "all2all", None, True, 1, 4 * n + 3, n, n, "docs", "ring", None),
@@ -67,6 +75,12 @@ def cases(n):
             ("hybrid.docs", "hybrid", 2, True, 1, 27, 2, 2, "docs", "ring", None),
         ]
     return table
+
+
+def layout_doc_ids(batch, seq):
+    """Long and short documents (one of 2 tokens), different per row: the 2N chunks leave them unbalanced."""
+    ends = [[seq // 2, seq // 2 + 2, seq], [3, seq // 3, seq]]
+    return np.stack([np.searchsorted(np.array(row[:-1]), np.arange(seq), side="right") for row in ends[:batch]])
 
 
 def doc_ids_for(batch, seq):
@@ -96,9 +110,32 @@ def fp32_reference(q, k, v, grad_out, causal, scale, doc_ids, window=None):
     return [out, *paddle.grad([out], full, [grad_out.astype("float32")])]
 
 
+def documents_layout(mesh, case, q, k, v, grad_out, doc_ids):
+    """As context_parallel, in the documents layout a PrepareContextParallel(documents=...) plan gives the batch."""
+    from paddle_cp.attention import context_parallel_attention, resolve_groups
+    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.attention.mask import Documents
+
+    _, backend, degree, causal, _, seq, _, _, _, rotate, scale = case
+    plan = pcp.PrepareContextParallel(backend, degree, documents="doc_ids")
+    documents = Documents.from_ids(doc_ids)
+    layout = SequenceLayout(backend, mesh.shape[0], degree).for_batch(documents)
+    assert layout.split.name == "documents"
+    local = [pcp.shard_sequence(t, backend=plan, mesh=mesh, doc_ids=doc_ids).detach() for t in (q, k, v)]
+    for t in local:
+        t.stop_gradient = False
+    out = context_parallel_attention(layout, resolve_groups(layout, mesh), *local, is_causal=causal, scale=scale,
+                                     seq_len=seq, documents=documents, rotate=rotate)
+    full_out = pcp.unshard_sequence(out.astype("float32"), backend=plan, mesh=mesh, seq_len=seq, doc_ids=doc_ids)
+    grads = paddle.grad([full_out], local, [grad_out.astype("float32")])
+    return [full_out] + [g.astype("float32") for g in grads]
+
+
 def context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window=None):
     """Output (gathered) and this rank's q/k/v gradient shards, in fp32."""
-    name, backend, degree, causal, batch, seq, _, _, _, rotate, scale = case
+    name, backend, degree, causal, batch, seq, _, _, masking, rotate, scale = case
+    if masking == "docs_layout":
+        return documents_layout(mesh, case, q, k, v, grad_out, doc_ids)
     layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
     local = [pcp.shard_sequence(t, **layout).detach() for t in (q, k, v)]
     for t in local:
@@ -125,15 +162,18 @@ def check_case(report, mesh, case):
     dtype = paddle.float16 if name.endswith(".fp16") else BF16
     q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(dtype)
                          for heads in (q_heads, kv_heads, kv_heads, q_heads))
-    doc_ids = doc_ids_for(batch, seq) if masking == "docs" else None
+    doc_ids = {"docs": doc_ids_for, "docs_layout": layout_doc_ids}.get(masking, lambda *_: None)(batch, seq)
     window = seq // 3 if masking == "window" else None
     layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
     reference = fp32_reference(q, k, v, grad_out, causal, scale, doc_ids, window)
+    if masking == "docs_layout":  # the gradients' shards in the batch's documents layout
+        layout = dict(backend=pcp.PrepareContextParallel(backend, degree, documents="doc_ids"), mesh=mesh,
+                      doc_ids=doc_ids)
     reference = reference[:1] + [pcp.shard_sequence(g, **layout) for g in reference[1:]]
 
-    kernels.flash_available = lambda: False
+    kernels.flash_available = kernels.flashmask_available = lambda: False
     blockwise = context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window)
-    kernels.flash_available = lambda: True
+    kernels.flash_available = kernels.flashmask_available = lambda: True
     before = dict(_calls)
     flash = context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window)
     calls = {key: _calls[key] - before[key] for key in _calls}

@@ -93,7 +93,8 @@ def parallel(spec, mesh):
     plan = {"": prepare, **{key: mixing for key in keys}}
     model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
     ids, labels, extra = batch(spec)
-    weight = pcp.loss_weight(int((pcp.shard_sequence(labels, backend=prepare, mesh=mesh) != -100).sum()), mesh)
+    local = pcp.shard_sequence(labels, backend=prepare, mesh=mesh, **documents_of(extra))  # as the batch is split
+    weight = pcp.loss_weight(int((local != -100).sum()), mesh)
 
     def step_loss(m):
         loss, logits = m(input_ids=ids, labels=labels, **extra)[:2]
@@ -101,6 +102,11 @@ def parallel(spec, mesh):
 
     logits, losses, grads, params = train(model, opt, step_loss)
     return logits, mean_over_ranks(losses, mesh), grads, params, prepare
+
+
+def documents_of(extra):
+    """The document inputs a batch's split follows (packed documents: the layout balances them)."""
+    return {key: extra[key] for key in ("attn_mask_startend_row_indices",) if key in extra}
 
 
 def parse(spec, world):
@@ -126,7 +132,8 @@ def compare(report, name, spec, mesh, floors):
     report.value(f"{name}.floor", floors[key])
 
     logits, losses, grads, params, prepare = parallel(spec, mesh)
-    report.diff(f"{name}.logits", logits, pcp.shard_sequence(paddle.to_tensor(ref_logits), backend=prepare, mesh=mesh))
+    report.diff(f"{name}.logits", logits, pcp.shard_sequence(paddle.to_tensor(ref_logits), backend=prepare, mesh=mesh,
+                                                             **documents_of(batch(spec)[2])))
     report.value(f"{name}.losses", losses)
     report.diff(f"{name}.loss", np.array(losses), np.array(ref_losses))
     report.value(f"{name}.grads_compared", len(set(grads) & set(ref_grads)))

@@ -82,7 +82,9 @@ def parallel(source, seq, mesh, spec):
     extra = {"attention_mask": mask} if packed == "dense" else {}
     if packed == "startend":
         extra = {"attn_mask_startend_row_indices": ends}
-    local_labels = pcp.shard_sequence(labels, backend=prepare, mesh=mesh)
+    # the batch's documents decide its layout: labels split with the inputs' document inputs
+    local_labels = pcp.shard_sequence(labels, backend=prepare, mesh=mesh, position_ids=positions,
+                                      attn_mask_startend_row_indices=extra.get("attn_mask_startend_row_indices"))
     if source != "tiny":
         labels = local_labels
     weight = pcp.loss_weight(local_labels.numel(), mesh)

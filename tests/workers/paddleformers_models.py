@@ -12,7 +12,6 @@ SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
 FAMILIES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "phi3", "qwen3", "qwen2", "qwen2_moe", "qwen3_moe",
             "ernie4_5", "glm4_moe", "qwen3_next")
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 WINDOW = 5
 
 
@@ -66,11 +65,13 @@ def build(family, **overrides):
     if family == "qwen2_moe":  # MoE with a gated shared expert
         from paddleformers.transformers.qwen2_moe.modeling import Qwen2MoeForCausalLMDeprecated
 
-        return Qwen2MoeForCausalLMDeprecated(pf.Qwen2MoeConfig(**sizes, **MOE, shared_expert_intermediate_size=32))
-    if family == "qwen3_moe":  # MoE, q/k norms
+        return Qwen2MoeForCausalLMDeprecated(pf.Qwen2MoeConfig(
+            **sizes, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32))
+    if family == "qwen3_moe":  # listed routed experts (6, top-2), through its *Deprecated class
         from paddleformers.transformers.qwen3_moe.modeling import Qwen3MoeForCausalLMDeprecated
 
-        return Qwen3MoeForCausalLMDeprecated(pf.Qwen3MoeConfig(**sizes, **MOE, head_dim=16))
+        return Qwen3MoeForCausalLMDeprecated(pf.Qwen3MoeConfig(
+            **sizes, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))
     if family == "ernie4_5":  # fused qkv, tied embeddings
         return pf.Ernie4_5ForCausalLM(pf.Ernie4_5Config(**sizes))
     if family == "glm4_moe":  # partial RoPE, sigmoid-routed MoE after a dense first layer, tied embeddings

@@ -83,7 +83,8 @@ def parallel(family, seq, mesh, backend, degree, padded, packed, rotate, impleme
     plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel(backend, degree, rotate)}
     model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
     ids, labels, extra = make_batch(seq, padded, packed)
-    labels = pcp.shard_sequence(labels, backend=prepare, mesh=mesh)
+    labels = pcp.shard_sequence(labels, backend=prepare, mesh=mesh,
+                                attn_mask_startend_row_indices=extra.get("attn_mask_startend_row_indices"))
     weight = pcp.loss_weight(int((labels != -100).sum()), mesh)
 
     def step_loss(m):

@@ -114,8 +114,10 @@ def parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate, loss
     model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
 
     def weighted_loss(m, batch):
-        labels = pcp.shard_sequence(batch[1], backend=prepare, mesh=mesh)
-        return loss_of(m(labels=labels, **inputs(batch, packed))) * pcp.loss_weight(labels.numel(), mesh)
+        given = inputs(batch, packed)
+        labels = pcp.shard_sequence(batch[1], backend=prepare, mesh=mesh, position_ids=given["position_ids"],
+                                    attn_mask_startend_row_indices=given.get("attn_mask_startend_row_indices"))
+        return loss_of(m(labels=labels, **given)) * pcp.loss_weight(labels.numel(), mesh)
 
     losses, grads, params = train(model, opt, micro_batches(seq, packed, accumulate), weighted_loss)
     return mean_over_ranks(losses, mesh), grads, params

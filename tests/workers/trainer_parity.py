@@ -198,6 +198,9 @@ RUNS = {
         # two stages split at the decoder layers, ring attention inside each; micro-batches of one sample
         "pp2_cp2_accum": dict(parallel=dict(CP2, pipeline_model_parallel_size=2, per_device_train_batch_size=2),
                               global_batch=2, args=dict(gradient_accumulation_steps=2)),
+        # Qwen3-MoE's routed experts over expert groups of 4 folded onto dp 2 x ring 2 (use_expert_parallel)
+        "qwen3_moe_ep4_dp2_cp2": dict(family="qwen3_moe", global_batch=4, parallel=dict(
+            CP2, use_expert_parallel=True, expert_model_parallel_size=4, per_device_train_batch_size=2)),
         # Qwen3-Next's Gated DeltaNet by head all-to-all
         "qwen3_next_dp2_ulysses2": dict(family="qwen3_next", global_batch=4, args=dict(adam_epsilon=1.0),
                                         parallel=dict(sep_parallel_size=2, per_device_train_batch_size=2)),
@@ -228,6 +231,9 @@ def bad_configs(report, root):
     report.expect_error("sequence_parallel_alone", lambda: args(sequence_parallel=True))
     report.expect_error("config_and_flags", lambda: args(context_parallel_size=2, paddle_cp_config={
         "mesh": {"shape": [4], "dim_names": ["sep"]}}))
+    report.expect_error("expert_size_alone", lambda: args(expert_model_parallel_size=2))
+    report.expect_error("expert_size_not_dividing", lambda: args(tensor_model_parallel_size=2, use_expert_parallel=True,
+                                                                 expert_model_parallel_size=4))
     report.expect_error("stage3_accumulation", lambda: args(sharding="stage3", gradient_accumulation_steps=2))
     report.expect_error("uncovered_model", lambda: Trainer(model=paddle.nn.Linear(4, 4),
                                                            args=args(context_parallel_size=2)))

@@ -1,8 +1,10 @@
 """Attention kernels: `forward(q, k, v, mask, scale) -> (out, lse)` and its backward.
 
-`mask` is a BlockMask (attention/mask.py). `select_kernel` picks Paddle's
-flash-attention op for fp16/bf16 GPU tensors when the build has it and the mask
-is one it can express, and the blockwise fp32 kernel everywhere else.
+`mask` is a BlockMask (attention/mask.py). `select_kernel` picks, for fp16/bf16
+GPU tensors with one head dim for q/k/v, Paddle's flash-attention op when every
+tile is all keys or causal on the diagonal, else its flashmask op (tiles cut by
+documents, windows or padding) when the build has it and no dense mask applies;
+the blockwise fp32 kernel everywhere else.
 """
 from __future__ import annotations
 
@@ -13,18 +15,24 @@ from paddle.autograd import PyLayer
 from ..mask import BlockMask
 from .blockwise import BlockwiseKernel
 from .flash import FlashKernel, flash_available
+from .flashmask import FlashMaskKernel, flashmask_available
 
 _HALF = (paddle.float16, paddle.bfloat16)
 
 
-def choose_kernel_name(on_gpu, dtype, has_flash, mask_fits_flash=True, same_head_dims=True):
-    """The dispatch rule, free of devices so it can be tested anywhere: flash for half-precision GPU
-    tensors when the op exists, the mask is one it expresses and q/k/v share a head dim (not MLA)."""
-    flash = on_gpu and has_flash and dtype in _HALF and mask_fits_flash and same_head_dims
-    return "flash" if flash else "blockwise"
+def choose_kernel_name(on_gpu, dtype, has_flash, mask_fits_flash=True, same_head_dims=True, has_flashmask=False,
+                       mask_fits_flashmask=True):
+    """The dispatch rule, free of devices so it can be tested anywhere: for half-precision GPU tensors whose
+    q/k/v share a head dim (not MLA), flash when the op exists and expresses the mask, else flashmask when
+    that op exists and expresses it; blockwise otherwise."""
+    if not (on_gpu and dtype in _HALF and same_head_dims):
+        return "blockwise"
+    if has_flash and mask_fits_flash:
+        return "flash"
+    return "flashmask" if has_flashmask and mask_fits_flashmask else "blockwise"
 
 
-_KERNELS = {"flash": FlashKernel, "blockwise": BlockwiseKernel}
+_KERNELS = {"flash": FlashKernel, "flashmask": FlashMaskKernel, "blockwise": BlockwiseKernel}
 
 
 def on_gpu(tensor):
@@ -33,9 +41,11 @@ def on_gpu(tensor):
 
 
 def select_kernel(q, v, mask=None):
-    gpu, has_flash = on_gpu(q), flash_available()
-    fits = mask is None or not (gpu and has_flash) or FlashKernel.supports(mask)
-    return _KERNELS[choose_kernel_name(gpu, q.dtype, has_flash, fits, q.shape[-1] == v.shape[-1])]()
+    gpu, has_flash, has_flashmask = on_gpu(q), flash_available(), flashmask_available()
+    fits = mask is None or not (gpu and has_flash) or FlashKernel.supports(mask)  # classifies every tile: only on GPU
+    fits_flashmask = mask is None or FlashMaskKernel.supports(mask)
+    name = choose_kernel_name(gpu, q.dtype, has_flash, fits, q.shape[-1] == v.shape[-1], has_flashmask, fits_flashmask)
+    return _KERNELS[name]()
 
 
 def saveable(*tensors):
@@ -72,4 +82,5 @@ def local_attention(q, k, v, causal, scale, kernel=None, mask=None):
     return LocalAttention.apply(q, k, v, mask, scale, kernel or select_kernel(q, v, mask))
 
 
-__all__ = ["saveable", "BlockwiseKernel", "FlashKernel", "select_kernel", "choose_kernel_name", "local_attention"]
+__all__ = ["saveable", "BlockwiseKernel", "FlashKernel", "FlashMaskKernel", "select_kernel", "choose_kernel_name",
+           "local_attention"]

@@ -32,10 +32,9 @@ class BlockwiseKernel:
     def _heads_first(x):
         return x.astype(FP32).transpose([0, 2, 1, 3])
 
-    def _tiles(self, row_runs, window):
+    def _tile_size(self, window):
         # Tiles no longer than a sliding window (not below 32 rows) let the mask skip what it hides.
-        size = self.block_size if window is None else min(self.block_size, max(window, 32))
-        return [(start, min(start + size, end)) for a, end in row_runs for start in range(a, end, size)]
+        return self.block_size if window is None else min(self.block_size, max(window, 32))
 
     @staticmethod
     def _scores(qb, kb, scale, mask):
@@ -53,9 +52,10 @@ class BlockwiseKernel:
 
     def _plan(self, mask, record):
         """[(q tile, [(k tile, tile mask or None), ...]), ...] for the tiles anyone sees."""
-        k_tiles = self._tiles(mask.k_runs(), mask.window)
+        size = self._tile_size(mask.window)
+        k_tiles = mask.k_tiles(size)
         plan = []
-        for q_tile in self._tiles(mask.q_runs(), mask.window):
+        for q_tile in mask.q_tiles(size):
             seen = []
             for k_tile in k_tiles:
                 kind = mask.classify(q_tile, k_tile, record)

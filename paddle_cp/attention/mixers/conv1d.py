@@ -61,8 +61,8 @@ def sequence_geometry(layer):
 
 def windows_for(plan, local_len, before, after):
     """The RunWindows of this rank for the batch `plan` runs (its length agreed if no batch is published)."""
-    seq_len = routing.sequence_length(plan, local_len)
-    return run_windows(plan._layout, seq_len, plan._groups.sep.index, before, after)
+    layout, seq_len = routing.sequence(plan, local_len)
+    return run_windows(layout, seq_len, plan._groups.sep.index, before, after)
 
 
 class Conv1DOverSequence(TokenMixer):

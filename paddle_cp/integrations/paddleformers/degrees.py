@@ -5,6 +5,8 @@
 `tensor_model_parallel_size` is `mp`, `pipeline_model_parallel_size` is `pp`,
 and the ranks left over are `dp`. `sharding` stages 1-3 shard over every rank
 holding a replica (dp x sep; `sharding_parallel_size` equal to dp: over dp only).
+`expert_model_parallel_size` (with `use_expert_parallel`) is ep_config's degree: expert
+groups folded onto the dp x sep ranks, not ranks of their own.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class ParallelDegrees:
     sharding_level: int = 0
     sharding_mesh_dim: Optional[str] = None  # dp_config's: None shards over dp x sep
     sequence_parallel: bool = False
+    ep: int = 1  # expert_model_parallel_size: ranks of an expert group, folded onto dp x sep
 
     @property
     def sep(self):
@@ -75,7 +78,7 @@ def sharding_level(sharding):
 
 def degrees_from_flags(world, *, context_parallel_size=-1, sep_parallel_size=-1, tensor_model_parallel_size=-1,
                        pipeline_model_parallel_size=-1, sharding="", sharding_parallel_size=-1,
-                       sequence_parallel=False):
+                       sequence_parallel=False, use_expert_parallel=False, expert_model_parallel_size=-1):
     """ParallelDegrees for `world` ranks; a ValueError naming the fix when the flags do not fit it.
 
     Pure arithmetic on the flags: every rank raises the same error, before any collective.
@@ -107,7 +110,21 @@ def degrees_from_flags(world, *, context_parallel_size=-1, sep_parallel_size=-1,
         raise ValueError("sharding stage2/stage3 with pipeline_model_parallel_size > 1 is not supported "
                          "(as in PaddleFormers): use --sharding stage1")
     return ParallelDegrees(world=world, dp=dp, pp=pp, mp=mp, ring=ring, ulysses=ulysses, sharding_level=level,
-                           sharding_mesh_dim=mesh_dim, sequence_parallel=bool(sequence_parallel))
+                           sharding_mesh_dim=mesh_dim, sequence_parallel=bool(sequence_parallel),
+                           ep=_expert_degree(use_expert_parallel, expert_model_parallel_size, dp * ring * ulysses))
+
+
+def _expert_degree(use_expert_parallel, size, folded):
+    """ep_config's degree: expert_model_parallel_size when use_expert_parallel (PaddleFormers asks for both)."""
+    size = _size(size)
+    if size > 1 and not use_expert_parallel:
+        raise ValueError(f"expert_model_parallel_size {size} needs use_expert_parallel=True (as in PaddleFormers): "
+                         "set both or neither")
+    if folded % size:
+        raise ValueError(f"expert_model_parallel_size {size} must divide the {folded} data x context parallel ranks "
+                         "(expert groups fold onto them, never onto tensor or pipeline ranks): choose a divisor "
+                         f"of {folded}")
+    return size if use_expert_parallel else 1
 
 
 def degrees_from_mesh(mesh, sharding_level=0):

@@ -15,14 +15,20 @@ from __future__ import annotations
 import paddle_cp as pcp
 
 
-def local_labels(labels, prepare_plan):
-    """This rank's labels: its context-parallel part of its samples' labels."""
-    return labels if prepare_plan is None else pcp.shard_sequence(labels, backend=prepare_plan)
+_DOCUMENT_INPUTS = ("position_ids", "attn_mask_startend_row_indices")  # what a packed batch's layout follows
 
 
-def local_tokens(labels, prepare_plan, ignored_label):
-    """Tokens whose loss this rank computes (one host read)."""
-    return int((local_labels(labels, prepare_plan) != ignored_label).astype("int64").sum())
+def local_labels(labels, prepare_plan, inputs):
+    """This rank's labels: its context-parallel part of its samples' labels, split as the model's
+    inputs are (a batch of packed documents is split by its documents)."""
+    if prepare_plan is None:
+        return labels
+    return pcp.shard_sequence(labels, backend=prepare_plan, **{key: inputs.get(key) for key in _DOCUMENT_INPUTS})
+
+
+def local_tokens(labels, prepare_plan, ignored_label, inputs=None):
+    """Tokens whose loss this rank computes (one host read); `inputs`: the batch the model gets."""
+    return int((local_labels(labels, prepare_plan, inputs or {}) != ignored_label).astype("int64").sum())
 
 
 class PipelineLoss:
@@ -35,14 +41,14 @@ class PipelineLoss:
         self.micro_batches, self.ignored_label = micro_batches, ignored_label
         self.per_token = None
 
-    def start_step(self, labels):
-        """Before a forward over `labels` (this rank's whole batch): one all-reduce of the token count."""
-        local = local_tokens(labels, self.prepare_plan, self.ignored_label)
+    def start_step(self, inputs):
+        """Before a forward over `inputs` (this rank's whole batch): one all-reduce of the token count."""
+        local = local_tokens(inputs["labels"], self.prepare_plan, self.ignored_label, inputs)
         self.per_token = pcp.loss_weight(local) / local if local else 0.0
 
     def __call__(self, output, labels):
         if self.per_token is None:
-            raise RuntimeError("PipelineLoss.start_step(labels) must run before the pipelined forward")
+            raise RuntimeError("PipelineLoss.start_step(inputs) must run before the pipelined forward")
         # the schedule hands over labels already split like the inputs (PrepareContextParallel on the model)
         loss = self.criterion(output[0], labels)[0]
         return loss * (self.micro_batches * local_tokens(labels, None, self.ignored_label) * self.per_token)

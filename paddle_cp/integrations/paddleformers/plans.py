@@ -9,7 +9,8 @@ A layer the plan does not name stays whole on every rank (correct, only not
 split): MLA attention (DeepSeek-V3), attention with per-head parameters of its own
 (gpt-oss's sinks) and MoE routed experts (DeepSeek-V3's `experts.<i>`, gpt-oss's
 fused experts) keep their weights under tensor parallel; shared experts are split
-like any MLP.
+like any MLP. With `expert_model_parallel_size` the routed experts are split over
+expert groups instead (ep_config, `ExpertParallel` on every decoder layer's `mlp`).
 """
 from __future__ import annotations
 
@@ -124,6 +125,9 @@ def parallelize_config(model, degrees, schedule_mode="1F1B", micro_batches=1):
         config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, degrees.sequence_parallel)}
     if degrees.pp > 1:
         config["pp_config"] = pipeline_config(model, degrees, schedule_mode, micro_batches)
+    if degrees.ep > 1:  # the key matches every layer's mlp; ep_config takes the MoE blocks among them
+        config["ep_config"] = {"degree": degrees.ep,
+                               "parallelize_plan": {f"{decoder_stack(model)}.*.mlp": pcp.ExpertParallel()}}
     config["dp_config"] = {"sharding_level": degrees.sharding_level}
     if degrees.sharding_mesh_dim is not None:
         config["dp_config"]["sharding_mesh_dim"] = degrees.sharding_mesh_dim

@@ -113,10 +113,10 @@ class Trainer(PaddleFormersTrainer):
     def compute_loss(self, model, inputs, return_outputs=False):
         degrees = self.args.paddle_cp_degrees
         if self._pipeline_loss is not None and self._parallelized and model.training:
-            self._pipeline_loss.start_step(inputs["labels"])  # the schedule weighs each micro-batch's loss
+            self._pipeline_loss.start_step(inputs)  # the schedule weighs each micro-batch's loss
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
         weigh = self._parallelized and degrees.dp * degrees.sep > 1 and inputs.get("labels") is not None
-        tokens = local_tokens(inputs["labels"], self._prepare_plan, self._ignored_label()) if weigh else None
+        tokens = local_tokens(inputs["labels"], self._prepare_plan, self._ignored_label(), inputs) if weigh else None
         result = super().compute_loss(model, inputs, return_outputs=return_outputs)
         if not weigh:
             return result

@@ -33,6 +33,8 @@ FLEET_FLAGS = {
     "sharding": "",
     "sharding_parallel_size": -1,
     "sequence_parallel": False,
+    "use_expert_parallel": False,
+    "expert_model_parallel_size": -1,
 }
 
 # flags whose PaddleFormers implementation needs fleet or its own checkpoint formats: refused with the reason
@@ -40,8 +42,6 @@ UNSUPPORTED = {
     "bf16": "mixed precision is not wired into paddle_cp's Trainer yet (and CPUs have no bf16 matmul): train in fp32",
     "fp16": "mixed precision is not wired into paddle_cp's Trainer yet: train in fp32",
     "enable_auto_parallel": "PaddleFormers' own auto-parallel path (DistTensors); paddle_cp replaces it",
-    "use_expert_parallel": "expert parallelism is not implemented by paddle_cp (experts stay whole on every rank)",
-    "expert_model_parallel_size": "expert parallelism is not implemented by paddle_cp",
     "distributed_dataloader": "fleet's DistDataLoader needs its hybrid groups; every rank reads its own samples here",
     "load_best_model_at_end": "it reloads with PaddleFormers' checkpoint formats; load the best paddle_cp "
                               "checkpoint with paddle_cp.load_checkpoint instead",

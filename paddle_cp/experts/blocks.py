@@ -1,0 +1,90 @@
+"""The MoE blocks PaddleFormers ships, recognized by class: where the routed experts are, how they are
+stored, and the call through which their output is computed (the seam ExpertParallel takes over).
+
+Every family computes `sum_j w[t, j] * expert_{i[t, j]}(x_t)` from a router's top-k indices and weights;
+they differ in where that call is:
+- Qwen2/Qwen3-MoE, DeepSeek-V3, GLM4-MoE: `experts(hidden [T, H], indices [T, k], weights [T, k])` when the
+  block's `fd_fallback` is set (stacked experts); their list-of-layers path loops in the block itself, so
+  the plan sets `fd_fallback` and gives the list that call.
+- gpt-oss: `experts(hidden [b, s, H], router_indices=[T, k], routing_weights=[T, E])`, dense weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import paddle
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    classes: tuple              # class names, any in the block's MRO
+    runs_idle_experts: bool     # one card runs each listed expert in training even on no token (zero gradient)
+    router_output: bool         # its (hidden, router logits) output reaches the model's aux loss
+    dense_weights: bool         # the experts call takes weights [T, E] (gpt-oss), else [T, k]
+
+
+KINDS = (
+    # Qwen2/3-MoE return their router logits, but PaddleFormers 1.2.0's decoder layer drops them: no aux loss
+    BlockKind(("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock"), True, False, False),
+    BlockKind(("DeepseekV3MoE",), True, False, False),
+    BlockKind(("Glm4MoeMoE",), False, False, False),
+    BlockKind(("GptOssMLP",), False, True, True),
+)
+
+
+@dataclass(frozen=True)
+class MoEBlock:
+    """One MoE block as ExpertParallel sees it."""
+
+    layer: object
+    kind: BlockKind
+    experts: object             # the routed experts: an nn.LayerList, or one layer of stacked [E, ...] tensors
+
+    @property
+    def listed(self):
+        return isinstance(self.experts, paddle.nn.LayerList)
+
+    @property
+    def num_experts(self):
+        return len(self.experts) if self.listed else int(self.stacked_parameters()[0][1].shape[0])
+
+    def stacked_parameters(self):
+        """(name, parameter) of stacked experts, each [E, ...] (expert first)."""
+        return [(n, p) for n, p in self.experts.named_parameters() if p is not None]
+
+    def uses_fallback_seam(self):
+        return not self.kind.dense_weights
+
+
+def _kind_of(layer):
+    names = {cls.__name__ for cls in type(layer).__mro__}
+    return next((kind for kind in KINDS if names & set(kind.classes)), None)
+
+
+def find_moe_block(layer) -> Optional[MoEBlock]:
+    """The MoE block `layer` is, or None (a dense MLP, anything else)."""
+    kind = _kind_of(layer)
+    experts = getattr(layer, "experts", None)
+    if kind is None or not isinstance(experts, paddle.nn.Layer):
+        return None
+    return MoEBlock(layer, kind, experts)
+
+
+def known_blocks():
+    """The class names recognized, for error messages."""
+    return [name for kind in KINDS for name in kind.classes]
+
+
+def check_block(name, block):
+    """Raise on a MoE block ExpertParallel cannot split; before any collective."""
+    if getattr(getattr(block.layer, "config", None), "sequence_parallel", False) or getattr(
+            block.layer, "sequence_parallel", False):
+        raise ValueError(f"{name} ({type(block.layer).__name__}) was built with PaddleFormers' sequence_parallel=True "
+                         "(its fleet gather/scatter inside the block): build the model with sequence_parallel=False "
+                         "for ExpertParallel")
+    if not block.listed:
+        shapes = {n: list(p.shape) for n, p in block.stacked_parameters()}
+        if not shapes or len({s[0] for s in shapes.values()}) != 1:
+            raise ValueError(f"{name}.experts stacks its experts in tensors {shapes}: ExpertParallel needs every "
+                             "stacked tensor to lead with the expert dim")

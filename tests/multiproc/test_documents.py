@@ -1,0 +1,50 @@
+"""Packed documents split by the documents layout, trained like one card (tests/workers/documents_parity.py,
+one launch of 4 ranks)."""
+import pytest
+from launcher import launch_once
+
+from test_context_parallel import assert_close
+
+RUNS = ("p2p", "all2all", "hybrid", "p2p.rows", "p2p.recompute", "pp2_sep2.p2p")
+
+
+@pytest.fixture(scope="module")
+def reports():
+    pytest.importorskip("paddleformers")
+    return launch_once("documents_parity.py", 4)
+
+
+def test_packed_documents_train_like_one_card(reports):
+    assert_close(reports)
+    for report in reports:
+        for run in RUNS:
+            if run.startswith("pp2") and report["rank"] < 2:
+                continue  # the first stage computes no loss
+            assert {f"{run}.{kind}" for kind in ("loss", "grad", "param")} <= set(report["max_abs"]), run
+
+
+def test_ring_ranks_hold_balanced_positions(reports):
+    """p2p and hybrid split this batch unlike the 2N chunks (all2all has one ring group: nothing to balance),
+    and the slowest rank's work is closer to the mean."""
+    for run in ("p2p", "hybrid", "p2p.rows", "p2p.recompute"):
+        assert any(r["values"][f"{run}.moved"] for r in reports), run
+        work = [r["values"][f"{run}.work"] for r in reports]
+        balanced, chunks = ([w[i] for w in work] for i in (0, 1))
+        assert max(balanced) < max(chunks), run
+    assert not any(r["values"]["all2all.moved"] for r in reports)
+
+
+def test_labels_split_unlike_the_inputs_raise_on_every_rank(reports):
+    errors = reports[0]["errors"]
+    expected = {
+        "no_position_ids": "finds each batch's documents in its position_ids",
+        "ids_plan_no_doc_ids": "in the input 'doc_ids'",
+        "string_backend": "pass backend=<the PrepareContextParallel plan>",
+        "unknown_layout": "unknown sequence layout 'even'",
+        "rows.labels_first": "shard_sequence split this batch's tensors in the ['chunks'] layout",
+        "rows.forward_first": "pass them to shard_sequence too",
+    }
+    for name, text in expected.items():
+        assert errors[name][0] == "ValueError" and text in errors[name][1], (name, errors[name])
+    for report in reports[1:]:
+        assert report["errors"] == errors

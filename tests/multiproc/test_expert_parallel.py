@@ -1,0 +1,165 @@
+"""Expert parallelism (ep_config) on the context-parallel mesh: three MoE families train at parity with one
+card on dp2 x sep2 (E=4, ring), sep4 (E=2, Ulysses) and dp4 (E=4), and with tensor parallel inside the
+experts, a pipeline, recomputation and LazyGuard; each rank holds only its range of the routed experts;
+bad configs fail alike on every rank before any collective. One launch of 4 ranks.
+"""
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from launcher import WORKERS, launch_once
+
+from paddle_cp.tools.io_phases import bound
+
+pytest.importorskip("paddleformers")
+
+TOL = 1e-5
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = ("qwen3_moe:dp2xsep2", "deepseek_v3:dp2xsep2", "gpt_oss:dp2xsep2",
+        "qwen3_moe:sep4", "deepseek_v3:sep4", "gpt_oss:sep4",
+        "qwen3_moe:dp4", "deepseek_v3:dp4", "gpt_oss:dp4",
+        "qwen3_moe_stacked:sep4", "qwen3_moe:dp2xmp2", "qwen3_moe:pp2xsep2",
+        "deepseek_v3:dp2xsep2:recompute", "gpt_oss:sep4:lazy", "qwen2_moe:sep4", "glm4_moe:dp2xsep2",
+        # sharding over the ranks holding the same experts (and over dp x sep for the rest)
+        "qwen3_moe:sep4:level3", "gpt_oss:sep4:level3", "glm4_moe:sep4:level3", "deepseek_v3:sep4:level2")
+
+
+# listed (DeepSeek-V3) and stacked (gpt-oss) experts. Not Qwen3-MoE: its save_pretrained writes the router in
+# bfloat16 and its loading mapping declares no cast back, so load_pretrained refuses the dtype (from_pretrained casts)
+IO_FAMILIES = ("deepseek_v3", "gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """What users load: PaddleFormers' save_pretrained of each family's one-card model."""
+    sys.path.insert(0, str(WORKERS))
+    from expert_parallel import made
+
+    root = tmp_path_factory.mktemp("experts")
+    for family in IO_FAMILIES:
+        model = made(family)
+        model.save_pretrained(str(root / family), safe_serialization=True)
+        loaded = type(model).from_pretrained(str(root / family))  # one card (a launched rank's needs a GPU)
+        np.savez(root / f"{family}.npz", **{k: v.numpy() for k, v in loaded.state_dict().items()})
+    return root
+
+
+@pytest.fixture(scope="module")
+def reports(root):
+    reports = launch_once("expert_parallel.py", 4, *RUNS, f"root={root}")
+    for report in reports:
+        assert not report["values"].get("crash"), report["values"]["crash"]
+    return reports
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_training_matches_one_card(reports, run):
+    for report in reports:
+        for kind in ("loss", "param") + (("logits",) if "pp2" not in run else ()):
+            assert report["max_abs"][f"{run}.{kind}"] <= TOL, (report["rank"], run, kind, report["max_abs"])
+        assert report["values"][f"{run}.keys_match"], run
+        losses = report["values"][f"{run}.losses"]
+        assert losses[-1] < losses[0], f"{run}: training should reduce the loss"
+
+
+def test_aux_loss_is_one_cards(reports):
+    """gpt-oss adds its router's load-balancing loss to the training loss: every rank computes it from
+    every rank's tokens (a product of means: the mean of local aux losses would differ)."""
+    for report in reports:
+        for run in RUNS:
+            if run.startswith("gpt_oss") and "pp2" not in run:
+                assert report["max_abs"][f"{run}.aux"] <= TOL, (run, report["max_abs"][f"{run}.aux"])
+
+
+def test_an_expert_no_token_reaches_moves_as_on_one_card(reports):
+    """DeepSeek-V3's one card runs it on a zero row (a zero gradient: AdamW decays it); GLM4-MoE's skips it."""
+    for report in reports:
+        for run in RUNS:
+            if run.startswith(("deepseek_v3", "glm4_moe")):
+                moved, want = report["values"][f"{run}.idle_moved"]
+                assert (want > 1e-4) == run.startswith("deepseek_v3") and abs(moved - want) <= TOL, (run, moved, want)
+
+
+def test_each_rank_holds_its_range_of_the_routed_experts(reports):
+    """Its contiguous range of each block's experts (sizes differing by at most one), nothing more; over the
+    ranks of an expert group every expert once."""
+    for run in RUNS:
+        held = [r["values"][f"{run}.held"] for r in reports]
+        if run.endswith("level3"):  # each expert's parameters on one of the ranks holding that expert
+            assert sum(local for local, _, _ in held) == held[0][1], run
+            continue
+        for rank, (local, total, share) in enumerate(held):
+            assert local == share, (rank, run, local, share)
+        degree = {"dp2xsep2": 4, "sep4": 2, "dp4": 4}.get(run.split(":")[1])
+        if degree:  # no tensor or pipeline split of the experts: the world holds world/degree copies of them
+            assert sum(local for local, _, _ in held) == held[0][1] * len(reports) // degree, run
+
+
+def test_bad_configs_fail_alike_on_every_rank_before_any_collective(reports):
+    errors = [r["errors"] for r in reports]
+    assert all(e == errors[0] for e in errors)
+    expected = {"degree_not_dividing": "does not divide dp2 x sep2 = 4", "degree_beyond_experts": "cannot split 3 experts",
+                "key_not_moe": "names no MoE block", "key_matches_nothing": "matches no sublayer",
+                "mp_in_group": "never 'mp'", "in_mp_config": "belongs in ep_config"}
+    for name, words in expected.items():
+        kind, message = errors[0][f"bad.{name}"]
+        assert kind == "ValueError" and words in message, (name, kind, message)
+
+
+def _tensors(directory):
+    """{key: (dtype, shape, bytes)} of every safetensors file in `directory` (bfloat16 too: numpy has none)."""
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        data = path.read_bytes()
+        length = struct.unpack("<Q", data[:8])[0]
+        for key, entry in json.loads(data[8:8 + length]).items():
+            if key != "__metadata__":
+                start, stop = entry["data_offsets"]
+                tensors[key] = (entry["dtype"], entry["shape"], data[8 + length + start:8 + length + stop])
+    return tensors
+
+
+@pytest.mark.parametrize("family", IO_FAMILIES)
+def test_pretrained_weights_in_and_out_each_rank_its_share(reports, root, family):
+    """load_pretrained reads about this rank's share (its experts, not the others'); export_pretrained writes
+    the files save_pretrained wrote."""
+    for report in reports:
+        assert report["max_abs"][f"io.{family}.loaded"] == 0.0, report["values"][f"io.{family}.differing"]
+        load = report["values"][f"io.{family}.load_pretrained"]
+        assert load["read"] <= load["share"], load  # its experts' bytes, not the others' (the router: bfloat16)
+        for phase in ("load_pretrained", "export"):  # never more than one full parameter beside the share
+            row = report["values"][f"io.{family}.{phase}"]
+            assert row["peak"] <= bound(row), row
+    saved, exported = _tensors(root / family), _tensors(root / f"export_{family}")
+    assert sorted(exported) == sorted(saved)
+    for key, value in saved.items():
+        assert exported[key] == value, key  # dtype (the router in bfloat16, as save_pretrained writes it) and bytes
+
+
+@pytest.mark.parametrize("family", IO_FAMILIES)
+def test_checkpoint_saved_at_four_resumes_at_two_as_one_card(reports, family):
+    for report in reports:
+        for kind in ("loss", "param"):
+            assert report["max_abs"][f"ckpt.{family}.{kind}"] <= TOL, (report["rank"], kind, report["max_abs"])
+
+
+def test_pcp_memory_experts_sets_expert_parallel_beside_level_3(tmp_path):
+    """`pcp-memory --experts` on dp2 x sep2: EP holds a quarter of the routed experts and moves less than
+    level 3 (which fetches every parameter twice a step); its all-to-alls move exactly the analytic minimum."""
+    out = tmp_path / "experts.json"
+    cmd = [sys.executable, "-m", "paddle_cp.tools.memory", "--experts", "--dims", "dp=2", "sep=2", "--hidden", "64",
+           "--expert-intermediate", "64", "--layers", "1", "--seq", "32", "--vocab", "256", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())["summary"]
+    ep, level3, replicated = summary["ep"], summary["level3"], summary["replicated"]
+    assert ep["experts"] * 4 == replicated["experts"]  # 8 experts over groups of 4: two each
+    assert ep["all_to_all"]["minimum"] > 0 and ep["all_to_all"]["moved"] == ep["all_to_all"]["minimum"]
+    assert ep["sent_per_rank"] < level3["sent_per_rank"]
+    assert "all_to_all" not in level3["sent_by_kind"] and level3["sent_by_kind"]["param_fetch"] > 0

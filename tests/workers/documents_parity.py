@@ -1,0 +1,189 @@
+"""Packed documents under the documents layout (PrepareContextParallel's split when it knows them): PaddleFormers'
+Llama as users build it (eager attention) trains 3 AdamW steps like one card on the same batches, which the one
+card sees through PaddleFormers' own attn_mask_startend_row_indices.
+
+The batch: 2 rows of 61 tokens (not a multiple of 2N), different documents per row, from 1 to 30 tokens (shorter
+than 2N included). Runs at N = 4: p2p, all2all and hybrid (U = 2) with documents="position_ids"; p2p given only the
+row indices; p2p with PaddleFormers' full recompute; two pipeline stages of two ring ranks with two micro-batches
+(each micro-batch attends with its own rows' documents). Labels are split with shard_sequence given the batch's
+document inputs, except under the pipeline, whose plan on the root splits them. Also: the errors of a label split
+that cannot follow the inputs', raised on every rank.
+"""
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from report import run
+
+import paddle_cp as pcp
+from paddle_cp import mesh as mesh_lib
+from paddle_cp.comm import collectives
+from paddle_cp.tools import packing
+
+STEPS, SEQ, BATCH, VOCAB = 3, 61, 2, 64
+LENGTHS = [23, 3, 1, 14, 9, 5, 30, 2, 19, 7, 11, 4, 26, 6, 1, 8]  # the stream both rows are cut from
+
+
+def llama(**config):
+    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+
+    paddle.seed(2024)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, fuse_rms_norm=False, **config))
+
+
+def adamw(model):
+    return paddle.optimizer.AdamW(learning_rate=1e-3, epsilon=1e-3, parameters=model.parameters())
+
+
+def batches():
+    """Per step: ids, labels, position ids and the documents' end rows [b, 1, s, 1] (one card's mask)."""
+    positions = packing.packed_position_ids(np.array(LENGTHS), SEQ, BATCH)
+    ends = np.zeros_like(positions)
+    for row, position in enumerate(positions):  # a document ends where the next one starts
+        starts = [*np.flatnonzero(position == 0).tolist(), SEQ]
+        for start, end in zip(starts[:-1], starts[1:]):
+            ends[row, start:end] = end
+    rng = np.random.RandomState(5)
+    for _ in range(STEPS):
+        ids = rng.randint(0, VOCAB, [BATCH, SEQ + 1])
+        yield (paddle.to_tensor(ids[:, :-1]), paddle.to_tensor(ids[:, 1:]), paddle.to_tensor(positions),
+               paddle.to_tensor(ends[:, None, :, None], dtype="int32"))
+
+
+def reference(**config):
+    model = llama(**config)
+    opt = adamw(model)
+    losses, grads = [], None
+    for ids, labels, positions, ends in batches():
+        loss = model(input_ids=ids, labels=labels, position_ids=positions, attn_mask_startend_row_indices=ends)[0]
+        loss.backward()
+        grads = grads or {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+
+
+def sep_mean(values, mesh):
+    """The global loss from each sep rank's weighted share of it."""
+    group = mesh_lib.mesh_group(mesh, ["sep"])
+    return (collectives.all_reduce(group, paddle.to_tensor(values, dtype="float32")) / group.size).numpy().tolist()
+
+
+def held(model, values):
+    """Only what this rank keeps (a pipeline stage frees the other stages' parameters)."""
+    return {n: v for n, v in values.items() if dict(model.named_parameters())[n]._is_initialized()}
+
+
+def train(model, opt, step_loss):
+    losses, grads = [], None
+    for batch in batches():
+        loss = step_loss(model, *batch)
+        loss.backward()
+        opt.step()  # averages the gradients over sep first
+        grads = grads or {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, grads, held(model, {n: p.numpy() for n, p in model.named_parameters()})
+
+
+def sequence_parallel(report, mesh, name, backend, degree=None, rows_only=False, **config):
+    """The plan on `model` (Paddle's docs' style), labels split by hand with the batch's document inputs."""
+    prepare = pcp.PrepareContextParallel(backend, degree, documents=None if rows_only else "position_ids")
+    plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel(backend, degree)}
+    model = llama(**config)
+    model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
+
+    def step_loss(m, ids, labels, positions, ends):
+        documents = dict(attn_mask_startend_row_indices=ends) if rows_only else dict(position_ids=positions)
+        local = pcp.shard_sequence(labels, backend=prepare, mesh=mesh, **documents)
+        out = m(input_ids=ids, labels=local, position_ids=positions,
+                **(dict(attn_mask_startend_row_indices=ends) if rows_only else {}))
+        return out[0] * pcp.loss_weight(local.numel(), mesh)
+
+    losses, grads, params = train(model, opt, step_loss)
+    report.training(name, (sep_mean(losses, mesh), grads, params), reference(**config))
+    record_layout(report, name, prepare, mesh)
+
+
+def record_layout(report, name, prepare, mesh):
+    """Whether this rank's positions differ from the 2N chunks', and both layouts' work imbalance."""
+    positions = next(batches())[2]
+    mine = pcp.sequence_positions(SEQ, backend=prepare, mesh=mesh, position_ids=positions,
+                                  attn_mask_startend_row_indices=None if prepare.documents else next(batches())[3])
+    chunks = pcp.sequence_positions(SEQ, backend=prepare.backend, mesh=mesh, ulysses_degree=prepare.ulysses_degree)
+    report.value(f"{name}.moved", not np.array_equal(mine.numpy(), chunks.numpy()))
+    per_position = (positions.numpy() + 1).sum(axis=0)
+    report.value(f"{name}.work", [float(per_position[mine.numpy()].sum()), float(per_position[chunks.numpy()].sum())])
+
+
+def pipeline(report):
+    """pp2 x sep2: the plan on the root splits inputs and labels; two micro-batches of one row each."""
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "sep"])
+    prepare = pcp.PrepareContextParallel("p2p", documents="position_ids")
+    ids, labels, positions, _ = next(batches())
+    weight = pcp.loss_weight(pcp.shard_sequence(labels, backend=prepare, mesh=mesh, position_ids=positions).numel(),
+                             mesh)
+
+    def weighted_loss(output, local_labels):  # each micro-batch's mean over this rank's tokens, weighted
+        logits = output[0] if isinstance(output, (tuple, list)) else output
+        loss = paddle.nn.functional.cross_entropy(logits.reshape([-1, VOCAB]), local_labels.reshape([-1, 1])).mean()
+        return loss * weight
+
+    config = {"cp_config": {"parallelize_plan": {"": prepare, "model.layers.*.self_attn": pcp.ContextParallel("p2p")}},
+              "pp_config": {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 2,
+                            "loss_fn": weighted_loss}}
+    model = llama()
+    model, opt = pcp.parallelize(model, adamw(model), mesh, config)
+    losses, grads, params = train(model, opt, lambda m, ids, labels, positions, ends: m(
+        input_ids=ids, labels=labels, position_ids=positions)[0])
+    want_losses, want_grads, want_params = reference()
+    report.training("pp2_sep2.p2p", (sep_mean(losses, mesh), held(model, grads), params),
+                    (want_losses, held(model, want_grads), held(model, want_params)))
+
+
+def errors(report, mesh):
+    """A label split that cannot follow the inputs' raises, on every rank alike."""
+    ids, labels, positions, ends = next(batches())
+    documents_plan = pcp.PrepareContextParallel("p2p", documents="position_ids")
+    report.expect_error("no_position_ids", lambda: pcp.shard_sequence(labels, backend=documents_plan, mesh=mesh))
+    report.expect_error("ids_plan_no_doc_ids", lambda: pcp.shard_sequence(
+        labels, backend=pcp.PrepareContextParallel("p2p", documents="doc_ids"), mesh=mesh, position_ids=positions))
+    report.expect_error("string_backend", lambda: pcp.shard_sequence(labels, backend="p2p", mesh=mesh,
+                                                                     position_ids=positions))
+    report.expect_error("unknown_layout", lambda: pcp.PrepareContextParallel("p2p", layout="even"))
+    # row indices the plan was not told of: labels split without them, before and after a forward with them
+    for order in ("labels_first", "forward_first"):
+        prepare = pcp.PrepareContextParallel("p2p")
+        plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
+        model, _ = pcp.parallelize(llama(), None, mesh, {"cp_config": {"parallelize_plan": plan}})
+
+        def forward(m=model):
+            m(input_ids=ids, position_ids=positions, attn_mask_startend_row_indices=ends)
+
+        def split(p=prepare):
+            pcp.shard_sequence(labels, backend=p, mesh=mesh)
+
+        if order == "labels_first":
+            split()
+            report.expect_error(f"rows.{order}", forward)
+        else:
+            forward()
+            report.expect_error(f"rows.{order}", split)
+        report.value(f"rows.{order}.ok_with_rows", pcp.shard_sequence(
+            labels, backend=prepare, mesh=mesh, attn_mask_startend_row_indices=ends).shape)
+
+
+def main(report):
+    mesh = dist.ProcessMesh(list(range(4)), dim_names=["sep"])
+    sequence_parallel(report, mesh, "p2p", "p2p")
+    sequence_parallel(report, mesh, "all2all", "all2all")
+    sequence_parallel(report, mesh, "hybrid", "hybrid", 2)
+    sequence_parallel(report, mesh, "p2p.rows", "p2p", rows_only=True)
+    sequence_parallel(report, mesh, "p2p.recompute", "p2p", recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+    pipeline(report)
+    errors(report, mesh)
+
+
+run(main)
