@@ -10,6 +10,7 @@ from .api.config import load_config
 from .mesh import get_mesh, set_mesh
 from .api.parallelize import parallelize, parallelize_model, parallelize_optimizer
 from .api.paddle_compat import patch_paddle, unpatch_paddle
+from .api.parity import check_parity
 from .data_parallel.scaler import shard_scaler
 from .pipeline import SplitPoint
 from .sequence.batches import shard_batch, shard_dataloader
@@ -35,7 +36,7 @@ from .checkpoint.full_state import full_state_dict
 __version__ = "0.1.0"
 
 __all__ = [
-    "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle",
+    "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle", "check_parity",
     "set_mesh", "get_mesh", "SplitPoint",
     "PrepareContextParallel", "ContextParallel", "TokenWise", "TokenMixer", "register_mixer",
     "ColWiseParallel", "RowWiseParallel", "ConvParallel", "ExpertParallel",

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 @dataclass
 class RuntimeState:
     sequence_split: bool = False  # is the sequence split over mp at this point of the forward?
+    # SequenceParallelBegin's split, waiting for the first block of the region (plans/sequence_parallel.py)
+    pending_split: object = None
+    # the whole [b, s, h] shape the region's first block was given before that split: what the model's code
+    # between the Begin layer and the blocks saw (a later pipeline stage's stand-ins give it that shape)
+    sequence_whole_shape: tuple | None = None
     bytes_sent: defaultdict = field(default_factory=lambda: defaultdict(int))  # bytes this rank sent, by tag
     # SequenceInfo of the batches whose top layer is running (innermost last), from PrepareContextParallel
     batches: list = field(default_factory=list)
@@ -20,6 +25,12 @@ class RuntimeState:
     running: list = field(default_factory=list)
     # query-key pairs computed and skipped by attention forwards
     attention_work: dict = field(default_factory=lambda: {"computed": 0, "skipped": 0})
+    # one memo per running recompute call: the sep groups whose batch PrepareContextParallel has checked
+    # in it, so a replay in backward does not gather again (plans/same_batch.py)
+    checked_batches: list = field(default_factory=list)
+    # check_parity's reference forward: PrepareContextParallel splits nothing and ContextParallel routes
+    # nothing (every rank computes the whole sequence with the model's own attention)
+    context_parallel_paused: bool = False
     # pipeline: the factor the script applied to the losses scheduled steps returned since the last
     # optimizer step (`(loss / k).backward()`, a GradScaler's scale); the optimizer applies it
     pipeline_loss_scale: float | None = None

@@ -32,8 +32,8 @@ from .mixer_check import check_mixers_routed
 from .plan_annotation import annotate_plan
 from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
-from ..plans.sequence_parallel import is_sequence_plan, watch_partial_gradients
-from ..sequence.positions import supply_positions
+from ..plans.context_parallel import PrepareContextParallel
+from ..plans.sequence_parallel import is_sequence_plan, split_at_blocks, watch_partial_gradients
 from ..data_parallel.sharding import Sharding, check_level, shard_parameters, sharding_dims
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config", "ep_config")
@@ -131,6 +131,7 @@ class _Parallelized:
     dims: tuple  # the dims sharding spans
     world: object  # MeshGroup of the whole mesh
     sharding: Optional[Sharding]
+    prepare: tuple = ()  # (PrepareContextParallel, its layer) of each one applied: check_parity
 
 
 def parallelize_model(model, mesh=None, config=None):
@@ -154,7 +155,7 @@ def parallelize_model(model, mesh=None, config=None):
         plan.apply(layer, mesh, params)
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
         watch_partial_gradients(model, mesh)
-        supply_positions(model, applications)
+        split_at_blocks(model, applications)
     if pipeline:
         apply_pipeline(model, mesh, *pipeline)  # keeps this stage's only
     for param in model.parameters():
@@ -165,7 +166,8 @@ def parallelize_model(model, mesh=None, config=None):
         sharding.release_parameters(model)
     if lazy:
         require_initialized(model)
-    state = _Parallelized(mesh, level, dims, world, sharding)
+    prepare = tuple((plan, layer) for plan, layer, _ in applications if isinstance(plan, PrepareContextParallel))
+    state = _Parallelized(mesh, level, dims, world, sharding, prepare)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)
     return model
@@ -188,6 +190,11 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
     if not all(record_of(p).held_here() for p in optimizer_parameters(optimizer)):
         keep_own_parameters(optimizer)  # a pipeline: the optimizer keeps this stage's parameters
     return ParallelOptimizer(optimizer, state.world, state.sharding)
+
+
+def parallelized_state(model):
+    """What parallelize_model left on `model`'s parameters, or None (not parallelized)."""
+    return next((getattr(p, _STATE_ATTR) for p in model.parameters() if hasattr(p, _STATE_ATTR)), None)
 
 
 def _model_state(params):

@@ -2,15 +2,18 @@
 
 Paddle keeps global shapes and reshards whatever a consumer needs; with local
 tensors a ColWise output stays split only when a sibling layer is RowWise
-(q/k/v -> o, gate/up -> down), a fused weight (qkv, gate_up) is split per part,
+(q/k/v -> o, gate/up -> down), a fused weight (qkv, gate_up) is split per part
+(a q/k/v weight its model groups by k/v head, plainly),
 and the parent of split attention projections must reshape by its local head
-counts. Plans keyed on a single parameter (LoRA factors) must fit their layer's
+counts (its per-head norms then see this rank's heads: their gradients are summed). Plans keyed on a single parameter (LoRA factors) must fit their layer's
 plan, and some make gradients partial over `mp` (parameter_plans.py). `annotate_plan`
 derives all of that and raises on anything that cannot work; `PlanAnnotation.apply`
 then writes it onto the layers and parameter records.
 """
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass, field
 
 import paddle
@@ -47,12 +50,32 @@ def _parent(name):
     return name.rpartition(".")[0]
 
 
-def _fused_parts(name, layer, parent):
-    """Column sizes of a fused projection, by its name; None for a plain one."""
+# PaddleFormers' own statement of how a class fuses q/k/v (its `_gen_aoa_config`, what from_pretrained applies):
+# `<...>.qkv_proj.weight, fused_qkv` orders the columns by k/v head (each head's queries, its key, its value),
+# `fused_qkv_old` as q | k | v.
+_AOA_FUSED_QKV = re.compile(r"->\s*[\w.$]*?(?P<leaf>\w+)\.weight\s*,\s*(?P<op>fused_qkv(?:_old)?)\b")
+
+
+def _qkv_grouped_by_kv_head(model):
+    """Leaf names of the fused q/k/v projections whose columns the model groups by k/v head."""
+    owner = next((layer for layer in model.sublayers(include_self=True)
+                  if hasattr(type(layer), "_gen_aoa_config") and hasattr(layer, "config")), None)
+    if owner is None:
+        return set()
+    statements = type(owner)._gen_aoa_config(owner.config).get("aoa_statements", [])
+    matches = (_AOA_FUSED_QKV.search(statement) for statement in statements)
+    return {m.group("leaf") for m in matches if m is not None and m.group("op") == "fused_qkv"}
+
+
+def _fused_parts(name, layer, parent, grouped_qkv):
+    """Column sizes of a fused projection, by its name; None for a plain one. A q/k/v projection grouped
+    by k/v head is split plainly: each rank then holds whole groups (local head counts check they divide)."""
     leaf = name.rpartition(".")[2]
     out = layer.weight.shape[1]
     if "gate" in leaf and "up" in leaf:
         return (out // 2, out // 2)
+    if "qkv" in leaf and leaf in grouped_qkv():
+        return None
     if "qkv" in leaf:
         heads = getattr(parent, "num_heads", None) or getattr(parent, "num_attention_heads", None)
         kv_heads = getattr(parent, "num_key_value_heads", None) or getattr(parent, "num_kv_heads", None) or heads
@@ -91,19 +114,23 @@ def annotate_plan(model, matched, mesh):
                    if any(isinstance(p, RowWiseParallel) and p.is_input_parallel for p in plans)}
     size = mesh_lib.dim_size(mesh, "mp")
     annotation, split_parents = PlanAnnotation(partial_gradients=partial_gradients), []
+    grouped_qkv = functools.lru_cache(maxsize=None)(lambda: _qkv_grouped_by_kv_head(model))  # only if asked
     for name, layer, plans, _ in matched:
         weight = getattr(layer, "weight", None)
         if not any(isinstance(p, ColWiseParallel) for p in plans) or not isinstance(weight, paddle.Tensor):
             continue
         feeds_row = _parent(name) in row_parents
-        parts = _fused_parts(name, layer, layers.get(_parent(name), model))
+        parts = _fused_parts(name, layer, layers.get(_parent(name), model), grouped_qkv)
         if parts and weight.ndim == 2:
             _check_parts(name, parts, size)
         annotation.columns.append((layer, ColumnInfo(feeds_row, parts)))
         if feeds_row and _parent(name) not in split_parents:
             split_parents.append(_parent(name))
+    planned = {id(layer) for _, layer, plans, _ in matched if any(isinstance(p, tuple(SPLIT_AXIS)) for p in plans)}
     for parent_name in split_parents:
-        annotation.head_counts += _local_head_counts(parent_name, layers.get(parent_name, model), size)
+        parent = layers.get(parent_name, model)
+        annotation.head_counts += _local_head_counts(parent_name, parent, size)
+        annotation.partial_gradients += _per_head_parameters(parent, planned)
     _check_shared_weights(model, matched)
     return annotation
 
@@ -118,6 +145,18 @@ def _local_head_counts(name, layer, size):
                                  "choose an mp degree that divides the head counts")
             counts.append((layer, attr, value // size))
     return counts
+
+
+def _per_head_parameters(parent, planned):
+    """Parameters of the attention `parent` that act on each of its heads alike (1-D, head_dim long: the
+    q/k norms of Qwen3, Gemma3, Qwen3-MoE): with the heads split, this rank's gradient covers its own heads
+    only, so it is summed over mp."""
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int):
+        return []
+    return [param for layer in parent.sublayers() if id(layer) not in planned
+            for param in layer._parameters.values()
+            if param is not None and param.ndim == 1 and param.shape[0] == head_dim]
 
 
 def _split_axes(matched):

@@ -5,7 +5,9 @@ ContextParallel plan (the planned layer or a sublayer: a recomputed attention
 is routed too), else when a ContextParallel layer's forward is running (calls
 that name no module, or a fresh one as DeepSeek-V3's). Any other call runs the
 original function, unless PrepareContextParallel has split the running batch:
-then it would attend over this rank's tokens only, and raises. A ContextParallel
+then it would attend over this rank's tokens only, and raises. While context
+parallelism is paused (check_parity's one-card forward) every call, and every
+mixer's, runs the original. A ContextParallel
 layer whose forward ends without paddle_cp having run a token mixer (attention,
 linear attention, a convolution over the sequence: attention/mixers/) raises: its
 mixing went around every adapter and would have seen only this rank's tokens.
@@ -42,8 +44,14 @@ def cover(plan, layer):
         _planned[module] = plan
 
 
+def paused():
+    """Context parallelism is paused (check_parity's one-card forward): every mixer runs its original."""
+    return runtime.state.context_parallel_paused
+
+
 def enter(plan, layer):
-    runtime.state.running.append(Frame(plan, layer))
+    if not paused():
+        runtime.state.running.append(Frame(plan, layer))
 
 
 def leave(layer):
@@ -106,6 +114,8 @@ recompute.carry(_capture_running)
 
 def plan_for(module=None):
     """The plan a call should run under, or None for the original function."""
+    if paused():
+        return None
     plan = _planned.get(module) if module is not None else None
     if plan is None and runtime.state.running:
         plan = runtime.state.running[-1].plan

@@ -87,7 +87,7 @@ class Pipeline:
         self._unit_stage = {id(layer): v for _, layer, v in plan.units}
         self._exits = {id(plan.exit_unit(v)) for v in range(plan.virtual_stages - 1)}
         self._current = self._received = None
-        self._initial = False
+        self._initial = (False, None)  # sequence_split, sequence_whole_shape
         self.timeline = []  # the last scheduled step's actions: (kind, virtual, micro, start, end), wall clock
         self._lists = {}
         for _, layer, _ in plan.units:
@@ -120,20 +120,26 @@ class Pipeline:
     def _stand_in(self, layer):
         if self._received is None:
             raise RuntimeError("pipeline: a layer of an earlier stage ran but nothing was received from it")
-        received, state = self._received
+        received, split, whole_shape = self._received
         previous_exit = self.plan.exit_unit(self._current - 1)
         if layer is previous_exit:
-            runtime.state.sequence_split = state  # as the skipped layers' hooks would have left it
+            # as the skipped layers' hooks would have left it
+            runtime.state.sequence_split, runtime.state.sequence_whole_shape = split, whole_shape
         if layer is previous_exit or type(layer) is type(previous_exit):
             return received
-        return stage_p2p.skeleton(received)[1][0]
+        first = stage_p2p.skeleton(received)[1][0]
+        if whole_shape is not None:  # the sequence was split at the first block: earlier layers gave it whole
+            return paddle.zeros(list(whole_shape), first.dtype)
+        return first
 
     def run_chunk(self, virtual, args, kwargs, received, micro=(0, 1)):
         """One forward of virtual stage `virtual`. `received`: (output, whether the sequence is split over
-        mp there) from the stage before; `micro`: (index, count) of its micro-batch. Returns the model's
-        output (last stage) or that pair for the next."""
+        mp there, the whole shape it had before: see plans/sequence_parallel.py) from the stage before;
+        `micro`: (index, count) of its micro-batch. Returns the model's output (last stage) or that triple
+        for the next."""
         self._current, self._received = virtual, received
-        runtime.state.sequence_split = self._initial  # as the root's hooks left it, not the previous chunk
+        # as the root's hooks left it, not the previous chunk
+        runtime.state.sequence_split, runtime.state.sequence_whole_shape = self._initial
         batches = runtime.state.batches
         sliced = micro[1] > 1 and bool(batches)
         if sliced:  # the whole batch's facts (documents, padding) as this micro-batch's rows
@@ -141,7 +147,7 @@ class Pipeline:
         try:
             return self._forward(*args, **kwargs)
         except _StageExit as done:
-            return done.output, runtime.state.sequence_split
+            return done.output, runtime.state.sequence_split, runtime.state.sequence_whole_shape
         finally:
             self._current = self._received = None
             if sliced:
@@ -150,7 +156,7 @@ class Pipeline:
     # ---- a step ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
         settings = self.settings
-        self._initial = runtime.state.sequence_split
+        self._initial = runtime.state.sequence_split, runtime.state.sequence_whole_shape
         labels = kwargs.pop("labels", None) if settings.loss_fn is not None else kwargs.get("labels")
         if labels is None:
             if settings.accumulate_steps > 1 or self.plan.chunks > 1:

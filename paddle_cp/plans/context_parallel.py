@@ -6,11 +6,13 @@ import inspect
 import paddle
 
 from .. import mesh as mesh_lib
+from .. import runtime
 from ..attention import recompute
 from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, mixers, resolve_groups, routing
 from ..attention import ulysses_size
 from ..attention.layout import check_split
 from .base import Plan, refuse_param_plan
+from .same_batch import check_same_batch
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
 _STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed-document input
@@ -49,6 +51,23 @@ def _sequence_length(args, kwargs):
         if isinstance(value, paddle.Tensor) and value.ndim >= 2:
             return value.shape[0], value.shape[1]
     return None, None
+
+
+def _split_dim(value, seq_len):
+    """The dim PrepareContextParallel splits `value` on: 1 for [batch, seq, ...], 2 for a dense
+    [batch, 1|h, seq, seq] mask (this rank's query rows); None when it is not split."""
+    if not isinstance(value, paddle.Tensor) or value.ndim < 2:
+        return None
+    if value.ndim == 4 and value.shape[2] == value.shape[3] == seq_len:
+        return 2
+    return 1 if value.shape[1] == seq_len else None
+
+
+def _of_batch(value, batch, seq_len):
+    """A [batch, ...] tensor with the sequence in some dim: what every rank of a sep group must share
+    (the inputs split below, and documents' `attn_mask_startend_row_indices`)."""
+    return (isinstance(value, paddle.Tensor) and value.ndim >= 2 and value.shape[0] == batch
+            and seq_len in value.shape[1:])
 
 
 class _SepPlan(Plan):
@@ -163,8 +182,11 @@ class PrepareContextParallel(_SepPlan):
 
     def _split_inputs(self, layer, args, kwargs):
         batch, seq_len = _sequence_length(args, kwargs)
-        if seq_len is None:
+        if seq_len is None or runtime.state.context_parallel_paused:
             return None
+        named = {**{f"argument {i}": v for i, v in enumerate(args)}, **kwargs}
+        check_same_batch(self._groups.sep, {name: v for name, v in named.items() if _of_batch(v, batch, seq_len)},
+                         batch, seq_len)
         self._layout.check_length(seq_len, what="input sequence")
         kwargs = dict(kwargs)
         extra = self.documents if self.documents != "position_ids" else None  # an input the layer does not take
@@ -183,11 +205,8 @@ class PrepareContextParallel(_SepPlan):
         index = self._groups.sep.index
 
         def split(value):
-            if not isinstance(value, paddle.Tensor) or value.ndim < 2:
-                return value
-            if value.ndim == 4 and value.shape[2] == value.shape[3] == seq_len:
-                return layout.shard(value, 2, index)  # a dense mask: this rank's query rows
-            return layout.shard(value, 1, index) if value.shape[1] == seq_len else value
+            dim = _split_dim(value, seq_len)
+            return value if dim is None else layout.shard(value, dim, index)
 
         for name, value in bound.arguments.items():
             kind = self._signature.parameters[name].kind
@@ -204,7 +223,8 @@ class PrepareContextParallel(_SepPlan):
         return bound.args, bound.kwargs
 
     def _forget_batch(self, layer, inputs, outputs):
-        context.retract()
+        if not runtime.state.context_parallel_paused:
+            context.retract()
 
 
 class ContextParallel(_SepPlan):

@@ -2,15 +2,26 @@
 `mp` rank holding a slice of the sequence (norms and residual adds then do 1/mp of
 the work); layers marked Disable see the whole sequence again.
 
+Where the split begins: Paddle splits at SequenceParallelBegin's layer (the embedding).
+Between it and the first decoder layer, models build their masks and positions from the
+embeddings' shape (PaddleFormers' eager attention builds its causal mask there), which must
+still be the whole [b, s, h]: `split_at_blocks` moves the split to the input of the blocks
+holding the region's SequenceParallelDisable layers (the decoder layers), the same tensor
+one step later, so the model's own code sees what it sees on one card.
+
 A parameter used while the sequence is split only sees this rank's tokens, so its
 gradient is partial over `mp`: `watch_partial_gradients` marks those parameters in
 every forward (a mark is never cleared), and the optimizer sums their gradients over `mp`.
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import paddle
 
 from .. import mesh as mesh_lib
+from ..attention import recompute
 from ..comm.autograd import gather_replicated, split_to_group
 from ..params import record_of
 from ..runtime import state
@@ -70,10 +81,63 @@ class _SequencePlan(Plan):
 
 class SequenceParallelBegin(_SequencePlan):
     """On the last layer before the sequence-parallel region: its output
-    [b, s, h] (or [s, b, h] with need_transpose=False) becomes [s/mp, b, h]."""
+    [b, s, h] (or [s, b, h] with need_transpose=False) becomes [s/mp, b, h] where it
+    enters the region's first block (`split_at_blocks`), or right away when the plan
+    names no blocks."""
+
+    _at_blocks = False  # set by split_at_blocks
 
     def _register(self, layer):
-        return layer.register_forward_post_hook(self._split_output)
+        return layer.register_forward_post_hook(self._begin)
+
+    def _begin(self, layer, inputs, output):
+        if not self._at_blocks:
+            return self._split_output(layer, inputs, output)
+        whole = first_tensor(output)
+        _check_3d(whole)
+        state.pending_split = _PendingSplit(tuple(whole.shape), self._group, self.need_transpose)
+        return None
+
+
+@dataclass(frozen=True)
+class _PendingSplit:
+    """A Begin's split waiting for the region's first block; `shape`: the whole tensor's."""
+
+    shape: tuple
+    group: object
+    need_transpose: bool
+
+
+def _split_pending(layer, args, kwargs):
+    """A block's pre-hook: split its input if it is the whole tensor a Begin left pending."""
+    pending = state.pending_split
+    if pending is None:
+        return None
+    x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, paddle.Tensor)), None)
+    if not isinstance(x, paddle.Tensor) or tuple(x.shape) != pending.shape:
+        return None
+    state.pending_split = None
+    state.sequence_split, state.sequence_whole_shape = True, pending.shape
+    return map_first_input(args, kwargs, lambda whole: _to_split(whole, pending.group, pending.need_transpose))
+
+
+def _capture_pending():
+    """A recomputed block replays its split: the pending split as it was at the recompute call."""
+    pending = state.pending_split
+    if pending is None:
+        return None
+
+    @contextlib.contextmanager
+    def restore():
+        saved, state.pending_split = state.pending_split, pending
+        try:
+            yield
+        finally:
+            state.pending_split = saved
+    return restore
+
+
+recompute.carry(_capture_pending)
 
 
 class SequenceParallelEnd(_SequencePlan):
@@ -81,7 +145,11 @@ class SequenceParallelEnd(_SequencePlan):
     [b, s, h] (or [s, b, h] with need_transpose=False)."""
 
     def _register(self, layer):
-        return layer.register_forward_pre_hook(self._whole_input, with_kwargs=True, prepend=True)
+        return layer.register_forward_pre_hook(self._end, with_kwargs=True, prepend=True)
+
+    def _end(self, layer, args, kwargs):
+        state.sequence_whole_shape = None  # the region is over (a later model must not inherit its shape)
+        return self._whole_input(layer, args, kwargs)
 
 
 class SequenceParallelDisable(_SequencePlan):
@@ -129,9 +197,46 @@ def watch_partial_gradients(model, mesh):
                     record_of(value).mark_partial(group)
 
     def reset(layer, inputs):
-        state.sequence_split = False
+        state.sequence_split, state.pending_split, state.sequence_whole_shape = False, None, None
 
     model.register_forward_pre_hook(reset)
     for layer in model.sublayers(include_self=True):
         if any(p is not None for p in layer._parameters.values()):
             layer.register_forward_pre_hook(mark)
+
+
+_CONTAINERS = (paddle.nn.LayerList, paddle.nn.LayerDict)  # hold blocks without being called
+
+
+def split_at_blocks(model, applications):
+    """Move each SequenceParallelBegin's split to the input of the region's blocks: below the
+    deepest layer holding every Begin and SequenceParallelDisable layer (the decoder model), the
+    outermost called layer above each Disable layer (a decoder layer). A plan whose Disable layer
+    is itself such a block, or that has none, splits at the Begin layer."""
+    begins = [(plan, layer) for plan, layer, _ in applications if isinstance(plan, SequenceParallelBegin)]
+    disabled = [layer for plan, layer, _ in applications if isinstance(plan, SequenceParallelDisable)]
+    if not begins or not disabled:
+        return
+    parents = {id(child): layer for layer in model.sublayers(include_self=True) for child in layer.children()}
+
+    def lineage(layer):  # the layer, its parent, ..., the model
+        chain = [layer]
+        while id(chain[-1]) in parents:
+            chain.append(parents[id(chain[-1])])
+        return chain
+
+    common = set.intersection(*({id(x) for x in lineage(layer)} for layer in [begin for _, begin in begins] + disabled))
+    owner = next(x for x in lineage(disabled[0]) if id(x) in common)
+    blocks = {}
+    for layer in disabled:
+        chain = lineage(layer)
+        below_owner = reversed(chain[:[id(x) for x in chain].index(id(owner))])
+        block = next(x for x in below_owner if not isinstance(x, _CONTAINERS))
+        if block is layer:
+            return
+        blocks[id(block)] = block
+    for plan, _ in begins:
+        plan._at_blocks = True
+    recompute.install()  # a recomputed block splits its input again in backward
+    for block in blocks.values():
+        block.register_forward_pre_hook(_split_pending, with_kwargs=True, prepend=True)

@@ -28,20 +28,23 @@ def check_parity(reports, run):
 
 
 @pytest.mark.parametrize("run", ["dp2_cp2", "dp2_ulysses2", "hybrid_ring2_ulysses2", "dp2_cp2_packed_accum",
-                                 "dp2_mp2_sharding3", "user_config_dp2_ulysses2", "phi3_dp2_mp2"])
+                                 "dp2_mp2_sharding3", "user_config_dp2_ulysses2", "phi3_dp2_mp2",
+                                 "ernie_ring2_ulysses2", "ernie_dp2_mp2_sp", "qwen3_next_dp2_cp2"])
 def test_context_parallel_trainer_matches_one_card(run):
     """dp2_cp2 also compares evaluate()'s eval_loss (appended to its losses)."""
     check_parity(_reports("core"), run)
 
 
 @pytest.mark.parametrize("run", ["mp2_sp_cp2", "dp2_sharding2_cp2", "cp2_recompute_chunked_loss_sharding3",
-                                 "pp2_cp2_accum", "gemma3_dp2_cp2", "qwen3_moe_ep4_dp2_cp2",
-                                 "resume_hybrid_to_dp2_ulysses2"])
+                                 "pp2_cp2_accum", "gemma3_dp2_cp2", "qwen3_moe_ep4_dp2_cp2", "qwen3_moe_dp2_mp2_sp",
+                                 "pp2_mp2_sp", "qwen3_next_dp2_ulysses2", "resume_hybrid_to_dp2_ulysses2"])
 def test_composed_trainer_matches_one_card(run):
     """tensor + sequence + context parallel; sharding stage 2 over dp x ring; PaddleFormers' recompute
-    and chunked loss under ring with sharding stage 3 over dp x ring; Gemma3 under dp x ring; two pipeline stages with ring inside and gradient
-    accumulation; Qwen3-MoE's experts over expert groups of 4 (use_expert_parallel); saved on ring x Ulysses,
-    resumed on dp x Ulysses."""
+    and chunked loss under ring with sharding stage 3 over dp x ring; Gemma3 under dp x ring; Qwen3-MoE's experts
+    over expert groups of 4 (use_expert_parallel), and Qwen3-MoE under dp x tensor + sequence parallel; two
+    pipeline stages with ring inside and gradient accumulation, and with tensor + sequence parallel; Qwen3-Next
+    (attention and Gated DeltaNet) under dp x Ulysses (under dp x ring in the core group); saved on ring x
+    Ulysses, resumed on dp x Ulysses. All on default (eager) builds."""
     check_parity(_reports("composed"), run)
 
 

@@ -27,8 +27,24 @@ def test_each_replay_sees_its_own_batch_after_the_forwards_ended(reentrant):
     assert sorted(seen[2:]) == [7, 9]  # each replay under its own batch, in whatever order backward runs them
 
 
-def test_nothing_is_wrapped_outside_a_batch():
+def test_a_whole_model_recompute_shares_one_inputs_check_between_forward_and_replay():
+    """Made outside any batch (around a whole model), a recompute call carries one memo into both of its
+    runs, so PrepareContextParallel's replayed forward does not check its inputs across ranks again
+    (plans/same_batch.py); made inside a model's forward, it carries none."""
+    import paddle_cp.plans.same_batch  # noqa: F401 - registers the memo's capture
+    from paddle_cp import runtime
+
+    memos = []
+
     def layer(x):
+        memos.append(list(runtime.state.checked_batches))
         return x * 2
 
-    assert recompute.with_current_state(layer) is layer
+    outside = recompute.with_current_state(layer)
+    outside(paddle.ones([1]))
+    outside(paddle.ones([1]))
+    assert len(memos[0]) == 1 and memos[0][0] is memos[1][0]
+    with context.published(context.SequenceInfo(SequenceLayout("p2p", 2), 5)):
+        inside = recompute.with_current_state(layer)
+    inside(paddle.ones([1]))
+    assert memos[2] == []

@@ -82,6 +82,79 @@ def test_fused_and_mla_families(family, split):
     assert columns == split
 
 
+def _qwen3_next():
+    """Three Gated DeltaNet layers (`linear_attn`), then one softmax attention (`self_attn`); MoE MLPs."""
+    from workers.paddleformers_models import SIZES, stub_gpu_modules
+
+    stub_gpu_modules()
+    import paddleformers.transformers as pf
+
+    return pf.Qwen3NextForCausalLM(pf.Qwen3NextConfig(
+        **{**SIZES, "num_hidden_layers": 4}, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32))
+
+
+def _kinds(plan):
+    return {key: [type(p).__name__ for p in (v if isinstance(v, list) else [v])] for key, v in plan.items()}
+
+
+def test_qwen3_next_plans_route_both_mixers():
+    """ContextParallel on the attention and on the linear attention; tensor parallel splits the attention
+    (q|gate grouped by k/v head with k and v: whole groups per rank) and the shared expert, never the
+    linear attention or the routed experts; sequence parallel gives both mixers the whole sequence."""
+    model = _qwen3_next()
+    config = parallelize_config(model, degrees_from_flags(8, context_parallel_size=2, tensor_model_parallel_size=2,
+                                                          sequence_parallel=True))
+    cp = config["cp_config"]["parallelize_plan"]
+    assert _kinds(cp) == {"": ["PrepareContextParallel"], "model.layers.*.self_attn": ["ContextParallel"],
+                          "model.layers.*.linear_attn": ["ContextParallel"]}
+    assert _kinds(config["mp_config"]["parallelize_plan"]) == {
+        "model.layers.*.self_attn.qkv_proj": ["ColWiseParallel"], "model.layers.*.self_attn.o_proj": ["RowWiseParallel"],
+        "model.layers.*.mlp.shared_expert.up_gate_proj": ["ColWiseParallel"],
+        "model.layers.*.mlp.shared_expert.down_proj": ["RowWiseParallel"],
+        "model.embed_tokens": ["ColWiseParallel", "SequenceParallelBegin"], "lm_head.weight": ["ColWiseParallel"],
+        "model.layers.*.self_attn": ["SequenceParallelDisable"], "model.layers.*.linear_attn": ["SequenceParallelDisable"],
+        "model.layers.*.mlp": ["SequenceParallelDisable"], "lm_head": ["SequenceParallelEnd"]}
+
+
+def test_ernie_plans():
+    config = parallelize_config(_model("ernie4_5"), degrees_from_flags(4, sep_parallel_size=2,
+                                                                       tensor_model_parallel_size=2))
+    assert _kinds(config["cp_config"]["parallelize_plan"]) == {
+        "": ["PrepareContextParallel"], "model.layers.*.self_attn": ["ContextParallel"]}
+    assert {k for k, v in _kinds(config["mp_config"]["parallelize_plan"]).items() if v == ["ColWiseParallel"]} == {
+        "model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.up_gate_proj", "model.embed_tokens", "lm_head.weight"}
+
+
+def test_attention_with_per_head_parameters_stays_whole():
+    """gpt-oss's sinks are one parameter per head: its attention is not split, and with its routed experts
+    whole too there is nothing to split."""
+    with pytest.raises(ValueError, match="no q/k/v/o or gate/up/down projections to split"):
+        tensor_parallel_plan(_model("gpt_oss"), sequence_parallel=False)
+
+
+@pytest.mark.parametrize("family, parts", [("phi3", (64, 32, 32)), ("qwen2", None), ("gemma3", None),
+                                           ("ernie4_5", None)])
+def test_fused_qkv_split_by_the_layout_the_model_declares(family, parts):
+    """Phi3 fuses q | k | v (split per part); Qwen2, Gemma3 and ERNIE group the columns by k/v head
+    (PaddleFormers' `fused_qkv` in _gen_aoa_config), which a plain split keeps whole per rank; the
+    q/k norms of a split attention (Gemma3) get their gradients summed over mp."""
+    import paddle.distributed as dist
+
+    from paddle_cp.params import Partial, find_record
+    from paddle_cp.plans.column_info import column_info
+
+    model = _model(family)
+    pcp.parallelize(model, None, dist.ProcessMesh([0], dim_names=["mp"]),
+                    {"mp_config": {"parallelize_plan": tensor_parallel_plan(model, sequence_parallel=False)}})
+    attention = model.model.layers[0].self_attn
+    assert column_info(attention.qkv_proj).parts == parts
+    norms = [p for n, p in model.named_parameters() if n.startswith("model.layers.0.self_attn.") and "norm" in n]
+    summed = [any(p.reduce == "sum" for p in find_record(norm).find(Partial)) for norm in norms]
+    assert summed == [True] * (2 if family == "gemma3" else 0)
+
+
 def test_pipeline_splits_the_decoder_layers_with_rotary_global():
     config = parallelize_config(_model("llama"), degrees_from_flags(4, pipeline_model_parallel_size=2),
                                 micro_batches=2)

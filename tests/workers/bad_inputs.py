@@ -207,8 +207,38 @@ def disagreeing_ranks(report, root, good):
     report.expect_error("ranks_disagree_load", lambda: pcp.load_checkpoint(good, model))
 
 
+def context_parallel_llama():
+    paddle.seed(5)
+    model = build_llama("paddleformers")
+    plan = {"": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
+    return pcp.parallelize(model, None, sep2(), {"cp_config": {"parallelize_plan": plan}})[0]
+
+
+def differing_batches(report):
+    """Ranks of one sep group passing different batches (a data-parallel habit): the same error on every
+    rank, at the first forward. Then the check's traffic: one gather per forward, none again when a
+    recompute of the whole model replays it in backward."""
+    from paddle.distributed.fleet.utils import recompute
+
+    model, rank = context_parallel_llama(), dist.get_rank()
+    paddle.seed(11)
+    ids, labels = paddle.randint(0, 128, [2, 13]), paddle.randint(0, 128, [2, 13])
+    report.expect_error("batch_differs", lambda: model(input_ids=(ids + rank) % 128, labels=labels))
+    report.expect_error("labels_differ", lambda: model(input_ids=ids, labels=(labels + rank) % 128))
+    report.expect_error("batch_shapes_differ", lambda: model(input_ids=paddle.randint(0, 128, [2, 13 + rank])))
+    gathered = {}
+    for name, forward in {"plain": lambda: model(input_ids=ids, labels=labels)[0],
+                          "whole_model_recompute": lambda: recompute(model, ids, None, None, None, None, labels,
+                                                                     use_reentrant=False)[0]}.items():
+        pcp.reset_counters()
+        forward().backward()
+        gathered[name] = pcp.bytes_sent().get("cp_batch_check", 0)
+    report.value("batch_check_bytes", gathered)
+
+
 def main(report):
     pcp.set_mesh(sep2())
+    differing_batches(report)
     good = make_checkpoints(sys.argv[1])
     cases = {**parallel_cases(), **functional_cases(), **checkpoint_cases(sys.argv[1], good)}
     for name, fn in cases.items():

@@ -4,8 +4,7 @@ steps under parallelize vs one card with the same LoRA model; then checkpoints a
 argv: the directory for the merged export, then the runs, each a mesh ("mp4", "sep4", "dp4", "dp2xmp2",
 "mp2xsep2", "pp2xmp2"; dims joined by "x"; pp: 2 micro-batches) with
 options ":gather" (Paddle's LoRA plan exactly as its test writes it: q/k/v gather their output, o_proj
-splits its input), ":sp" (Paddle's sequence-parallel plan, which names no LoRA factor; sdpa attention,
-which sequence parallelism needs, against the eager one card) and ":l<level>" (dp sharding level).
+splits its input), ":sp" (Paddle's sequence-parallel plan, which names no LoRA factor) and ":l<level>" (dp sharding level).
 mp uses Paddle's LoRA plan keys (a plan on lora_B of every ColWise projection, on lora_A of every
 RowWise one), sep the ring. The optimizer holds every parameter, frozen ones too; the sequence (8N+4
 tokens) does not divide into the 2 x sep chunks of the sep4 ring. The first run also saves a
@@ -32,11 +31,11 @@ COLUMN, ROW = PROJECTIONS[:3] + PROJECTIONS[4:6], (PROJECTIONS[3], PROJECTIONS[6
 LAYERS = "model.model.layers.*."  # LoRAModel keeps the model as .model: Paddle's test's `prefix = "model."`
 
 
-def lora_model(attention="eager"):
+def lora_model():
     from paddleformers.peft import LoRAConfig, LoRAModel
 
     paddle.seed(2024)
-    model = build("llama", num_key_value_heads=4, _attn_implementation=attention)  # 4 k/v heads: mp4 divides them
+    model = build("llama", num_key_value_heads=4)  # 4 k/v heads: mp4 divides them
     config = LoRAConfig(target_modules=[f".*{proj}" for proj in PROJECTIONS], r=8, lora_alpha=16)
     return LoRAModel(model, config)
 
@@ -142,7 +141,7 @@ def mesh_of(spec):
 def parallel(spec):
     mesh_spec, *options = spec.split(":")
     mesh = mesh_of(mesh_spec)
-    model = lora_model("sdpa" if "sp" in options else "eager")  # eager attention refuses the [s, b, h] layout
+    model = lora_model()
     optimizer = adamw(model)
     level = next((int(o[1:]) for o in options if o.startswith("l")), 0)
     config = {"dp_config": {"sharding_level": level}}

@@ -65,12 +65,7 @@ def build_model(s):
     paddle.seed(2024)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, fuse_rms_norm=False,  # no fused CPU kernel
-                         tie_word_embeddings=s["test_share_embedding"],
-                         # attention: the default (eager), except where the sequence enters the decoder layers
-                         # split (SequenceParallelBegin): paddle_cp refuses eager there (it builds its causal mask
-                         # from the split [s/mp, b, h] embeddings' shape)
-                         **({"_attn_implementation": "sdpa"} if s["sequence_parallel"] and not
-                            s["prepare_input_output"] else {}))
+                         tie_word_embeddings=s["test_share_embedding"])  # attention: the default (eager)
     if s["use_lazy_init"]:
         with LazyGuard():
             model = LlamaForCausalLM(config)

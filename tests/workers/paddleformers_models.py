@@ -10,7 +10,8 @@ from dataclasses import dataclass
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, fuse_rms_norm=False)  # the fused norm has no CPU kernel
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
-FAMILIES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "phi3", "qwen3", "qwen3_moe", "qwen3_next")
+FAMILIES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "phi3", "qwen3", "qwen2", "qwen2_moe", "qwen3_moe",
+            "ernie4_5", "glm4_moe", "qwen3_next")
 WINDOW = 5
 
 
@@ -53,15 +54,32 @@ def build(family, **overrides):
                               beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)))
     if family == "phi3":  # fused qkv, the window passed as a keyword to the attention function
         return pf.Phi3ForCausalLM(pf.Phi3Config(**sizes, sliding_window=WINDOW))
-    if family == "qwen3":  # through its *Deprecated class
+    if family == "qwen3":  # through its *Deprecated class (the default class needs paddlefleet), q/k norms
         from paddleformers.transformers.qwen3.modeling import Qwen3ForCausalLMDeprecated
 
         return Qwen3ForCausalLMDeprecated(pf.Qwen3Config(**sizes, head_dim=16))
+    if family == "qwen2":  # fused qkv with biases
+        from paddleformers.transformers.qwen2.modeling import Qwen2ForCausalLMDeprecated
+
+        return Qwen2ForCausalLMDeprecated(pf.Qwen2Config(**sizes))
+    if family == "qwen2_moe":  # MoE with a gated shared expert
+        from paddleformers.transformers.qwen2_moe.modeling import Qwen2MoeForCausalLMDeprecated
+
+        return Qwen2MoeForCausalLMDeprecated(pf.Qwen2MoeConfig(
+            **sizes, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32))
     if family == "qwen3_moe":  # listed routed experts (6, top-2), through its *Deprecated class
         from paddleformers.transformers.qwen3_moe.modeling import Qwen3MoeForCausalLMDeprecated
 
         return Qwen3MoeForCausalLMDeprecated(pf.Qwen3MoeConfig(
             **sizes, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))
+    if family == "ernie4_5":  # fused qkv, tied embeddings
+        return pf.Ernie4_5ForCausalLM(pf.Ernie4_5Config(**sizes))
+    if family == "glm4_moe":  # partial RoPE, sigmoid-routed MoE after a dense first layer, tied embeddings
+        from paddleformers.transformers.glm4_moe.modeling import Glm4MoeForCausalLMDeprecated
+
+        return Glm4MoeForCausalLMDeprecated(pf.Glm4MoeConfig(
+            **sizes, head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+            moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1))
     if family == "qwen3_next":  # 3 Gated DeltaNet layers + 1 full attention; 2 q/k heads repeated to 6 v heads
         return pf.Qwen3NextForCausalLM(pf.Qwen3NextConfig(
             **{**SIZES, "num_hidden_layers": 4, **overrides}, head_dim=16, linear_key_head_dim=8,

@@ -13,6 +13,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from plan_variants import VOCAB as SMALL_VOCAB
+from paddleformers_models import build as build_family
 from plan_variants import add_reference_hooks, small_model, variants_plan
 from report import run
 
@@ -43,8 +44,9 @@ def phi3():
 
 
 def _tiny_config():
+    """As users build them: PaddleFormers' default (eager) attention."""
     return dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, fuse_rms_norm=False, _attn_implementation="sdpa")
+                num_key_value_heads=2, fuse_rms_norm=False)
 
 
 MODELS = {"llama": llama, "phi3": phi3, "small": small_model}
@@ -220,10 +222,9 @@ def train(report, name, dims, plan=None, explicit_positions=False, cp=False, lev
     model, optimizer = pcp.parallelize(model, optimizer, mesh=mesh, config=config)
     want_losses, want_grads, want_state = reference(model_name, epsilon)
     losses = []
-    for ids, labels in batches(model_name):
-        ids, labels = pcp.shard_batch((ids, labels), mesh=mesh)
-        if cp:
-            labels = pcp.shard_sequence(labels, mesh=mesh)
+    for ids, whole_labels in batches(model_name):
+        ids, whole_labels = pcp.shard_batch((ids, whole_labels), mesh=mesh)
+        labels = pcp.shard_sequence(whole_labels, mesh=mesh) if cp else whole_labels
         kwargs = {"position_ids": positions(ids.shape[0])} if explicit_positions else {}
         loss = model(input_ids=ids, labels=labels, **kwargs)[0]
         loss.backward()
@@ -250,6 +251,8 @@ def train(report, name, dims, plan=None, explicit_positions=False, cp=False, lev
     if epsilon == DEFAULT_EPSILON:
         report.diff(f"{name}.step1.loss", losses[0], want_losses[0])
         report.value(f"{name}.rounding_spread", rounding_spread(model_name, epsilon))
+    if cp:  # the whole labels: check_parity splits them for the inner model's PrepareContextParallel
+        report.value(f"{name}.check_parity", pcp.check_parity(model, input_ids=ids, labels=whole_labels, **kwargs))
     if level == 3:
         report.value(f"{name}.restored_after_error",
                      placeholders_restored_after_error(model, optimizer, model.model.embed_tokens))
@@ -272,7 +275,7 @@ RUNS = {
     "hybrid": [
         dict(name="dp2xmp2", dims=DP2_MP2, plan=paddle_plan),
         dict(name="dp2xmp2_default_eps", dims=DP2_MP2, plan=paddle_plan, epsilon=DEFAULT_EPSILON),
-        dict(name="dp2xmp2_sp", dims=DP2_MP2, plan=sequence_parallel_plan()),  # positions supplied by paddle_cp
+        dict(name="dp2xmp2_sp", dims=DP2_MP2, plan=sequence_parallel_plan()),  # no position_ids given
         dict(name="mp2xsep2", dims=MP2_SEP2, plan=paddle_plan, cp=True),
         dict(name="mp2xsep2_sp", dims=MP2_SEP2, plan=sequence_parallel_plan(), explicit_positions=True, cp=True),
         dict(name="dp2xsep2_l2", dims=[("dp", 2), ("sep", 2)], cp=True, level=2),
@@ -290,9 +293,53 @@ RUNS = {
 }
 
 
+class TokenMixer(paddle.nn.Layer):
+    """A model paddle_cp never saw: `running_sum` mixes tokens along the sequence without any attention
+    call (each rank would sum its own tokens only); without it every token is computed alone."""
+
+    def __init__(self, running_sum):
+        super().__init__()
+        self.running_sum = running_sum
+        self.embed = paddle.nn.Embedding(128, 16)
+        self.proj = paddle.nn.Linear(16, 16)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        return self.proj(paddle.cumsum(x, axis=1) if self.running_sum else x)
+
+
+def parity_checks(report):
+    """check_parity on dp2 x sep2 (each dp replica its own batch, uneven 13-token sequences): PaddleFormers'
+    Llama returning a ModelOutput (PrepareContextParallel on the model itself, labels split by it), and
+    models returning a Tensor: token-wise (exact) and mixing tokens outside any attention (caught); Qwen3-Next
+    with its attention and Gated DeltaNet layers under ContextParallel."""
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "sep"])
+    paddle.seed(3)
+    ids, labels = pcp.shard_batch((paddle.randint(0, 128, [4, 13]), paddle.randint(0, 128, [4, 13])), mesh=mesh)
+    labels[0, :5] = -100  # ranks hold different numbers of labelled tokens
+    model, _ = build("llama", WELL_CONDITIONED_EPSILON)
+    plan = {"": pcp.PrepareContextParallel("all2all"), "model.layers.*.self_attn": pcp.ContextParallel("all2all")}
+    pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan}})
+    report.value("parity.model_output", pcp.check_parity(model, input_ids=ids, labels=labels, return_dict=True))
+    for running_sum in (False, True):
+        paddle.seed(3)
+        mixer = TokenMixer(running_sum)
+        pcp.parallelize(mixer, None, mesh, {"cp_config": {"parallelize_plan": {"": pcp.PrepareContextParallel()}}})
+        report.value(f"parity.running_sum_{running_sum}", pcp.check_parity(mixer, input_ids=ids))
+    report.expect_error("parity.not_parallelized", lambda: pcp.check_parity(TokenMixer(False), input_ids=ids))
+    paddle.seed(3)
+    hybrid = build_family("qwen3_next")  # Gated DeltaNet layers (state passing) and attention
+    plan = {"": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p"),
+            "model.layers.*.linear_attn": pcp.ContextParallel("p2p")}
+    pcp.parallelize(hybrid, None, mesh, {"cp_config": {"parallelize_plan": plan}})
+    report.value("parity.qwen3_next", pcp.check_parity(hybrid, input_ids=ids, labels=labels))
+
+
 def main(report):
     for spec in RUNS[sys.argv[1]]:
         train(report, **spec)
+    if sys.argv[1] == "hybrid":
+        parity_checks(report)
 
 
 if __name__ == "__main__":

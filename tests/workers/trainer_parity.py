@@ -163,16 +163,26 @@ RUNS = {
         # fused qkv_proj / gate_up_proj split per part
         "phi3_dp2_mp2": dict(family="phi3", global_batch=4,
                              parallel=dict(tensor_model_parallel_size=2, per_device_train_batch_size=2)),
+        # ERNIE 4.5: q/k/v fused by k/v head (PaddleFormers' fused_qkv), tied embeddings; ring x Ulysses, and
+        # tensor + sequence parallel on the default eager build
+        "ernie_ring2_ulysses2": dict(family="ernie4_5", parallel=dict(CP2, sep_parallel_size=2,
+                                                                      per_device_train_batch_size=4), global_batch=4),
+        "ernie_dp2_mp2_sp": dict(family="ernie4_5", global_batch=4, parallel=dict(
+            tensor_model_parallel_size=2, sequence_parallel=True, per_device_train_batch_size=2)),
+        # Qwen3-Next: ContextParallel on its attention and its Gated DeltaNet layers (state passing). Its GDN
+        # gradients (up to ~10) carry fp32 rounding that AdamW with epsilon 1e-3 amplifies to 3e-5 on parameters
+        # (one card differs from itself that much, tests/multiproc/test_hybrid_models.py): epsilon 1 keeps the
+        # steps well conditioned
+        "qwen3_next_dp2_cp2": dict(family="qwen3_next", parallel=dict(CP2, per_device_train_batch_size=2),
+                                   global_batch=4, args=dict(adam_epsilon=1.0)),
         # tensor parallel alone (default eager attention) with sharding stage 3
         "dp2_mp2_sharding3": dict(parallel=dict(tensor_model_parallel_size=2, sharding="stage3",
                                                 per_device_train_batch_size=1), global_batch=2),
     },
     "composed": {
-        # sequence parallel needs the sdpa build (eager makes its causal mask from the split length) and
-        # a length that splits evenly over mp after the context-parallel split
+        # sequence parallel needs a length that splits evenly over mp after the context-parallel split
         "mp2_sp_cp2": dict(parallel=dict(CP2, tensor_model_parallel_size=2, sequence_parallel=True,
-                                         per_device_train_batch_size=2), global_batch=2,
-                           model=dict(_attn_implementation="sdpa"), seq=24),
+                                         per_device_train_batch_size=2), global_batch=2, seq=24),
         # sharding stage 2 over all four ranks holding replicas (dp 2 x ring 2)
         "dp2_sharding2_cp2": dict(parallel=dict(CP2, sharding="stage2", sharding_parallel_size=4,
                                                 per_device_train_batch_size=2), global_batch=4, export=True),
@@ -191,6 +201,15 @@ RUNS = {
         # Qwen3-MoE's routed experts over expert groups of 4 folded onto dp 2 x ring 2 (use_expert_parallel)
         "qwen3_moe_ep4_dp2_cp2": dict(family="qwen3_moe", global_batch=4, parallel=dict(
             CP2, use_expert_parallel=True, expert_model_parallel_size=4, per_device_train_batch_size=2)),
+        # Qwen3-Next's Gated DeltaNet by head all-to-all
+        "qwen3_next_dp2_ulysses2": dict(family="qwen3_next", global_batch=4, args=dict(adam_epsilon=1.0),
+                                        parallel=dict(sep_parallel_size=2, per_device_train_batch_size=2)),
+        # per-head q/k norms of split attention heads (gradients summed over mp), MoE, sequence parallel
+        "qwen3_moe_dp2_mp2_sp": dict(family="qwen3_moe", global_batch=4, parallel=dict(
+            tensor_model_parallel_size=2, sequence_parallel=True, per_device_train_batch_size=2)),
+        # a later stage builds the eager causal mask from a stand-in of the whole embeddings
+        "pp2_mp2_sp": dict(parallel=dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                                         sequence_parallel=True, per_device_train_batch_size=2), global_batch=2),
         # saved at step 2 on ring 2 x Ulysses 2 (one replica), resumed on dp 2 x Ulysses 2
         "resume_hybrid_to_dp2_ulysses2": dict(
             resume=dict(parallel=dict(CP2, sep_parallel_size=2, per_device_train_batch_size=4)),

@@ -88,11 +88,15 @@ class Conv1DOverSequence(TokenMixer):
             return windows.widen(x, axis, plan._groups.sep)  # [b, C, s_local] -> [b, C, windows]
 
         def before(layer, args, kwargs):
+            if routing.paused():
+                return None
             if args:
                 return (widen(args[0]), *args[1:]), kwargs
             return args, {**kwargs, "x": widen(kwargs["x"])}
 
         def after(layer, inputs, output):
+            if routing.paused():
+                return None
             routing.mark_ran()
             return pending.pop().narrow(output, axis, geometry.left)  # [b, C, windows'] -> [b, C, s_local]
 

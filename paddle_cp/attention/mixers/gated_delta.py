@@ -92,6 +92,8 @@ def _routed_rule(original, plan):
     tensors = list(signature.parameters)[:5]  # q, k, v, g, beta (fla and PaddleFormers name them differently)
 
     def chunk_gated_delta_rule(*args, **kwargs):
+        if routing.paused():
+            return original(*args, **kwargs)
         arguments = _arguments(original, signature, args, kwargs)
         q, k, v, g, beta = (arguments.pop(name) for name in tensors)
         rest = {name: value for name, value in arguments.items()
@@ -114,6 +116,8 @@ def _routed_conv(original, plan):
     first = next(iter(signature.parameters))
 
     def causal_conv1d_fn(*args, **kwargs):
+        if routing.paused():
+            return original(*args, **kwargs)
         arguments = _arguments(original, signature, args, kwargs)
         x = arguments.pop(first)
         reach = arguments["weight"].shape[-1] - 1

@@ -6,10 +6,11 @@ PaddleFormers' decoder models (Llama, Qwen, Gemma3, gpt-oss, DeepSeek-V3, Phi3,
 `model.layers.<i>.mlp` with `gate_proj/up_proj` (or a fused `gate_up_proj` /
 `up_gate_proj`) and `down_proj`, `model.norm`, `model.rotary_emb`, `lm_head`.
 A layer the plan does not name stays whole on every rank (correct, only not
-split): MLA attention (DeepSeek-V3) and MoE routed experts (DeepSeek-V3's
-`experts.<i>`, gpt-oss's fused experts) keep their weights under tensor parallel;
-shared experts are split like any MLP. With `expert_model_parallel_size` the routed experts are
-split over expert groups instead (ep_config, `ExpertParallel` on every decoder layer's `mlp`).
+split): MLA attention (DeepSeek-V3), attention with per-head parameters of its own
+(gpt-oss's sinks) and MoE routed experts (DeepSeek-V3's `experts.<i>`, gpt-oss's
+fused experts) keep their weights under tensor parallel; shared experts are split
+like any MLP. With `expert_model_parallel_size` the routed experts are split over
+expert groups instead (ep_config, `ExpertParallel` on every decoder layer's `mlp`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import re
 
 import paddle_cp as pcp
 
-ATTENTION = re.compile(r"(?P<stack>.+)\.\d+\.self_attn")
+# the token mixers of a decoder layer: softmax attention, and linear attention (Qwen3-Next's Gated DeltaNet)
+MIXERS = ("self_attn", "linear_attn")
+MIXER = re.compile(r"(?P<stack>.+)\.\d+\.(?P<mixer>" + "|".join(MIXERS) + ")")
 # routed experts run on the tokens routed to them: left whole (no collective inside a data-dependent branch)
 ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
 # projection leaf -> (plan, the row-parallel sibling it feeds)
@@ -33,34 +36,47 @@ def _pattern(name):
 
 def decoder_stack(model):
     """The name of the decoder-layer list (`model.layers`); a ValueError when the model has none."""
-    stacks = {m.group("stack") for name, _ in model.named_sublayers() if (m := ATTENTION.fullmatch(name))}
+    stacks = {m.group("stack") for name, _ in model.named_sublayers() if (m := MIXER.fullmatch(name))}
     if len(stacks) != 1:
         raise ValueError(
             f"{type(model).__name__}: cannot derive paddle_cp plans, expected one list of decoder layers with "
-            f"'<list>.<i>.self_attn' sublayers (PaddleFormers' decoder models), found {sorted(stacks) or 'none'}; "
+            f"'<list>.<i>.self_attn' (or linear_attn) sublayers (PaddleFormers' decoder models), found "
+            f"{sorted(stacks) or 'none'}; "
             "give your own plans in TrainingArguments(paddle_cp_config=<YAML path or dict>)")
     return stacks.pop()
 
 
+def mixers(model):
+    """The token mixers the decoder layers hold (`self_attn`, and `linear_attn` in hybrid models), in MIXERS order."""
+    found = {m.group("mixer") for name, _ in model.named_sublayers() if (m := MIXER.fullmatch(name))}
+    return [mixer for mixer in MIXERS if mixer in found]
+
+
 def context_parallel_plan(model, degrees):
     """`PrepareContextParallel` on the model itself (splits inputs and labels) and `ContextParallel`
-    on every decoder layer's attention."""
+    on every decoder layer's token mixer (attention, and linear attention in hybrid models)."""
     backend = degrees.backend
     ulysses = degrees.ulysses if backend == "hybrid" else None
-    return {"": pcp.PrepareContextParallel(backend, ulysses_degree=ulysses),
-            f"{decoder_stack(model)}.*.self_attn": pcp.ContextParallel(backend, ulysses_degree=ulysses)}
+    stack = decoder_stack(model)
+    plan = {"": pcp.PrepareContextParallel(backend, ulysses_degree=ulysses)}
+    for mixer in mixers(model):
+        plan[f"{stack}.*.{mixer}"] = pcp.ContextParallel(backend, ulysses_degree=ulysses)
+    return plan
 
 
 def tensor_parallel_plan(model, sequence_parallel):
     """Column/row splits of the attention and MLP projections, the embedding and lm_head; with
-    `sequence_parallel` the sequence is split over mp between the embedding and lm_head."""
+    `sequence_parallel` the sequence is split over mp between the embedding and lm_head, the token
+    mixers and MLPs seeing it whole. Linear attention (no q/k/v/o projections) stays whole."""
     stack = decoder_stack(model)
-    names = {name for name, _ in model.named_sublayers()}
+    layers = dict(model.named_sublayers())
+    names = set(layers)
     plan = {}
     for name in sorted(names):
         parent, _, leaf = name.rpartition(".")
         row = COLUMN_PROJECTIONS.get(leaf)
-        if row and f"{parent}.{row}" in names and name.startswith(stack + ".") and not ROUTED_EXPERT.search(name):
+        if row and f"{parent}.{row}" in names and name.startswith(stack + ".") and not ROUTED_EXPERT.search(name) \
+                and not _holds_per_head_parameters(layers[parent]):
             plan[_pattern(name)] = pcp.ColWiseParallel()
             plan[_pattern(f"{parent}.{row}")] = pcp.RowWiseParallel()
     if not plan:
@@ -77,10 +93,17 @@ def tensor_parallel_plan(model, sequence_parallel):
             raise ValueError(f"{type(model).__name__}: sequence_parallel needs '{embedding}' and 'lm_head' layers "
                              "to begin and end the split sequence; give your own plans in paddle_cp_config")
         plan[embedding].append(pcp.SequenceParallelBegin())
-        plan[f"{stack}.*.self_attn"] = pcp.SequenceParallelDisable()
+        for mixer in mixers(model):  # they mix the whole sequence
+            plan[f"{stack}.*.{mixer}"] = pcp.SequenceParallelDisable()
         plan[f"{stack}.*.mlp"] = pcp.SequenceParallelDisable(need_transpose=False)
         plan[head] = pcp.SequenceParallelEnd()
     return plan
+
+
+def _holds_per_head_parameters(layer):
+    """An attention with parameters of its own, one per head (gpt-oss's sinks): its heads cannot be split by
+    splitting its projections, so it stays whole."""
+    return any(p is not None for p in layer._parameters.values())
 
 
 def pipeline_config(model, degrees, schedule_mode, micro_batches):
