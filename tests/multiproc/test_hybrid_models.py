@@ -20,12 +20,15 @@ TRUTH_FACTOR = 2
 RUNS = {
     # runs > 64 tokens (the rule's chunks crossed inside a run): the 280-token layer (p2p runs of 70) and the
     # 70-token all2all model; the checks (refusals, Conv1D model) once
-    2: ["layer:p2p:280", "p2p", "all2all:sdpa:fused_conv:seq=70", "p2p:packed", "all2all:padded:decoder", "checks"],
+    # tp2 / p2p:tp2: the Trainer's tensor-parallel plan (its Gated DeltaNet whole on each mp rank), alone and under
+    # ring 2, on the batch of a run before it (its one-card and truth runs shared)
+    2: ["layer:p2p:280", "p2p", "all2all:sdpa:fused_conv:seq=70", "p2p:packed", "all2all:padded:decoder", "checks",
+        "tp2:seq=19"],
     # layer:p2p:4: 4 tokens over 6 chunks, runs of one token, shorter than the conv's 3; a layer replayed by
     # recompute; packed: the documents layout splits those batches (ring groups balanced by attention work)
     3: ["layer:p2p:4", "layer:all2all:20:recompute", "p2p", "all2all", "p2p:packed"],
     # p2p:packed:seq=67: documents crossing ranks and the rule's chunks, state passed over 4 ranks
-    4: ["layer:hybrid:2:70", "p2p:seq=9", "hybrid:2:sdpa", "hybrid:2:packed", "p2p:packed:seq=67"],
+    4: ["layer:hybrid:2:70", "p2p:seq=9", "hybrid:2:sdpa", "hybrid:2:packed", "p2p:packed:seq=67", "p2p:tp2:seq=9"],
 }
 REFUSED = {
     "self_attn_only": ["model.layers.0.linear_attn (Gated DeltaNet", "'model.layers.*.linear_attn': "
@@ -36,6 +39,8 @@ REFUSED = {
     "conv1d": ["mix (Conv1D over the sequence), same (Conv1D over the sequence)", "'mix': pcp.ContextParallel"],
     "nested": ["keyed on '' and on 'mix'"],
     "unrouted_sdpa": ["scaled_dot_product_attention ran outside every ContextParallel layer"],
+    "tp_inside_gdn": ["'model.layers.0.linear_attn.in_proj_qkvz' inside 'model.layers.0.linear_attn' (Gated DeltaNet",
+                      "leave 'model.layers.*.linear_attn' and its sublayers unplanned in mp_config"],
 }
 
 

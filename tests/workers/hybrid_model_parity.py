@@ -1,14 +1,16 @@
 """Qwen3-Next (3 Gated DeltaNet layers + 1 full attention, 2 q/k heads repeated to 6 v heads) as users build it,
 trained 3 AdamW steps under parallelize vs one process; the refusals of unrouted token mixers; a Conv1D model.
 
-argv: runs "backend[:degree][:sdpa][:packed][:padded][:decoder][:fused_conv][:seq=S]", "layer:backend[:degree]:S[:recompute]"
+argv: runs "backend[:degree][:tp2][:sdpa][:packed][:padded][:decoder][:fused_conv][:seq=S]", "layer:backend[:degree]:S[:recompute]"
 (one GDN layer alone on an S-token sequence, optionally replayed by Paddle's recompute), "checks" (a Conv1D model; the refusals and the TokenWise declaration). The plan keys
 ContextParallel on `self_attn` and `linear_attn` ("decoder": on each decoder layer instead); PrepareContextParallel
 on the root, which splits labels too. "sdpa": built with that attention (the reference too: Qwen3-Next's eager
 full attention, called with no mask, attends both ways, sdpa is causal); "packed": documents as
 attn_mask_startend_row_indices (the GDN state flows across them, as on one card); "padded": a 2-D padding mask;
-"fused_conv": both models call a `causal_conv1d_fn` (an emulation of the GPU kernel) instead of their conv1d.
-Default length: 8N+3. Compared: the first forward's logits, losses, first-step gradients, final parameters, and
+"fused_conv": both models call a `causal_conv1d_fn` (an emulation of the GPU kernel) instead of their conv1d;
+"tp2" (as the backend: tensor parallel alone, or after one: ranks paired on "mp", "sep" over the pairs): the
+Trainer's tensor-parallel plan (tensor_parallel_plan) in mp_config.
+Default length: 8 x sep + 3. Compared: the first forward's logits, losses, first-step gradients, final parameters, and
 one card's and paddle_cp's distances from their float64 truth (float64_truth.py), which the test holds paddle_cp
 to (the model amplifies fp32 rounding: one card is ~1e-4 from the truth on logits).
 """
@@ -25,8 +27,10 @@ from float64_truth import float64_inputs, float64_math, float64_model
 from paddleformers_models import build
 from real_model_parity import STEPS, adamw, make_batch
 from report import mean_over_ranks, run
+from tensor_parallel import full_gradients
 
 import paddle_cp as pcp
+from paddle_cp.integrations.paddleformers.plans import tensor_parallel_plan
 
 
 def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None):
@@ -62,8 +66,9 @@ def batch(spec):
     return ids, labels, extra
 
 
-def train(model, opt, step_loss):
-    """(logits of the first forward, losses, first-step gradients, final parameters)."""
+def train(model, opt, step_loss, whole=False):
+    """(logits of the first forward, losses, first-step gradients, final parameters); `whole`: gradients and
+    parameters gathered from their tensor-parallel slices."""
     logits, losses, grads = None, [], None
     for step in range(STEPS):
         loss, out = step_loss(model)
@@ -71,10 +76,13 @@ def train(model, opt, step_loss):
         opt.step()
         if step == 0:
             logits = out.numpy()
-            grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+            grads = full_gradients(model) if whole else {n: p.grad.numpy().copy() for n, p in model.named_parameters()
+                                                          if p.grad is not None}
         opt.clear_grad()
         losses.append(loss)
-    return logits, losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+    names = [n for n, _ in model.named_parameters()]
+    params = pcp.full_state_dict(model) if whole else {n: p.numpy() for n, p in model.named_parameters()}
+    return logits, losses, grads, {n: params[n] for n in names}
 
 
 def reference(spec, float64=False, rule_chunk=None):
@@ -91,24 +99,41 @@ def reference(spec, float64=False, rule_chunk=None):
 
 
 def parallel(spec, mesh):
+    """paddle_cp on `mesh`: ContextParallel on both mixers over "sep" (a backend given), the Trainer's tensor-parallel
+    plan over "mp" (tp2); each rank's logits (its tokens; tensor parallel: every token)."""
     backend, degree = spec["backend"], spec["degree"]
     model = qwen3_next(spec["implementation"], spec["fused_conv"])
     opt = adamw(model)
-    prepare = pcp.PrepareContextParallel(backend, degree)
-    mixing = pcp.ContextParallel(backend, degree)
-    keys = [r"model\.layers\.\d+"] if spec["decoder"] else ["model.layers.*.self_attn", "model.layers.*.linear_attn"]
-    plan = {"": prepare, **{key: mixing for key in keys}}
-    model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
+    config, prepare, weight = {}, None, 1.0
+    if backend:
+        prepare = pcp.PrepareContextParallel(backend, degree)
+        mixing = pcp.ContextParallel(backend, degree)
+        keys = [r"model\.layers\.\d+"] if spec["decoder"] else ["model.layers.*.self_attn", "model.layers.*.linear_attn"]
+        config["cp_config"] = {"parallelize_plan": {"": prepare, **{key: mixing for key in keys}}}
+    if spec["tp"]:
+        config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, sequence_parallel=False)}
+    model, opt = pcp.parallelize(model, opt, mesh, config)
     ids, labels, extra = batch(spec)
-    local = pcp.shard_sequence(labels, backend=prepare, mesh=mesh, **documents_of(extra))  # as the batch is split
-    weight = pcp.loss_weight(int((local != -100).sum()), mesh)
+    if backend:
+        local = pcp.shard_sequence(labels, backend=prepare, mesh=mesh, **documents_of(extra))  # as the batch is split
+        weight = pcp.loss_weight(int((local != -100).sum()), mesh)
 
     def step_loss(m):
         loss, logits = m(input_ids=ids, labels=labels, **extra)[:2]
         return loss * weight, logits
 
-    logits, losses, grads, params = train(model, opt, step_loss)
+    logits, losses, grads, params = train(model, opt, step_loss, whole=spec["tp"])
     return logits, mean_over_ranks(losses, mesh), grads, params, prepare
+
+
+def mesh_of(spec, world):
+    """"sep" over every rank; with tp2, "mp" pairs of ranks (and "sep" over the pairs when a backend is given)."""
+    ranks = list(range(world))
+    if not spec["tp"]:
+        return dist.ProcessMesh(ranks, dim_names=["sep"])
+    if not spec["backend"]:
+        return dist.ProcessMesh(ranks, dim_names=["mp"])
+    return dist.ProcessMesh(np.reshape(ranks, [world // 2, 2]).tolist(), dim_names=["sep", "mp"])
 
 
 def documents_of(extra):
@@ -118,22 +143,27 @@ def documents_of(extra):
 
 def parse(spec, world):
     backend, *rest = spec.split(":")
-    seq = next((int(x[4:]) for x in rest if x.startswith("seq=")), 8 * world + 3)
-    return dict(backend=backend, degree=next((int(x) for x in rest if x.isdigit()), None), seq=seq,
+    tp = "tp2" in (backend, *rest)
+    sep = world // 2 if tp else world
+    seq = next((int(x[4:]) for x in rest if x.startswith("seq=")), 8 * sep + 3)
+    return dict(backend=None if backend == "tp2" else backend, tp=tp, seq=seq,
+                degree=next((int(x) for x in rest if x.isdigit()), None),
                 implementation="sdpa" if "sdpa" in rest else "eager", packed="packed" in rest,
                 padded="padded" in rest, decoder="decoder" in rest, fused_conv="fused_conv" in rest)
 
 
-def compare(report, name, spec, mesh, references):
+def compare(report, name, spec, references):
     """paddle_cp's and one card's distances from the float64 truth, on this rank's tokens (logits) and every
     loss, gradient and parameter; paddle_cp's differences from one card for the record."""
     key = tuple(spec[k] for k in ("implementation", "fused_conv", "seq", "packed", "padded"))
     if key not in references:  # one card (two evaluations) and the truth, once per distinct batch
         references[key] = (reference(spec), reference(spec, rule_chunk=RECHUNKED)), reference(spec, float64=True)
     (one_card, rechunked), truth = references[key]
+    mesh = mesh_of(spec, dist.get_world_size())
     logits, losses, grads, params, prepare = parallel(spec, mesh)
     docs = documents_of(batch(spec)[2])
-    tokens = lambda full: pcp.shard_sequence(paddle.to_tensor(full), backend=prepare, mesh=mesh, **docs).numpy()
+    tokens = (lambda full: pcp.shard_sequence(paddle.to_tensor(full), backend=prepare, mesh=mesh, **docs).numpy()
+              ) if prepare else (lambda full: full)
     truth = (tokens(truth[0]), *truth[1:])  # logits: all on this rank's tokens
     report.value(f"{name}.truth", {
         "one_card": distances((tokens(one_card[0]), *one_card[1:]), truth),
@@ -326,6 +356,11 @@ def check_refusals(report, mesh, world):
                                                               cp_config({"": prepare, "mix": pcp.TokenWise()})))
     channel_out = channel(ids)
     report.value("token_wise.local_len", channel_out.shape[1])
+    split_gdn = {"model.layers.*.linear_attn.in_proj_qkvz": pcp.ColWiseParallel(),
+                 "model.layers.*.linear_attn.out_proj": pcp.RowWiseParallel()}
+    report.expect_error("tp_inside_gdn", lambda: pcp.parallelize(
+        build("qwen3_next"), None, dist.ProcessMesh(list(range(world)), dim_names=["mp"]),
+        {"mp_config": {"parallelize_plan": split_gdn}}))
     attention = WithAttention()
     pcp.parallelize(attention, None, mesh, cp_config({"": pcp.PrepareContextParallel("p2p")}))
     report.expect_error("unrouted_sdpa", lambda: attention(ids))
@@ -345,7 +380,7 @@ def main(report):
             check_gdn_layer(report, mesh, spec_text[len("layer:"):])
             layers.append(spec_text[len("layer:"):])
             continue
-        compare(report, spec_text, parse(spec_text, world), mesh, references)
+        compare(report, spec_text, parse(spec_text, world), references)
         names.append(spec_text)
     report.value("layers", layers)
     report.value("runs", names)
