@@ -13,6 +13,7 @@ fp32 rounding in the truth); `float64_model(model)` casts the parameters the fp3
 the truth starts from the same values.
 """
 import contextlib
+import functools
 
 import numpy as np
 import paddle
@@ -75,3 +76,13 @@ def float64_inputs(inputs):
     """{name: tensor} with float32 tensors (masks) as float64."""
     return {k: v.astype("float64") if isinstance(v, paddle.Tensor) and v.dtype == paddle.float32 else v
             for k, v in inputs.items()}
+
+
+def rechunked(model, chunk_size=8):
+    """`model` with every Gated DeltaNet rule chunked by `chunk_size` instead of its 64: the same arithmetic in
+    another order, a second fp32 evaluation as valid as the default one (each is one sample of the model's
+    rounding noise; one card's distance from the truth is the larger of the two)."""
+    for layer in model.sublayers():
+        if callable(getattr(layer, "chunk_gated_delta_rule", None)):
+            layer.chunk_gated_delta_rule = functools.partial(layer.chunk_gated_delta_rule, chunk_size=chunk_size)
+    return model

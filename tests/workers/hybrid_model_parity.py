@@ -15,7 +15,6 @@ one card's and paddle_cp's distances from their float64 truth (float64_truth.py)
 to (the model amplifies fp32 rounding: one card is ~1e-4 from the truth on logits).
 """
 import contextlib
-import functools
 import sys
 
 import numpy as np
@@ -23,7 +22,7 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 from paddle.distributed.fleet.utils import recompute
-from float64_truth import float64_inputs, float64_math, float64_model
+from float64_truth import float64_inputs, float64_math, float64_model, rechunked
 from paddleformers_models import build
 from real_model_parity import STEPS, adamw, make_batch
 from report import mean_over_ranks, run
@@ -39,23 +38,15 @@ def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None):
     return F.silu(out) if activation in ("silu", "swish") else out
 
 
-# One card's rule chunked by 8 instead of its 64: the same arithmetic in another order, an fp32 evaluation of the
-# model as valid as the default one. One card's distance from the truth is the larger of the two: a single fp32
-# evaluation's distance is one sample of the model's rounding noise (the losses': 1.2-1.6x apart between chunk sizes).
-RECHUNKED = 8
-
-
-def qwen3_next(implementation, fused_conv, rule_chunk=None):
+def qwen3_next(implementation, fused_conv, second_evaluation=False):
+    """The model; `second_evaluation`: its rule chunked otherwise (float64_truth.rechunked)."""
     paddle.seed(2024)
     model = build("qwen3_next", _attn_implementation=implementation)
-    for layer in model.model.layers:
-        if hasattr(layer, "linear_attn"):
-            if fused_conv:
+    if fused_conv:
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
                 layer.linear_attn.causal_conv1d_fn = causal_conv1d_fn
-            if rule_chunk:
-                layer.linear_attn.chunk_gated_delta_rule = functools.partial(layer.linear_attn.chunk_gated_delta_rule,
-                                                                             chunk_size=rule_chunk)
-    return model
+    return rechunked(model) if second_evaluation else model
 
 
 def batch(spec):
@@ -85,10 +76,10 @@ def train(model, opt, step_loss, whole=False):
     return logits, losses, grads, {n: params[n] for n in names}
 
 
-def reference(spec, float64=False, rule_chunk=None):
+def reference(spec, float64=False, second_evaluation=False):
     """One card on the whole batch; `float64`: its truth, the same model (its fp32 initial values), batch and
     AdamW steps evaluated in float64."""
-    model = qwen3_next(spec["implementation"], spec["fused_conv"], rule_chunk)
+    model = qwen3_next(spec["implementation"], spec["fused_conv"], second_evaluation)
     ids, labels, extra = batch(spec)
     if float64:
         model, extra = float64_model(model), float64_inputs(extra)
@@ -157,7 +148,7 @@ def compare(report, name, spec, references):
     loss, gradient and parameter; paddle_cp's differences from one card for the record."""
     key = tuple(spec[k] for k in ("implementation", "fused_conv", "seq", "packed", "padded"))
     if key not in references:  # one card (two evaluations) and the truth, once per distinct batch
-        references[key] = (reference(spec), reference(spec, rule_chunk=RECHUNKED)), reference(spec, float64=True)
+        references[key] = (reference(spec), reference(spec, second_evaluation=True)), reference(spec, float64=True)
     (one_card, rechunked), truth = references[key]
     mesh = mesh_of(spec, dist.get_world_size())
     logits, losses, grads, params, prepare = parallel(spec, mesh)
