@@ -17,7 +17,7 @@ from ..attention.mixers import mixer_of
 from ..plans.context_parallel import ContextParallel, PrepareContextParallel, TokenWise
 
 
-def _plan_key(name):
+def plan_key(name):
     """A key matching this layer in every repeated block: model.layers.3.linear_attn -> model.layers.*.linear_attn."""
     return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
@@ -56,7 +56,7 @@ def check_mixers_routed(model, matched):
         return
     listed = ", ".join(f"{name} ({mixer.name})" for name, mixer in unrouted)
     backend = split[0].backend
-    routable = sorted({_plan_key(name) for name, mixer in unrouted if mixer.routable})
+    routable = sorted({plan_key(name) for name, mixer in unrouted if mixer.routable})
     fixes = []
     if routable:
         fixes.append("add " + ", ".join(f"'{key}': pcp.ContextParallel({backend!r})" for key in routable)

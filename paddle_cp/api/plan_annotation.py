@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 import paddle
 
 from .. import mesh as mesh_lib
+from ..attention.mixers import SoftmaxAttention, mixer_of
 from ..params import record_of
 from ..plans.column_info import ColumnInfo, set_column_info
 from ..plans.tensor_parallel import ColWiseParallel, RowWiseParallel
+from .mixer_check import plan_key
 from .parameter_plans import check_parameter_plans
 
 HEAD_COUNT_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads")
@@ -108,6 +110,7 @@ def _layer_plans(matched):
 def annotate_plan(model, matched, mesh):
     """The annotation of `matched` (resolve_plan's list) on `mesh`; raises, changing nothing, if it cannot work."""
     partial_gradients = check_parameter_plans(matched)
+    _check_no_split_inside_mixers(model, matched)
     matched = _layer_plans(matched)
     layers = dict(model.named_sublayers())
     row_parents = {_parent(name) for name, _, plans, _ in matched  # RowWise layers that take split inputs
@@ -133,6 +136,23 @@ def annotate_plan(model, matched, mesh):
         annotation.partial_gradients += _per_head_parameters(parent, planned)
     _check_shared_weights(model, matched)
     return annotation
+
+
+def _check_no_split_inside_mixers(model, matched):
+    """A projection split inside a token mixer other than softmax attention (Qwen3-Next's Gated DeltaNet: its fused
+    in_proj_qkvz / in_proj_ba grouped by k-head, its conv1d over the q|k|v channels, its per-head A_log, dt_bias
+    and norm) would feed that mixer a rank's columns laid out as nothing it reshapes by: refused."""
+    layers = dict(model.named_sublayers(include_self=True))
+    for name, _, plans, _ in matched:
+        if not any(isinstance(p, tuple(SPLIT_AXIS)) for p in plans):
+            continue
+        parts = name.split(".")
+        for owner in (".".join(parts[:i]) for i in range(len(parts), 0, -1)):
+            mixer = mixer_of(layers[owner]) if owner in layers else None
+            if mixer is not None and not isinstance(mixer, SoftmaxAttention):
+                raise ValueError(f"tensor parallel plan on {name!r} inside {owner!r} ({mixer.name}): splitting its "
+                                 f"projections is not supported; leave '{plan_key(owner)}' and its sublayers "
+                                 "unplanned in mp_config (whole on every mp rank, as the Trainer's plans keep it)")
 
 
 def _local_head_counts(name, layer, size):

@@ -1,9 +1,10 @@
 """Qwen3-Next (Gated DeltaNet + full attention) under ContextParallel on `self_attn` and `linear_attn` vs one card.
 
-One launch per world size. Qwen3-Next's tiny default config amplifies fp32 rounding: one card differs from
-itself by ~1e-5 (logits) to ~5e-4 (losses after 3 steps) when its own rule is merely chunked otherwise, so
-each figure must be within max(1e-5, FLOOR_FACTOR x that floor), measured in the same worker on the same
-batch. A single GDN layer, a Conv1D model and the refusals are checked too.
+One launch per world size. Qwen3-Next's tiny default config amplifies fp32 rounding: one card is ~1e-4 from
+the float64 evaluation of the same model (its truth, tests/workers/float64_truth.py) on logits, so "equal to one
+card at 1e-5" cannot hold for any implementation. Each figure of paddle_cp's must instead be as close to the
+truth as one card's: within max(1e-5, TRUTH_FACTOR x one card's distance), on the same tokens and tensors. A
+single GDN layer, a Conv1D model and the refusals are checked too.
 """
 import pytest
 from launcher import launch
@@ -11,15 +12,23 @@ from launcher import launch
 pytest.importorskip("paddleformers")
 
 TOL = 1e-5
-FLOOR_FACTOR = 4
+# One card's distance is the larger of two fp32 evaluations' (its rule chunked by 64 and by 8): each is one sample
+# of the model's rounding noise, and paddle_cp's is another. Measured (docs/hybrid_models.md): paddle_cp's distance
+# is at most 1.43x one card's (hybrid U=2 packed at N=4, logits); the state carried between ranks in bfloat16 (a
+# state-passing fault) gives 16-530x, dropping the older runs' state 240-22000x.
+TRUTH_FACTOR = 2
 RUNS = {
     # runs > 64 tokens (the rule's chunks crossed inside a run): the 280-token layer (p2p runs of 70) and the
     # 70-token all2all model; the checks (refusals, Conv1D model) once
-    2: ["layer:p2p:280", "p2p", "all2all:sdpa:fused_conv:seq=70", "p2p:packed", "all2all:padded:decoder", "checks"],
+    # tp2 / p2p:tp2: the Trainer's tensor-parallel plan (its Gated DeltaNet whole on each mp rank), alone and under
+    # ring 2, on the batch of a run before it (its one-card and truth runs shared)
+    2: ["layer:p2p:280", "p2p", "all2all:sdpa:fused_conv:seq=70", "p2p:packed", "all2all:padded:decoder", "checks",
+        "tp2:seq=19"],
     # layer:p2p:4: 4 tokens over 6 chunks, runs of one token, shorter than the conv's 3; a layer replayed by
     # recompute; packed: the documents layout splits those batches (ring groups balanced by attention work)
     3: ["layer:p2p:4", "layer:all2all:20:recompute", "p2p", "all2all", "p2p:packed"],
-    4: ["layer:hybrid:2:70", "p2p:seq=9", "hybrid:2:sdpa", "hybrid:2:packed"],
+    # p2p:packed:seq=67: documents crossing ranks and the rule's chunks, state passed over 4 ranks
+    4: ["layer:hybrid:2:70", "p2p:seq=9", "hybrid:2:sdpa", "hybrid:2:packed", "p2p:packed:seq=67", "p2p:tp2:seq=9"],
 }
 REFUSED = {
     "self_attn_only": ["model.layers.0.linear_attn (Gated DeltaNet", "'model.layers.*.linear_attn': "
@@ -31,28 +40,33 @@ REFUSED = {
     "nested": ["keyed on '' and on 'mix'"],
     "unrouted_sdpa": ["scaled_dot_product_attention ran outside every ContextParallel layer"],
     "conv1d_script_split": ["mix (Conv1D over the sequence)", "'mix': pcp.ContextParallel('p2p')"],
+    "tp_inside_gdn": ["'model.layers.0.linear_attn.in_proj_qkvz' inside 'model.layers.0.linear_attn' (Gated DeltaNet",
+                      "leave 'model.layers.*.linear_attn' and its sublayers unplanned in mp_config"],
 }
 
 
-def _within(report, name, kinds):
+def _as_close_as_one_card(reports, name, kinds):
+    """Over every rank's tokens (one card's distance on a rank's 2 tokens is too small a sample)."""
+    truths = [report["values"][f"{name}.truth"] for report in reports]
     for kind in kinds:
-        floor = report["values"][f"{name}.floor"][kind]
-        assert report["max_abs"][f"{name}.{kind}"] <= max(TOL, FLOOR_FACTOR * floor), (
-            report["rank"], name, kind, report["max_abs"][f"{name}.{kind}"], floor)
+        paddle_cp = max(truth["paddle_cp"][kind] for truth in truths)
+        one_card = max(figures[kind] for truth in truths for who, figures in truth.items() if who != "paddle_cp")
+        assert paddle_cp <= max(TOL, TRUTH_FACTOR * one_card), (name, kind, paddle_cp, one_card)
 
 
 @pytest.mark.parametrize("world", sorted(RUNS))
 def test_qwen3_next_trains_at_parity(world):
     reports = launch("hybrid_model_parity.py", world, *RUNS[world])
+    assert not any(report["values"].get("crash") for report in reports), [r["values"].get("crash") for r in reports]
+    for run in reports[0]["values"]["runs"]:
+        _as_close_as_one_card(reports, run, ("logits", "loss", "grad", "param"))
+    for layer in reports[0]["values"]["layers"]:
+        _as_close_as_one_card(reports, f"gdn_layer.{layer}", ("out", "grad"))
     for report in reports:
         values = report["values"]
-        assert not values.get("crash"), values["crash"]
         for run in values["runs"]:
-            _within(report, run, ("logits", "loss", "grad", "param"))
             assert values[f"{run}.losses"][-1] < values[f"{run}.losses"][0], run
             assert values[f"{run}.grads_compared"] > 40, run
-        for layer in values["layers"]:
-            _within(report, f"gdn_layer.{layer}", ("out", "grad"))
         assert len(values["runs"]) + len(values["layers"]) == len([r for r in RUNS[world] if r != "checks"])
         if "checks" in RUNS[world]:
             assert report["max_abs"]["conv_model.out"] <= TOL and report["max_abs"]["conv_model.grad"] <= TOL

@@ -8,6 +8,7 @@ import pytest
 from launcher import launch_once
 
 TOLERANCE = 1e-5
+TRUTH_FACTOR = 2  # Qwen3-Next's runs: as tests/multiproc/test_hybrid_models.py (paddle_cp vs one card, from the truth)
 
 
 def _reports(group):
@@ -23,6 +24,12 @@ def check_parity(reports, run):
     assert rank0["values"][f"{run}.state_keys_match"], run
     losses, want = rank0["values"][f"{run}.losses"]
     assert len(losses) == len(want) > 0, (losses, want)
+    truth = rank0["values"].get(f"{run}.truth")
+    if truth:  # a model amplifying fp32 rounding: as close to its float64 truth as one card's two evaluations
+        for kind in ("loss", "state"):
+            one_card = max(truth["one_card"][kind], truth["rechunked"][kind])
+            assert truth["paddle_cp"][kind] <= max(TOLERANCE, TRUTH_FACTOR * one_card), (run, kind, truth)
+        return
     for name in (f"{run}.loss", f"{run}.state"):
         assert rank0["max_abs"][name] < TOLERANCE, (name, rank0["max_abs"][name], losses, want)
 

@@ -1,17 +1,20 @@
 """Qwen3-Next (3 Gated DeltaNet layers + 1 full attention, 2 q/k heads repeated to 6 v heads) as users build it,
 trained 3 AdamW steps under parallelize vs one process; the refusals of unrouted token mixers; a Conv1D model.
 
-argv: runs "backend[:degree][:sdpa][:packed][:padded][:decoder][:fused_conv][:seq=S]", "layer:backend[:degree]:S[:recompute]"
+argv: runs "backend[:degree][:tp2][:sdpa][:packed][:padded][:decoder][:fused_conv][:seq=S]", "layer:backend[:degree]:S[:recompute]"
 (one GDN layer alone on an S-token sequence, optionally replayed by Paddle's recompute), "checks" (a Conv1D model; the refusals and the TokenWise declaration). The plan keys
 ContextParallel on `self_attn` and `linear_attn` ("decoder": on each decoder layer instead); PrepareContextParallel
 on the root, which splits labels too. "sdpa": built with that attention (the reference too: Qwen3-Next's eager
 full attention, called with no mask, attends both ways, sdpa is causal); "packed": documents as
 attn_mask_startend_row_indices (the GDN state flows across them, as on one card); "padded": a 2-D padding mask;
-"fused_conv": both models call a `causal_conv1d_fn` (an emulation of the GPU kernel) instead of their conv1d.
-Default length: 8N+3. Compared: the first forward's logits, losses, first-step gradients, final parameters, each
-with the noise floor of the model itself (RECHUNKED below).
+"fused_conv": both models call a `causal_conv1d_fn` (an emulation of the GPU kernel) instead of their conv1d;
+"tp2" (as the backend: tensor parallel alone, or after one: ranks paired on "mp", "sep" over the pairs): the
+Trainer's tensor-parallel plan (tensor_parallel_plan) in mp_config.
+Default length: 8 x sep + 3. Compared: the first forward's logits, losses, first-step gradients, final parameters, and
+one card's and paddle_cp's distances from their float64 truth (float64_truth.py), which the test holds paddle_cp
+to (the model amplifies fp32 rounding: one card is ~1e-4 from the truth on logits).
 """
-import functools
+import contextlib
 import sys
 
 import numpy as np
@@ -19,11 +22,14 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 from paddle.distributed.fleet.utils import recompute
+from float64_truth import float64_inputs, float64_math, float64_model, rechunked
 from paddleformers_models import build
 from real_model_parity import STEPS, adamw, make_batch
 from report import mean_over_ranks, run
+from tensor_parallel import full_gradients
 
 import paddle_cp as pcp
+from paddle_cp.integrations.paddleformers.plans import tensor_parallel_plan
 
 
 def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None):
@@ -32,24 +38,15 @@ def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None):
     return F.silu(out) if activation in ("silu", "swish") else out
 
 
-# The noise floor: Qwen3-Next amplifies fp32 rounding (its gated RMSNorm rescales near-zero rows), so one card
-# differs from itself by ~1e-5 when its own rule runs in another order. Measured with the rule chunked by these
-# sizes instead of its 64 (the same arithmetic reordered; below the length, so short sequences reorder too).
-RECHUNKED = (4, 8)
-
-
-def qwen3_next(implementation, fused_conv, rule_chunk=None):
-    """The model; `rule_chunk`: its rule re-chunked (the same arithmetic in another order: the noise floor)."""
+def qwen3_next(implementation, fused_conv, second_evaluation=False):
+    """The model; `second_evaluation`: its rule chunked otherwise (float64_truth.rechunked)."""
     paddle.seed(2024)
     model = build("qwen3_next", _attn_implementation=implementation)
-    for layer in model.model.layers:
-        if hasattr(layer, "linear_attn"):
-            if fused_conv:
+    if fused_conv:
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
                 layer.linear_attn.causal_conv1d_fn = causal_conv1d_fn
-            if rule_chunk:
-                rule = layer.linear_attn.chunk_gated_delta_rule
-                layer.linear_attn.chunk_gated_delta_rule = functools.partial(rule, chunk_size=rule_chunk)
-    return model
+    return rechunked(model) if second_evaluation else model
 
 
 def batch(spec):
@@ -60,8 +57,9 @@ def batch(spec):
     return ids, labels, extra
 
 
-def train(model, opt, step_loss):
-    """(logits of the first forward, losses, first-step gradients, final parameters)."""
+def train(model, opt, step_loss, whole=False):
+    """(logits of the first forward, losses, first-step gradients, final parameters); `whole`: gradients and
+    parameters gathered from their tensor-parallel slices."""
     logits, losses, grads = None, [], None
     for step in range(STEPS):
         loss, out = step_loss(model)
@@ -69,39 +67,64 @@ def train(model, opt, step_loss):
         opt.step()
         if step == 0:
             logits = out.numpy()
-            grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+            grads = full_gradients(model) if whole else {n: p.grad.numpy().copy() for n, p in model.named_parameters()
+                                                          if p.grad is not None}
         opt.clear_grad()
         losses.append(loss)
-    return logits, losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+    names = [n for n, _ in model.named_parameters()]
+    params = pcp.full_state_dict(model) if whole else {n: p.numpy() for n, p in model.named_parameters()}
+    return logits, losses, grads, {n: params[n] for n in names}
 
 
-def reference(spec, rule_chunk=None):
-    model = qwen3_next(spec["implementation"], spec["fused_conv"], rule_chunk)
+def reference(spec, float64=False, second_evaluation=False):
+    """One card on the whole batch; `float64`: its truth, the same model (its fp32 initial values), batch and
+    AdamW steps evaluated in float64."""
+    model = qwen3_next(spec["implementation"], spec["fused_conv"], second_evaluation)
     ids, labels, extra = batch(spec)
-    logits, losses, grads, params = train(model, adamw(model),
-                                          lambda m: m(input_ids=ids, labels=labels, **extra)[:2])
+    if float64:
+        model, extra = float64_model(model), float64_inputs(extra)
+    with float64_math() if float64 else contextlib.nullcontext():
+        logits, losses, grads, params = train(model, adamw(model),
+                                              lambda m: m(input_ids=ids, labels=labels, **extra)[:2])
     return logits, [float(x) for x in losses], grads, params
 
 
 def parallel(spec, mesh):
+    """paddle_cp on `mesh`: ContextParallel on both mixers over "sep" (a backend given), the Trainer's tensor-parallel
+    plan over "mp" (tp2); each rank's logits (its tokens; tensor parallel: every token)."""
     backend, degree = spec["backend"], spec["degree"]
     model = qwen3_next(spec["implementation"], spec["fused_conv"])
     opt = adamw(model)
-    prepare = pcp.PrepareContextParallel(backend, degree)
-    mixing = pcp.ContextParallel(backend, degree)
-    keys = [r"model\.layers\.\d+"] if spec["decoder"] else ["model.layers.*.self_attn", "model.layers.*.linear_attn"]
-    plan = {"": prepare, **{key: mixing for key in keys}}
-    model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
+    config, prepare, weight = {}, None, 1.0
+    if backend:
+        prepare = pcp.PrepareContextParallel(backend, degree)
+        mixing = pcp.ContextParallel(backend, degree)
+        keys = [r"model\.layers\.\d+"] if spec["decoder"] else ["model.layers.*.self_attn", "model.layers.*.linear_attn"]
+        config["cp_config"] = {"parallelize_plan": {"": prepare, **{key: mixing for key in keys}}}
+    if spec["tp"]:
+        config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, sequence_parallel=False)}
+    model, opt = pcp.parallelize(model, opt, mesh, config)
     ids, labels, extra = batch(spec)
-    local = pcp.shard_sequence(labels, backend=prepare, mesh=mesh, **documents_of(extra))  # as the batch is split
-    weight = pcp.loss_weight(int((local != -100).sum()), mesh)
+    if backend:
+        local = pcp.shard_sequence(labels, backend=prepare, mesh=mesh, **documents_of(extra))  # as the batch is split
+        weight = pcp.loss_weight(int((local != -100).sum()), mesh)
 
     def step_loss(m):
         loss, logits = m(input_ids=ids, labels=labels, **extra)[:2]
         return loss * weight, logits
 
-    logits, losses, grads, params = train(model, opt, step_loss)
+    logits, losses, grads, params = train(model, opt, step_loss, whole=spec["tp"])
     return logits, mean_over_ranks(losses, mesh), grads, params, prepare
+
+
+def mesh_of(spec, world):
+    """"sep" over every rank; with tp2, "mp" pairs of ranks (and "sep" over the pairs when a backend is given)."""
+    ranks = list(range(world))
+    if not spec["tp"]:
+        return dist.ProcessMesh(ranks, dim_names=["sep"])
+    if not spec["backend"]:
+        return dist.ProcessMesh(ranks, dim_names=["mp"])
+    return dist.ProcessMesh(np.reshape(ranks, [world // 2, 2]).tolist(), dim_names=["sep", "mp"])
 
 
 def documents_of(extra):
@@ -111,37 +134,50 @@ def documents_of(extra):
 
 def parse(spec, world):
     backend, *rest = spec.split(":")
-    seq = next((int(x[4:]) for x in rest if x.startswith("seq=")), 8 * world + 3)
-    return dict(backend=backend, degree=next((int(x) for x in rest if x.isdigit()), None), seq=seq,
+    tp = "tp2" in (backend, *rest)
+    sep = world // 2 if tp else world
+    seq = next((int(x[4:]) for x in rest if x.startswith("seq=")), 8 * sep + 3)
+    return dict(backend=None if backend == "tp2" else backend, tp=tp, seq=seq,
+                degree=next((int(x) for x in rest if x.isdigit()), None),
                 implementation="sdpa" if "sdpa" in rest else "eager", packed="packed" in rest,
                 padded="padded" in rest, decoder="decoder" in rest, fused_conv="fused_conv" in rest)
 
 
-def compare(report, name, spec, mesh, floors):
-    ref_logits, ref_losses, ref_grads, ref_params = reference(spec)
+def compare(report, name, spec, references):
+    """paddle_cp's and one card's distances from the float64 truth, on this rank's tokens (logits) and every
+    loss, gradient and parameter; paddle_cp's differences from one card for the record."""
     key = tuple(spec[k] for k in ("implementation", "fused_conv", "seq", "packed", "padded"))
-    if key not in floors:  # one card against itself, its rule chunked otherwise: the model's own fp32 noise
-        floors[key] = {"logits": 0.0, "loss": 0.0, "grad": 0.0, "param": 0.0}
-        for rule_chunk in RECHUNKED:
-            f_logits, f_losses, f_grads, f_params = reference(spec, rule_chunk)
-            for kind, value in (("logits", np.abs(f_logits - ref_logits).max()),
-                                ("loss", np.abs(np.array(f_losses) - ref_losses).max()),
-                                ("grad", max(relative(f_grads[n], g, g) for n, g in ref_grads.items())),
-                                ("param", max(np.abs(f_params[n] - p).max() for n, p in ref_params.items()))):
-                floors[key][kind] = max(floors[key][kind], float(value))
-    report.value(f"{name}.floor", floors[key])
-
+    if key not in references:  # one card (two evaluations) and the truth, once per distinct batch
+        references[key] = (reference(spec), reference(spec, second_evaluation=True)), reference(spec, float64=True)
+    (one_card, rechunked), truth = references[key]
+    mesh = mesh_of(spec, dist.get_world_size())
     logits, losses, grads, params, prepare = parallel(spec, mesh)
-    report.diff(f"{name}.logits", logits, pcp.shard_sequence(paddle.to_tensor(ref_logits), backend=prepare, mesh=mesh,
-                                                             **documents_of(batch(spec)[2])))
+    docs = documents_of(batch(spec)[2])
+    tokens = (lambda full: pcp.shard_sequence(paddle.to_tensor(full), backend=prepare, mesh=mesh, **docs).numpy()
+              ) if prepare else (lambda full: full)
+    truth = (tokens(truth[0]), *truth[1:])  # logits: all on this rank's tokens
+    report.value(f"{name}.truth", {
+        "one_card": distances((tokens(one_card[0]), *one_card[1:]), truth),
+        "rechunked": distances((tokens(rechunked[0]), *rechunked[1:]), truth),
+        "paddle_cp": distances((logits, losses, grads, params), truth)})
+    report.diff(f"{name}.logits", logits, tokens(one_card[0]))
     report.value(f"{name}.losses", losses)
-    report.diff(f"{name}.loss", np.array(losses), np.array(ref_losses))
-    report.value(f"{name}.grads_compared", len(set(grads) & set(ref_grads)))
-    for param, value in ref_grads.items():
+    report.diff(f"{name}.loss", np.array(losses), np.array(one_card[1]))
+    report.value(f"{name}.grads_compared", len(set(grads) & set(one_card[2])))
+    for param, value in one_card[2].items():
         report.diff(f"{name}.grad", relative(grads[param], value, value), 0.0)
-
-    for param, value in ref_params.items():
+    for param, value in one_card[3].items():
         report.diff(f"{name}.param", params[param], value)
+
+
+def distances(run, truth):
+    """A run's largest differences from the truth: (logits, losses, first-step gradients (relative, see
+    `relative`), final parameters)."""
+    (logits, losses, grads, params), (t_logits, t_losses, t_grads, t_params) = run, truth
+    return {"logits": float(np.abs(logits - t_logits).max()),
+            "loss": float(np.abs(np.array(losses) - t_losses).max()),
+            "grad": max(relative(grads[n], g, g) for n, g in t_grads.items()),
+            "param": max(float(np.abs(params[n] - p).max()) for n, p in t_params.items())}
 
 
 # ---- refusals and the declaration ------------------------------------------------------------------
@@ -196,13 +232,11 @@ class WithAttention(paddle.nn.Layer):
 class Holder(paddle.nn.Layer):
     """One Gated DeltaNet layer of the tiny Qwen3-Next, as the top layer PrepareContextParallel splits."""
 
-    def __init__(self, rule_chunk=None, recompute=False):
+    def __init__(self, recompute=False):
         super().__init__()
         self.recompute = recompute  # the layer replayed in backward by Paddle's recompute
         paddle.seed(11)
         self.gdn = build("qwen3_next").model.layers[0].linear_attn
-        if rule_chunk:
-            self.gdn.chunk_gated_delta_rule = functools.partial(self.gdn.chunk_gated_delta_rule, chunk_size=rule_chunk)
 
     def forward(self, hidden_states):
         if self.recompute:
@@ -225,19 +259,16 @@ def check_gdn_layer(report, mesh, spec_text):
         (out * dout).sum().backward()
         return [leaf.grad, *(p.grad for p in layer.parameters())]
 
-    def one_card(rule_chunk=None):
-        leaf = x.clone()
+    def one_card(float64=False):  # its truth: the layer's fp32 initial values, input and cotangent in float64
+        layer = float64_model(Holder()) if float64 else Holder()
+        leaf, dout = (x.astype("float64"), cotangent.astype("float64")) if float64 else (x.clone(), cotangent)
         leaf.stop_gradient = False
-        layer = Holder(rule_chunk)
-        out = layer(leaf)
-        return out, gradients(layer, out, leaf, cotangent)
+        with float64_math() if float64 else contextlib.nullcontext():
+            out = layer(leaf)
+            return out, gradients(layer, out, leaf, dout)
 
     want, want_grads = one_card()
-    floor = {"out": 0.0, "grad": 0.0}
-    for rule_chunk in RECHUNKED:
-        out, grads = one_card(rule_chunk)
-        floor["out"] = max(floor["out"], relative(out, want, want))
-        floor["grad"] = max([floor["grad"]] + [relative(g, w, w) for g, w in zip(grads, want_grads)])
+    truth, truth_grads = one_card(float64=True)
     layer = Holder(recompute=replayed)
     prepare = pcp.PrepareContextParallel(backend, degree)
     pcp.parallelize(layer, None, mesh, cp_config({"": prepare, "gdn": pcp.ContextParallel(backend, degree)}))
@@ -245,14 +276,20 @@ def check_gdn_layer(report, mesh, spec_text):
     got_x.stop_gradient = False
     got = layer(hidden_states=got_x)
     shard = pcp.shard_sequence(cotangent, backend=prepare, mesh=mesh)
-    got_grads = gradients(layer, got, got_x, shard)
-    name = f"gdn_layer.{spec_text}"
-    report.value(f"{name}.floor", floor)
-    report.diff(f"{name}.out", relative(got, pcp.shard_sequence(want, backend=prepare, mesh=mesh), want), 0.0)
-    for g, w in zip(got_grads, want_grads):  # each rank's share of a gradient: their sum is one card's
+    got_grads = []
+    for g in gradients(layer, got, got_x, shard):  # each rank's share of a gradient: their sum is one card's
         total = g.clone()
         dist.all_reduce(total)
-        report.diff(f"{name}.grad", relative(total, w, w), 0.0)
+        got_grads.append(total)
+    tokens = lambda full: pcp.shard_sequence(full, backend=prepare, mesh=mesh)
+    name = f"gdn_layer.{spec_text}"
+    report.value(f"{name}.truth", {
+        who: {"out": relative(local_out, tokens(truth), truth),
+              "grad": max(relative(g, t, t) for g, t in zip(grads, truth_grads))}
+        for who, local_out, grads in (("one_card", tokens(want), want_grads), ("paddle_cp", got, got_grads))})
+    report.diff(f"{name}.out", relative(got, tokens(want), want), 0.0)
+    for g, w in zip(got_grads, want_grads):
+        report.diff(f"{name}.grad", relative(g, w, w), 0.0)
 
 
 def relative(got, want, whole):
@@ -312,6 +349,11 @@ def check_refusals(report, mesh, world):
                                                               cp_config({"": prepare, "mix": pcp.TokenWise()})))
     channel_out = channel(ids)
     report.value("token_wise.local_len", channel_out.shape[1])
+    split_gdn = {"model.layers.*.linear_attn.in_proj_qkvz": pcp.ColWiseParallel(),
+                 "model.layers.*.linear_attn.out_proj": pcp.RowWiseParallel()}
+    report.expect_error("tp_inside_gdn", lambda: pcp.parallelize(
+        build("qwen3_next"), None, dist.ProcessMesh(list(range(world)), dim_names=["mp"]),
+        {"mp_config": {"parallelize_plan": split_gdn}}))
     attention = WithAttention()
     pcp.parallelize(attention, None, mesh, cp_config({"": pcp.PrepareContextParallel("p2p")}))
     report.expect_error("unrouted_sdpa", lambda: attention(ids))
@@ -321,7 +363,7 @@ def main(report):
     world = dist.get_world_size()
     mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
     names = []
-    floors, layers = {}, []
+    references, layers = {}, []
     for spec_text in sys.argv[1:]:
         if spec_text == "checks":
             check_conv_model(report, mesh, world)
@@ -331,7 +373,7 @@ def main(report):
             check_gdn_layer(report, mesh, spec_text[len("layer:"):])
             layers.append(spec_text[len("layer:"):])
             continue
-        compare(report, spec_text, parse(spec_text, world), mesh, floors)
+        compare(report, spec_text, parse(spec_text, world), references)
         names.append(spec_text)
     report.value("layers", layers)
     report.value("runs", names)

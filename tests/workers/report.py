@@ -52,10 +52,11 @@ class Report:
 
 
 def mean_over_ranks(losses, mesh):
-    """Each step's loss averaged over the sep ranks (each holds its weighted share of the mean)."""
+    """Each step's loss averaged over the mesh's ranks: the sep ranks hold weighted shares of the mean, the ranks
+    along any other dim (mp) copies of it."""
     import paddle.distributed as dist
 
-    world = mesh.shape[mesh.dim_names.index("sep")]
+    world = int(np.prod(mesh.shape))
     means = []
     for loss in losses:
         total = loss.detach().clone()
