@@ -34,6 +34,8 @@ class RuntimeState:
     # pipeline: the factor the script applied to the losses scheduled steps returned since the last
     # optimizer step (`(loss / k).backward()`, a GradScaler's scale); the optimizer applies it
     pipeline_loss_scale: float | None = None
+    # pipeline: the Pipeline (pipeline/runner.py) whose stage forward is running: recompute calls ask it
+    pipeline_running: object = None
 
 
 state = RuntimeState()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import mesh as mesh_lib
 from .ownership import holders, keep_own_parameters, place_on_stages
-from .runner import Pipeline
+from .runner import Pipeline, recompute_boundary
 from .settings import check_settings
 from .stages import SplitPoint, build_stage_plan
 
@@ -41,4 +41,4 @@ def step_timeline(model):
     return list(pipeline.timeline)
 
 
-__all__ = ["SplitPoint", "plan_pipeline", "apply_pipeline", "keep_own_parameters", "step_timeline"]
+__all__ = ["SplitPoint", "plan_pipeline", "apply_pipeline", "keep_own_parameters", "step_timeline", "recompute_boundary"]
