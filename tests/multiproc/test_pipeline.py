@@ -79,6 +79,19 @@ def test_pipeline_composes_with_context_and_tensor_parallel(four, run):
     check_parity(four, run, loss_ranks={1, 3} if run == "doc_mp2_pp2" else {0, 1, 2, 3})
 
 
+def test_a_per_rank_factor_on_the_returned_loss_is_refused_on_every_rank(four):
+    """19 tokens (10 + 9) on pp2 x sep2, `(model(...)[0] * pcp.loss_weight(...)).backward()`: the schedule's
+    backward already mixed the sep ranks' gradients (scaling them afterwards is off one card); every rank
+    raises the same ValueError at the step, naming loss_fn."""
+    messages = set()
+    for report in four:
+        kind, message = report["errors"]["returned_weight"]
+        assert kind == "ValueError" and "pp_config['loss_fn']" in message, (kind, message)
+        messages.add(message)
+    assert len(messages) == 1
+    assert len({report["values"]["returned_weight.weight"] for report in four}) == 2  # the factors do differ
+
+
 def test_a_rank_raising_inside_a_step_leaves_no_peer_waiting_past_the_timeout():
     """Rank 3 (last stage) raises inside the schedule and stays alive: its peers give up after the watchdog's
     timeout, naming the collective and the ranks they waited for (its sep peer in the ring exchange, the first

@@ -199,6 +199,23 @@ def llama_cp_uneven(report):
     compare(report, "llama_cp_uneven", llama, 64, mesh, config, model_loss, seq=9)
 
 
+def llama_cp_returned_loss_weight(report):
+    """pp2 x sep2 on 19 tokens (10 + 9): the loss model(...) returned, scaled by each rank's loss_weight.
+    The schedule's backward already ran, and ring attention mixed the sep ranks' gradients: refused with a
+    ValueError on every rank at the step (checked against the unweighted one-card run, so the launch
+    shows the error if the refusal is gone)."""
+    mesh = pp_mesh([2, 2], ["pp", "sep"])
+    prepare = pcp.PrepareContextParallel("p2p")
+    local = int(pcp.shard_sequence(paddle.zeros([BATCH, 19]), backend=prepare, mesh=mesh).numel())
+    weight = pcp.loss_weight(local, mesh)
+    config = {"cp_config": {"parallelize_plan": {"": prepare, "model.layers.*.self_attn": pcp.ContextParallel("p2p")}},
+              "pp_config": {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 2}}
+    report.value("returned_weight.weight", weight)
+    report.expect_error("returned_weight", lambda: compare(
+        report, "returned_weight", llama, 64, mesh, config,
+        lambda model, ids, labels: model(ids, labels=labels)[0] * weight, ref_loss=model_loss, seq=19))
+
+
 def llama_loss(output, labels):
     """PaddleFormers' own criterion on the logits (what the model computes when given labels)."""
     import paddle.nn.functional as F
@@ -252,7 +269,7 @@ def doc_dp2_mp2_pp2(report):
                 model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, doc_mp2_pp2, doc_pp4],
+RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
         "eight": [doc_dp2_mp2_pp2]}
 
 
