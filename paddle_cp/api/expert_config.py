@@ -65,10 +65,25 @@ def _moe_blocks(model, key):
     return blocks
 
 
+def _refuse_router_statistics_split(model, mesh):
+    """Without ep_config nothing gathers the router's statistics: under context parallelism each rank's aux
+    loss would be a product of means over its own part of the sequences, not one card's."""
+    sep = mesh_lib.find_dim(mesh, "sep")
+    if (not getattr(getattr(model, "config", None), "output_router_logits", False) or sep is None
+            or mesh_lib.dim_size(mesh, sep) == 1 or not any(find_moe_block(layer) for layer in model.sublayers())):
+        return
+    raise ValueError("output_router_logits=True under context parallelism: the router's aux loss is a product of "
+                     "means over all tokens of a sequence, which no rank holds alone; add ep_config={'degree': 1, "
+                     "'parallelize_plan': {'model.layers.*.mlp': pcp.ExpertParallel()}} (any degree: it gathers the "
+                     "router statistics over dp x sep, as one card sees them), or build with "
+                     "output_router_logits=False")
+
+
 def expert_applications(model, config, mesh):
     """[(plan, layer, [])] for ep_config, every one checked; [] without ep_config."""
     section = config.get("ep_config")
     if not section:
+        _refuse_router_statistics_split(model, mesh)
         return []
     if not isinstance(section, dict):
         raise TypeError(f"ep_config must be a dict like {{'degree': 2, 'parallelize_plan': {{...}}}}, "

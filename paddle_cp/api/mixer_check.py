@@ -1,7 +1,8 @@
 """No layer mixes tokens over this rank's part of the sequence only: checked at parallelize, before
 any collective, the same on every rank.
 
-When the plan splits the sequence (a PrepareContextParallel), every layer the mixer registry claims
+When the plan splits the sequence (a PrepareContextParallel, or a ContextParallel on tensors the script
+split itself), every layer the mixer registry claims
 (attention/mixers/: Gated DeltaNet, Conv1D, recurrent layers, PaddleFormers attention modules, any
 registered mixer) must sit under a ContextParallel plan, or be declared TokenWise; else each rank
 would mix its own tokens and train silently wrong. The error names the layers and the plan key that
@@ -39,7 +40,7 @@ def _check_nesting(matched):
 
 def check_mixers_routed(model, matched):
     """Raise ValueError if the plan splits the sequence and a claimed layer is not routed or declared."""
-    split = [p for _, _, plans, _ in matched for p in plans if isinstance(p, PrepareContextParallel)]
+    split = [p for _, _, plans, _ in matched for p in plans if isinstance(p, (PrepareContextParallel, ContextParallel))]
     if not split:
         return
     _check_nesting(matched)
@@ -65,7 +66,7 @@ def check_mixers_routed(model, matched):
                      "register a mixer (pcp.register_mixer)")
     fixes.append("declare a layer that does not mix tokens along the sequence with pcp.TokenWise()")
     raise ValueError(
-        f"these layers mix tokens along the sequence PrepareContextParallel splits, but no ContextParallel plan "
+        f"these layers mix tokens along the sequence context parallelism splits, but no ContextParallel plan "
         f"routes them, so each rank would mix only its own tokens: {listed}. Fix: {'; '.join(fixes)} "
         "(docs/hybrid_models.md)"
     )

@@ -132,6 +132,7 @@ class SequenceLayout:
         self.ulysses = ulysses_size(backend, world, ulysses_degree)
         self.ring = world // self.ulysses
         self.split = ChunkSplit()
+        self.windows = {}  # this layout's RunWindows by (seq_len, rank, before, after): sequence_windows.py
 
     def for_batch(self, documents, split="documents"):
         """The layout of a batch: balanced over its `documents` (a Documents, or None) with split
@@ -151,7 +152,7 @@ class SequenceLayout:
         if min(len(p) for p in balanced.positions) < self.ulysses:
             return self
         layout = copy.copy(self)
-        layout.split = balanced
+        layout.split, layout.windows = balanced, {}
         return layout
 
     def check_length(self, seq_len, what="sequence"):

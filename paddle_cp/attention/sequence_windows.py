@@ -14,8 +14,6 @@ layout any number, so the all-gather of edges (before + after tokens per run, a 
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import paddle
 
@@ -77,8 +75,11 @@ class RunWindows:
         return paddle.index_select(y, paddle.to_tensor(np.concatenate(keep).astype(np.int64)), axis=axis)
 
 
-@functools.lru_cache(maxsize=64)
 def run_windows(layout, seq_len, index, before, after):
-    """The RunWindows of rank `index` of `layout` (a SequenceLayout) for a `seq_len`-token sequence."""
-    every = [layout.positions(seq_len, r) for r in range(layout.world)]
-    return RunWindows(every, index, seq_len, before, after)
+    """The RunWindows of rank `index` of `layout` (a SequenceLayout) for a `seq_len`-token sequence, kept
+    by the layout (a plan's for its batches without documents, a batch's own for its documents)."""
+    key = (seq_len, index, before, after)
+    if key not in layout.windows:
+        every = [layout.positions(seq_len, r) for r in range(layout.world)]
+        layout.windows[key] = RunWindows(every, index, seq_len, before, after)
+    return layout.windows[key]

@@ -24,7 +24,7 @@ def _bits(x):
     """The elements of `x` as int64 values carrying all their bits, flattened."""
     if not x.is_contiguous():
         x = paddle.assign(x)  # a contiguous copy: Tensor.contiguous() would compact the caller's tensor in place
-    x = x.reshape([-1])
+    x = x.reshape([-1])  # [numel]
     if x.dtype in _SAME_WIDTH_INT:
         x = paddle.view(x, _SAME_WIDTH_INT[x.dtype])
     return x.astype("int64")

@@ -71,9 +71,9 @@ class HeldExperts:
             weights = paddle.take_along_axis(dense, indices, axis=1)
         else:
             indices, weights = args[:2]
-        shape = hidden.shape
+        shape = hidden.shape  # [b, s, H] or [T, H]
         out = routed_output(hidden.reshape([-1, shape[-1]]), indices, weights, self.group, self.layout, self.run)
-        return out.reshape(shape)
+        return out.reshape(shape)  # [T, H] -> the input's shape
 
     def run(self, rows, counts):
         """(outputs [R, H], extra): this rank's experts on `rows` sorted by expert, counts[i] for its i-th.
@@ -108,4 +108,4 @@ class HeldExperts:
             out = self._family_forward(experts, rows, router_indices=index, routing_weights=one_hot)
         else:
             out = self._family_forward(experts, rows, index, paddle.ones([rows.shape[0], 1], rows.dtype))
-        return out.reshape([-1, rows.shape[-1]])
+        return out.reshape([-1, rows.shape[-1]])  # the family's output -> [R, H]

@@ -12,7 +12,7 @@ from ..attention import Documents, SequenceLayout, adapters, check_rotation, con
 from ..attention import ulysses_size
 from ..attention.layout import check_split
 from .base import Plan, refuse_param_plan
-from .same_batch import check_same_batch
+from .same_batch import batch_check_group, check_same_batch
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
 _STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed-document input
@@ -133,6 +133,7 @@ class PrepareContextParallel(_SepPlan):
 
     def apply(self, layer, mesh, param_names=()):
         self._join_sep_group(layer, mesh, param_names)
+        self._batch_check = batch_check_group(mesh)  # (this stage's ranks, this rank's replica)
         adapters.install()  # attention reached outside every ContextParallel layer then raises, not runs locally
         self._signature = inspect.signature(layer.forward)
         layer.register_forward_pre_hook(self._split_inputs, with_kwargs=True)
@@ -174,6 +175,15 @@ class PrepareContextParallel(_SepPlan):
     def _check_sharded(self, layout):
         """The model's inputs and what shard_sequence split for this batch (labels) share one layout."""
         sharded, self._sharded = self._sharded, set()
+        by_name = runtime.state.split_by_backend_name
+        if self._groups.sep.ranks in by_name:
+            by_name.discard(self._groups.sep.ranks)
+            if layout.split.name != "chunks":
+                raise ValueError(
+                    f"shard_sequence split this batch's tensors by a backend name, in 2N chunks; the model's inputs "
+                    f"are split in the {layout.split.name!r} layout (the batch's documents decide it): pass "
+                    "backend=<the PrepareContextParallel plan> and the document inputs the model gets (position_ids=, "
+                    "doc_ids=, attn_mask_startend_row_indices=), or build the plan with layout='chunks'")
         if sharded and layout.split.name not in sharded:
             raise ValueError(
                 f"shard_sequence split this batch's tensors in the {sorted(sharded)} layout, the model's inputs are "
@@ -185,7 +195,7 @@ class PrepareContextParallel(_SepPlan):
         if seq_len is None or runtime.state.context_parallel_paused:
             return None
         named = {**{f"argument {i}": v for i, v in enumerate(args)}, **kwargs}
-        check_same_batch(self._groups.sep, {name: v for name, v in named.items() if _of_batch(v, batch, seq_len)},
+        check_same_batch(*self._batch_check, {name: v for name, v in named.items() if _of_batch(v, batch, seq_len)},
                          batch, seq_len)
         self._layout.check_length(seq_len, what="input sequence")
         kwargs = dict(kwargs)

@@ -1,11 +1,16 @@
-"""Every rank of a `sep` group must pass the same full batch: PrepareContextParallel splits
-it, each rank keeping its part of one sequence. Ranks that each draw their own batch (a
-data-parallel habit) would train silently wrong, so every forward checks.
+"""Every rank of a data-parallel replica (its `sep` and `mp` ranks) must pass the same full
+batch: PrepareContextParallel splits it, each rank keeping its part of one sequence. Ranks
+that each draw their own batch (a data-parallel habit) would train silently wrong, so every
+forward checks.
+
+The rows are gathered over every rank of the pipeline stage, not one sep group: a replica
+whose ranks disagree then stops every replica with the same error, instead of the others
+waiting for it in the gradient all-reduce.
 
 Cost: an exact integer fingerprint of each input it splits, on the device (comm/
-fingerprint.py); one all-gather of SLOTS + 3 int64 per rank over the sep group; one
-host read of the gathered rows. A recomputed forward (Paddle's recompute around the
-whole model) replays the check without gathering again.
+fingerprint.py); one all-gather of SLOTS + 4 int64 per rank over the stage; one host read
+of the gathered rows. A recomputed forward (Paddle's recompute around the whole model)
+replays the check without gathering again.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import zlib
 
 import paddle
 
+from .. import mesh as mesh_lib
 from .. import runtime
 from ..attention import recompute
 from ..comm import collectives
@@ -23,43 +29,58 @@ SLOTS = 4  # value fingerprints per rank: inputs in name order share slot i % SL
 TAG = "cp_batch_check"  # its bytes in paddle_cp.bytes_sent()
 
 
-def check_same_batch(sep_group, inputs, batch, seq_len):
-    """Raise the same ValueError on every rank of `sep_group` unless all of them passed equal
-    `inputs` ({name: tensor}, the tensors to be split). Collective: every rank calls it."""
-    if sep_group.size == 1:
+def batch_check_group(mesh):
+    """(this rank's pipeline stage as a MeshGroup, this rank's replica: its dp index). Collective."""
+    replica = mesh.dim_names.index("dp") if "dp" in mesh.dim_names else None
+    return (mesh_lib.mesh_group(mesh, [d for d in mesh.dim_names if d != "pp"]),
+            0 if replica is None else mesh_lib.coordinates(mesh)[replica])
+
+
+def check_same_batch(stage, replica, inputs, batch, seq_len):
+    """Raise the same ValueError on every rank of `stage` unless the ranks of each replica passed
+    equal `inputs` ({name: tensor}, the tensors to be split). Collective: every rank calls it."""
+    if stage.size == 1:
         return
     memo = runtime.state.checked_batches[-1] if runtime.state.checked_batches else None
-    if memo is not None and memo.get(id(sep_group)):
+    if memo is not None and memo.get(id(stage)):
         return  # a recompute replay: checked in this forward already
     names = sorted(inputs)
     layout = repr([(name, list(inputs[name].shape), str(inputs[name].dtype)) for name in names])
     slots = [paddle.zeros([1], "int64") for _ in range(SLOTS)]
     for i, name in enumerate(names):
         slots[i % SLOTS] = slots[i % SLOTS] + fingerprint(inputs[name])
-    mine = paddle.concat([paddle.to_tensor([zlib.crc32(layout.encode()), batch, seq_len], dtype="int64"), *slots])
-    rows = paddle.stack(collectives.all_gather(sep_group, mine, tag=TAG)).numpy().tolist()
+    mine = paddle.concat([paddle.to_tensor([replica, zlib.crc32(layout.encode()), batch, seq_len], dtype="int64"),
+                          *slots])
+    rows = paddle.stack(collectives.all_gather(stage, mine, tag=TAG)).numpy().tolist()
     if memo is not None:
-        memo[id(sep_group)] = True
-    _raise_unless_equal(rows, names)
+        memo[id(stage)] = True
+    replicas = {}
+    for rank, row in zip(stage.ranks, rows):  # {replica: [(rank, row without the replica)]}, in mesh order
+        replicas.setdefault(row[0], []).append((rank, row[1:]))
+    for members in replicas.values():
+        _raise_unless_equal(members, names)
 
 
-def _raise_unless_equal(rows, names):
-    first = rows[0]
-    if all(row[0] == first[0] for row in rows):
-        differ = sorted({name for row in rows for i, name in enumerate(names)
+def _raise_unless_equal(members, names):
+    """`members`: [(rank, row)] of one replica."""
+    first = members[0][1]
+    if all(row[0] == first[0] for _, row in members):
+        differ = sorted({name for _, row in members for i, name in enumerate(names)
                          if row[3 + i % SLOTS] != first[3 + i % SLOTS]})
         if not differ:
             return
-        ranks = [r for r, row in enumerate(rows) if row != first]
+        ranks = [rank for rank, row in members if row != first]
         raise ValueError(
-            f"context parallel: the ranks of a sep group passed different values of {differ} (positions {ranks} "
-            "differ from position 0). Every rank of a sep group must pass the same full batch, which "
-            "PrepareContextParallel splits; give each data-parallel replica its own batch over a `dp` mesh dim "
-            "(pcp.shard_dataloader / pcp.shard_batch) and the same batch to the ranks of its sep group")
-    shapes = ", ".join(f"position {r}: batch {row[1]} x {row[2]} tokens" for r, row in enumerate(rows))
+            f"context parallel: the ranks of a data-parallel replica passed different values of {differ} (ranks "
+            f"{ranks} differ from rank {members[0][0]}). Every rank of a replica (its sep and mp ranks) must pass "
+            "the same full batch, which PrepareContextParallel splits; give each data-parallel replica its own batch "
+            "over a `dp` mesh dim (pcp.shard_dataloader / pcp.shard_batch) and the same batch to the ranks of its "
+            "sep group")
+    shapes = ", ".join(f"rank {rank}: batch {row[1]} x {row[2]} tokens" for rank, row in members)
     raise ValueError(
-        f"context parallel: the ranks of a sep group passed inputs of different names, shapes or dtypes ({shapes}). "
-        "Every rank of a sep group must pass the same full batch, which PrepareContextParallel splits")
+        f"context parallel: the ranks of a data-parallel replica passed inputs of different names, shapes or dtypes "
+        f"({shapes}). Every rank of a replica (its sep and mp ranks) must pass the same full batch, which "
+        "PrepareContextParallel splits")
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 import paddle
 import paddle.distributed as dist
 
+from .. import runtime
 from ..attention import SequenceLayout, resolve_group
 from ..attention.lengths import agreed_seq_len
 from ..comm.autograd import gather_replicated
@@ -40,6 +41,8 @@ def shard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_d
     layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
                             attn_mask_startend_row_indices=attn_mask_startend_row_indices)
     layout.check_length(x.shape[seq_dim])
+    if not isinstance(backend, PrepareContextParallel):
+        runtime.state.split_by_backend_name.add(group.ranks)
     return layout.shard(x, seq_dim, group.index)
 
 

@@ -129,9 +129,9 @@ EXPECTED_ERRORS = {  # case -> (error type, what the message must say)
     "timeout_negative": ("ValueError", "positive number of seconds"),
     "timeout_text": ("ValueError", "positive number of seconds"),
     "timeout_env": ("ValueError", "PCP_TIMEOUT"),
-    "batch_differs": ("ValueError", "passed different values of ['input_ids'] (positions [1] differ"),
+    "batch_differs": ("ValueError", "passed different values of ['input_ids'] (ranks [1] differ"),
     "labels_differ": ("ValueError", "passed different values of ['labels']"),
-    "batch_shapes_differ": ("ValueError", "position 0: batch 2 x 13 tokens, position 1: batch 2 x 14 tokens"),
+    "batch_shapes_differ": ("ValueError", "rank 0: batch 2 x 13 tokens, rank 1: batch 2 x 14 tokens"),
     "save_existing_path": ("ValueError", "exists already"),
     "save_extra_not_json": ("TypeError", "JSON-serializable"),
     "save_unsupported_optimizer": ("TypeError", "Adam, AdamW and Momentum"),
@@ -168,8 +168,8 @@ def test_bad_inputs_raise_the_same_clear_error_on_every_rank(tmp_path):
         for case, (kind, words) in EXPECTED_ERRORS.items():
             assert report["errors"][case][0] == kind and words in report["errors"][case][1], (case, report["errors"][case])
     assert reports[0]["errors"] == reports[1]["errors"]
-    # the sep group's input check: one all-gather of 7 int64 per forward, not repeated by a recompute replay
-    assert all(report["values"]["batch_check_bytes"] == {"plain": 56, "whole_model_recompute": 56}
+    # the replicas' input check: one all-gather of 8 int64 per forward, not repeated by a recompute replay
+    assert all(report["values"]["batch_check_bytes"] == {"plain": 64, "whole_model_recompute": 64}
                for report in reports), [report["values"]["batch_check_bytes"] for report in reports]
     assert len(EXPECTED_ERRORS) - 3 >= 30  # three are failed writes, not bad inputs
 

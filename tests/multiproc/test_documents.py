@@ -41,6 +41,7 @@ def test_labels_split_unlike_the_inputs_raise_on_every_rank(reports):
         "ids_plan_no_doc_ids": "in the input 'doc_ids'",
         "string_backend": "pass backend=<the PrepareContextParallel plan>",
         "unknown_layout": "unknown sequence layout 'even'",
+        "labels_by_name": "split this batch's tensors by a backend name, in 2N chunks",
         "rows.labels_first": "shard_sequence split this batch's tensors in the ['chunks'] layout",
         "rows.forward_first": "pass them to shard_sequence too",
     }

@@ -30,6 +30,7 @@ REFUSED = {
     "conv1d": ["mix (Conv1D over the sequence), same (Conv1D over the sequence)", "'mix': pcp.ContextParallel"],
     "nested": ["keyed on '' and on 'mix'"],
     "unrouted_sdpa": ["scaled_dot_product_attention ran outside every ContextParallel layer"],
+    "conv1d_script_split": ["mix (Conv1D over the sequence)", "'mix': pcp.ContextParallel('p2p')"],
 }
 
 

@@ -65,6 +65,12 @@ def test_check_parity_catches_a_model_that_mixes_tokens_outside_attention(hybrid
         assert kind == "ValueError" and "parallelize it first" in message
 
 
+def test_a_replica_passing_different_batches_stops_every_replica(hybrid):
+    for report in hybrid:
+        kind, message = report["errors"]["replica_batch_differs"]
+        assert kind == "ValueError" and "different values of ['input_ids'] (ranks [3] differ from rank 2)" in message
+
+
 def test_default_adam_epsilon_differs_only_by_rounding(hybrid):
     """With AdamW's default epsilon (1e-8) one card itself is not reproducible to 1e-5: started
     from weights one ulp away it ends up to `spread` apart. So: before the first update,

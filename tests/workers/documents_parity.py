@@ -152,6 +152,12 @@ def errors(report, mesh):
     report.expect_error("string_backend", lambda: pcp.shard_sequence(labels, backend="p2p", mesh=mesh,
                                                                      position_ids=positions))
     report.expect_error("unknown_layout", lambda: pcp.PrepareContextParallel("p2p", layout="even"))
+    # labels split by a backend name (2N chunks) for a batch the plan splits by its documents
+    prepare = pcp.PrepareContextParallel("p2p", documents="position_ids")
+    plan = {"model": prepare, "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
+    model, _ = pcp.parallelize(llama(), None, mesh, {"cp_config": {"parallelize_plan": plan}})
+    pcp.shard_sequence(labels, backend="p2p", mesh=mesh)
+    report.expect_error("labels_by_name", lambda: model(input_ids=ids, position_ids=positions))
     # row indices the plan was not told of: labels split without them, before and after a forward with them
     for order in ("labels_first", "forward_first"):
         prepare = pcp.PrepareContextParallel("p2p")

@@ -287,9 +287,12 @@ def check_bad_configs(report):
             "model.blocks.*.mlp": pcp.ExpertParallel()}}}),
         "mp_in_group": (dp_mp, {"ep_config": {"degree": 4, "mesh_dims": ["dp", "mp"], "parallelize_plan": plan}}),
         "in_mp_config": (dp_sep, {"mp_config": {"parallelize_plan": plan}}),
+        "aux_loss_without_ep": (dp_sep, {"cp_config": {"parallelize_plan": {
+            "": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p")}}}),
     }
     for name, (mesh, config, *experts) in cases.items():
-        model = build("qwen3_moe") if not experts else _qwen3_with_experts(experts[0])
+        model = build("gpt_oss") if name == "aux_loss_without_ep" else (
+            build("qwen3_moe") if not experts else _qwen3_with_experts(experts[0]))
         report.expect_error(f"bad.{name}", lambda: pcp.parallelize(model, None, mesh, config))
 
 

@@ -301,6 +301,8 @@ def check_refusals(report, mesh, world):
     report.expect_error("lstm_routed", lambda: pcp.parallelize(
         Mixer("lstm"), None, mesh, cp_config({"": prepare, "mix": pcp.ContextParallel("p2p")})))
     report.expect_error("conv1d", lambda: pcp.parallelize(Mixer("conv"), None, mesh, cp_config({"": prepare})))
+    report.expect_error("conv1d_script_split", lambda: pcp.parallelize(  # no Prepare: the script splits its inputs
+        Mixer("conv"), None, mesh, cp_config({"same": pcp.ContextParallel("p2p")})))
     report.expect_error("nested", lambda: pcp.parallelize(
         Mixer("conv"), None, mesh,
         cp_config({"": [prepare, pcp.ContextParallel("p2p")], "mix": pcp.ContextParallel("p2p")})))

@@ -329,6 +329,9 @@ def parity_checks(report):
     plan = {"": pcp.PrepareContextParallel("all2all"), "model.layers.*.self_attn": pcp.ContextParallel("all2all")}
     pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan}})
     report.value("parity.model_output", pcp.check_parity(model, input_ids=ids, labels=labels, return_dict=True))
+    # the second replica's sep ranks disagree: every rank of both replicas raises (none left waiting for it)
+    differing = (ids + int(dist.get_rank() == 3)) % 128
+    report.expect_error("replica_batch_differs", lambda: model(input_ids=differing, labels=labels))
     for running_sum in (False, True):
         paddle.seed(3)
         mixer = TokenMixer(running_sum)
