@@ -34,6 +34,8 @@ class RuntimeState:
     # pipeline: the factor the script applied to the losses scheduled steps returned since the last
     # optimizer step (`(loss / k).backward()`, a GradScaler's scale); the optimizer applies it
     pipeline_loss_scale: float | None = None
+    # pipeline: the Pipeline (pipeline/runner.py) whose stage forward is running: recompute calls ask it
+    pipeline_running: object = None
     # the sep groups (their ranks) whose tensors shard_sequence split by a backend name since their plan's
     # last forward: a batch the plan splits by its documents refuses them (labels in another layout)
     split_by_backend_name: set = field(default_factory=set)

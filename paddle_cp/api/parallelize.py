@@ -23,7 +23,8 @@ from typing import Optional
 
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from ..pipeline import apply_pipeline, keep_own_parameters, plan_pipeline
+from ..attention import recompute
+from ..pipeline import apply_pipeline, keep_own_parameters, plan_pipeline, recompute_boundary
 from ..data_parallel.optimizer import ParallelOptimizer, optimizer_parameters
 from ..params import complete_placements, is_lazy, record_of
 from .expert_config import expert_applications
@@ -132,6 +133,7 @@ class _Parallelized:
     world: object  # MeshGroup of the whole mesh
     sharding: Optional[Sharding]
     prepare: tuple = ()  # (PrepareContextParallel, its layer) of each one applied: check_parity
+    loss_factor: object = None  # a pipeline's LossFactorAgreement: the optimizer checks a returned loss's factor
 
 
 def parallelize_model(model, mesh=None, config=None):
@@ -145,7 +147,8 @@ def parallelize_model(model, mesh=None, config=None):
     mesh = mesh_lib.resolve_mesh(mesh)
     pipeline = plan_pipeline(model, mesh, config["pp_config"]) if config.get("pp_config") else None
     applications, annotation = _validated_plan(model, config, mesh)
-    applications += expert_applications(model, config, mesh)  # after mp's plans: tensor parallel inside experts first
+    experts = expert_applications(model, config, mesh)
+    applications += experts  # after mp's plans: tensor parallel inside experts first
     # nothing has changed so far; from here on every rank runs the same collectives
     world = _world_group(mesh)
     lazy = defer_initialization(model, world)
@@ -156,8 +159,11 @@ def parallelize_model(model, mesh=None, config=None):
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
         watch_partial_gradients(model, mesh)
         split_at_blocks(model, applications)
+    loss_factor = None
     if pipeline:
-        apply_pipeline(model, mesh, *pipeline)  # keeps this stage's only
+        loss_factor = apply_pipeline(model, mesh, *pipeline, experts_span_dp=bool(experts))  # keeps this stage's only
+        recompute.install()  # recompute calls around stage boundaries ask the running stage
+        recompute.around_calls(recompute_boundary)
     for param in model.parameters():
         complete_placements(param, mesh)
     dims = sharding_dims(config.get("dp_config"))
@@ -167,7 +173,7 @@ def parallelize_model(model, mesh=None, config=None):
     if lazy:
         require_initialized(model)
     prepare = tuple((plan, layer) for plan, layer, _ in applications if isinstance(plan, PrepareContextParallel))
-    state = _Parallelized(mesh, level, dims, world, sharding, prepare)
+    state = _Parallelized(mesh, level, dims, world, sharding, prepare, loss_factor)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)
     return model
@@ -189,7 +195,7 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
         raise ValueError(f"dp_config {differs} parallelize_model got: pass both calls the same config")
     if not all(record_of(p).held_here() for p in optimizer_parameters(optimizer)):
         keep_own_parameters(optimizer)  # a pipeline: the optimizer keeps this stage's parameters
-    return ParallelOptimizer(optimizer, state.world, state.sharding)
+    return ParallelOptimizer(optimizer, state.world, state.sharding, state.loss_factor)
 
 
 def parallelized_state(model):

@@ -11,6 +11,11 @@ replay runs under it again, so each call replays with its own batch's facts
 Paddle's `recompute` functions look their PyLayer (or non-reentrant helper) up
 in their module at call time, so wrapping those names covers every caller,
 however it imported `recompute` (PaddleFormers binds it at import).
+
+A wrapper registered with `around_calls` runs around each whole recompute call in
+forward (the pipeline's stage boundaries: a unit of another stage is not recomputed,
+and a stage's last unit ends the stage's forward only once the call has returned
+its output, with the output's graph).
 """
 from __future__ import annotations
 
@@ -19,12 +24,25 @@ import functools
 import importlib
 
 _captures = []  # functions returning a context manager factory that re-establishes state as it is now, or None
+_call_wrappers = []  # wrapper(run) -> run()'s result or a replacement, around every whole recompute call
 _installed = []
 
 
 def carry(capture):
     """Register `capture() -> (() -> context manager) | None`, called at every recompute call."""
     _captures.append(capture)
+
+
+def around_calls(wrapper):
+    """Register `wrapper(run)`, called instead of each recompute call `run()` (once per wrapper)."""
+    if wrapper not in _call_wrappers:
+        _call_wrappers.append(wrapper)
+
+
+def _through_wrappers(run):
+    for wrapper in _call_wrappers:
+        run = functools.partial(wrapper, run)
+    return run()
 
 
 def with_current_state(function):
@@ -50,13 +68,13 @@ class _CarryingPyLayer:
         self.pylayer = pylayer
 
     def apply(self, function, *args, **kwargs):
-        return self.pylayer.apply(with_current_state(function), *args, **kwargs)
+        return _through_wrappers(lambda: self.pylayer.apply(with_current_state(function), *args, **kwargs))
 
 
 def _carrying(helper):
     @functools.wraps(helper)
     def call(function, *args, **kwargs):
-        return helper(with_current_state(function), *args, **kwargs)
+        return _through_wrappers(lambda: helper(with_current_state(function), *args, **kwargs))
 
     return call
 

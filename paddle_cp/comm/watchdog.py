@@ -64,6 +64,11 @@ def guard(op, ranks, peers=None):
     _in_flight[token] = entry = (time.monotonic(), op, (tuple(ranks), peers), None)
     try:
         yield
+    except Exception:
+        # the backend gave up first (gloo after its fixed 30 s, a peer's closed connection): say which
+        # collective and which peers, as the watchdog would, beside the backend's own terse error
+        _report(op, entry[2], f"failed after {time.monotonic() - entry[0]:.1f} s", "the backend raised")
+        raise
     finally:
         event = _completion_event()
         if event is None:
@@ -116,13 +121,17 @@ def _watch():
                 _give_up(op, group, now - started, limit)
 
 
-def _give_up(op, group, waited, limit):
+def _report(op, group, what, outcome):
     rank = paddle.distributed.get_rank()
     ranks, peers = group
     peers = sorted(set(peers or ranks) - {rank})
-    sys.stderr.write(f"paddle_cp: rank {rank} waited {waited:.1f} s (timeout {limit:g} s, set by "
-                     f"pcp.set_timeout or {ENV_VAR}) in collective '{op}' over group {list(ranks)} "
-                     f"waiting for ranks {peers}: a peer stalled or died; exiting\n")
+    sys.stderr.write(f"paddle_cp: rank {rank} {what} in collective '{op}' over group {list(ranks)} "
+                     f"waiting for ranks {peers}: a peer stalled or died; {outcome}\n")
     sys.stderr.flush()
     sys.stdout.flush()
+
+
+def _give_up(op, group, waited, limit):
+    _report(op, group, f"waited {waited:.1f} s (timeout {limit:g} s, set by pcp.set_timeout or {ENV_VAR})",
+            "exiting")
     os._exit(17)

@@ -118,11 +118,12 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
     several backwards before one `step()` are reduced once, as one card sums them.
     """
 
-    def __init__(self, optimizer, world, sharding=None):
+    def __init__(self, optimizer, world, sharding=None, loss_factor=None):
         own = object.__setattr__
         own(self, "_inner", optimizer)
         own(self, "_world", world)  # the whole mesh: the gradient norm and found-inf are agreed over it
         own(self, "_sharding", sharding)
+        own(self, "_loss_factor", loss_factor)  # a pipeline's: checks the factor on a returned loss
         own(self, "_params", optimizer_parameters(optimizer))
         own(self, "_reduced", False)  # this step's gradients are reduced already
 
@@ -189,9 +190,11 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
 
     def _apply_pipeline_loss_scale(self):
         """Pipeline: the factor the script put on the losses a scheduled step returned (their backward
-        ran unscaled inside the schedule), applied to this rank's gradients before they are reduced
-        (ranks may scale differently, e.g. by pcp.loss_weight)."""
+        ran unscaled inside the schedule), applied to this rank's gradients before they are reduced;
+        first agreed over the mesh (pipeline/loss_factor.py: only dp replicas may differ)."""
         factor, runtime.state.pipeline_loss_scale = runtime.state.pipeline_loss_scale, None
+        if self._loss_factor is not None:
+            self._loss_factor.agree(1.0 if factor is None else factor)
         if factor is None or factor == 1.0:
             return
         for p in self._params:
@@ -257,7 +260,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
 
 
 _OWN_ATTRIBUTES = frozenset(vars(ParallelOptimizer)) | {
-    "_inner", "_world", "_sharding", "_params", "_reduced"}
+    "_inner", "_world", "_sharding", "_loss_factor", "_params", "_reduced"}
 
 
 class _AttrHolder:

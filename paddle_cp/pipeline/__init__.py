@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from .. import mesh as mesh_lib
+from .loss_factor import LossFactorAgreement
 from .ownership import holders, keep_own_parameters, place_on_stages
-from .runner import Pipeline
+from .runner import Pipeline, recompute_boundary
 from .settings import check_settings
 from .stages import SplitPoint, build_stage_plan
 
@@ -16,9 +17,10 @@ def plan_pipeline(model, mesh, pp_config):
     return settings, build_stage_plan(model, settings.split_spec, settings.global_spec, stages, settings.vpp_degree)
 
 
-def apply_pipeline(model, mesh, settings, plan):
+def apply_pipeline(model, mesh, settings, plan, experts_span_dp=False):
     """Keep this rank's stage: place every parameter on its stages (freeing the rest), run the model's
-    forward as a pipeline. Collective (groups are made)."""
+    forward as a pipeline. Collective (groups are made). Returns the LossFactorAgreement the optimizer
+    checks a returned loss's factor with (`experts_span_dp`: expert parallelism mixes dp replicas too)."""
     pp_group = mesh_lib.mesh_group(mesh, ["pp"])
     stage, p = pp_group.index, plan.stages
     neighbours = sorted({tuple(sorted((s, (s + 1) % p))) for s in range(p - (plan.chunks == 1))})
@@ -30,6 +32,7 @@ def apply_pipeline(model, mesh, settings, plan):
             peers[positions[0] if positions[1] == stage else positions[1]] = mesh_lib.Peer(other, group.group)
     place_on_stages(mesh, holders(model, plan), pp_group)
     Pipeline(model, plan, settings, stage, peers, pp_group)
+    return LossFactorAgreement(mesh, experts_span_dp)
 
 
 def step_timeline(model):
@@ -41,4 +44,4 @@ def step_timeline(model):
     return list(pipeline.timeline)
 
 
-__all__ = ["SplitPoint", "plan_pipeline", "apply_pipeline", "keep_own_parameters", "step_timeline"]
+__all__ = ["SplitPoint", "plan_pipeline", "apply_pipeline", "keep_own_parameters", "step_timeline", "recompute_boundary"]

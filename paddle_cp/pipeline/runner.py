@@ -41,6 +41,23 @@ class _StageExit(Exception):
         self.output = output
 
 
+class _StandIn(Exception):
+    """Raised by a unit of an earlier stage called inside a recompute call: the call returns the stand-in
+    as the unit's output (recomputing a layer that does not run here would replay it for real in backward;
+    Paddle's reentrant recompute also refuses the received leaf as its output)."""
+
+    def __init__(self, value):
+        super().__init__("pipeline stand-in")
+        self.value = value
+
+
+def recompute_boundary(run):
+    """Around every recompute call (paddle_cp/attention/recompute.py's `around_calls`): the running
+    stage's forward, if any, decides what it returns."""
+    pipeline = runtime.state.pipeline_running
+    return run() if pipeline is None else pipeline.recompute_call(run)
+
+
 _unit_classes = {}
 
 
@@ -87,6 +104,7 @@ class Pipeline:
         self._unit_stage = {id(layer): v for _, layer, v in plan.units}
         self._exits = {id(plan.exit_unit(v)) for v in range(plan.virtual_stages - 1)}
         self._current = self._received = None
+        self._recomputing, self._exit_pending = 0, False  # recompute calls open in this forward; its exit unit ran
         self._initial = (False, None)  # sequence_split, sequence_whole_shape
         self.timeline = []  # the last scheduled step's actions: (kind, virtual, micro, start, end), wall clock
         self._lists = {}
@@ -106,6 +124,8 @@ class Pipeline:
         if self._current is None or virtual is None:
             return call(layer, *args, **kwargs)
         if virtual < self._current:
+            if self._recomputing:
+                raise _StandIn(self._stand_in(layer))
             return self._stand_in(layer)
         if virtual > self._current:
             name = next(n for n, l, _ in self.plan.units if l is layer)
@@ -114,6 +134,24 @@ class Pipeline:
                                "the forward calls them or split with a dict split_spec")
         out = call(layer, *args, **kwargs)
         if id(layer) in self._exits:
+            if self._recomputing:  # computed without its graph (reentrant): leave with the call's output
+                self._exit_pending = True
+                return out
+            raise _StageExit(out)
+        return out
+
+    def recompute_call(self, run):
+        """A recompute call in this stage's forward: one around a unit of an earlier stage returns its stand-in
+        (the function returns the unit's output, as PaddleFormers' calls do); one around this stage's last
+        unit ends the stage with the call's output."""
+        self._recomputing += 1
+        try:
+            out = run()
+        except _StandIn as stand_in:
+            return stand_in.value
+        finally:
+            self._recomputing -= 1
+        if self._exit_pending and not self._recomputing:
             raise _StageExit(out)
         return out
 
@@ -137,7 +175,8 @@ class Pipeline:
         mp there, the whole shape it had before: see plans/sequence_parallel.py) from the stage before;
         `micro`: (index, count) of its micro-batch. Returns the model's output (last stage) or that triple
         for the next."""
-        self._current, self._received = virtual, received
+        self._current, self._received, self._exit_pending = virtual, received, False
+        runtime.state.pipeline_running = self
         # as the root's hooks left it, not the previous chunk
         runtime.state.sequence_split, runtime.state.sequence_whole_shape = self._initial
         batches = runtime.state.batches
@@ -149,7 +188,7 @@ class Pipeline:
         except _StageExit as done:
             return done.output, runtime.state.sequence_split, runtime.state.sequence_whole_shape
         finally:
-            self._current = self._received = None
+            self._current = self._received = runtime.state.pipeline_running = None
             if sliced:
                 batches.pop()
 

@@ -21,7 +21,7 @@ from ..comm.autograd import copy_to_group, gather_replicated, reduce_from_group,
 from ..params import shard_parameter
 from .base import Plan
 from .column_info import column_info
-from .hook_args import map_first_input
+from .hook_args import first_tensor, map_first_input, replace_first
 
 def _mp_group(plan, mesh):
     mesh_lib.require_dim(mesh, "mp", type(plan).__name__)
@@ -125,21 +125,35 @@ class ColWiseParallel(_TensorParallel):
     def _register(self, layer, group, weight, info, contracts):
         mode = {} if contracts is None else {"contracts": contracts}
         gather = self._gathered(weight)
+        call = {}  # this call's input as given and as prepared (a layer handing its weight on needs the first)
 
         def prepare(x):
             if not mode:
                 mode["contracts"] = _contracts_split_dim(layer, x.shape[-1], weight)
-            return split_to_group(x, group, -1) if mode["contracts"] else copy_to_group(x, group)
+            call["given"] = x
+            call["prepared"] = split_to_group(x, group, -1) if mode["contracts"] else copy_to_group(x, group)
+            return call["prepared"]
 
         def before(layer, args, kwargs):
+            call.clear()
             return map_first_input(args, kwargs, prepare)
 
-        def after(layer, inputs, output):
+        def finish(output):
             if mode["contracts"]:
                 return reduce_from_group(output, group)
             if info.feeds_row_parallel and not self.gather_output:
                 return output
-            return gather(layer, inputs, output)
+            return gather(layer, None, output)
+
+        def after(layer, inputs, output):
+            given, prepared = call.pop("given", None), call.pop("prepared", None)
+            if isinstance(output, (tuple, list)) and any(t is layer.weight for t in output):
+                # the layer hands its weight on instead of applying it (PaddleFormers' fused lm_head for its
+                # chunked loss): the consumer gets the whole weight and the input as given, and computes on
+                # every rank what one card does (the weight's gradient: this rank's slice of it)
+                return type(output)(gather(layer, None, t) if t is layer.weight else given if t is prepared else t
+                                    for t in output)
+            return replace_first(output, finish(first_tensor(output)))
 
         layer.register_forward_pre_hook(before, with_kwargs=True)
         return layer.register_forward_post_hook(after)

@@ -8,10 +8,10 @@ modules the model's family reads) and an unchunked or chunked loss. Each gets me
 per rank, the busiest stage's peak) and step_time.step_time; those that fit the device memory come first,
 fastest first, then the rest by memory.
 
-What paddle_cp cannot run today is not proposed: PaddleFormers' recomputation on a pipeline (its reentrant
-recompute refuses the stage's received activations), a chunked loss with tensor parallelism (the fused
-head + loss hands the column-split lm_head a tuple), an interleaved pipeline whose micro-batches are not a
-multiple of the stages or whose stages' layers the chunks do not divide.
+Not proposed: recomputation on a pipeline and a chunked loss with tensor parallelism (both run, but the
+estimates do not model them yet: the chunked loss under tp computes the whole head on every rank), an
+interleaved pipeline whose micro-batches are not a multiple of the stages or whose stages' layers the
+chunks do not divide.
 """
 from __future__ import annotations
 

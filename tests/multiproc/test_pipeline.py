@@ -5,7 +5,7 @@ the single-card reference is computed in the same worker from the same seed.
 """
 import pytest
 
-from launcher import launch
+from launcher import launch, launch_failing
 
 TOLERANCE = 1e-5
 
@@ -24,6 +24,7 @@ def doc_pp2():
 def check_parity(reports, run, loss_ranks):
     for report in reports:
         assert "crash" not in report["values"], report["values"].get("crash")
+        assert report["values"].get(f"{run}.recompute_calls", 1) > 0, run  # a recompute run did recompute
         assert report["values"][f"{run}.state_keys_match"], run
         diffs = {k: v for k, v in report["max_abs"].items() if k.startswith(run + ".")}
         assert any(k.startswith(run + ".state.") for k in diffs), f"no state measured for {run}"
@@ -56,24 +57,58 @@ def four():
     return _launch("four", 4, paddleformers=True)
 
 
-@pytest.mark.parametrize("run", ["llama_1f1b", "llama_vpp", "llama_untied_fthenb"])
+@pytest.mark.parametrize("run", ["llama_1f1b", "llama_vpp", "llama_untied_fthenb", "llama_recompute"])
 def test_paddleformers_llama_schedules_match_one_card(llama_pp2, run):
     """`model(input_ids, labels=...)[0]` with m = 4: 1F1B, VPP (2 chunks per rank) and FThenB with
-    untied embeddings; global-norm clipping over both stages. Tied embeddings live on both stages:
-    each rank's own copy (`local.`) matches one card too."""
+    untied embeddings; global-norm clipping over both stages; PaddleFormers' full recompute (reentrant,
+    m = 2). Tied embeddings live on both stages: each rank's own copy (`local.`) matches one card too."""
     check_parity(llama_pp2, run, loss_ranks={0, 1})
     if run != "llama_untied_fthenb":
         first, last = (report["values"][f"{run}.held"] for report in llama_pp2)
         assert set(first) & set(last) == {"model.embed_tokens.weight"}  # the tied lm_head weight
 
 
-@pytest.mark.parametrize("run", ["llama_cp_1f1b", "llama_cp_vpp", "llama_cp_uneven", "doc_mp2_pp2",
+@pytest.mark.parametrize("run", ["llama_cp_1f1b", "llama_cp_vpp", "llama_cp_recompute", "llama_cp_recompute_vpp_plain",
+                                 "llama_cp_uneven", "doc_mp2_pp2",
                                  "doc_mp2_pp2_sp_1f1b", "doc_pp4_1f1b_m4", "doc_pp4_vpp_m2"])
 def test_pipeline_composes_with_context_and_tensor_parallel(four, run):
-    """pp2 x sep2 (ring attention inside stages) with 1F1B and VPP, and on 9 tokens (5 + 4 per rank) with
+    """pp2 x sep2 (ring attention inside stages) with 1F1B and VPP, with PaddleFormers' full recompute
+    (reentrant under 1F1B, not reentrant under VPP: stage boundaries inside recompute calls), and on 9 tokens (5 + 4 per rank) with
     loss_weight inside loss_fn; mp2 x pp2 on the doc example, plain loop and with sequence parallel
     under 1F1B (m = 2); pp4 (8 layers) with 1F1B (m = 4) and VPP (2 chunks, m = 2 < p)."""
     check_parity(four, run, loss_ranks={1, 3} if run == "doc_mp2_pp2" else {0, 1, 2, 3})
+
+
+def test_a_per_rank_factor_on_the_returned_loss_is_refused_on_every_rank(four):
+    """19 tokens (10 + 9) on pp2 x sep2, `(model(...)[0] * pcp.loss_weight(...)).backward()`: the schedule's
+    backward already mixed the sep ranks' gradients (scaling them afterwards is off one card); every rank
+    raises the same ValueError at the step, naming loss_fn."""
+    messages = set()
+    for report in four:
+        kind, message = report["errors"]["returned_weight"]
+        assert kind == "ValueError" and "pp_config['loss_fn']" in message, (kind, message)
+        messages.add(message)
+    assert len(messages) == 1
+    assert len({report["values"]["returned_weight.weight"] for report in four}) == 2  # the factors do differ
+
+
+def test_a_rank_raising_inside_a_step_leaves_no_peer_waiting_past_the_timeout():
+    """Rank 3 (last stage) raises inside the schedule and stays alive: its peers give up after the watchdog's
+    timeout, naming the collective and the ranks they waited for (its sep peer in the ring exchange, the first
+    stage in a stage transfer; a rank still waiting when the first peer exits is ended by the launch), and
+    the launch ends a few seconds past the timeout."""
+    pytest.importorskip("paddleformers")
+    timeout = 4
+    code, logs, written = launch_failing("pipeline.py", 4, "raise_in_step", timeout)
+    assert code != 0 and written.get("raised", {}).get("rank") == 3, logs
+    gave_up = {rank: [line for line in logs[f"workerlog.{rank}"].splitlines()
+                      if line.startswith(f"paddle_cp: rank {rank} waited") and f"(timeout {timeout} s" in line]
+               for rank in (0, 1, 2)}
+    assert any(gave_up.values()), {rank: logs[f"workerlog.{rank}"][-2000:] for rank in gave_up}
+    assert not any("paddle_cp: rank" in line for line in logs["workerlog.3"].splitlines())  # it raised, it did not wait
+    ended = written["ended_at"] - written["raised"]["time"]
+    print(f"launch ended {ended:.1f} s after rank 3 raised (timeout {timeout} s): {gave_up}")
+    assert ended < timeout + 10
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,8 @@ def _check_parity(reports, run):
         assert diffs[worst] < TOLERANCE, (worst, diffs[worst])
 
 
-@pytest.mark.parametrize("run", ["dp2xmp2", "dp2xmp2_sp", "mp2xsep2", "mp2xsep2_sp", "dp2xsep2_l2",
-                                 "dp2xmp2_fused", "dp2xmp2_variants"])
+@pytest.mark.parametrize("run", ["dp2xmp2", "dp2xmp2_sp", "mp2xsep2", "mp2xsep2_chunked_loss", "mp2xsep2_sp",
+                                 "dp2xsep2_l2", "dp2xmp2_fused", "dp2xmp2_variants"])
 def test_hybrid_meshes_match_one_card(hybrid, run):
     _check_parity(hybrid, run)
 

@@ -51,3 +51,14 @@ def test_an_operation_past_the_timeout_ends_the_process_naming_it():
     assert done.returncode == 17, done.stderr[-2000:]
     assert "not reached" not in done.stdout
     assert "in collective 'stuck_all_reduce' over group [0, 1, 2] waiting for ranks [1, 2]" in done.stderr
+
+
+def test_a_collective_the_backend_fails_is_named_and_the_error_kept(capsys):
+    """Gloo gives up after its fixed 30 s (before a longer paddle_cp timeout): the rank says which
+    collective and which peers, beside gloo's terse TIMEOUT, and the backend's error propagates."""
+    with pytest.raises(RuntimeError, match="unbound_buffer.cc:80] TIMEOUT"):
+        with watchdog.guard("pp_recv", (0, 2)):
+            raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:80] TIMEOUT self_rank = none")
+    err = capsys.readouterr().err
+    assert "paddle_cp: rank 0 failed after 0.0 s in collective 'pp_recv' over group [0, 2] waiting for ranks [2]" in err
+    assert not watchdog._in_flight

@@ -3,7 +3,11 @@ steps (epsilon 1e-3, ClipGradByGlobalNorm) on a global batch and compares the lo
 every step (on every rank) and the final full_state_dict with one process doing the same.
 argv[1] names the group of runs (one launch each).
 """
+import contextlib
+import json
+import os
 import sys
+import time
 
 import numpy as np
 import paddle
@@ -14,6 +18,7 @@ from report import run
 
 import paddle_cp as pcp
 from paddle_cp import mesh as mesh_lib
+from paddle_cp import runtime
 from paddle_cp.comm import collectives
 
 BATCH, SEQ, STEPS, CLIP, EPSILON = 4, 8, 3, 0.5, 1e-3
@@ -23,11 +28,34 @@ def doc_model():
     return LlamaForCausalLM(num_layers=3)
 
 
-def llama(tie=True):
+def llama(tie=True, **extra):
     from paddleformers.transformers import LlamaConfig, LlamaForCausalLM as PFLlama
     return PFLlama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
-                               fuse_rms_norm=False))  # no fused CPU kernel; attention: the default (eager)
+                               fuse_rms_norm=False, **extra))  # no fused CPU kernel; attention: the default (eager)
+
+
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+@contextlib.contextmanager
+def llama_recompute(report, name, reentrant):
+    """PaddleFormers' full recompute of every decoder layer; its Llama always asks for reentrant recompute,
+    so the non-reentrant run rebinds the module's `recompute` as a script patching it would. Reports how
+    many calls this rank made inside a pipeline stage's forward."""
+    from paddleformers.transformers.llama import modeling
+    original, calls = modeling.recompute, []
+
+    def counted(*args, **kwargs):
+        calls.append(runtime.state.pipeline_running is not None)
+        return original(*args, **kwargs, **({} if reentrant else {"use_reentrant": False}))
+
+    modeling.recompute = counted
+    try:
+        yield lambda: llama(**FULL_RECOMPUTE)
+    finally:
+        modeling.recompute = original
+        report.value(f"{name}.recompute_calls", sum(calls))
 
 
 def build(make):
@@ -134,6 +162,8 @@ def llama_pp2(report):
             "llama_untied_fthenb": ({**base, "schedule_mode": "FThenB"}, lambda: llama(tie=False))}
     for name, (pp_config, make) in runs.items():
         compare(report, name, make, 64, mesh, {"pp_config": pp_config}, model_loss)
+    with llama_recompute(report, "llama_recompute", reentrant=True) as make:
+        compare(report, "llama_recompute", make, 64, mesh, {"pp_config": {**base, "accumulate_steps": 2}}, model_loss)
 
 
 def llama_cp(report):
@@ -145,6 +175,11 @@ def llama_cp(report):
     for name, pp_config in {"llama_cp_1f1b": {**base, "schedule_mode": "1F1B"},
                             "llama_cp_vpp": {**base, "schedule_mode": "VPP", "vpp_degree": 2}}.items():
         compare(report, name, llama, 64, mesh, {**cp, "pp_config": pp_config}, model_loss)
+    for name, reentrant, pp_config in (("llama_cp_recompute", True, {**base, "accumulate_steps": 2}),
+                                       ("llama_cp_recompute_vpp_plain", False,
+                                        {**base, "schedule_mode": "VPP", "vpp_degree": 2, "accumulate_steps": 2})):
+        with llama_recompute(report, name, reentrant) as make:
+            compare(report, name, make, 64, mesh, {**cp, "pp_config": pp_config}, model_loss)
 
 
 def llama_cp_uneven(report):
@@ -162,6 +197,23 @@ def llama_cp_uneven(report):
               "pp_config": {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 2,
                             "loss_fn": weighted_loss}}
     compare(report, "llama_cp_uneven", llama, 64, mesh, config, model_loss, seq=9)
+
+
+def llama_cp_returned_loss_weight(report):
+    """pp2 x sep2 on 19 tokens (10 + 9): the loss model(...) returned, scaled by each rank's loss_weight.
+    The schedule's backward already ran, and ring attention mixed the sep ranks' gradients: refused with a
+    ValueError on every rank at the step (checked against the unweighted one-card run, so the launch
+    shows the error if the refusal is gone)."""
+    mesh = pp_mesh([2, 2], ["pp", "sep"])
+    prepare = pcp.PrepareContextParallel("p2p")
+    local = int(pcp.shard_sequence(paddle.zeros([BATCH, 19]), backend=prepare, mesh=mesh).numel())
+    weight = pcp.loss_weight(local, mesh)
+    config = {"cp_config": {"parallelize_plan": {"": prepare, "model.layers.*.self_attn": pcp.ContextParallel("p2p")}},
+              "pp_config": {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 2}}
+    report.value("returned_weight.weight", weight)
+    report.expect_error("returned_weight", lambda: compare(
+        report, "returned_weight", llama, 64, mesh, config,
+        lambda model, ids, labels: model(ids, labels=labels)[0] * weight, ref_loss=model_loss, seq=19))
 
 
 def llama_loss(output, labels):
@@ -217,8 +269,39 @@ def doc_dp2_mp2_pp2(report):
                 model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, doc_mp2_pp2, doc_pp4],
+RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
         "eight": [doc_dp2_mp2_pp2]}
+
+
+class _OneRanksError(RuntimeError):
+    """What rank 3 raises on purpose (a peer's own error, e.g. gloo's, is not caught)."""
+
+
+def raise_in_step(seconds):
+    """set_timeout(seconds); one good step of Llama on pp2 x sep2; in the second, rank 3's loss raises inside
+    the schedule (its forward on the last stage) and the rank stays alive, as a script catching the error
+    would: its pipeline and ring peers must give up after the timeout. Rank 3 writes `raised.json`."""
+    pcp.set_timeout(seconds)
+    calls = []
+
+    def loss_fn(output, labels):
+        calls.append(1)
+        if dist.get_rank() == 3 and len(calls) > 2:  # the second step's first micro-batch
+            raise _OneRanksError("a loss that fails on one rank")
+        return llama_loss(output, labels)
+
+    model, optimizer = build(llama)
+    config = {"cp_config": {"parallelize_plan": {"": pcp.PrepareContextParallel("p2p"),
+                                                 "model.layers.*.self_attn": pcp.ContextParallel("p2p")}},
+              "pp_config": {"split_spec": "model.layers", "global_spec": "model.rotary_emb", "accumulate_steps": 2,
+                            "loss_fn": loss_fn}}
+    model, optimizer = pcp.parallelize(model, optimizer, pp_mesh([2, 2], ["pp", "sep"]), config)
+    try:
+        train(model, optimizer, 64, model_loss)
+    except _OneRanksError as error:
+        with open(os.path.join(os.environ["PCP_REPORT_DIR"], "raised.json"), "w") as f:
+            json.dump({"time": time.time(), "rank": dist.get_rank(), "error": str(error)}, f)
+        time.sleep(600)
 
 
 def main(report):
@@ -229,4 +312,8 @@ def main(report):
 
 
 if __name__ == "__main__":
-    run(main)
+    if sys.argv[1] == "raise_in_step":
+        dist.init_parallel_env()
+        raise_in_step(float(sys.argv[2]))
+    else:
+        run(main)

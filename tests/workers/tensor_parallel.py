@@ -37,6 +37,13 @@ def llama():
     return LlamaForCausalLM(LlamaConfig(**_tiny_config()))
 
 
+def llama_chunked_loss():
+    """PaddleFormers' fused lm_head + chunked loss: its lm_head hands (hidden states, weight, ...) to the loss."""
+    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**_tiny_config(), use_fused_head_and_loss_fn=True,
+                                        loss_subbatch_sequence_length=4))
+
+
 def phi3():
     """Fused projections: qkv_proj, gate_up_proj."""
     from paddleformers.transformers import Phi3Config, Phi3ForCausalLM
@@ -49,7 +56,7 @@ def _tiny_config():
                 num_key_value_heads=2, fuse_rms_norm=False)
 
 
-MODELS = {"llama": llama, "phi3": phi3, "small": small_model}
+MODELS = {"llama": llama, "llama_chunked_loss": llama_chunked_loss, "phi3": phi3, "small": small_model}
 
 
 def build(model_name, epsilon):
@@ -277,6 +284,7 @@ RUNS = {
         dict(name="dp2xmp2_default_eps", dims=DP2_MP2, plan=paddle_plan, epsilon=DEFAULT_EPSILON),
         dict(name="dp2xmp2_sp", dims=DP2_MP2, plan=sequence_parallel_plan()),  # no position_ids given
         dict(name="mp2xsep2", dims=MP2_SEP2, plan=paddle_plan, cp=True),
+        dict(name="mp2xsep2_chunked_loss", dims=MP2_SEP2, plan=paddle_plan, cp=True, model="llama_chunked_loss"),
         dict(name="mp2xsep2_sp", dims=MP2_SEP2, plan=sequence_parallel_plan(), explicit_positions=True, cp=True),
         dict(name="dp2xsep2_l2", dims=[("dp", 2), ("sep", 2)], cp=True, level=2),
         dict(name="dp2xmp2_fused", dims=DP2_MP2, plan=fused_plan(), model="phi3"),

@@ -1,0 +1,55 @@
+"""The factor a script puts on the loss a scheduled step returned (`(loss * w).backward()`).
+
+The schedule ran every backward inside `model(...)` with unscaled losses, so the factor can only
+be applied afterwards, to each rank's accumulated gradients (the optimizer does, before reducing
+them). That is exact only where one rank's gradients hold its own loss alone: across dp replicas.
+Within a replica they are already mixed: ring attention sends dk/dv back to the ranks holding the
+keys, tensor parallel sums partial activations' gradients, a stage's gradients come from the later
+stages' losses (and with experts over dp, tokens of every replica reach each expert). There the
+factor must be one number, checked here once per step on every rank.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import paddle
+
+from .. import mesh as mesh_lib
+from ..comm import collectives
+
+RELATIVE_TOLERANCE = 1e-6
+
+
+class LossFactorAgreement:
+    """`agree(factor)`: one all-gather of this step's factor over the whole mesh; raises the same
+    ValueError on every rank when two ranks whose gradients mix used different factors."""
+
+    def __init__(self, mesh, experts_span_dp=False):
+        self._world = mesh_lib.mesh_group(mesh, list(mesh.dim_names))  # ranks in mesh order
+        self._dims = [d for d in mesh.dim_names if d != "dp" or experts_span_dp]
+        self._shape, self._names = list(mesh.shape), list(mesh.dim_names)
+
+    def _replicas(self, values):
+        """[n_replicas, ranks per replica] arrays of `values` (one per rank, mesh order): a row varies
+        over the dims whose gradients mix."""
+        axes = [self._names.index(d) for d in self._dims]
+        size = math.prod(self._shape[a] for a in axes)
+        grid = np.asarray(values).reshape(self._shape)
+        return np.moveaxis(grid, axes, list(range(grid.ndim - len(axes), grid.ndim))).reshape(-1, size)
+
+    def agree(self, factor):
+        gathered = collectives.all_gather(self._world, paddle.to_tensor([factor], "float64"), tag="pp_loss_factor")
+        factors = self._replicas([float(t.numpy()[0]) for t in gathered])
+        ranks = self._replicas(self._world.ranks)
+        for row, ids in zip(factors, ranks):
+            if not np.allclose(row, row[0], rtol=RELATIVE_TOLERANCE, atol=0.0):
+                per_rank = {int(r): float(f) for r, f in zip(ids, row)}
+                raise ValueError(
+                    f"pipeline: the loss model(...) returned was scaled by different factors on ranks whose "
+                    f"gradients mix (mesh dims {self._dims}): {per_rank}. The schedule ran every backward "
+                    "unscaled inside model(...), and ring attention, tensor parallel and the stage boundaries "
+                    "had already mixed the ranks' gradients, so a per-rank factor applied afterwards cannot be "
+                    "exact: weight each micro-batch's loss inside pp_config['loss_fn'] instead, e.g. "
+                    "loss_fn = lambda output, labels: criterion(output, labels) * pcp.loss_weight(local_tokens, "
+                    "mesh); a factor equal on those ranks (loss / k, a GradScaler's scale) is fine")
