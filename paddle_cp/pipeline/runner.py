@@ -129,6 +129,11 @@ class Pipeline:
             return self._stand_in(layer)
         if virtual > self._current:
             name = next(n for n, l, _ in self.plan.units if l is layer)
+            if self._exit_pending:  # on the later stage this call would be cut at the boundary: refuse it here
+                raise RuntimeError(f"pipeline: one recompute call runs the last layer of stage {self._current} and "
+                                   f"{name} of the next stage; recompute calls must end at a stage boundary "
+                                   "(recompute one layer per call, as PaddleFormers' full recompute does, or "
+                                   "split the stages where the calls end)")
             raise RuntimeError(f"pipeline: layer {name} (virtual stage {virtual}) ran before stage {self._current} "
                                "finished; stages follow registration order, so register layers in the order "
                                "the forward calls them or split with a dict split_spec")
