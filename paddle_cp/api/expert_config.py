@@ -65,18 +65,28 @@ def _moe_blocks(model, key):
     return blocks
 
 
+_ROUTER_STATISTICS_SPLIT = (
+    "output_router_logits=True under context parallelism: the router's aux loss is a product of means over all "
+    "tokens of a sequence, which no rank holds alone; add ep_config={'degree': 1, 'parallelize_plan': "
+    "{'model.layers.*.mlp': pcp.ExpertParallel()}} (any degree: it gathers the router statistics over dp x sep, "
+    "as one card sees them), or leave output_router_logits off")
+
+
 def _refuse_router_statistics_split(model, mesh):
     """Without ep_config nothing gathers the router's statistics: under context parallelism each rank's aux
-    loss would be a product of means over its own part of the sequences, not one card's."""
+    loss would be a product of means over its own part of the sequences, not one card's. Refused from the
+    model's config now, and from a forward's `output_router_logits=True` when it is called."""
     sep = mesh_lib.find_dim(mesh, "sep")
-    if (not getattr(getattr(model, "config", None), "output_router_logits", False) or sep is None
-            or mesh_lib.dim_size(mesh, sep) == 1 or not any(find_moe_block(layer) for layer in model.sublayers())):
+    if sep is None or mesh_lib.dim_size(mesh, sep) == 1 or not any(find_moe_block(l) for l in model.sublayers()):
         return
-    raise ValueError("output_router_logits=True under context parallelism: the router's aux loss is a product of "
-                     "means over all tokens of a sequence, which no rank holds alone; add ep_config={'degree': 1, "
-                     "'parallelize_plan': {'model.layers.*.mlp': pcp.ExpertParallel()}} (any degree: it gathers the "
-                     "router statistics over dp x sep, as one card sees them), or build with "
-                     "output_router_logits=False")
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError(_ROUTER_STATISTICS_SPLIT)
+
+    def refuse_keyword(layer, args, kwargs):  # before PrepareContextParallel's (registered later): no collective yet
+        if kwargs.get("output_router_logits"):
+            raise ValueError(_ROUTER_STATISTICS_SPLIT)
+
+    model.register_forward_pre_hook(refuse_keyword, with_kwargs=True)
 
 
 def expert_applications(model, config, mesh):

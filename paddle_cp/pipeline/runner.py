@@ -33,7 +33,7 @@ from .microbatch import split_micro_batches
 from .schedule import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, action_lists
 
 
-class _StageExit(Exception):
+class _StageExit(BaseException):  # not caught by a model's `except Exception`
     """Raised after the last unit of a non-final virtual stage: the rest of the forward is another stage's."""
 
     def __init__(self, output):
@@ -41,7 +41,7 @@ class _StageExit(Exception):
         self.output = output
 
 
-class _StandIn(Exception):
+class _StandIn(BaseException):
     """Raised by a unit of an earlier stage called inside a recompute call: the call returns the stand-in
     as the unit's output (recomputing a layer that does not run here would replay it for real in backward;
     Paddle's reentrant recompute also refuses the received leaf as its output)."""

@@ -12,7 +12,7 @@ from ..attention import Documents, SequenceLayout, adapters, check_rotation, con
 from ..attention import ulysses_size
 from ..attention.layout import check_split
 from .base import Plan, refuse_param_plan
-from .same_batch import batch_check_group, check_same_batch
+from .same_batch import BatchCheck
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
 _STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed-document input
@@ -133,7 +133,7 @@ class PrepareContextParallel(_SepPlan):
 
     def apply(self, layer, mesh, param_names=()):
         self._join_sep_group(layer, mesh, param_names)
-        self._batch_check = batch_check_group(mesh)  # (this stage's ranks, this rank's replica)
+        self._check_batch = BatchCheck(mesh)
         adapters.install()  # attention reached outside every ContextParallel layer then raises, not runs locally
         self._signature = inspect.signature(layer.forward)
         layer.register_forward_pre_hook(self._split_inputs, with_kwargs=True)
@@ -195,19 +195,23 @@ class PrepareContextParallel(_SepPlan):
         if seq_len is None or runtime.state.context_parallel_paused:
             return None
         named = {**{f"argument {i}": v for i, v in enumerate(args)}, **kwargs}
-        check_same_batch(*self._batch_check, {name: v for name, v in named.items() if _of_batch(v, batch, seq_len)},
-                         batch, seq_len)
-        self._layout.check_length(seq_len, what="input sequence")
         kwargs = dict(kwargs)
         extra = self.documents if self.documents != "position_ids" else None  # an input the layer does not take
         bound = self._signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k != extra})
-        documents = self.documents_of(bound.arguments.get("position_ids"), kwargs.pop(extra, None) if extra else None,
-                                      bound.arguments.get(_STARTEND))
-        if documents is not None and documents.seq_len != seq_len:
-            raise ValueError(f"the documents given cover {documents.seq_len} tokens, the input sequence {seq_len}: "
-                             "give position ids / document ids / row indices of the whole [batch, seq] input")
-        layout = self.batch_layout(self._layout, documents)
-        self._check_sharded(layout)
+        doc_ids = kwargs.pop(extra, None) if extra else None
+        refusal = None
+        try:  # checks that depend on this replica's batch: agreed over the ranks by the batch check
+            self._layout.check_length(seq_len, what="input sequence")
+            documents = self.documents_of(bound.arguments.get("position_ids"), doc_ids, bound.arguments.get(_STARTEND))
+            if documents is not None and documents.seq_len != seq_len:
+                raise ValueError(f"the documents given cover {documents.seq_len} tokens, the input sequence {seq_len}: "
+                                 "give position ids / document ids / row indices of the whole [batch, seq] input")
+            layout = self.batch_layout(self._layout, documents)
+            self._check_sharded(layout)
+        except ValueError as error:
+            refusal = error
+        self._check_batch({name: v for name, v in named.items() if _of_batch(v, batch, seq_len)}, batch, seq_len,
+                          refusal)
         self._startend_seen |= self.documents is None and layout.split.name == "documents"
         valid = _padding(bound.arguments.get("attention_mask"), batch, seq_len)
         if _STARTEND in bound.arguments:

@@ -3,14 +3,16 @@ batch: PrepareContextParallel splits it, each rank keeping its part of one seque
 that each draw their own batch (a data-parallel habit) would train silently wrong, so every
 forward checks.
 
-The rows are gathered over every rank of the pipeline stage, not one sep group: a replica
-whose ranks disagree then stops every replica with the same error, instead of the others
-waiting for it in the gradient all-reduce.
+A forward that records gradients gathers the rows over every rank of the pipeline stage, not
+one replica: a replica whose ranks disagree, or whose batch the plan refuses (a check that
+depends on the replica's own batch, e.g. its length or documents), then stops every replica,
+instead of the others waiting for it in the gradient all-reduce. A forward without gradients
+(an evaluation some replicas may run alone) gathers over its replica only.
 
 Cost: an exact integer fingerprint of each input it splits, on the device (comm/
-fingerprint.py); one all-gather of SLOTS + 4 int64 per rank over the stage; one host read
-of the gathered rows. A recomputed forward (Paddle's recompute around the whole model)
-replays the check without gathering again.
+fingerprint.py); one all-gather of SLOTS + 5 int64 per rank; one host read of the gathered
+rows. A recomputed forward (Paddle's recompute around the whole model) replays the check
+without gathering again.
 """
 from __future__ import annotations
 
@@ -29,36 +31,45 @@ SLOTS = 4  # value fingerprints per rank: inputs in name order share slot i % SL
 TAG = "cp_batch_check"  # its bytes in paddle_cp.bytes_sent()
 
 
-def batch_check_group(mesh):
-    """(this rank's pipeline stage as a MeshGroup, this rank's replica: its dp index). Collective."""
-    replica = mesh.dim_names.index("dp") if "dp" in mesh.dim_names else None
-    return (mesh_lib.mesh_group(mesh, [d for d in mesh.dim_names if d != "pp"]),
-            0 if replica is None else mesh_lib.coordinates(mesh)[replica])
+class BatchCheck:
+    """The groups a PrepareContextParallel's inputs are compared over. Made at apply (collective)."""
 
+    def __init__(self, mesh):
+        self.stage = mesh_lib.mesh_group(mesh, [d for d in mesh.dim_names if d != "pp"])
+        self.replica_group = mesh_lib.mesh_group(mesh, [d for d in mesh.dim_names if d not in ("pp", "dp")])
+        self.replica = mesh_lib.coordinates(mesh)[mesh.dim_names.index("dp")] if "dp" in mesh.dim_names else 0
 
-def check_same_batch(stage, replica, inputs, batch, seq_len):
-    """Raise the same ValueError on every rank of `stage` unless the ranks of each replica passed
-    equal `inputs` ({name: tensor}, the tensors to be split). Collective: every rank calls it."""
-    if stage.size == 1:
-        return
-    memo = runtime.state.checked_batches[-1] if runtime.state.checked_batches else None
-    if memo is not None and memo.get(id(stage)):
-        return  # a recompute replay: checked in this forward already
-    names = sorted(inputs)
-    layout = repr([(name, list(inputs[name].shape), str(inputs[name].dtype)) for name in names])
-    slots = [paddle.zeros([1], "int64") for _ in range(SLOTS)]
-    for i, name in enumerate(names):
-        slots[i % SLOTS] = slots[i % SLOTS] + fingerprint(inputs[name])
-    mine = paddle.concat([paddle.to_tensor([replica, zlib.crc32(layout.encode()), batch, seq_len], dtype="int64"),
-                          *slots])
-    rows = paddle.stack(collectives.all_gather(stage, mine, tag=TAG)).numpy().tolist()
-    if memo is not None:
-        memo[id(stage)] = True
-    replicas = {}
-    for rank, row in zip(stage.ranks, rows):  # {replica: [(rank, row without the replica)]}, in mesh order
-        replicas.setdefault(row[0], []).append((rank, row[1:]))
-    for members in replicas.values():
-        _raise_unless_equal(members, names)
+    def __call__(self, inputs, batch, seq_len, refusal=None):
+        """Raise on every rank of the group if the ranks of a replica passed different `inputs` ({name:
+        tensor}, the tensors to be split), or if a rank's batch was refused (`refusal`: its ValueError, raised
+        there; the others raise one naming its ranks). Collective: every rank of the group calls it."""
+        group = self.stage if paddle.is_grad_enabled() else self.replica_group
+        memo = runtime.state.checked_batches[-1] if runtime.state.checked_batches else None
+        if group.size == 1 or (memo is not None and memo.get(id(self))):  # alone, or a recompute replay
+            if refusal is not None:
+                raise refusal
+            return
+        names = sorted(inputs)
+        layout = repr([(name, list(inputs[name].shape), str(inputs[name].dtype)) for name in names])
+        slots = [paddle.zeros([1], "int64") for _ in range(SLOTS)]
+        for i, name in enumerate(names):
+            slots[i % SLOTS] = slots[i % SLOTS] + fingerprint(inputs[name])
+        header = [self.replica, int(refusal is not None), zlib.crc32(layout.encode()), batch, seq_len]
+        mine = paddle.concat([paddle.to_tensor(header, dtype="int64"), *slots])
+        rows = paddle.stack(collectives.all_gather(group, mine, tag=TAG)).numpy().tolist()
+        if memo is not None:
+            memo[id(self)] = True
+        replicas = {}
+        for rank, row in zip(group.ranks, rows):  # {replica: [(rank, row after replica and refusal)]}, mesh order
+            replicas.setdefault(row[0], []).append((rank, row[2:]))
+        for members in replicas.values():
+            _raise_unless_equal(members, names)
+        refused = [rank for rank, row in zip(group.ranks, rows) if row[1]]
+        if refusal is not None:
+            raise refusal
+        if refused:
+            raise ValueError(f"context parallel: ranks {refused} refused their batch (their error says why); this "
+                             "rank stops too, so that none waits for them in a collective")
 
 
 def _raise_unless_equal(members, names):

@@ -148,6 +148,10 @@ class ColWiseParallel(_TensorParallel):
         def after(layer, inputs, output):
             given, prepared = call.pop("given", None), call.pop("prepared", None)
             if isinstance(output, (tuple, list)) and any(t is layer.weight for t in output):
+                if getattr(layer, "bias", None) is not None and any(t is layer.bias for t in output):
+                    raise ValueError(f"ColWiseParallel on {type(layer).__name__}: it hands its weight and bias on for "
+                                     "the loss to apply (a fused head with chunked loss), and a split bias is not "
+                                     "served: build the head without a bias, or leave it out of the mp plan")
                 # the layer hands its weight on instead of applying it (PaddleFormers' fused lm_head for its
                 # chunked loss): the consumer gets the whole weight and the input as given, and computes on
                 # every rank what one card does (the weight's gradient: this rank's slice of it)

@@ -10,7 +10,7 @@ One launch per --nproc value; per case:
 - efficiency = T_single / (N x T_rank): T_single the layer's forward+backward on the whole sequence in
   one process on one thread, timed before the launches; T_rank the slowest rank's median (one thread
   per rank; communication included).
-- bytes_per_rank: bytes this rank sent in one forward+backward (paddle_cp.bytes_sent; the 64 bytes of
+- bytes_per_rank: bytes this rank sent in one forward+backward (paddle_cp.bytes_sent; the 72 bytes of
   PrepareContextParallel's inputs check aside), split by tag:
   `state_passing` (the runs' [A | B] summaries: all-gather forward, reduce-scatter backward),
   `ulysses` (all-to-alls), `sequence_halo` (the conv's edge tokens).

@@ -168,8 +168,8 @@ def test_bad_inputs_raise_the_same_clear_error_on_every_rank(tmp_path):
         for case, (kind, words) in EXPECTED_ERRORS.items():
             assert report["errors"][case][0] == kind and words in report["errors"][case][1], (case, report["errors"][case])
     assert reports[0]["errors"] == reports[1]["errors"]
-    # the replicas' input check: one all-gather of 8 int64 per forward, not repeated by a recompute replay
-    assert all(report["values"]["batch_check_bytes"] == {"plain": 64, "whole_model_recompute": 64}
+    # the replicas' input check: one all-gather of 9 int64 per forward, not repeated by a recompute replay
+    assert all(report["values"]["batch_check_bytes"] == {"plain": 72, "whole_model_recompute": 72}
                for report in reports), [report["values"]["batch_check_bytes"] for report in reports]
     assert len(EXPECTED_ERRORS) - 3 >= 30  # three are failed writes, not bad inputs
 

@@ -106,7 +106,8 @@ def test_bad_configs_fail_alike_on_every_rank_before_any_collective(reports):
     expected = {"degree_not_dividing": "does not divide dp2 x sep2 = 4", "degree_beyond_experts": "cannot split 3 experts",
                 "key_not_moe": "names no MoE block", "key_matches_nothing": "matches no sublayer",
                 "mp_in_group": "never 'mp'", "in_mp_config": "belongs in ep_config",
-                "aux_loss_without_ep": "output_router_logits=True under context parallelism"}
+                "aux_loss_without_ep": "output_router_logits=True under context parallelism",
+                "aux_loss_keyword_without_ep": "output_router_logits=True under context parallelism"}
     for name, words in expected.items():
         kind, message = errors[0][f"bad.{name}"]
         assert kind == "ValueError" and words in message, (name, kind, message)

@@ -69,6 +69,10 @@ def test_a_replica_passing_different_batches_stops_every_replica(hybrid):
     for report in hybrid:
         kind, message = report["errors"]["replica_batch_differs"]
         assert kind == "ValueError" and "different values of ['input_ids'] (ranks [3] differ from rank 2)" in message
+        kind, message = report["errors"]["replica_batch_refused"]
+        own = "input sequence length 1 is shorter than the 2 context-parallel ranks"
+        assert kind == "ValueError" and (own if report["rank"] >= 2 else "ranks [2, 3] refused their batch") in message
+        assert report["values"]["replica_evaluated_alone"] > 0  # the next training forward still pairs up
 
 
 def test_default_adam_epsilon_differs_only_by_rounding(hybrid):

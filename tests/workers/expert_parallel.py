@@ -294,6 +294,9 @@ def check_bad_configs(report):
         model = build("gpt_oss") if name == "aux_loss_without_ep" else (
             build("qwen3_moe") if not experts else _qwen3_with_experts(experts[0]))
         report.expect_error(f"bad.{name}", lambda: pcp.parallelize(model, None, mesh, config))
+    model, _ = pcp.parallelize(build("qwen3_moe"), None, dp_sep, cases["aux_loss_without_ep"][1])  # config: no aux loss
+    report.expect_error("bad.aux_loss_keyword_without_ep", lambda: model(
+        input_ids=paddle.randint(0, 10, [2, 9]), output_router_logits=True))
 
 
 def _qwen3_with_experts(count):

@@ -332,6 +332,13 @@ def parity_checks(report):
     # the second replica's sep ranks disagree: every rank of both replicas raises (none left waiting for it)
     differing = (ids + int(dist.get_rank() == 3)) % 128
     report.expect_error("replica_batch_differs", lambda: model(input_ids=differing, labels=labels))
+    # a batch only the second replica's ranks refuse (1 token over 2 sep ranks): every rank stops
+    cut = 1 if dist.get_rank() >= 2 else 13
+    report.expect_error("replica_batch_refused", lambda: model(input_ids=ids[:, :cut], labels=labels[:, :cut]))
+    with paddle.no_grad():  # the first replica evaluates alone: its check gathers over its own ranks
+        if dist.get_rank() < 2:
+            model(input_ids=ids, labels=labels)
+    report.value("replica_evaluated_alone", float(model(input_ids=ids, labels=labels)[0]))
     for running_sum in (False, True):
         paddle.seed(3)
         mixer = TokenMixer(running_sum)
