@@ -54,7 +54,6 @@ class HeldExperts:
     def __init__(self, block, layout, group):
         self.block, self.layout, self.group = block, layout, group
         self.first, self.stop = layout.range_of(group.index)
-        self.held_start = 0                     # global index of the first expert the stacked tensors hold here
         self._family_forward = type(block.experts).forward
 
     def install(self):
@@ -99,12 +98,11 @@ class HeldExperts:
     def _run_stacked(self, rows, counts):
         if rows.shape[0] == 0:
             return rows
-        local = np.repeat(np.arange(self.first, self.stop) - self.held_start, counts)
+        local = np.repeat(np.arange(self.stop - self.first), counts)  # the stacked tensors hold experts first..stop
         index = paddle.to_tensor(local[:, None].astype("int64"))                      # [R, 1]
         experts = self.block.experts
         if self.block.kind.dense_weights:
-            held = int(self.block.stacked_parameters()[0][1].shape[0])
-            one_hot = F.one_hot(index[:, 0], held).astype(rows.dtype)                 # [R, held]
+            one_hot = F.one_hot(index[:, 0], self.stop - self.first).astype(rows.dtype)                 # [R, held]
             out = self._family_forward(experts, rows, router_indices=index, routing_weights=one_hot)
         else:
             out = self._family_forward(experts, rows, index, paddle.ones([rows.shape[0], 1], rows.dtype))

@@ -77,4 +77,3 @@ def _place_experts(block, held, replicas):
     for _, param in block.stacked_parameters():
         shard_parameter(param, 0, held.group, allow_uneven=True)
         record_of(param).place(Partial(replicas, "avg"))
-    held.held_start = held.first
