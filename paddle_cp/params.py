@@ -123,11 +123,21 @@ class Shard(Placement):
         return np.concatenate([full[before + (slice(start, start + length),)]
                                for start, length in self.pieces(position)], axis=self.axis)
 
+    def put(self, whole, position, local):
+        """Write the position's local array into `whole` (an array whole along `axis`)."""
+        before, offset = (slice(None),) * self.axis, 0
+        for start, length in self.pieces(position):  # one piece of each fused part
+            whole[before + (slice(start, start + length),)] = local[before + (slice(offset, offset + length),)]
+            offset += length
+
     def assemble(self, locals_):
         """The array whole along `axis` from every position's local array (mesh order)."""
-        per_position = [np.split(local, np.cumsum([n for _, n in self.pieces(r)])[:-1], axis=self.axis)
-                        for r, local in enumerate(locals_)]
-        return np.concatenate([piece[k] for k in range(len(self.parts)) for piece in per_position], axis=self.axis)
+        shape = list(locals_[0].shape)
+        shape[self.axis] = sum(self.parts)
+        whole = np.empty(shape, locals_[0].dtype)
+        for position, local in enumerate(locals_):
+            self.put(whole, position, local)
+        return whole
 
     def column_order(self):
         """Index that puts the positions' local tensors concatenated along `axis` back in part order."""

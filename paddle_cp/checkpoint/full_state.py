@@ -44,11 +44,7 @@ def _gathered(shard, local):
         if whole is None:
             shape[shard.axis] = sum(shard.parts)
             whole = np.empty(shape, piece.dtype)
-        offset = 0
-        for start, length in shard.pieces(position):  # one piece of each fused part
-            whole[(slice(None),) * shard.axis + (slice(start, start + length),)] = \
-                piece[(slice(None),) * shard.axis + (slice(offset, offset + length),)]
-            offset += length
+        shard.put(whole, position, piece)
     return whole
 
 
