@@ -74,13 +74,8 @@ class _BatchSplit:
         return shard_sequence(x, backend=self.prepare, mesh=self.mesh, **self.documents)
 
     def gather(self, x, dim, seq_len):
-        # the plan notes the splits it gives out, for its next forward to check; gathering outputs is none of them
-        recorded = set(self.prepare._sharded)
-        try:
-            return unshard_sequence(x, seq_dim=dim, backend=self.prepare, mesh=self.mesh, seq_len=seq_len,
-                                    **self.documents)
-        finally:
-            self.prepare._sharded = recorded
+        return unshard_sequence(x, seq_dim=dim, backend=self.prepare, mesh=self.mesh, seq_len=seq_len,
+                                **self.documents)
 
 
 def _two_forwards(model, parallel_inputs, whole_inputs):

@@ -168,9 +168,11 @@ class PrepareContextParallel(_SepPlan):
             raise ValueError(
                 "this PrepareContextParallel's batches carry attn_mask_startend_row_indices, by whose documents each "
                 "batch is split: pass them to shard_sequence too (or build the plan with layout='chunks')")
-        batch = self.batch_layout(layout, self.documents_of(position_ids, doc_ids, attn_mask_startend_row_indices))
-        self._sharded.add(batch.split.name)
-        return batch
+        return self.batch_layout(layout, self.documents_of(position_ids, doc_ids, attn_mask_startend_row_indices))
+
+    def record_split(self, layout):
+        """shard_sequence split a tensor of the coming batch in `layout`: checked at its forward."""
+        self._sharded.add(layout.split.name)
 
     def _check_sharded(self, layout):
         """The model's inputs and what shard_sequence split for this batch (labels) share one layout."""

@@ -41,7 +41,9 @@ def shard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_d
     layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
                             attn_mask_startend_row_indices=attn_mask_startend_row_indices)
     layout.check_length(x.shape[seq_dim])
-    if not isinstance(backend, PrepareContextParallel):
+    if isinstance(backend, PrepareContextParallel):
+        backend.record_split(layout)
+    else:
         runtime.state.split_by_backend_name.add(group.ranks)
     return layout.shard(x, seq_dim, group.index)
 
