@@ -24,7 +24,7 @@ from typing import Optional
 from .. import mesh as mesh_lib
 from ..comm import collectives
 from ..attention import recompute
-from ..pipeline import apply_pipeline, keep_own_parameters, plan_pipeline, recompute_boundary
+from ..pipeline import LossFactorAgreement, apply_pipeline, keep_own_parameters, plan_pipeline, recompute_boundary
 from ..data_parallel.optimizer import ParallelOptimizer, optimizer_parameters
 from ..params import complete_placements, is_lazy, record_of
 from .expert_config import expert_applications
@@ -161,9 +161,10 @@ def parallelize_model(model, mesh=None, config=None):
         split_at_blocks(model, applications)
     loss_factor = None
     if pipeline:
-        loss_factor = apply_pipeline(model, mesh, *pipeline, experts_span_dp=bool(experts))  # keeps this stage's only
+        apply_pipeline(model, mesh, *pipeline)  # keeps this stage's only
         recompute.install()  # recompute calls around stage boundaries ask the running stage
         recompute.around_calls(recompute_boundary)
+        loss_factor = LossFactorAgreement(world, mesh, experts_span_dp=bool(experts))
     for param in model.parameters():
         complete_placements(param, mesh)
     dims = sharding_dims(config.get("dp_config"))

@@ -17,10 +17,9 @@ def plan_pipeline(model, mesh, pp_config):
     return settings, build_stage_plan(model, settings.split_spec, settings.global_spec, stages, settings.vpp_degree)
 
 
-def apply_pipeline(model, mesh, settings, plan, experts_span_dp=False):
+def apply_pipeline(model, mesh, settings, plan):
     """Keep this rank's stage: place every parameter on its stages (freeing the rest), run the model's
-    forward as a pipeline. Collective (groups are made). Returns the LossFactorAgreement the optimizer
-    checks a returned loss's factor with (`experts_span_dp`: expert parallelism mixes dp replicas too)."""
+    forward as a pipeline. Collective (groups are made)."""
     pp_group = mesh_lib.mesh_group(mesh, ["pp"])
     stage, p = pp_group.index, plan.stages
     neighbours = sorted({tuple(sorted((s, (s + 1) % p))) for s in range(p - (plan.chunks == 1))})
@@ -32,7 +31,6 @@ def apply_pipeline(model, mesh, settings, plan, experts_span_dp=False):
             peers[positions[0] if positions[1] == stage else positions[1]] = mesh_lib.Peer(other, group.group)
     place_on_stages(mesh, holders(model, plan), pp_group)
     Pipeline(model, plan, settings, stage, peers, pp_group)
-    return LossFactorAgreement(mesh, experts_span_dp)
 
 
 def step_timeline(model):
@@ -44,4 +42,5 @@ def step_timeline(model):
     return list(pipeline.timeline)
 
 
-__all__ = ["SplitPoint", "plan_pipeline", "apply_pipeline", "keep_own_parameters", "step_timeline", "recompute_boundary"]
+__all__ = ["SplitPoint", "LossFactorAgreement", "plan_pipeline", "apply_pipeline", "keep_own_parameters", "step_timeline",
+           "recompute_boundary"]

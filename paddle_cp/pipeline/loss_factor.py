@@ -15,7 +15,6 @@ import math
 import numpy as np
 import paddle
 
-from .. import mesh as mesh_lib
 from ..comm import collectives
 
 RELATIVE_TOLERANCE = 1e-6
@@ -25,8 +24,8 @@ class LossFactorAgreement:
     """`agree(factor)`: one all-gather of this step's factor over the whole mesh; raises the same
     ValueError on every rank when two ranks whose gradients mix used different factors."""
 
-    def __init__(self, mesh, experts_span_dp=False):
-        self._world = mesh_lib.mesh_group(mesh, list(mesh.dim_names))  # ranks in mesh order
+    def __init__(self, world, mesh, experts_span_dp=False):
+        self._world = world  # the whole mesh's MeshGroup: ranks in mesh order
         self._dims = [d for d in mesh.dim_names if d != "dp" or experts_span_dp]
         self._shape, self._names = list(mesh.shape), list(mesh.dim_names)
 
