@@ -50,7 +50,7 @@ def context_parallel_attention(
 
     ring_index = groups.sep.index // layout.ulysses
     if groups.ulysses.size > 1:
-        lengths = layout.lengths(seq_len)[ring_index * layout.ulysses:(ring_index + 1) * layout.ulysses]
+        lengths = layout.group_lengths(seq_len, ring_index)
         split = head_split(query.shape[2], key.shape[2], groups.ulysses.size)
         if attn_mask is not None:
             attn_mask = gather_mask_rows(attn_mask, groups.ulysses, split, lengths, query.shape[2])
@@ -58,9 +58,8 @@ def context_parallel_attention(
             start = sum(split.q_counts[:groups.ulysses.index])  # this rank's query heads after the trade
             sinks = sinks[start:start + split.q_counts[groups.ulysses.index]]
         query, key, value = scatter_heads(query, key, value, groups.ulysses, split, lengths)
-    positions = [layout.group_positions(seq_len, g) for g in range(layout.ring)]
-    masks = RingMasks(positions, ring_index, bool(is_causal), documents, attn_mask, layout.chunk_starts(seq_len),
-                      window, valid, layout.split.fragment)
+    masks = RingMasks(layout.ring_positions(seq_len), ring_index, bool(is_causal), documents, attn_mask,
+                      layout.chunk_starts(seq_len), window, valid, layout.split.fragment)
     out = ring_attention_local(query, key, value, groups.ring, masks, scale, rotate, sinks)
     if groups.ulysses.size > 1:
         out = gather_heads(out, groups.ulysses, split, lengths)

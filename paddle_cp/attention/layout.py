@@ -181,6 +181,14 @@ class SequenceLayout:
     def lengths(self, seq_len):
         return [len(self.positions(seq_len, r)) for r in range(self.world)]
 
+    def ring_positions(self, seq_len):
+        """[global positions of each ring group], in ring order."""
+        return [self.group_positions(seq_len, g) for g in range(self.ring)]
+
+    def group_lengths(self, seq_len, ring_index):
+        """Local lengths of the Ulysses ranks of ring group `ring_index`."""
+        return self.lengths(seq_len)[ring_index * self.ulysses:(ring_index + 1) * self.ulysses]
+
     def shard(self, x, axis, index):
         """Rank `index`'s part of a full-sequence tensor (one slice per run of consecutive positions)."""
         positions = self.positions(x.shape[axis], index)

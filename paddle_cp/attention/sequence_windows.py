@@ -39,7 +39,7 @@ class RunWindows:
         self.runs = runs(mine)
         edges = [_edges(p, before, after) for p in every_positions]
         self.edge_counts = [len(e) for e in edges]
-        self.own_edges = edges[index]
+        self.own_edges = paddle.to_tensor(edges[index])
         shared = np.concatenate([p[e] for p, e in zip(every_positions, edges)])  # gathered order
         row_of = {int(position): row for row, position in enumerate(shared)}
         table, zero = len(shared), len(shared) + len(mine)  # source = [shared edges | local tokens | a zero]
@@ -53,26 +53,28 @@ class RunWindows:
             pieces += [source_rows(range(start - before, start)), np.arange(table + a, table + e),
                        source_rows(range(end, end + after))]
         self.index = paddle.to_tensor(np.concatenate(pieces).astype(np.int64))
-        self.widths = [e - a + before + after for a, e in self.runs]
+        keep, offset = [], 0  # each window's outputs before, before+1, ...: one per token of its run
+        for a, e in self.runs:
+            keep.append(np.arange(offset + before, offset + before + e - a))
+            offset += before + e - a + after
+        self.keep = paddle.to_tensor(np.concatenate(keep).astype(np.int64))
 
     def widen(self, x, axis, group):
         """[.., s_local, ..] -> [.., sum of (before + run + after), ..]: the runs' windows in local order."""
         if self.before == self.after == 0:
             return x
-        edges = paddle.index_select(x, paddle.to_tensor(self.own_edges), axis=axis)
+        edges = paddle.index_select(x, self.own_edges, axis=axis)
         shared = gather_summed(edges, group, axis, self.edge_counts, tag="sequence_halo")  # [.., all edges, ..]
         zero_shape = list(x.shape)
         zero_shape[axis] = 1
         source = paddle.concat([shared, x, paddle.zeros(zero_shape, x.dtype)], axis=axis)
         return paddle.index_select(source, self.index, axis=axis)
 
-    def narrow(self, y, axis, skip):
-        """Each window's outputs `skip`, skip+1, ... (one per token of its run) -> [.., s_local, ..]."""
-        keep, offset = [], 0
-        for (a, e), width in zip(self.runs, self.widths):
-            keep.append(np.arange(offset + skip, offset + skip + e - a))
-            offset += width
-        return paddle.index_select(y, paddle.to_tensor(np.concatenate(keep).astype(np.int64)), axis=axis)
+    def narrow(self, y, axis):
+        """Each window's outputs `before`, before+1, ... (one per token of its run) -> [.., s_local, ..]."""
+        if self.before == self.after == 0:
+            return y
+        return paddle.index_select(y, self.keep, axis=axis)
 
 
 def run_windows(layout, seq_len, index, before, after):

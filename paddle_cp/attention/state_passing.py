@@ -66,17 +66,17 @@ def recurrence_across(rule, inputs, members, index, group):
 
     `inputs`: this member's (q, k, v, g, beta), sequence on dim 1, in the order of `members[index]`;
     `members[i]`: the global positions ring member i holds (its order); `group`: the ring (member order)."""
-    mine = members[index]
-    spans = runs(mine)
+    member_runs = [runs(p) for p in members]
+    mine, spans = members[index], member_runs[index]
     summaries = [run_summary(rule, *(x[:, a:e] for x in inputs), starts_sequence=int(mine[a]) == 0)
                  for a, e in spans]
     if group.size == 1 and len(spans) == 1 and summaries[0][1] is None:  # the whole sequence here (Ulysses)
         return summaries[0][0]
     # every run's [A | B] in member order: [runs, b, h, dk, dk + dv]
     own = paddle.stack([paddle.concat([a, b], axis=-1) for _, _, a, b in summaries])
-    counts = [len(runs(p)) for p in members]
+    counts = [len(r) for r in member_runs]
     gathered = gather_summed(own, group, 0, counts, tag="state_passing")
-    starts = np.concatenate([[int(p[a]) for a, _ in runs(p)] for p in members])  # [runs], member order
+    starts = np.concatenate([[int(p[a]) for a, _ in r] for p, r in zip(members, member_runs)])  # [runs], member order
     first_mine = sum(counts[:index])
     entering = entering_states(starts, gathered, last=max(starts[first_mine:first_mine + len(spans)]))
     outputs = []

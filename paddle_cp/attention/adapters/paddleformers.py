@@ -42,16 +42,17 @@ NAME = "paddle_cp"
 def one_card_semantics(implementation, module, attention_mask, is_causal, seq_len, documents):
     """(causal, dense mask to apply or None, whether padding keys are masked) of an original call."""
     from_startend = documents is not None and documents.causal_only  # the call had causal start-end indices
+    module_causal = getattr(module, "is_causal", True)
+    declared = is_causal if is_causal is not None else module_causal
     if implementation == "flashmask":  # attention_mask is never read
-        causal = is_causal if is_causal is not None else from_startend or getattr(module, "is_causal", True)
-        return causal, None, False
+        return (is_causal if is_causal is not None else from_startend or module_causal), None, False
     if attention_mask is not None and attention_mask.shape[-1] == seq_len:
         return False, attention_mask, True  # the user's full dense mask, as "eager" applies it
     if attention_mask is not None:  # built by the model from local lengths: causal (its window, its padding)
-        return (is_causal if is_causal is not None else getattr(module, "is_causal", True)), None, True
+        return declared, None, True
     if implementation == "eager":  # no mask: both directions unless the indices made it causal
         return from_startend, None, False
-    return (from_startend or (is_causal if is_causal is not None else getattr(module, "is_causal", True))), None, False
+    return from_startend or declared, None, False
 
 
 def _attend(plan, implementation, module, query, key, value, attention_mask=None, dropout=0.0, sink=None,

@@ -27,8 +27,7 @@ SEQUENCE_AXIS = {"NCL": 2, "NLC": 1}
 
 class SequenceGeometry(NamedTuple):
     axis: int    # the sequence axis of the input and output
-    left: int    # the layer's zero padding before the sequence
-    before: int  # tokens an output needs before its own
+    left: int    # the layer's zero padding before the sequence: the tokens an output needs before its own
     after: int   # and after it
 
 
@@ -56,7 +55,7 @@ def sequence_geometry(layer):
         raise ValueError(f"{where}: padding ({left}, {right}) gives fewer outputs than inputs, so outputs are not "
                          f"aligned with tokens: pad by {span - 1} in all (e.g. padding={span - 1} and keep the first "
                          "s outputs for a causal conv)")
-    return SequenceGeometry(SEQUENCE_AXIS[layer._data_format], left, left, max(0, span - 1 - left))
+    return SequenceGeometry(SEQUENCE_AXIS[layer._data_format], left, max(0, span - 1 - left))
 
 
 def windows_for(plan, local_len, before, after):
@@ -83,7 +82,7 @@ class Conv1DOverSequence(TokenMixer):
             if x.ndim != 3:
                 raise ValueError(f"Conv1D {layer.full_name()} under ContextParallel takes [b, C, L] or [b, L, C] "
                                  f"inputs, got {x.ndim}-D")
-            windows = windows_for(plan, x.shape[axis], geometry.before, geometry.after)
+            windows = windows_for(plan, x.shape[axis], geometry.left, geometry.after)
             pending.append(windows)
             return windows.widen(x, axis, plan._groups.sep)  # [b, C, s_local] -> [b, C, windows]
 
@@ -98,7 +97,7 @@ class Conv1DOverSequence(TokenMixer):
             if routing.paused():
                 return None
             routing.mark_ran()
-            return pending.pop().narrow(output, axis, geometry.left)  # [b, C, windows'] -> [b, C, s_local]
+            return pending.pop().narrow(output, axis)  # [b, C, windows'] -> [b, C, s_local]
 
         layer.register_forward_pre_hook(before, with_kwargs=True)
         layer.register_forward_post_hook(after)

@@ -78,10 +78,9 @@ def gated_delta_across(plan, rule, q, k, v, g, beta):
     inputs = (q, k, v, g, beta)
     if groups.ulysses.size > 1:
         counts = _head_counts(q, k, v, groups.ulysses.size)
-        lengths = layout.lengths(seq_len)[ring_index * layout.ulysses:(ring_index + 1) * layout.ulysses]
+        lengths = layout.group_lengths(seq_len, ring_index)
         inputs = [to_heads(x, groups.ulysses, counts, lengths) for x in inputs]  # [b, s_group, h_u, ...]
-    members = [layout.group_positions(seq_len, r) for r in range(layout.ring)]
-    out = recurrence_across(rule, inputs, members, ring_index, groups.ring)  # [b, s_group, h_u, dv]
+    out = recurrence_across(rule, inputs, layout.ring_positions(seq_len), ring_index, groups.ring)  # [b, s_group, h_u, dv]
     if groups.ulysses.size > 1:
         out = to_sequence(out, groups.ulysses, counts, lengths)  # [b, s_local, h, dv]
     return out
@@ -124,7 +123,7 @@ def _routed_conv(original, plan):
         windows = windows_for(plan, x.shape[2], reach, 0)
         out = original(windows.widen(x, 2, plan._groups.sep), **arguments)  # [b, C, windows]
         routing.mark_ran()
-        return windows.narrow(out, 2, reach)  # [b, C, s_local]
+        return windows.narrow(out, 2)  # [b, C, s_local]
 
     causal_conv1d_fn.paddle_cp_original = original
     return causal_conv1d_fn
