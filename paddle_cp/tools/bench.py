@@ -292,19 +292,19 @@ def _fwd_bwd(paddle, attention, q, k, v, dout):
 
 def _memory(paddle, attention, q, k, v, dout):
     """(peak, held) bytes allocated by Paddle for one forward+backward, inputs included."""
-    from paddle.base import core
+    from paddle_cp.tools.allocator import allocated, peak, reset_peak
 
-    base = core.host_memory_stat_current_value("Allocated", 0)
-    core.host_memory_stat_reset_peak_value("Allocated", 0)
+    base = allocated()
+    reset_peak()
     leaves = [t.clone() for t in (q, k, v)]
     for t in leaves:
         t.stop_gradient = False
     out = attention(*leaves)
-    held = core.host_memory_stat_current_value("Allocated", 0) - base
+    held = allocated() - base
     grads = paddle.grad([out], leaves, [dout.clone()])
-    peak = core.host_memory_stat_peak_value("Allocated", 0) - base
+    most = peak() - base
     del grads, out
-    return peak, held
+    return most, held
 
 
 def _single(paddle, args, inputs):

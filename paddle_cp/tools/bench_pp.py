@@ -102,9 +102,8 @@ def _model(paddle, args):
 
 
 def _case(paddle, dist, pcp, args, schedule, m):
-    from paddle.base import core
-
     from paddle_cp.pipeline import step_timeline
+    from paddle_cp.tools.allocator import allocated, peak, reset_peak
 
     paddle.seed(0)
     model = _model(paddle, args)
@@ -120,17 +119,17 @@ def _case(paddle, dist, pcp, args, schedule, m):
     for step in range(1 + args.steps):
         dist.barrier()
         pcp.reset_counters()
-        base = core.host_memory_stat_current_value("Allocated", 0)
-        core.host_memory_stat_reset_peak_value("Allocated", 0)
+        base = allocated()
+        reset_peak()
         model(x, labels=y)[0].backward()
         optimizer.step()
         optimizer.clear_grad()
-        peak = core.host_memory_stat_peak_value("Allocated", 0) - base
+        step_peak = peak() - base
         timelines = []
         dist.all_gather_object(timelines, step_timeline(model))
         if step > 0:
             bubbles.append(measured_bubble(timelines))
-            peaks.append(peak)
+            peaks.append(step_peak)
             sent = pcp.bytes_sent()
     micro_bytes = args.batch // m * args.seq * args.hidden * 4
     stage = dist.get_rank()

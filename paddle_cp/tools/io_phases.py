@@ -15,12 +15,6 @@ import time
 MIB = 2 ** 20
 
 
-def _stat(kind):
-    from paddle.base import core
-
-    return getattr(core, f"host_memory_stat_{kind}_value")("Allocated", 0)
-
-
 def share_bytes(model, optimizer=None):
     """Bytes of the parameters and buffers this rank holds (its slices; nothing for what others keep), and of
     the optimizer state it keeps."""
@@ -45,20 +39,19 @@ def measure(phase, run, model=None, optimizer=None):
     (and `optimizer`, for checkpoints): already built (I/O phases); their share is not "other" memory."""
     import gc
 
-    from paddle.base import core
-
     from paddle_cp.checkpoint.io_bytes import io_bytes, reset_io_bytes
+    from paddle_cp.tools.allocator import allocated, peak, reset_peak
 
     gc.collect()
-    other = _stat("current") - (share_bytes(model, optimizer) if model is not None else 0)
-    core.host_memory_stat_reset_peak_value("Allocated", 0)
+    other = allocated() - (share_bytes(model, optimizer) if model is not None else 0)
+    reset_peak()
     reset_io_bytes()
     start = time.perf_counter()
     result = run()
     seconds = time.perf_counter() - start
     model = result if model is None else model
     moved = io_bytes()
-    return {"phase": phase, "peak": _stat("peak") - other, "share": share_bytes(model, optimizer),
+    return {"phase": phase, "peak": peak() - other, "share": share_bytes(model, optimizer),
             "largest_parameter": largest_parameter_bytes(model), "read": moved["read"],
             "written": moved["written"], "seconds": seconds}
 

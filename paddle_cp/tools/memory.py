@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from paddle_cp.tools import memory_layouts
+from paddle_cp.tools.allocator import allocated, peak, reset_peak
 from paddle_cp.tools.bench import launch, progress
 from paddle_cp.tools.plan_config import model_config
 from paddle_cp.tools.plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
@@ -80,23 +81,6 @@ def parse_args(argv=None):
 
 # ---- the rank side ----------------------------------------------------------------
 
-def allocated():
-    """Bytes Paddle's host allocator holds in tensors now."""
-    from paddle.base import core
-
-    return core.host_memory_stat_current_value("Allocated", 0)
-
-
-def _reset_peak():
-    from paddle.base import core
-
-    core.host_memory_stat_reset_peak_value("Allocated", 0)
-
-
-def _peak():
-    from paddle.base import core
-
-    return core.host_memory_stat_peak_value("Allocated", 0)
 
 
 def build_llama(args, **fields):
@@ -162,12 +146,12 @@ def step_parts(model, opt, inputs, start, params):
     optimizer = allocated() - before
     base = allocated()
     body_end.clear()
-    _reset_peak()
+    reset_peak()
     held = step()
     pipelined = not body_end or held < body_end[-1]
     return {"params": params, "optimizer": optimizer,
             "activations": None if pipelined else body_end[-1] - base,
-            "logits": None if pipelined else held - body_end[-1], "peak": _peak() - start}
+            "logits": None if pipelined else held - body_end[-1], "peak": peak() - start}
 
 
 def max_over_ranks(values):

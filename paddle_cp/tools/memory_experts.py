@@ -21,6 +21,7 @@ import math
 import os
 import sys
 
+from paddle_cp.tools.allocator import allocated, peak, reset_peak
 from paddle_cp.tools.bench import launch, progress, write_every_ranks_rows
 from paddle_cp.tools.text import ruled_table, show
 
@@ -64,12 +65,6 @@ def parse_args(argv=None):
 
 
 # ---- the rank side ----------------------------------------------------------------
-
-def _allocated(kind="current"):
-    from paddle.base import core
-
-    return getattr(core, f"host_memory_stat_{kind}_value")("Allocated", 0)
-
 
 def _model(args):
     import paddleformers.transformers as pf
@@ -129,7 +124,7 @@ def measure(name, args, mesh):
     from paddle_cp.tools.io_phases import share_bytes
 
     gc.collect()
-    start = _allocated()
+    start = allocated()
     paddle.seed(0)
     model = _model(args)
     optimizer = paddle.optimizer.AdamW(learning_rate=1e-4, parameters=model.parameters())
@@ -151,16 +146,14 @@ def measure(name, args, mesh):
     adam = share_bytes(model, optimizer) - share_bytes(model)
     remote[0] = 0
     pcp.reset_counters()
-    base = _allocated()
-    from paddle.base import core
-
-    core.host_memory_stat_reset_peak_value("Allocated", 0)
+    base = allocated()
+    reset_peak()
     step()
     sent = {}
     for tag, nbytes in pcp.bytes_sent().items():
         sent[_kind(tag)] = sent.get(_kind(tag), 0) + nbytes
-    row = {"config": name, "held": held, "experts": experts, "adam": adam, "peak": _allocated("peak") - start,
-           "step_extra": _allocated("peak") - base, "sent": sent, "sent_total": sum(sent.values()),
+    row = {"config": name, "held": held, "experts": experts, "adam": adam, "peak": peak() - start,
+           "step_extra": peak() - base, "sent": sent, "sent_total": sum(sent.values()),
            "remote_pairs": remote[0]}
     del model, optimizer
     return row

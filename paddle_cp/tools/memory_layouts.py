@@ -50,7 +50,8 @@ def measure(args, layout, seq):
     import paddle.distributed as dist
 
     import paddle_cp as pcp
-    from paddle_cp.tools.memory import allocated, build_llama, step_parts
+    from paddle_cp.tools.allocator import allocated
+    from paddle_cp.tools.memory import build_llama, step_parts
     from paddle_cp.tools.plan_config import model_config, parallelize_config
 
     gc.collect()
