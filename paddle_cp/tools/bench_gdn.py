@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import importlib.util
 import json
 import os
@@ -253,30 +252,14 @@ def main(argv=None):
     os.environ.update({name: "1" for name in bench.THREAD_VARS})  # one thread, like each rank
     single = measure_single(args)
     cases = []
-    for world in args.nproc:
-        one = copy.copy(args)
-        one.nproc = world
-        measured = bench.launch(one, [*_without_nproc(argv), "--nproc", str(world)], script=__file__)
+    for world in args.nproc:  # the ranks read their world size from the launch
+        measured = bench.launch(argparse.Namespace(nproc=world), argv, script=__file__)
         cases += [summarise(args, world, seq, backend, single[seq], per_rank)
                   for seq, backend, per_rank in measured["runs"]]
     result = {"config": {k: getattr(args, k) for k in ("batch", "hidden", "heads", "head_dim", "kernel", "iters")},
               "cases": cases}
     result["config"].update(dtype="float32", threads_per_rank=1, cpu_count=os.cpu_count(), mixer="gated_deltanet")
     show(table(result), result, args.json)
-
-
-def _without_nproc(argv):
-    """argv without its --nproc values (each launch gets its own)."""
-    kept, skipping = [], False
-    for arg in argv:
-        if arg == "--nproc":
-            skipping = True
-            continue
-        if skipping and not arg.startswith("--"):
-            continue
-        skipping = False
-        kept.append(arg)
-    return kept
 
 
 if __name__ == "__main__":
