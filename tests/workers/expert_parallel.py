@@ -15,7 +15,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddleformers_models import SIZES, stub_gpu_modules
-from report import run
+from paddleformers_models import build as build_family
+from report import mean_over_ranks, run
 
 import paddle_cp as pcp
 from paddle_cp.experts.layout import ExpertLayout
@@ -47,11 +48,7 @@ def build(family, recompute=False):
 
     extra = {**(RECOMPUTE if recompute else {}), "dtype": "float32"}  # also what save_pretrained writes
     if family.startswith("qwen3_moe"):  # softmax top-k router; its model drops the router logits: no aux loss
-        from paddleformers.transformers.qwen3_moe.modeling import Qwen3MoeForCausalLMDeprecated
-
-        return Qwen3MoeForCausalLMDeprecated(pf.Qwen3MoeConfig(
-            **SIZES, **extra, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-            norm_topk_prob=True, fd_fallback=family.endswith("stacked")))
+        return build_family("qwen3_moe", **extra, fd_fallback=family.endswith("stacked"))
     if family == "qwen2_moe":  # softmax router, a shared expert behind a sigmoid gate
         from paddleformers.transformers.qwen2_moe.modeling import Qwen2MoeForCausalLMDeprecated
 
@@ -224,13 +221,11 @@ class Run:
             loss, aux, logits = step_outputs(self.model(input_ids=self.ids, labels=self.labels, return_dict=True))
             first = first or (aux, logits)
             loss = loss * self.weight
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(float(total) / dist.get_world_size())  # mp, pp copies equal: the dp x sep mean
+            losses.append(loss)  # mp, pp copies equal: their mean over the mesh is the dp x sep mean
             loss.backward()
             self.opt.step()
             self.opt.clear_grad()
-        return losses, first
+        return mean_over_ranks(losses, self.mesh), first
 
     def held(self):
         """[routed-expert elements held here, their single-card total, this rank's expected share]."""
