@@ -11,15 +11,9 @@ adapters refuse an unrouted attention call while the batch is split (attention/r
 """
 from __future__ import annotations
 
-import re
-
 from ..attention.mixers import mixer_of
 from ..plans.context_parallel import ContextParallel, PrepareContextParallel, TokenWise
-
-
-def plan_key(name):
-    """A key matching this layer in every repeated block: model.layers.3.linear_attn -> model.layers.*.linear_attn."""
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+from .plan_keys import plan_key
 
 
 def _covered(matched, kinds):

@@ -23,7 +23,7 @@ from ..attention.mixers import SoftmaxAttention, mixer_of
 from ..params import record_of
 from ..plans.column_info import ColumnInfo, set_column_info
 from ..plans.tensor_parallel import ColWiseParallel, RowWiseParallel
-from .mixer_check import plan_key
+from .plan_keys import plan_key
 from .parameter_plans import check_parameter_plans
 
 HEAD_COUNT_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads")

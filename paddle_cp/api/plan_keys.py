@@ -13,6 +13,11 @@ from .paddle_plans import is_paddle_plan, translate
 ROOT_KEY = ""  # extension: plans keyed "" apply to the model itself (Paddle excludes the root)
 
 
+def plan_key(name):
+    """A key matching this layer in every repeated block: model.layers.3.linear_attn -> model.layers.*.linear_attn."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
 def _as_list(key, value):
     plans = value if isinstance(value, (list, tuple)) else [value]
     plans = [translate(key, plan) if is_paddle_plan(plan) else plan for plan in plans]
