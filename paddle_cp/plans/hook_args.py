@@ -4,9 +4,16 @@ from __future__ import annotations
 import paddle
 
 
+def first_input(args, kwargs):
+    """The layer's main input: the first positional argument, or the first Tensor keyword argument
+    (models often call `layer(hidden_states=x)`); None without one."""
+    if args:
+        return args[0]
+    return next((value for value in kwargs.values() if isinstance(value, paddle.Tensor)), None)
+
+
 def map_first_input(args, kwargs, fn):
-    """(args, kwargs) with `fn` applied to the layer's main input: the first positional
-    argument, or the first Tensor keyword argument (models often call `layer(hidden_states=x)`)."""
+    """(args, kwargs) with `fn` applied to the layer's main input (first_input)."""
     if args:
         return (fn(args[0]), *args[1:]), kwargs
     for key, value in kwargs.items():

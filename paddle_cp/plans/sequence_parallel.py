@@ -26,7 +26,7 @@ from ..comm.autograd import gather_replicated, split_to_group
 from ..params import record_of
 from ..runtime import state
 from .base import Plan, refuse_param_plan
-from .hook_args import first_tensor, map_first_input, replace_first
+from .hook_args import first_input, first_tensor, map_first_input, replace_first
 
 def _to_split(x, group, need_transpose):
     """[b, s, h] (or [s, b, h] without transpose) -> this rank's [s/mp, b, h]."""
@@ -113,7 +113,7 @@ def _split_pending(layer, args, kwargs):
     pending = state.pending_split
     if pending is None:
         return None
-    x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, paddle.Tensor)), None)
+    x = first_input(args, kwargs)
     if not isinstance(x, paddle.Tensor) or tuple(x.shape) != pending.shape:
         return None
     state.pending_split = None
