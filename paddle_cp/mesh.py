@@ -102,7 +102,7 @@ class MeshGroup:
     index: int
     group: object
     pairs: dict = field(default_factory=dict, compare=False, repr=False)
-    dims: tuple = field(default=(), compare=False)
+    dims: tuple = field(default=())  # compared: the slices of two size-1 dims have the same ranks but are not one
     kind: str = field(default="", compare=False, repr=False)
 
     @property

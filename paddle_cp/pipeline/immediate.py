@@ -85,7 +85,8 @@ def run_immediate(pipeline, args, kwargs):
             received = _replace_floats(received, _tuple(passed))
     out = pipeline.run_chunk(stage, args, kwargs, received)
     if stage == last_stage:
-        stage_p2p.send_skeleton(pipeline.peers[stage - 1], stage_p2p.skeleton(out)[0])
+        if stage > 0:  # a pipeline of one stage has no one to tell
+            stage_p2p.send_skeleton(pipeline.peers[stage - 1], stage_p2p.skeleton(out)[0])
         return out
     nxt = pipeline.peers[stage + 1]
     stage_p2p.send_value(nxt, out)

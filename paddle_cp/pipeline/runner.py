@@ -185,8 +185,8 @@ class Pipeline:
         # as the root's hooks left it, not the previous chunk
         runtime.state.sequence_split, runtime.state.sequence_whole_shape = self._initial
         batches = runtime.state.batches
-        sliced = micro[1] > 1 and bool(batches)
-        if sliced:  # the whole batch's facts (documents, padding) as this micro-batch's rows
+        depth = len(batches)
+        if micro[1] > 1 and batches:  # the whole batch's facts (documents, padding) as this micro-batch's rows
             batches.append(batches[-1].micro_batch(*micro))
         try:
             return self._forward(*args, **kwargs)
@@ -194,8 +194,8 @@ class Pipeline:
             return done.output, runtime.state.sequence_split, runtime.state.sequence_whole_shape
         finally:
             self._current = self._received = runtime.state.pipeline_running = None
-            if sliced:
-                batches.pop()
+            # a stage's exit is no Exception, so the top layer's post-hooks skip it: its batch is forgotten here
+            del batches[depth:]
 
     # ---- a step ---------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -19,7 +19,9 @@ Also the two seed documents' examples (paddle_parallelize.txt, paddle_PrepareCon
 with working forward bodies, and Paddle's ConvParallel on a conv net, through patch_paddle.
 argv[1] names the group of runs.
 """
+import functools
 import sys
+import traceback
 import warnings
 from functools import reduce
 
@@ -30,6 +32,7 @@ import paddle.nn.functional as F
 from paddle import LazyGuard
 from paddle.distributed.auto_parallel.intermediate.parallelize import parallelize_model, parallelize_optimizer
 from paddle.io import BatchSampler, DataLoader, Dataset
+from mesh_layouts import WORLDS, layouts
 from report import run
 
 import paddle_cp as pcp
@@ -39,7 +42,7 @@ GLOBAL_BATCH, SEQ, STEPS, EPSILON, VOCAB = 4, 16, 3, 1e-3, 128
 DEFAULTS = dict(dp=1, mp=1, pp=1, sep=1, route="patch", one_api=True, use_lazy_init=False, sequence_parallel=False,
                 prepare_input_output=False, amp=False, amp_level="O1", amp_dtype="float16", amp_master_grad=False,
                 test_share_embedding=False, test_position_embedding=False, test_lora=False, acc_step=1,
-                use_param_group=False, sharding_stage=0, cp_backend="p2p")
+                use_param_group=False, sharding_stage=0, cp_backend="p2p", dims=())
 
 
 class RandomDataset(Dataset):
@@ -155,16 +158,21 @@ def tensor_plan(s):
     }
 
 
+def uses(s, dim):
+    """Whether the run's mesh has `dim` (a named mesh, `dims`, has it at any size; else only at size > 1)."""
+    return dim in s["dims"] if s["dims"] else s[dim] > 1
+
+
 def parallel_config(s):
     p = "model.model." if s["test_lora"] else "model."
     config = {"dp_config": None, "mp_config": None, "pp_config": None}
-    if s["pp"] > 1:
+    if uses(s, "pp"):
         config["pp_config"] = {"split_spec": f"{p}layers", "global_spec": f"{p}rotary_emb"}
-    if s["dp"] > 1:
+    if uses(s, "dp") or s["dims"]:
         config["dp_config"] = {"sharding_level": s["sharding_stage"]}
-    if s["mp"] > 1:
+    if uses(s, "mp"):
         config["mp_config"] = {"parallelize_plan": tensor_plan(s)}
-    if s["sep"] > 1:
+    if uses(s, "sep"):
         config["cp_config"] = {"parallelize_plan": {
             p.rstrip("."): dist.PrepareContextParallel(s["cp_backend"]),
             f"{p}layers.*.self_attn": dist.ContextParallel(s["cp_backend"])}}
@@ -172,17 +180,16 @@ def parallel_config(s):
 
 
 def set_global_mesh(s):
-    dims = [(name, s[name]) for name in ("dp", "pp", "mp", "sep") if name == "dp" or s[name] > 1]
-    shape = [size for _, size in dims]
-    mesh = dist.ProcessMesh(np.arange(reduce(lambda x, y: x * y, shape, 1)).reshape(shape).tolist(),
-                            [name for name, _ in dims])
+    names = s["dims"] or [name for name in ("dp", "pp", "mp", "sep") if name == "dp" or s[name] > 1]
+    shape = [s[name] for name in names]
+    mesh = dist.ProcessMesh(np.arange(reduce(lambda x, y: x * y, shape, 1)).reshape(shape).tolist(), list(names))
     dist.auto_parallel.set_mesh(mesh)
     return mesh
 
 
 def stage_meshes(mesh, s):
     """Paddle's test's `meshes` for shard_dataloader: the first and last stage's under pp."""
-    if s["pp"] == 1:
+    if "pp" not in mesh.dim_names:
         return [mesh]
     return [mesh.get_mesh_with_dim("pp")[0], mesh.get_mesh_with_dim("pp")[-1]]
 
@@ -237,7 +244,7 @@ def train(s, mesh=None):
     losses, tr_loss, global_step = [], 0.0, 1
     for inputs in dist_loader():
         input_ids, labels = inputs
-        if mesh is not None and s["sep"] > 1:  # the one line a context-parallel script adds
+        if mesh is not None and uses(s, "sep"):  # the one line a context-parallel script adds
             labels = pcp.shard_sequence(labels, backend=s["cp_backend"], mesh=mesh)
         with paddle.amp.auto_cast(s["amp"], custom_black_list={"reduce_sum", "c_softmax_with_cross_entropy"},
                                   level=s["amp_level"], dtype=s["amp_dtype"]):
@@ -292,14 +299,26 @@ def global_losses(losses, mesh):
     stage's) of each rank's mean over its samples and tokens (mp copies agree)."""
     holders = mesh.get_mesh_with_dim("pp")[-1].process_ids if "pp" in mesh.dim_names else mesh.process_ids
     total = paddle.to_tensor(losses if dist.get_rank() in holders else np.zeros(len(losses)), dtype="float32")
-    dist.all_reduce(total)
+    if dist.get_world_size() > 1:  # one process has no global group to reduce over
+        dist.all_reduce(total)
     return total.numpy() / len(holders)
+
+
+# the settings a one-card run depends on: runs that agree on them share one reference
+ONE_CARD = ("test_lora", "test_share_embedding", "acc_step", "use_param_group", "amp", "amp_level", "amp_dtype",
+            "amp_master_grad", "use_lazy_init")
+
+
+@functools.lru_cache(maxsize=None)
+def one_card(key):
+    losses, state, _ = train({**DEFAULTS, **dict(key)})
+    return losses, state
 
 
 def compare(report, name, settings):
     s = {**DEFAULTS, **settings}
     s["sequence_parallel"] |= s["prepare_input_output"]  # as Paddle's test sets it
-    want_losses, want_state, _ = train(s)
+    want_losses, want_state = one_card(tuple((k, s[k]) for k in ONE_CARD))
     mesh = set_global_mesh(s)
     if s["route"] == "patch":
         pcp.patch_paddle()
@@ -460,6 +479,9 @@ RUNS = {
     ],
 }
 SEEDS = {"four": [seed_parallelize, seed_prepare_context_parallel, paddle_conv_parallel], "lazy_and_scaler": []}
+# the mesh sweep (mesh_layouts.py): one launch per world size
+for _world in WORLDS:
+    RUNS[f"sweep{_world}"], SEEDS[f"sweep{_world}"] = layouts(_world), []
 
 
 def main(report):
@@ -468,7 +490,7 @@ def main(report):
         try:
             compare(report, name, settings)
         except Exception as exc:  # noqa: BLE001 - one failing config must not hide the others
-            report.data["errors"][name] = [type(exc).__name__, str(exc)[:2000]]
+            report.data["errors"][name] = [type(exc).__name__, str(exc)[:2000], traceback.format_exc()[-3000:]]
     for seed in SEEDS[sys.argv[1]]:
         seed(report)
 
