@@ -26,7 +26,9 @@ RUNS = ("qwen3_moe:dp2xsep2", "deepseek_v3:dp2xsep2", "gpt_oss:dp2xsep2",
         "qwen3_moe_stacked:sep4", "qwen3_moe:dp2xmp2", "qwen3_moe:pp2xsep2",
         "deepseek_v3:dp2xsep2:recompute", "gpt_oss:sep4:lazy", "qwen2_moe:sep4", "glm4_moe:dp2xsep2",
         # sharding over the ranks holding the same experts (and over dp x sep for the rest)
-        "qwen3_moe:sep4:level3", "gpt_oss:sep4:level3", "glm4_moe:sep4:level3", "deepseek_v3:sep4:level2")
+        "qwen3_moe:sep4:level3", "gpt_oss:sep4:level3", "glm4_moe:sep4:level3", "deepseek_v3:sep4:level2",
+        # meshes with dims of size 1, their configs given
+        "qwen3_moe:mp1xdp2xsep2:level1", "deepseek_v3:sep4xdp1xpp1")
 
 
 # listed (DeepSeek-V3) and stacked (gpt-oss) experts. Not Qwen3-MoE: its save_pretrained writes the router in

@@ -38,6 +38,9 @@ LAYOUTS = {  # mesh, context-parallel backend, expert degree, other config secti
     "dp4": ([("dp", 4)], None, 4, {}),
     "dp2xmp2": ([("dp", 2), ("mp", 2)], None, 2, {"mp_config": {"parallelize_plan": EXPERT_TP}}),
     "pp2xsep2": ([("pp", 2), ("sep", 2)], "p2p", 2, {"pp_config": PIPELINE}),
+    # dims of size 1 with their configs (the mesh sweep's rule, with experts)
+    "mp1xdp2xsep2": ([("mp", 1), ("dp", 2), ("sep", 2)], "p2p", 4, {"mp_config": {"parallelize_plan": EXPERT_TP}}),
+    "sep4xdp1xpp1": ([("sep", 4), ("dp", 1), ("pp", 1)], "all2all", 2, {"pp_config": PIPELINE}),
 }
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, use_cache=False)
 
