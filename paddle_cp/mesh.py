@@ -228,8 +228,17 @@ def needs_pair_groups(size):
 
 
 def _new_group(ranks):
-    if sorted(ranks) == list(range(dist.get_world_size())):
+    """Paddle's group over `ranks`, made once per set of ranks: the slices of dims that differ only by dims of
+    size 1 (dp1 x sep2's data group and its sep group) are one group, so its rendezvous runs once."""
+    members = tuple(sorted(ranks))
+    if members == tuple(range(dist.get_world_size())):
         return None  # Paddle's default group: no new gloo rendezvous
+    if ("ranks", members) not in _groups:
+        _groups["ranks", members] = _rendezvous(members)
+    return _groups["ranks", members]
+
+
+def _rendezvous(ranks):
     with startup_guard("new_group", ranks):  # a rendezvous: waits for every member
         group = dist.new_group(list(ranks))
     # gloo's rendezvous mixes up groups created back to back: settle each one.
@@ -254,7 +263,7 @@ def _create_pairs(slices, mine):
     me = mine.ranks[mine.index]
     for ranks in slices:
         for a, b in itertools.combinations(ranks, 2):
-            group = _new_group((a, b))
+            group = _rendezvous((a, b))  # its own: gloo's point-to-point tags count per group
             if me in (a, b):
                 mine.pairs[frozenset((a, b))] = group
 

@@ -9,6 +9,7 @@ meshes of one world size, so each launch covers levels 0-3, both backends and se
 """
 import itertools
 import math
+import os
 
 DIMS = ("dp", "mp", "pp", "sep")
 ORDERS = (("dp", "pp", "mp", "sep"),   # Paddle's parallel-API test
@@ -52,4 +53,8 @@ def layouts(world):
     return runs
 
 
-WORLDS = (1, 2, 4, 8)
+# The suite's launches. 8 ranks run on demand (PCP_MESH_SWEEP_WORLDS=1,2,4,8): Paddle 3.3.1's gloo rendezvous of a
+# 4-rank group in an 8-rank world fails about half the time on 2 loaded cores (a truncated address read from the
+# store, "sizeof(impl_) == bytes.size()"; reproduced with dist.new_group alone, no paddle_cp), which would make
+# the suite flaky; every 8-rank layout here passed when its groups rendezvoused (docs/verification.md).
+WORLDS = tuple(int(w) for w in os.environ.get("PCP_MESH_SWEEP_WORLDS", "1,2,4").split(","))
