@@ -1,7 +1,8 @@
-"""pcp-selftest (paddle_cp/tools/selftest.py) on 4 CPU ranks: started by its own launcher (the console script's
-path), it passes and prints its table; inside a launch with a fault planted, every rank exits non-zero and the
-table names the failed checks. On CPU only fp32 and the blockwise kernel run (the CPU matmul takes no bf16):
-the bf16 bound and the flash kernels are exercised on a GPU only (docs/tools.md)."""
+"""pcp-selftest (paddle_cp/tools/selftest.py) on 4 CPU ranks. Started by its own launcher (the console script's
+path): it passes and prints its table (fp32 and the blockwise kernel: the CPU matmul takes no bf16). Inside a
+launch (one launch, tests/workers/selftest_in_launch.py): on the GPU path with emulated flash ops (bf16 checks,
+the flash and flashmask kernels), then with a fault planted, where every rank exits non-zero and the table names
+the failed checks. Real flash kernels, NCCL and GPU bandwidth run on a GPU only (docs/tools.md)."""
 import json
 import os
 import subprocess
@@ -49,13 +50,39 @@ def test_selftest_passes_on_cpu_ranks_and_prints_its_table(passed):
         assert row in table, (row, table)
 
 
-def test_selftest_fails_on_a_fault_on_every_rank():
-    code, logs, written = launch_failing("selftest_in_launch.py", 4, "fault", *FLAGS)
+@pytest.fixture(scope="module")
+def in_launch():
+    """(exit code, rank logs, {"emulated": the GPU path's result, "selftest": the faulty run's})."""
+    return launch_failing("selftest_in_launch.py", 4, *FLAGS)
+
+
+def test_selftest_holds_bf16_to_one_device_on_the_emulated_gpu_path(in_launch):
+    """The flash and flashmask kernels over emulated ops (the GPU kernels' bf16 rounding): bf16 errors of
+    rounding size, within 2x one device's own or one bf16 rounding; fp32 still on the blockwise kernel."""
+    result = in_launch[2]["emulated"]
+    assert result["passed"] and result["config"]["dtypes"] == ["bfloat16", "float32"], result["table"]
+    for check in result["checks"]:
+        kernels = {name for per_rank in check["kernels_per_rank"] for name in per_rank}
+        worst, one_device = max(check["errors"].values()), max(check["one_device"].values())
+        if check["dtype"] == "bfloat16":
+            assert "flashmask" in kernels and kernels <= {"flash", "flashmask"}, check  # documents cut tiles
+            assert check["tolerance"] == max(2 ** -8, 2 * one_device), check
+            assert 1e-4 < worst <= check["tolerance"] and 1e-4 < one_device < 2e-2, check
+        else:
+            assert kernels == {"blockwise"} and worst <= 1e-5, check
+    assert "bfloat16  " in result["table"] and "flashmask" in result["table"]
+
+
+def test_selftest_fails_on_a_fault_on_every_rank(in_launch):
+    """The ranks' exchanges in bfloat16 (a planted fault): every backend fails by rounding-sized errors, the
+    table says FAILED, and the launch exits non-zero."""
+    code, logs, written = in_launch
     result = written["selftest"]
     assert code != 0 and not result["passed"], code
     failed = {c["backend"] for c in result["checks"] if not c["passed"]}
-    assert failed == {"p2p", "all2all", "hybrid"}, result["checks"]  # every backend's exchanges rounded
+    assert failed == {"p2p", "all2all", "hybrid"}, result["checks"]
     for check in result["checks"]:
         assert 1e-5 < max(check["errors"].values()) < 1e-1, check  # rounding-sized, and still caught
     assert all(e["delivered"] for e in result["exchanges"].values())  # integers pass a bf16 transport
-    assert "FAILED" in logs["workerlog.0"]
+    log = logs["workerlog.0"]
+    assert "FAILED" in log[log.find("pcp-selftest: 4 rank(s)"):], log[-3000:]
