@@ -36,6 +36,10 @@ from .parallelize import parallelized_state
 
 IGNORED_LABEL = -100  # PaddleFormers' default `ignored_index`
 STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed documents: both forwards understand them
+TOLERANCE = 1e-5  # fp32 parity; a larger difference may be the model's own rounding: the float64 pass tells
+# As close to the truth as one card: within this factor of one card's distance (the spread of one card's own
+# fp32 evaluations on Qwen3-Next, docs/hybrid_models.md) or within TOLERANCE.
+TRUTH_FACTOR = 2
 
 
 def check_parity(model, reference=None, **inputs):
@@ -83,12 +87,6 @@ def check_parity(model, reference=None, **inputs):
     count = len(one_card)
     return Parity(zip(one_card, differences), one_card=dict(zip(one_card, distances[:count])),
                   parallel=dict(zip(one_card, distances[count:])))
-
-
-TOLERANCE = 1e-5  # fp32 parity; a larger difference may be the model's own rounding: the float64 pass tells
-# As close to the truth as one card: within this factor of one card's distance (the spread of one card's own
-# fp32 evaluations on Qwen3-Next, docs/hybrid_models.md) or within TOLERANCE.
-TRUTH_FACTOR = 2
 
 
 class Parity(dict):
