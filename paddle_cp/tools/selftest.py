@@ -40,7 +40,8 @@ ATTENTION_OPS = ("flash_attn", "flash_attn_grad", "flashmask_attention", "flashm
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU; CPU ranks without GPUs)")
+    parser.add_argument("--nproc", type=int, help="ranks (default: inside a launch its ranks, else every GPU, "
+                                                  "else 2 CPU ranks)")
     parser.add_argument("--seq", type=int, help="global sequence length (default: 2048 on GPU, 64 x N on CPU)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, help="query heads (default: max(8, N))")
@@ -53,6 +54,7 @@ def parse_args(argv=None):
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--result-file", help=argparse.SUPPRESS)  # launcher <-> rank 0
     args = parser.parse_args(argv)
+    args.nproc = args.nproc or _default_ranks()
     if args.nproc < 1:
         parser.error("--nproc takes at least 1 rank")
     heads = args.heads or max(8, args.nproc)
@@ -63,6 +65,15 @@ def parse_args(argv=None):
         parser.error(f"--seq {args.seq}: give at least 4 tokens per rank ({4 * args.nproc})")
     args.heads, args.kv_heads = heads, kv_heads
     return args
+
+
+def _default_ranks():
+    if "PADDLE_TRAINERS_NUM" in os.environ:  # inside a launch
+        return int(os.environ["PADDLE_TRAINERS_NUM"])
+    import paddle
+
+    gpus = paddle.device.cuda.device_count() if paddle.is_compiled_with_cuda() else 0
+    return gpus or 2
 
 
 # ---- what the ranks run ---------------------------------------------------------------------------
