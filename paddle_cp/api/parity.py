@@ -81,8 +81,9 @@ def check_parity(model, reference=None, **inputs):
     differences = _largest_over_ranks(state, [_distance(parallel[n], one_card[n]) for n in one_card])
     if reference != "float64" and max(differences, default=0.0) <= TOLERANCE:  # the same choice on every rank
         return Parity(zip(one_card, differences))
+    wide_inputs = float64_inputs(inputs)  # before float64_math: these casts are the float32 operators it refuses
     with float64_weights(model), float64_math():
-        truth = _outputs(model, float64_inputs(inputs), "labels" in inputs, paused=True)
+        truth = _outputs(model, wide_inputs, "labels" in inputs, paused=True)
     distances = _largest_over_ranks(state, [_distance(x[n], truth[n]) for x in (one_card, parallel) for n in one_card])
     count = len(one_card)
     return Parity(zip(one_card, differences), one_card=dict(zip(one_card, distances[:count])),
