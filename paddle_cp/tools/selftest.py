@@ -80,7 +80,7 @@ def _default_ranks():
 
 class KernelCalls:
     """Forward and backward calls of each attention kernel while active, by kernel name: a wrapper around the
-    methods each kernel class defines itself (a subclass inheriting them is counted under its own name)."""
+    class that defines each method (a kernel inheriting it is counted under its own name)."""
 
     def __init__(self):
         from paddle_cp.attention.kernels import BlockwiseKernel, FlashKernel, FlashMaskKernel
@@ -102,10 +102,11 @@ class KernelCalls:
     def __enter__(self):
         for cls in self.classes:
             for direction in ("forward", "backward"):
-                method = cls.__dict__.get(direction)
-                if callable(method):  # plain methods only: an inherited one is wrapped where it is defined
-                    self._saved.append((cls, direction, method))
-                    setattr(cls, direction, self._counted(method, direction))
+                owner = next((c for c in cls.__mro__ if direction in c.__dict__), None)
+                if owner is not None and all((owner, direction) != saved[:2] for saved in self._saved):
+                    method = owner.__dict__[direction]
+                    self._saved.append((owner, direction, method))
+                    setattr(owner, direction, self._counted(method, direction))
         return self
 
     def __exit__(self, *exc):
