@@ -11,8 +11,8 @@ attn_mask_startend_row_indices (the GDN state flows across them, as on one card)
 "tp2" (as the backend: tensor parallel alone, or after one: ranks paired on "mp", "sep" over the pairs): the
 Trainer's tensor-parallel plan (tensor_parallel_plan) in mp_config.
 Default length: 8 x sep + 3. Compared: the first forward's logits, losses, first-step gradients, final parameters, and
-one card's and paddle_cp's distances from their float64 truth (paddle_cp/api/float64_truth.py), which the test holds paddle_cp
-to (the model amplifies fp32 rounding: one card is ~1e-4 from the truth on logits).
+one card's and paddle_cp's distances from their float64 truth (paddle_cp/api/float64_truth.py), which the test
+holds paddle_cp to (the model amplifies fp32 rounding: one card is ~1e-4 from the truth on logits).
 """
 import contextlib
 import sys
