@@ -12,6 +12,16 @@ token counts, as the loss rule weighs it: labelled tokens when `labels` is given
 tokens. Returned: {output name: largest absolute difference} over all ranks, the same
 dict on every rank. Labels of a model whose PrepareContextParallel sits on an inner
 layer (which does not split them) are split here, as the training script would.
+
+A difference above 1e-5 may be the model's own fp32 rounding (Qwen3-Next's Gated DeltaNet:
+one card differs from itself by 2e-5 when its rule merely chunks otherwise) or a fault. Then
+(or when asked, reference="float64") a third forward, the reference's in float64
+(float64_truth.py: weights widened in place and restored, every fp32 computation widened),
+gives the truth; one card's distance from it is the model's own rounding, and the verdict is
+whether the parallel run is as close to it (within TRUTH_FACTOR x). Its cost: one more
+whole-sequence forward per rank in float64 (on a GPU, float64 runs at a fraction of the fp32
+rate, and no flash kernel takes it: the model's attention must have a float64 path) and the
+weights held in float64 meanwhile (2x their fp32 bytes).
 """
 from __future__ import annotations
 
@@ -21,15 +31,25 @@ import paddle
 from .. import runtime
 from ..comm import collectives
 from ..sequence.shard import shard_sequence, unshard_sequence
+from .float64_truth import float64_inputs, float64_math, float64_weights
 from .parallelize import parallelized_state
 
 IGNORED_LABEL = -100  # PaddleFormers' default `ignored_index`
 STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed documents: both forwards understand them
+TOLERANCE = 1e-5  # fp32 parity; a larger difference may be the model's own rounding: the float64 pass tells
+# As close to the truth as one card: within this factor of one card's distance (the spread of one card's own
+# fp32 evaluations on Qwen3-Next, docs/hybrid_models.md) or within TOLERANCE.
+TRUTH_FACTOR = 2
 
 
-def check_parity(model, **inputs):
+def check_parity(model, reference=None, **inputs):
     """{output name: largest absolute difference} between `model(**inputs)` with its plan's sequence
-    splitting and without (the module docstring says how); the same dict on every rank. Collective."""
+    splitting and without (the module docstring says how), as a Parity: with one card's distance from the
+    float64 truth beside each and the verdict when the float64 pass ran (`reference="float64"`, or a difference
+    above TOLERANCE). The same on every rank. Collective."""
+    if reference not in (None, "float64"):
+        raise ValueError(f"check_parity: reference={reference!r}; give None (the float64 pass only when a "
+                         f"difference exceeds {TOLERANCE}) or 'float64' (always)")
     state = parallelized_state(model)
     if state is None:
         raise ValueError("check_parity takes a model parallelize() returned: parallelize it first")
@@ -52,15 +72,82 @@ def check_parity(model, **inputs):
         if prepared_layer is not model:  # the plan splits the inner model's inputs, not the loss's labels
             parallel_inputs["labels"] = local_labels
     tokens = _local_tokens(model, inputs, local_labels, split)  # split before the forward, as a script would
-    parallel, reference = _two_forwards(model, parallel_inputs, inputs)
-    if list(parallel) != list(reference):
-        raise ValueError(f"check_parity: the model returned outputs {list(parallel)} split and {list(reference)} "
+    parallel = _outputs(model, parallel_inputs, "labels" in inputs)
+    one_card = _outputs(model, inputs, "labels" in inputs, paused=True)
+    if list(parallel) != list(one_card):
+        raise ValueError(f"check_parity: the model returned outputs {list(parallel)} split and {list(one_card)} "
                          "whole: it must return the same structure both ways")
-    diffs = [_largest_difference(name, parallel[name], reference[name], split, tokens) for name in reference]
-    mine = paddle.to_tensor(np.array(diffs or [0.0], dtype="float64"))
+    parallel = {name: _whole(name, parallel[name], one_card[name], split, tokens) for name in one_card}
+    differences = _largest_over_ranks(state, [_distance(parallel[n], one_card[n]) for n in one_card])
+    if reference != "float64" and max(differences, default=0.0) <= TOLERANCE:  # the same choice on every rank
+        return Parity(zip(one_card, differences))
+    wide_inputs = float64_inputs(inputs)  # before float64_math: these casts are the float32 operators it refuses
+    with float64_weights(model), float64_math():
+        truth = _outputs(model, wide_inputs, "labels" in inputs, paused=True)
+    distances = _largest_over_ranks(state, [_distance(x[n], truth[n]) for x in (one_card, parallel) for n in one_card])
+    count = len(one_card)
+    return Parity(zip(one_card, differences), one_card=dict(zip(one_card, distances[:count])),
+                  parallel=dict(zip(one_card, distances[count:])))
+
+
+class Parity(dict):
+    """{output name: largest difference from one card} over all ranks, and when the float64 pass ran, beside each
+    output: `one_card[name]`, one card's distance from the float64 truth (the model's own fp32 rounding) and
+    `parallel[name]`, the parallel run's; `ratio` theirs. `as_close_as_one_card`: the verdict (every output within
+    TRUTH_FACTOR x one card's distance, or TOLERANCE; without the float64 pass, every difference within
+    TOLERANCE). Compares equal to the plain {name: difference} dict."""
+
+    def __init__(self, differences, one_card=None, parallel=None):
+        super().__init__(differences)
+        self.one_card, self.parallel = one_card, parallel
+
+    @property
+    def ratio(self):
+        if self.one_card is None:
+            return None
+        return {name: _ratio(self.parallel[name], self.one_card[name]) for name in self}
+
+    def close(self, name):
+        """Whether output `name` is as close to the truth as one card (or, without the float64 pass, to one card
+        within TOLERANCE)."""
+        if self.one_card is None:
+            return self[name] <= TOLERANCE
+        return self.parallel[name] <= max(TOLERANCE, TRUTH_FACTOR * self.one_card[name])
+
+    @property
+    def as_close_as_one_card(self):
+        return all(self.close(name) for name in self)
+
+    def as_dict(self):
+        """Every figure, as plain numbers (for JSON)."""
+        figures = {"difference": dict(self), "as_close_as_one_card": self.as_close_as_one_card}
+        if self.one_card is not None:
+            figures.update(one_card=self.one_card, parallel=self.parallel, ratio=self.ratio)
+        return figures
+
+    def __str__(self):
+        if self.one_card is None:
+            rows = [f"{name}: {diff:.2e} from one card" for name, diff in self.items()]
+            return "\n".join(rows + [f"{'equal to one card' if self.as_close_as_one_card else 'DIFFERS'} "
+                                      f"within {TOLERANCE:g}"])
+        rows = [f"{name}: {diff:.2e} from one card; from float64: {self.parallel[name]:.2e}, one card's own "
+                f"{self.one_card[name]:.2e} (x{self.ratio[name]:.2f})" for name, diff in self.items()]
+        verdict = ("as close to the float64 truth as one card" if self.as_close_as_one_card else
+                   f"FARTHER from the float64 truth than one card (over {TRUTH_FACTOR}x)")
+        return "\n".join(rows + [verdict])
+
+
+def _ratio(parallel, one_card):
+    if one_card > 0:
+        return parallel / one_card
+    return 0.0 if parallel == 0 else float("inf")
+
+
+def _largest_over_ranks(state, values):
+    """Each of `values` at its largest over every rank (the same list on every rank)."""
+    mine = paddle.to_tensor(np.array(values or [0.0], dtype="float64"))
     gathered = collectives.all_gather(state.world, mine, tag="check_parity")
-    worst = np.max(np.stack([t.numpy() for t in gathered]), axis=0)
-    return {name: float(worst[i]) for i, name in enumerate(reference)}
+    return [float(x) for x in np.max(np.stack([t.numpy() for t in gathered]), axis=0)][:len(values)]
 
 
 class _BatchSplit:
@@ -78,21 +165,19 @@ class _BatchSplit:
                                 **self.documents)
 
 
-def _two_forwards(model, parallel_inputs, whole_inputs):
+def _outputs(model, inputs, has_labels, paused=False):
+    """{name: tensor} of one forward without gradients in eval mode; `paused`: context parallelism paused (every
+    rank runs the model's own code on the whole input)."""
     training = model.training
     model.eval()
+    runtime.state.context_parallel_paused = paused
     try:
         with paddle.no_grad():
-            parallel = _named_outputs(model(**parallel_inputs), "labels" in whole_inputs)
-            runtime.state.context_parallel_paused = True
-            try:
-                reference = _named_outputs(model(**whole_inputs), "labels" in whole_inputs)
-            finally:
-                runtime.state.context_parallel_paused = False
+            return _named_outputs(model(**inputs), has_labels)
     finally:
+        runtime.state.context_parallel_paused = False
         if training:
             model.train()
-    return parallel, reference
 
 
 def _named_outputs(output, has_labels):
@@ -132,13 +217,22 @@ def _local_tokens(model, inputs, local_labels, split):
     return float(local.shape[0] * local.shape[1])
 
 
-def _largest_difference(name, got, want, split, tokens):
+def _whole(name, got, want, split, tokens):
+    """The parallel output `got` as the whole one `want`: a scalar combined over the sep ranks by their tokens
+    (a float), a split tensor gathered in token order."""
     if got.numel() == 1 and want.numel() == 1:
         if split is not None:  # each sep rank's mean over its own tokens
-            got = _token_mean(got, tokens, split.prepare._groups.sep)
-        return abs(float(got) - float(want.astype("float64")))
+            return _token_mean(got, tokens, split.prepare._groups.sep)
+        return float(got.astype("float64"))
     if tuple(got.shape) != tuple(want.shape):
-        got = _in_token_order(name, got, want, split)
+        return _in_token_order(name, got, want, split)
+    return got
+
+
+def _distance(got, want):
+    """Largest absolute difference, in float64 (a scalar output is a float or a one-element tensor)."""
+    if isinstance(got, float) or isinstance(want, float):
+        return abs(float(got) - float(want.astype("float64") if isinstance(want, paddle.Tensor) else want))
     return float((got.astype("float64") - want.astype("float64")).abs().max())
 
 

@@ -1,7 +1,7 @@
 """Qwen3-Next (Gated DeltaNet + full attention) under ContextParallel on `self_attn` and `linear_attn` vs one card.
 
 One launch per world size. Qwen3-Next's tiny default config amplifies fp32 rounding: one card is ~1e-4 from
-the float64 evaluation of the same model (its truth, tests/workers/float64_truth.py) on logits, so "equal to one
+the float64 evaluation of the same model (its truth, paddle_cp/api/float64_truth.py) on logits, so "equal to one
 card at 1e-5" cannot hold for any implementation. Each figure of paddle_cp's must instead be as close to the
 truth as one card's: within max(1e-5, TRUTH_FACTOR x one card's distance), on the same tokens and tensors. A
 single GDN layer, a Conv1D model and the refusals are checked too.

@@ -57,6 +57,38 @@ def test_check_parity_on_a_hybrid_linear_attention_model(hybrid):
     assert sorted(values[0]) == ["1", "loss"] and max(values[0].values()) < 1e-4, values[0]
 
 
+@pytest.mark.parametrize("backend", ["p2p", "all2all"])
+def test_check_parity_tells_rounding_from_a_fault(hybrid, backend):
+    """Qwen3-Next differs from one card by more than 1e-5 (its own rounding), so check_parity runs the float64
+    pass: paddle_cp is as close to the truth as one card; with the ranks exchanging in bfloat16 (a planted
+    fault: the Gated DeltaNet state on p2p, the all-to-all payload on all2all) it is not. The same on every rank."""
+    for case, verdict in (("", True), (".fault", False)):
+        values = [report["values"][f"parity.qwen3_next.{backend}{case}"] for report in hybrid]
+        assert all(v == values[0] for v in values), values
+        figures = values[0]
+        assert max(figures["difference"].values()) > TOLERANCE, figures  # the float64 pass ran unasked
+        assert figures["as_close_as_one_card"] is verdict, figures
+        for name, one_card in figures["one_card"].items():
+            assert 0 < one_card < 1e-3, figures  # the model's own fp32 rounding, not a broken truth
+            parallel = figures["parallel"][name]
+            assert abs(figures["ratio"][name] - parallel / one_card) < 1e-9, figures
+            assert not verdict or parallel <= max(TOLERANCE, 2 * one_card), figures
+        if not verdict:
+            assert max(figures["ratio"].values()) > 20, figures
+    assert "as close to the float64 truth as one card" in hybrid[0]["values"][f"parity.qwen3_next.{backend}.printed"]
+
+
+def test_check_parity_float64_when_asked(hybrid):
+    """reference="float64" on an exact model: the pass runs, one card and paddle_cp equally far from the truth;
+    an unknown reference is refused on every rank."""
+    for report in hybrid:
+        figures = report["values"]["parity.float64_asked"]
+        assert figures["difference"] == {"output": 0.0} and figures["as_close_as_one_card"] is True
+        assert figures["parallel"] == figures["one_card"] and 0 < figures["one_card"]["output"] < 1e-6
+        kind, message = report["errors"]["parity.bad_reference"]
+        assert kind == "ValueError" and "reference='fp64'" in message and "'float64' (always)" in message
+
+
 def test_check_parity_catches_a_model_that_mixes_tokens_outside_attention(hybrid):
     values = [report["values"]["parity.running_sum_True"] for report in hybrid]
     assert all(v == values[0] for v in values) and values[0]["output"] > 1e-2, values

@@ -11,8 +11,8 @@ attn_mask_startend_row_indices (the GDN state flows across them, as on one card)
 "tp2" (as the backend: tensor parallel alone, or after one: ranks paired on "mp", "sep" over the pairs): the
 Trainer's tensor-parallel plan (tensor_parallel_plan) in mp_config.
 Default length: 8 x sep + 3. Compared: the first forward's logits, losses, first-step gradients, final parameters, and
-one card's and paddle_cp's distances from their float64 truth (float64_truth.py), which the test holds paddle_cp
-to (the model amplifies fp32 rounding: one card is ~1e-4 from the truth on logits).
+one card's and paddle_cp's distances from their float64 truth (paddle_cp/api/float64_truth.py), which the test
+holds paddle_cp to (the model amplifies fp32 rounding: one card is ~1e-4 from the truth on logits).
 """
 import contextlib
 import sys
@@ -22,13 +22,13 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 from paddle.distributed.fleet.utils import recompute
-from float64_truth import float64_inputs, float64_math, float64_model, rechunked
-from paddleformers_models import build
+from paddleformers_models import build, rechunked
 from real_model_parity import STEPS, adamw, make_batch
 from report import mean_over_ranks, run
 from tensor_parallel import full_gradients
 
 import paddle_cp as pcp
+from paddle_cp.api.float64_truth import float64_inputs, float64_math, float64_model
 from paddle_cp.integrations.paddleformers.plans import tensor_parallel_plan
 
 
@@ -39,7 +39,7 @@ def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None):
 
 
 def qwen3_next(implementation, fused_conv, second_evaluation=False):
-    """The model; `second_evaluation`: its rule chunked otherwise (float64_truth.rechunked)."""
+    """The model; `second_evaluation`: its rule chunked otherwise (paddleformers_models.rechunked)."""
     paddle.seed(2024)
     model = build("qwen3_next", _attn_implementation=implementation)
     if fused_conv:

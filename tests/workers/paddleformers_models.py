@@ -3,6 +3,7 @@
 DeepSeek-V3 and the Qwen *Deprecated classes import two GPU-fleet modules pip
 cannot install; they are stubbed here (a test helper, never the package).
 """
+import functools
 import sys
 import types
 from dataclasses import dataclass
@@ -86,3 +87,14 @@ def build(family, **overrides):
             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=6, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32))
     raise ValueError(f"unknown family {family!r}: use one of {FAMILIES}")
+
+
+def rechunked(model, chunk_size=8):
+    """`model` with every Gated DeltaNet rule chunked by `chunk_size` instead of its 64: the same arithmetic in
+    another order, a second fp32 evaluation as valid as the default one (each is one sample of the model's
+    rounding noise; one card's distance from the float64 truth, paddle_cp/api/float64_truth.py, is the larger
+    of the two)."""
+    for layer in model.sublayers():
+        if callable(getattr(layer, "chunk_gated_delta_rule", None)):
+            layer.chunk_gated_delta_rule = functools.partial(layer.chunk_gated_delta_rule, chunk_size=chunk_size)
+    return model

@@ -7,6 +7,7 @@ a global batch, and compares the global loss of each step and the final
 full_state_dict with a single-card run on the whole batch, done here too.
 argv[1] names the group of runs (one launch each).
 """
+import contextlib
 import sys
 
 import numpy as np
@@ -340,17 +341,60 @@ def parity_checks(report):
             model(input_ids=ids, labels=labels)
     report.value("replica_evaluated_alone", float(model(input_ids=ids, labels=labels)[0]))
     for running_sum in (False, True):
-        paddle.seed(3)
-        mixer = TokenMixer(running_sum)
-        pcp.parallelize(mixer, None, mesh, {"cp_config": {"parallelize_plan": {"": pcp.PrepareContextParallel()}}})
-        report.value(f"parity.running_sum_{running_sum}", pcp.check_parity(mixer, input_ids=ids))
+        report.value(f"parity.running_sum_{running_sum}", pcp.check_parity(mixer_of(mesh, running_sum), input_ids=ids))
     report.expect_error("parity.not_parallelized", lambda: pcp.check_parity(TokenMixer(False), input_ids=ids))
+    for backend in ("p2p", "all2all"):
+        hybrid = qwen3_next(mesh, backend)
+        parity = pcp.check_parity(hybrid, input_ids=ids, labels=labels)
+        if backend == "p2p":
+            report.value("parity.qwen3_next", parity)
+        report.value(f"parity.qwen3_next.{backend}", parity.as_dict())
+        report.value(f"parity.qwen3_next.{backend}.printed", str(parity))
+        with planted_fault(backend):
+            report.value(f"parity.qwen3_next.{backend}.fault", pcp.check_parity(hybrid, input_ids=ids,
+                                                                                  labels=labels).as_dict())
+    exact = pcp.check_parity(mixer_of(mesh, running_sum=False), reference="float64", input_ids=ids)
+    report.value("parity.float64_asked", exact.as_dict())
+    report.expect_error("parity.bad_reference", lambda: pcp.check_parity(hybrid, reference="fp64", input_ids=ids))
+
+
+def qwen3_next(mesh, backend):
+    """Qwen3-Next (Gated DeltaNet layers, state passing on p2p, and attention) with ContextParallel on both."""
     paddle.seed(3)
-    hybrid = build_family("qwen3_next")  # Gated DeltaNet layers (state passing) and attention
-    plan = {"": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p"),
-            "model.layers.*.linear_attn": pcp.ContextParallel("p2p")}
-    pcp.parallelize(hybrid, None, mesh, {"cp_config": {"parallelize_plan": plan}})
-    report.value("parity.qwen3_next", pcp.check_parity(hybrid, input_ids=ids, labels=labels))
+    model = build_family("qwen3_next")
+    plan = {"": pcp.PrepareContextParallel(backend), "model.layers.*.self_attn": pcp.ContextParallel(backend),
+            "model.layers.*.linear_attn": pcp.ContextParallel(backend)}
+    return pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan}})[0]
+
+
+def mixer_of(mesh, running_sum):
+    paddle.seed(3)
+    mixer = TokenMixer(running_sum)
+    return pcp.parallelize(mixer, None, mesh, {"cp_config": {"parallelize_plan": {"": pcp.PrepareContextParallel()}}})[0]
+
+
+@contextlib.contextmanager
+def planted_fault(backend):
+    """A fault as small as rounding, which only the float64 verdict tells from it: the ranks exchange in
+    bfloat16 what the backend exchanges in fp32. p2p: the Gated DeltaNet state entering each rank's runs
+    (docs/hybrid_models.md measured 16-530x one card's distance); all2all: every all-to-all's payload."""
+    from paddle_cp.attention import state_passing
+    from paddle_cp.comm import collectives as comm
+
+    def rounded(x):
+        return x.astype("bfloat16").astype(x.dtype)
+
+    module, name = (state_passing, "entering_states") if backend == "p2p" else (comm, "all_to_all")
+    exact = getattr(module, name)
+    if backend == "p2p":
+        faulty = lambda *args, **kwargs: {run: rounded(state) for run, state in exact(*args, **kwargs).items()}
+    else:
+        faulty = lambda group, chunks, *args, **kwargs: exact(group, [rounded(c) for c in chunks], *args, **kwargs)
+    setattr(module, name, faulty)
+    try:
+        yield
+    finally:
+        setattr(module, name, exact)
 
 
 def main(report):

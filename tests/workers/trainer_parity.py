@@ -15,11 +15,11 @@ import sys
 import numpy as np
 import paddle
 import paddle.distributed as dist
-from float64_truth import float64_math, float64_model, rechunked
-from paddleformers_models import build
+from paddleformers_models import build, rechunked
 from report import run
 
 import paddle_cp as pcp
+from paddle_cp.api.float64_truth import float64_math, float64_model
 
 SAMPLES, SEQ, VOCAB = 16, 22, 128
 COMMON = dict(max_steps=3, learning_rate=1e-2, adam_epsilon=1e-3, weight_decay=0.1, max_grad_norm=1.0,
@@ -137,7 +137,7 @@ def exported_state(root, name):
 
 def reference_run(spec, root, name, evaluation=None):
     """PaddleFormers' Trainer on one card; `evaluation`: "rechunked" (its second fp32 evaluation) or "float64" (its
-    truth: the same model, data and steps in float64), see float64_truth.py."""
+    truth: the same model, data and steps in float64), see paddle_cp/api/float64_truth.py."""
     from paddleformers.trainer import Trainer, TrainingArguments
 
     model = model_of(spec.get("family", "llama"), **spec.get("model", {}))

@@ -1,0 +1,88 @@
+"""pcp-selftest (paddle_cp/tools/selftest.py) on 4 CPU ranks. Started by its own launcher (the console script's
+path): it passes and prints its table (fp32 and the blockwise kernel: the CPU matmul takes no bf16). Inside a
+launch (one launch, tests/workers/selftest_in_launch.py): on the GPU path with emulated flash ops (bf16 checks,
+the flash and flashmask kernels), then with a fault planted, where every rank exits non-zero and the table names
+the failed checks. Real flash kernels, NCCL and GPU bandwidth run on a GPU only (docs/tools.md)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launcher import launch_failing
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS = ("--nproc", "4", "--seq", "96", "--iters", "2")
+
+
+@pytest.fixture(scope="module")
+def passed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("selftest") / "out.json"
+    cmd = [sys.executable, "-m", "paddle_cp.tools.selftest", *FLAGS, "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_selftest_passes_on_cpu_ranks_and_prints_its_table(passed):
+    proc, result = passed
+    assert proc.returncode == 0 and result is not None, proc.stdout + proc.stderr[-3000:]
+    assert result["passed"] and result["config"]["device"] == "cpu" and result["config"]["dtypes"] == ["float32"]
+    assert result["config"]["not_run"] == ["bfloat16: this device's matmul takes none"]
+    assert [(c["backend"], c["dtype"]) for c in result["checks"]] == [
+        ("p2p", "float32"), ("all2all", "float32"), ("hybrid", "float32")]
+    for check in result["checks"]:
+        assert check["passed"] and max(check["errors"].values()) <= 1e-5 and check["tolerance"] == 1e-5, check
+        assert 0 < max(check["errors"].values()) and 0 < max(check["one_device"].values()) <= 1e-5, check
+        for kernels, ops in zip(check["kernels_per_rank"], check["ops_per_rank"]):
+            assert list(kernels) == ["blockwise"], kernels  # fp32: flash kernels take half precision only
+            assert kernels["blockwise"]["forward"] >= 1 and kernels["blockwise"]["backward"] >= 1, kernels
+            assert ops["calls"] > ops["in_dtype"] > 0 and ops["attention_ops"] == {}, ops
+    calls = [r["blockwise"]["forward"] for r in result["checks"][0]["kernels_per_rank"]]
+    assert min(calls) >= 1 and max(calls) <= 4, calls  # p2p: at most one call per ring step (4 ranks)
+    for name, sent in (("ring", 2 ** 20), ("all_to_all", 3 * 2 ** 20 // 4)):
+        exchange = result["exchanges"][name]
+        assert exchange["delivered"] and exchange["bytes_per_rank"] == sent and exchange["bytes_per_second"] > 0
+    table = proc.stdout
+    assert "pcp-selftest: 4 rank(s) on cpu" in table and table.rstrip().endswith("PASSED"), table
+    for row in ("p2p       float32", "all2all   float32", "hybrid    float32", "ring  ", "all_to_all"):
+        assert row in table, (row, table)
+
+
+@pytest.fixture(scope="module")
+def in_launch():
+    """(exit code, rank logs, {"emulated": the GPU path's result, "selftest": the faulty run's})."""
+    return launch_failing("selftest_in_launch.py", 4, *FLAGS)
+
+
+def test_selftest_holds_bf16_to_one_device_on_the_emulated_gpu_path(in_launch):
+    """The flash and flashmask kernels over emulated ops (the GPU kernels' bf16 rounding): bf16 errors of
+    rounding size, within 2x one device's own or one bf16 rounding; fp32 still on the blockwise kernel."""
+    result = in_launch[2]["emulated"]
+    assert result["passed"] and result["config"]["dtypes"] == ["bfloat16", "float32"], result["table"]
+    for check in result["checks"]:
+        kernels = {name for per_rank in check["kernels_per_rank"] for name in per_rank}
+        worst, one_device = max(check["errors"].values()), max(check["one_device"].values())
+        if check["dtype"] == "bfloat16":
+            assert "flashmask" in kernels and kernels <= {"flash", "flashmask"}, check  # documents cut tiles
+            assert check["tolerance"] == max(2 ** -8, 2 * one_device), check
+            assert 1e-4 < worst <= check["tolerance"] and 1e-4 < one_device < 2e-2, check
+        else:
+            assert kernels == {"blockwise"} and worst <= 1e-5, check
+    assert "bfloat16  " in result["table"] and "flashmask" in result["table"]
+
+
+def test_selftest_fails_on_a_fault_on_every_rank(in_launch):
+    """The ranks' exchanges in bfloat16 (a planted fault): every backend fails by rounding-sized errors, the
+    table says FAILED, and the launch exits non-zero."""
+    code, logs, written = in_launch
+    result = written["selftest"]
+    assert code != 0 and not result["passed"], code
+    failed = {c["backend"] for c in result["checks"] if not c["passed"]}
+    assert failed == {"p2p", "all2all", "hybrid"}, result["checks"]
+    for check in result["checks"]:
+        assert 1e-5 < max(check["errors"].values()) < 1e-1, check  # rounding-sized, and still caught
+    assert all(e["delivered"] for e in result["exchanges"].values())  # integers pass a bf16 transport
+    log = logs["workerlog.0"]
+    assert "FAILED" in log[log.find("pcp-selftest: 4 rank(s)"):], log[-3000:]
