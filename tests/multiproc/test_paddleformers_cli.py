@@ -48,17 +48,27 @@ BASE = {
     "device": "cpu", "report_to": "none", "disable_tqdm": True,
 }
 LORA = ["lora=true", "lora_rank=4", "fine_tuning=lora"]
-# name -> (overrides, reference); 4 ranks: the ranks a layout leaves over are data parallel
+PT = ["stage=PT", "dataset_type=iterator"]  # PaddleFormers' map dataset cannot pack for PT (it fails on one card)
+# name -> (overrides, reference, collectives that must have sent bytes); on 4 ranks: the ranks a layout leaves
+# over are data parallel
 LAUNCH_RUNS = {
-    "ring4": (["context_parallel_size=4"], "full_b2"),
-    "ulysses4": (["sep_parallel_size=4"], "full_b2"),
-    "dp2_ring2": (["context_parallel_size=2"], "full_b4"),
-    "dp2_tp2_sp": (["tensor_model_parallel_size=2", "sequence_parallel=true"], "full_b4"),
-    "lora_dp2_ring2": (["context_parallel_size=2", *LORA], "lora_b4"),
-    "resume_ring2_ulysses2": (["context_parallel_size=2", "sep_parallel_size=2"], "full_b2"),
+    "ring4": (["context_parallel_size=4"], "full_b2", ["ring"]),
+    "ulysses4": (["sep_parallel_size=4"], "full_b2", ["ulysses"]),
+    "dp2_ring2": (["context_parallel_size=2"], "full_b4", ["ring", "grad_all_reduce"]),
+    "dp2_tp2_sp": (["tensor_model_parallel_size=2", "sequence_parallel=true"], "full_b4",
+                   ["tp_all_reduce", "all_gather", "grad_all_reduce"]),
+    "lora_dp2_ring2": (["context_parallel_size=2", *LORA], "lora_b4", ["ring", "grad_all_reduce"]),
+    "dp2_ulysses2_sharding2": (["sep_parallel_size=2", "sharding=stage2"], "full_b4",
+                               ["ulysses", "grad_reduce_scatter"]),
+    "pp2_ring2": (["pipeline_model_parallel_size=2", "context_parallel_size=2"], "full_b2",
+                  ["pp_activation", "ring"]),
+    "unpacked_ring4": (["context_parallel_size=4", "packing=false"], "unpacked_b2", ["ring"]),
+    "pt_ring4": (["context_parallel_size=4", *PT], "pt_b2", ["ring"]),
+    "resume_ring2_ulysses2": (["context_parallel_size=2", "sep_parallel_size=2"], "full_b2",
+                              ["checkpoint_agree", "ring", "ulysses"]),
 }
 REFERENCES = {"full_b2": [], "full_b4": ["per_device_train_batch_size=4"],
-              "lora_b4": ["per_device_train_batch_size=4", *LORA]}
+              "lora_b4": ["per_device_train_batch_size=4", *LORA], "unpacked_b2": ["packing=false"], "pt_b2": PT}
 REFUSED = {
     "bf16": ["compute_type=bf16"],
     "dpo": ["stage=DPO"],
@@ -132,11 +142,12 @@ def results(tmp_path_factory):
     worker_log = (tmp / "ring2_log" / "workerlog.0").read_text() if (tmp / "ring2_log").exists() else ""
     assert spawned.returncode == 0, spawned.stdout[-3000:] + spawned.stderr[-3000:] + worker_log[-4000:]
     logged["ring2"] = runs_in_log("PCP_RUN ring2\n" + worker_log)["ring2"]
+    assert "world_size: 2" in worker_log and (tmp / "ring2_log" / "workerlog.1").exists()  # its own 2 ranks
     timings["pcp-train ring2 (2 ranks)"] = time.time() - started
 
     # resume: a fresh output_dir holding the step-2 checkpoint, found by run_sft as it finds its own
     shutil.copytree(tmp / "ring2" / "checkpoint-2", tmp / "resume_ring2_ulysses2" / "checkpoint-2")
-    spec = {"runs": {name: argv(name, overrides) for name, (overrides, _) in LAUNCH_RUNS.items()},
+    spec = {"runs": {name: argv(name, overrides) for name, (overrides, _, _) in LAUNCH_RUNS.items()},
             "refused": {name: argv(f"refused_{name}", overrides) for name, overrides in REFUSED.items()}}
     started = time.time()
     reports, logs = launch_logged("sft_cli_runs.py", 4, json.dumps(spec))
@@ -145,11 +156,22 @@ def results(tmp_path_factory):
         assert "crash" not in report["values"], report["values"]["crash"]
     logged.update(runs_in_log(logs["workerlog.0"]))
     refusals = [report["errors"] for report in reports]
-    return dict(tmp=tmp, logged=logged, timings=timings, refusals=refusals,
+    return dict(tmp=tmp, logged=logged, timings=timings, refusals=refusals, work=[r["values"] for r in reports],
                 weights={name: saved_weights(tmp / name) for name in [*REFERENCES, "ring2", *LAUNCH_RUNS]})
 
 
-REFERENCE_OF = {"ring2": "full_b2", **{name: ref for name, (_, ref) in LAUNCH_RUNS.items()}}
+REFERENCE_OF = {"ring2": "full_b2", **{name: ref for name, (_, ref, _) in LAUNCH_RUNS.items()}}
+
+
+@pytest.mark.parametrize("run", list(LAUNCH_RUNS))
+def test_pcp_train_runs_the_layout_asked_for(results, run):
+    """What paddle_cp did: the layout's collectives sent bytes (pp_activation: the first stage's ranks), and
+    every rank split the batches by their documents (packed, and unpacked ones too: PaddleFormers' collator
+    gives both row indices)."""
+    sent = [values[f"{run}.bytes"] for values in results["work"]]
+    assert all(sum(rank.get(tag, 0) for rank in sent) > 0 for tag in LAUNCH_RUNS[run][2]), (run, sent)
+    if any(tag in ("ring", "ulysses") for tag in LAUNCH_RUNS[run][2]):
+        assert all(values[f"{run}.document_batches"] > 0 for values in results["work"]), run
 
 
 @pytest.mark.parametrize("run", list(REFERENCE_OF))
