@@ -1,7 +1,8 @@
 """pcp-train (PaddleFormers' CLI workflow with paddle_cp underneath) vs PaddleFormers' run_sft in one process.
 
-Everything is built offline in the test: a tiny Llama (save_pretrained), a word-level tokenizer,
-an SFT jsonl file in PaddleFormers' erniekit format (tests/workers/sft_cli_inputs.py). One YAML
+Everything is built offline in the test by the example's builder (examples/sft_cli_inputs.py): a tiny
+Llama (save_pretrained), a byte-level tokenizer (the `tokenizers` package), 24 SFT samples in PaddleFormers'
+erniekit format (stdlib module names and the first line or so of their source). One YAML
 (packing on, eager attention, fp32) serves every run; the runs differ only in key=value overrides,
 as a user's would. Three processes do all the work:
 
@@ -24,13 +25,14 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from launcher import ROOT, WORKERS, launch_logged
+from launcher import EXAMPLES, ROOT, WORKERS, launch_logged
 
 TOLERANCE = 1e-5
 STEPS = 4
@@ -105,18 +107,26 @@ def saved_weights(folder):
 
 
 def _env(log_dir):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(WORKERS), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(WORKERS), str(EXAMPLES),
+                                                       os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", PADDLEFORMERS_DIST_LOG=str(log_dir))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Runs everything once; {name: (losses by step, weights, reference name)}, refusals, timings."""
-    tmp = tmp_path_factory.mktemp("pcp_train")
+def results():
+    """Runs everything once (in a folder of its own: pytest's numbered tmp folders are shared by every
+    pytest session of the machine, and rotated)."""
+    with tempfile.TemporaryDirectory(prefix="pcp_train_") as tmp:
+        yield run_all(Path(tmp))
+
+
+def run_all(tmp):
+    """{logged: {run: {step: loss}}, weights: {run: {name: array}}, work: each rank's records,
+    refusals: each rank's errors, refused_wrote: {name: whether its output_dir exists}, timings}."""
     timings = {}
-    build = f"import sft_cli_inputs; sft_cli_inputs.build({str(tmp)!r})"
+    build = f"import sft_cli_inputs; sft_cli_inputs.build({str(tmp)!r}, samples=24, answer_bytes=40)"
     subprocess.run([sys.executable, "-c", build], env=_env(tmp / "unused"), check=True, capture_output=True)
     config = tmp / "sft.yaml"
     config.write_text(yaml.safe_dump({**BASE, "model_name_or_path": str(tmp / "model"),
@@ -156,7 +166,8 @@ def results(tmp_path_factory):
         assert "crash" not in report["values"], report["values"]["crash"]
     logged.update(runs_in_log(logs["workerlog.0"]))
     refusals = [report["errors"] for report in reports]
-    return dict(tmp=tmp, logged=logged, timings=timings, refusals=refusals, work=[r["values"] for r in reports],
+    return dict(logged=logged, timings=timings, refusals=refusals, work=[r["values"] for r in reports],
+                refused_wrote={name: (tmp / f"refused_{name}").exists() for name in REFUSED},
                 weights={name: saved_weights(tmp / name) for name in [*REFERENCES, "ring2", *LAUNCH_RUNS]})
 
 
@@ -203,7 +214,7 @@ def test_refused_on_every_rank_before_training(results, name):
     for errors in results["refusals"]:
         kind, message = errors[name]
         assert kind == "ValueError" and key in message and fix in message, (name, kind, message)
-    assert not (results["tmp"] / f"refused_{name}").exists()  # nothing trained, nothing written
+    assert not results["refused_wrote"][name]  # nothing trained, nothing written
 
 
 def test_timings(results):
