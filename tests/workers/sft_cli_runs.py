@@ -1,7 +1,8 @@
 """pcp-train inside an existing launch: every rank runs `paddle_cp.integrations.paddleformers.cli.main`
 for each run given (argv[1]: JSON, runs: {name: argv}), one after another in the same processes, and
-records what paddle_cp did in each (bytes sent by collective tag, batches split by their documents); then tries configs it must refuse and records each error (type, message). The pytest
-side compares the runs' logged losses and saved weights with PaddleFormers' run_sft in one process.
+records what paddle_cp did in each (bytes sent by collective tag, batches split by their documents);
+then tries configs it must refuse and records each error (type, message). The pytest side compares
+the runs' logged losses and saved weights with PaddleFormers' run_sft in one process.
 """
 import json
 import sys

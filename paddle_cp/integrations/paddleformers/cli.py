@@ -33,6 +33,9 @@ PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", 
 LAUNCH_ENV = ("PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ID", "PADDLE_WORKERS_IP_PORT_LIST", "PADDLE_TRAINERS",
               "PADDLE_NUM_GRADIENT_SERVERS", "PADDLE_ELASTIC_JOB_ID", "PADDLE_TRAINER_ENDPOINTS",
               "DISTRIBUTED_TRAINER_ENDPOINTS", "FLAGS_START_PORT", "PADDLE_ELASTIC_TIMEOUT")
+# what PaddleFormers' CLI sets for its ranks unless the environment says otherwise (TF32 off: fp32 stays fp32)
+RANK_ENV_DEFAULTS = {"FLAGS_set_to_1d": "False", "NVIDIA_TF32_OVERRIDE": "0",
+                     "FLAGS_dataloader_use_file_descriptor": "False"}
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[3])  # the folder holding paddle_cp/
 
 
@@ -78,7 +81,7 @@ def launch_command(argv, config):
 
 
 def launch(argv, config):
-    env = {key: value for key, value in os.environ.items() if key not in LAUNCH_ENV}
+    env = {**RANK_ENV_DEFAULTS, **{key: value for key, value in os.environ.items() if key not in LAUNCH_ENV}}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")]))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return subprocess.call(launch_command(argv, config), env=env)
