@@ -1,6 +1,7 @@
 """pcp-train inside an existing launch: every rank runs `paddle_cp.integrations.paddleformers.cli.main`
 for each run given (argv[1]: JSON, runs: {name: argv}), one after another in the same processes, and
-records what paddle_cp did in each (bytes sent by collective tag, batches split by their documents);
+records what paddle_cp did in each (bytes sent by collective tag, batches split by their documents,
+forwards in which this rank held no label);
 then tries configs it must refuse and records each error (type, message). The pytest side compares
 the runs' logged losses and saved weights with PaddleFormers' run_sft in one process.
 """
@@ -12,6 +13,7 @@ from report import run
 from paddle_cp import PrepareContextParallel
 from paddle_cp.comm import counters
 from paddle_cp.integrations.paddleformers.cli import main
+from paddle_cp.integrations.paddleformers.loss import EmptyShare
 
 document_batches = []  # Documents each PrepareContextParallel read off a batch (a test spy, not the package)
 documents_of = PrepareContextParallel.documents_of
@@ -24,6 +26,16 @@ def counted_documents_of(self, *args, **kwargs):
 
 
 PrepareContextParallel.documents_of = counted_documents_of
+empty_shares = []  # forwards whose part of the batch held no label on this rank (EmptyShare.check runs then)
+check_empty_share = EmptyShare.check
+
+
+def counted_check(self, model):
+    empty_shares.append(1)
+    return check_empty_share(self, model)
+
+
+EmptyShare.check = counted_check
 
 
 def runs(report):
@@ -31,10 +43,12 @@ def runs(report):
     for name, argv in spec["runs"].items():
         counters.reset()
         document_batches.clear()
+        empty_shares.clear()
         print(f"PCP_RUN {name}", file=sys.stderr, flush=True)  # PaddleFormers logs to stderr
         main(argv)
         report.value(f"{name}.bytes", {tag: n for tag, n in counters.bytes_sent().items() if n})
         report.value(f"{name}.document_batches", sum(document_batches))
+        report.value(f"{name}.empty_shares", len(empty_shares))
     for name, argv in spec["refused"].items():
         report.expect_error(name, lambda argv=argv: main(argv))
 
