@@ -50,8 +50,11 @@ class PipelineLoss:
         if self.per_token is None:
             raise RuntimeError("PipelineLoss.start_step(inputs) must run before the pipelined forward")
         # the schedule hands over labels already split like the inputs (PrepareContextParallel on the model)
+        tokens = local_tokens(labels, None, self.ignored_label)
+        if not tokens:  # the criterion's token mean would be 0/0 (EmptyShare below): a zero from the logits
+            return output[0].sum() * 0.0
         loss = self.criterion(output[0], labels)[0]
-        return loss * (self.micro_batches * local_tokens(labels, None, self.ignored_label) * self.per_token)
+        return loss * (self.micro_batches * tokens * self.per_token)
 
 
 class EmptyShare:
