@@ -1,6 +1,6 @@
 """paddle_cp: context-parallel training for PaddlePaddle, behind Paddle's `parallelize` API."""
 from .attention import attention_work, hybrid_attention, ring_attention, ulysses_attention
-from .attention.mixers import TokenMixer, register_mixer
+from .attention.mixers import TokenMixer, register_attention_class, register_mixer
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoint
 from .checkpoint.export import export_pretrained
 from .checkpoint.pretrained import load_pretrained
@@ -11,6 +11,8 @@ from .mesh import get_mesh, set_mesh
 from .api.parallelize import parallelize, parallelize_model, parallelize_optimizer
 from .api.paddle_compat import patch_paddle, unpatch_paddle
 from .api.parity import check_parity
+from .api.plan_annotation import register_fused_weights
+from .experts.blocks import BlockKind, register_block_kind
 from .data_parallel.scaler import shard_scaler
 from .pipeline import SplitPoint
 from .sequence.batches import shard_batch, shard_dataloader
@@ -33,12 +35,17 @@ from .plans import (
 from .sequence.shard import sequence_positions, shard_sequence, unshard_sequence
 from .checkpoint.full_state import full_state_dict
 
+from .integrations.paddleformers import models as _paddleformers_models
+
+_paddleformers_models.register()  # PaddleFormers' attention classes, MoE blocks, fused weights (no import of it)
+
 __version__ = "0.1.0"
 
 __all__ = [
     "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle", "check_parity",
     "set_mesh", "get_mesh", "SplitPoint",
     "PrepareContextParallel", "ContextParallel", "TokenWise", "TokenMixer", "register_mixer",
+    "register_attention_class", "BlockKind", "register_block_kind", "register_fused_weights",
     "ColWiseParallel", "RowWiseParallel", "ConvParallel", "ExpertParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
     "PrepareLayerInput", "PrepareLayerOutput",

@@ -35,12 +35,17 @@ def _failure(script, nproc, proc, logs):
 
 def launch(worker, nproc, *args, timeout=600):
     """Run tests/workers/<worker> on `nproc` gloo ranks; return the per-rank JSON reports (rank order)."""
+    return launch_logged(worker, nproc, *args, timeout=timeout)[0]
+
+
+def launch_logged(worker, nproc, *args, timeout=600):
+    """`launch`, and the ranks' logs ({'workerlog.<rank>': text})."""
     with tempfile.TemporaryDirectory(prefix="pcp_launch_") as tmp:
         proc, logs = _run(WORKERS / worker, nproc, args, tmp, timeout)
         paths = [Path(tmp) / f"rank{rank}.json" for rank in range(nproc)]
         if proc.returncode != 0 or not all(p.exists() for p in paths):
             raise _failure(worker, nproc, proc, logs)
-        return [json.loads(p.read_text()) for p in paths]
+        return [json.loads(p.read_text()) for p in paths], logs
 
 
 def launch_script(script, nproc, *args, timeout=600):

@@ -3,7 +3,7 @@
 Paddle keeps global shapes and reshards whatever a consumer needs; with local
 tensors a ColWise output stays split only when a sibling layer is RowWise
 (q/k/v -> o, gate/up -> down), a fused weight (qkv, gate_up) is split per part
-(a q/k/v weight its model groups by k/v head, plainly),
+as its model library's registered rule says (register_fused_weights),
 and the parent of split attention projections must reshape by its local head
 counts (its per-head norms then see this rank's heads: their gradients are summed). Plans keyed on a single parameter (LoRA factors) must fit their layer's
 plan, and some make gradients partial over `mp` (parameter_plans.py). `annotate_plan`
@@ -12,8 +12,6 @@ then writes it onto the layers and parameter records.
 """
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass, field
 
 import paddle
@@ -52,42 +50,23 @@ def _parent(name):
     return name.rpartition(".")[0]
 
 
-# PaddleFormers' own statement of how a class fuses q/k/v (its `_gen_aoa_config`, what from_pretrained applies):
-# `<...>.qkv_proj.weight, fused_qkv` orders the columns by k/v head (each head's queries, its key, its value),
-# `fused_qkv_old` as q | k | v.
-_AOA_FUSED_QKV = re.compile(r"->\s*[\w.$]*?(?P<leaf>\w+)\.weight\s*,\s*(?P<op>fused_qkv(?:_old)?)\b")
+_FUSED_WEIGHT_RULES = []  # factories: model -> parts(name, layer, parent), registered by model libraries
 
 
-def _qkv_grouped_by_kv_head(model):
-    """Leaf names of the fused q/k/v projections whose columns the model groups by k/v head."""
-    owner = next((layer for layer in model.sublayers(include_self=True)
-                  if hasattr(type(layer), "_gen_aoa_config") and hasattr(layer, "config")), None)
-    if owner is None:
-        return set()
-    statements = type(owner)._gen_aoa_config(owner.config).get("aoa_statements", [])
-    matches = (_AOA_FUSED_QKV.search(statement) for statement in statements)
-    return {m.group("leaf") for m in matches if m is not None and m.group("op") == "fused_qkv"}
+def register_fused_weights(factory):
+    """How a model library's fused projections split: `factory(model)` returns `parts(name, layer, parent)`, the
+    column sizes of the fused weight of ColWise layer `name` (q | k | v, gate | up), each split on its own, or
+    None where the weight splits plainly (the first rule to answer decides). PaddleFormers' rules:
+    paddle_cp/integrations/paddleformers/models.py."""
+    if not callable(factory):
+        raise TypeError(f"register_fused_weights takes a factory model -> parts(name, layer, parent), got {factory!r}")
+    if factory not in _FUSED_WEIGHT_RULES:
+        _FUSED_WEIGHT_RULES.append(factory)
 
 
-def _fused_parts(name, layer, parent, grouped_qkv):
-    """Column sizes of a fused projection, by its name; None for a plain one. A q/k/v projection grouped
-    by k/v head is split plainly: each rank then holds whole groups (local head counts check they divide)."""
-    leaf = name.rpartition(".")[2]
-    out = layer.weight.shape[1]
-    if "gate" in leaf and "up" in leaf:
-        return (out // 2, out // 2)
-    if "qkv" in leaf and leaf in grouped_qkv():
-        return None
-    if "qkv" in leaf:
-        heads = getattr(parent, "num_heads", None) or getattr(parent, "num_attention_heads", None)
-        kv_heads = getattr(parent, "num_key_value_heads", None) or getattr(parent, "num_kv_heads", None) or heads
-        head_dim = getattr(parent, "head_dim", None)
-        if not (heads and head_dim) or (heads + 2 * kv_heads) * head_dim != out:
-            raise ValueError(f"ColWiseParallel on fused projection {name!r}: cannot tell its q/k/v sizes (its parent "
-                             "needs num_heads, num_key_value_heads and head_dim matching the weight); split it into "
-                             "q_proj/k_proj/v_proj or leave it unplanned")
-        return (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-    return None
+def _fused_parts(name, layer, parent, rules):
+    """Column sizes of a fused projection by the registered rules; None for a plain one."""
+    return next((parts for rule in rules if (parts := rule(name, layer, parent)) is not None), None)
 
 
 def _check_parts(name, parts, size):
@@ -117,13 +96,13 @@ def annotate_plan(model, matched, mesh):
                    if any(isinstance(p, RowWiseParallel) and p.is_input_parallel for p in plans)}
     size = mesh_lib.dim_size(mesh, "mp")
     annotation, split_parents = PlanAnnotation(partial_gradients=partial_gradients), []
-    grouped_qkv = functools.lru_cache(maxsize=None)(lambda: _qkv_grouped_by_kv_head(model))  # only if asked
+    rules = [factory(model) for factory in _FUSED_WEIGHT_RULES]
     for name, layer, plans, _ in matched:
         weight = getattr(layer, "weight", None)
         if not any(isinstance(p, ColWiseParallel) for p in plans) or not isinstance(weight, paddle.Tensor):
             continue
         feeds_row = _parent(name) in row_parents
-        parts = _fused_parts(name, layer, layers.get(_parent(name), model), grouped_qkv)
+        parts = _fused_parts(name, layer, layers.get(_parent(name), model), rules)
         if parts and weight.ndim == 2:
             _check_parts(name, parts, size)
         annotation.columns.append((layer, ColumnInfo(feeds_row, parts)))

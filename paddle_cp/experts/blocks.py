@@ -1,12 +1,12 @@
-"""The MoE blocks PaddleFormers ships, recognized by class: where the routed experts are, how they are
-stored, and the call through which their output is computed (the seam ExpertParallel takes over).
+"""MoE blocks recognized by class: where the routed experts are, how they are stored, and the call through
+which their output is computed (the seam ExpertParallel takes over).
 
-Every family computes `sum_j w[t, j] * expert_{i[t, j]}(x_t)` from a router's top-k indices and weights;
-they differ in where that call is:
-- Qwen2/Qwen3-MoE, DeepSeek-V3, GLM4-MoE: `experts(hidden [T, H], indices [T, k], weights [T, k])` when the
-  block's `fd_fallback` is set (stacked experts); their list-of-layers path loops in the block itself, so
-  the plan sets `fd_fallback` and gives the list that call.
-- gpt-oss: `experts(hidden [b, s, H], router_indices=[T, k], routing_weights=[T, E])`, dense weights.
+A model library registers the kinds of block it ships (`register_block_kind`); PaddleFormers' are in
+paddle_cp/integrations/paddleformers/models.py. Every kind computes `sum_j w[t, j] * expert_{i[t, j]}(x_t)`
+from a router's top-k indices and weights through its `experts` layer: `experts(hidden [T, H], indices [T, k],
+weights [T, k])` when the block's `fd_fallback` is set (stacked experts; a list of expert layers is given that
+call by the plan), or, with `dense_weights`, `experts(hidden [b, s, H], router_indices=[T, k],
+routing_weights=[T, E])`.
 """
 from __future__ import annotations
 
@@ -24,13 +24,15 @@ class BlockKind:
     dense_weights: bool         # the experts call takes weights [T, E] (gpt-oss), else [T, k]
 
 
-KINDS = (
-    # Qwen2/3-MoE return their router logits, but PaddleFormers 1.2.0's decoder layer drops them: no aux loss
-    BlockKind(("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock"), True, False, False),
-    BlockKind(("DeepseekV3MoE",), True, False, False),
-    BlockKind(("Glm4MoeMoE",), False, False, False),
-    BlockKind(("GptOssMLP",), False, True, True),
-)
+_KINDS = []  # BlockKind, in registration order
+
+
+def register_block_kind(kind):
+    """Recognize MoE blocks of `kind` (a BlockKind) from now on."""
+    if not isinstance(kind, BlockKind):
+        raise TypeError(f"register_block_kind takes a BlockKind, got {type(kind).__name__}")
+    if kind not in _KINDS:
+        _KINDS.append(kind)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class MoEBlock:
 
 def _kind_of(layer):
     names = {cls.__name__ for cls in type(layer).__mro__}
-    return next((kind for kind in KINDS if names & set(kind.classes)), None)
+    return next((kind for kind in _KINDS if names & set(kind.classes)), None)
 
 
 def find_moe_block(layer) -> Optional[MoEBlock]:
@@ -73,15 +75,15 @@ def find_moe_block(layer) -> Optional[MoEBlock]:
 
 def known_blocks():
     """The class names recognized, for error messages."""
-    return [name for kind in KINDS for name in kind.classes]
+    return [name for kind in _KINDS for name in kind.classes]
 
 
 def check_block(name, block):
     """Raise on a MoE block ExpertParallel cannot split; before any collective."""
     if getattr(getattr(block.layer, "config", None), "sequence_parallel", False) or getattr(
             block.layer, "sequence_parallel", False):
-        raise ValueError(f"{name} ({type(block.layer).__name__}) was built with PaddleFormers' sequence_parallel=True "
-                         "(its fleet gather/scatter inside the block): build the model with sequence_parallel=False "
+        raise ValueError(f"{name} ({type(block.layer).__name__}) was built with sequence_parallel=True (its model "
+                         "library's own gather/scatter inside the block): build the model with sequence_parallel=False "
                          "for ExpertParallel")
     if not block.listed:
         shapes = {n: list(p.shape) for n, p in block.stacked_parameters()}

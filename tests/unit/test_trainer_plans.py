@@ -191,3 +191,28 @@ def test_fleet_only_flags_are_refused_with_the_reason(flag, value):
     _refuse_unsupported(SimpleNamespace(**{name: None for name in UNSUPPORTED}))  # defaults pass
     with pytest.raises(ValueError, match=f"{flag}={value!r} is not supported"):
         _refuse_unsupported(SimpleNamespace(**{**{name: None for name in UNSUPPORTED}, flag: value}))
+
+
+def test_a_share_without_labels_gives_a_zero_loss_and_zero_gradients():
+    """EmptyShare: the model's token mean over no label is 0/0 (NaN, in the gradients too); while active the
+    criterion returns a zero that still depends on the logits: backward runs through the model, grads exactly 0.
+    (Under Ulysses 4 in tests/multiproc/test_paddleformers_cli.py.)"""
+    import numpy as np
+    import paddle
+
+    from paddle_cp.integrations.paddleformers.loss import EmptyShare
+
+    model = _model("llama")
+    ids = paddle.randint(0, 128, [1, 8])
+    no_labels = paddle.full([1, 8], -100, dtype="int64")
+    assert np.isnan(float(model(input_ids=ids, labels=no_labels)[0]))
+    share = EmptyShare(model)
+    share.active = True
+    loss = model(input_ids=ids, labels=no_labels)[0]
+    loss.backward()
+    assert float(loss) == 0.0
+    grads = [p.grad.numpy() for p in model.parameters() if p.grad is not None]
+    assert len(grads) == len(model.parameters()) and all((g == 0).all() for g in grads)
+    share.active = False
+    model.clear_gradients()
+    assert np.isfinite(float(model(input_ids=ids, labels=ids)[0]))  # inactive: the model's own loss

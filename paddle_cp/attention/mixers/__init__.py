@@ -9,7 +9,7 @@ from .conv1d import Conv1DOverSequence
 from .gated_delta import GatedDeltaNet
 from .recurrent import Recurrent
 from .registry import claimed_within, mixer_of, register_mixer  # noqa: F401
-from .softmax import SoftmaxAttention
+from .softmax import SoftmaxAttention, register_attention_class  # noqa: F401
 
 SOFTMAX = SoftmaxAttention()
 for _mixer in (GatedDeltaNet(), Conv1DOverSequence(), Recurrent(), SOFTMAX):

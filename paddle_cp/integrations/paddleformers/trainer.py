@@ -29,7 +29,7 @@ from paddleformers.utils.env import PREFIX_CHECKPOINT_DIR, SCHEDULER_NAME, TRAIN
 import paddle_cp as pcp
 
 from .data import DataParallelBatchSampler
-from .loss import PipelineLoss, local_tokens
+from .loss import EmptyShare, PipelineLoss, local_tokens
 from .plans import parallelize_config, prepare_plan
 from .training_args import TrainingArguments
 
@@ -73,6 +73,7 @@ class Trainer(PaddleFormersTrainer):
                                                self._ignored_label())
             pp_config = {**pp_config, "loss_fn": self._pipeline_loss}
             self.paddle_cp_config = {**self.paddle_cp_config, "pp_config": pp_config}
+        self._empty_share = EmptyShare(model)
         self._parallelized = False
 
     def _pipeline_micro_batches(self):
@@ -117,7 +118,13 @@ class Trainer(PaddleFormersTrainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
         weigh = self._parallelized and degrees.dp * degrees.sep > 1 and inputs.get("labels") is not None
         tokens = local_tokens(inputs["labels"], self._prepare_plan, self._ignored_label(), inputs) if weigh else None
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs)
+        if weigh and tokens == 0:
+            self._empty_share.check(model)
+        self._empty_share.active = weigh and tokens == 0
+        try:
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs)
+        finally:
+            self._empty_share.active = False
         if not weigh:
             return result
         weight = pcp.loss_weight(tokens)

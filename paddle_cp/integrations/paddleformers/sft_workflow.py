@@ -1,0 +1,83 @@
+"""PaddleFormers' own SFT/PT workflow (`run_tuner` -> `run_sft`) with paddle_cp's Trainer underneath.
+
+Nothing of the workflow is rewritten: its argument parser, data pipeline (packing,
+FlashMask row indices), model and tokenizer loading, LoRA, callbacks and
+checkpoint discovery run as PaddleFormers wrote them. Two names are swapped for
+the length of the run, the narrowest seams it has:
+
+- the `FinetuningArguments` dataclass its parser fills (`hparams.parser._TRAIN_ARGS`)
+  becomes one that is also paddle_cp's `TrainingArguments`: the parallel keys
+  build paddle_cp's mesh and plans instead of fleet's groups;
+- the `SFTTrainer` that `run_sft` constructs (`sft.workflow.SFTTrainer`) becomes
+  one that is also paddle_cp's `Trainer`: it parallelizes the one-card model,
+  weighs the loss, writes and reads paddle_cp checkpoints.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass
+
+import paddle.distributed as dist
+from paddleformers.cli.hparams.finetuning_args import FinetuningArguments as PaddleFormersFinetuningArguments
+from paddleformers.cli.train.sft.sft_trainer import SFTTrainer as PaddleFormersSFTTrainer
+
+from .trainer import Trainer
+from .training_args import TrainingArguments
+
+# the stages whose workflow is run_sft (SFTTrainer); the others build trainers of their own
+STAGES = ("SFT", "PT")
+# compute types that train in fp32 (FinetuningArguments turns the others into bf16/fp16 or quantized weights)
+FP32_COMPUTE = "float32"
+
+
+@dataclass
+class FinetuningArguments(TrainingArguments, PaddleFormersFinetuningArguments):
+    """PaddleFormers' CLI arguments whose parallel keys go to paddle_cp (TrainingArguments comes first in
+    the MRO: it takes the parallel keys out before PaddleFormers' own __post_init__ sees them)."""
+
+    def __post_init__(self):
+        # FinetuningArguments sets bf16/fp16 from compute_type after paddle_cp's checks ran: refuse it here
+        if dist.get_world_size() > 1 and self.compute_type != FP32_COMPUTE:
+            raise ValueError(
+                f"compute_type {self.compute_type!r} is not supported by pcp-train on more than one rank: mixed "
+                "precision and quantized weights are not wired into paddle_cp's Trainer yet; set "
+                f"compute_type: {FP32_COMPUTE} (with fp16_opt_level: O1)")
+        super().__post_init__()
+
+
+class SFTTrainer(Trainer, PaddleFormersSFTTrainer):
+    """PaddleFormers' SFTTrainer (its logging, evaluation with generation, dataset preparation) on
+    paddle_cp's Trainer (parallelize, loss weighting, data-parallel batches, checkpoints)."""
+
+
+def check_stage(args):
+    """A stage pcp-train cannot run, refused before anything is built (every rank reads the same YAML)."""
+    stage = args.get("stage", "SFT")
+    if stage not in STAGES:
+        raise ValueError(f"stage {stage!r} is not supported by pcp-train: it runs PaddleFormers' run_sft "
+                         f"(stages {list(STAGES)}); use paddleformers-cli for the others")
+
+
+@contextlib.contextmanager
+def paddle_cp_underneath():
+    """PaddleFormers' parser fills paddle_cp's arguments and run_sft builds paddle_cp's trainer, until exit."""
+    parser = importlib.import_module("paddleformers.cli.hparams.parser")
+    workflow = importlib.import_module("paddleformers.cli.train.sft.workflow")
+    train_args = [FinetuningArguments if cls is PaddleFormersFinetuningArguments else cls
+                  for cls in parser._TRAIN_ARGS]
+    saved = parser._TRAIN_ARGS, workflow.SFTTrainer
+    parser._TRAIN_ARGS, workflow.SFTTrainer = train_args, SFTTrainer
+    try:
+        yield
+    finally:
+        parser._TRAIN_ARGS, workflow.SFTTrainer = saved
+
+
+def run(args):
+    """PaddleFormers' `run_tuner(args)` (args: the dict its CLI reads from YAML + overrides) on this rank."""
+    from paddleformers.cli.train.tuner import run_tuner
+
+    check_stage(args)
+    with paddle_cp_underneath():
+        run_tuner(args)

@@ -1,0 +1,230 @@
+"""pcp-train (PaddleFormers' CLI workflow with paddle_cp underneath) vs PaddleFormers' run_sft in one process.
+
+Everything is built offline in the test by the example's builder (examples/sft_cli_inputs.py): a tiny
+Llama (save_pretrained), a byte-level tokenizer (the `tokenizers` package), 24 SFT samples in PaddleFormers'
+erniekit format (stdlib module names and the first line or so of their source). One YAML
+(packing on, eager attention, fp32) serves every run; the runs differ only in key=value overrides,
+as a user's would. Three processes do all the work:
+
+- the reference: PaddleFormers' own `run_tuner` in one process, per global batch (2 and 4), full
+  fine-tuning and LoRA;
+- `python -m paddle_cp.train` starting its own launch (2 CPU ranks, ring attention), saving a
+  checkpoint every 2 steps;
+- a 4-rank launch whose ranks run pcp-train's main in place, one run after another: ring 4,
+  Ulysses 4, dp 2 x ring 2, dp 2 x tensor 2 + sequence parallel, LoRA on dp 2 x ring 2, and a
+  resume of the first launch's step-2 checkpoint on ring 2 x Ulysses 2; then configs it must refuse.
+
+Each run's logged losses (PaddleFormers' `loss:` log lines, 8 digits) and the weights it saves
+(safetensors in output_dir) are compared with the reference of the same global batch (1e-5).
+AdamW's epsilon is 1e-3: with PaddleFormers' 1e-8 a parameter whose gradient is ~0 moves by
+~lr * sign(g), so fp32 rounding in g would decide its update (as tests/multiproc/test_trainer.py).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from launcher import EXAMPLES, ROOT, WORKERS, launch_logged
+
+TOLERANCE = 1e-5
+STEPS = 4
+for module in ("paddleformers", "jinja2", "datasets", "binpacking", "librosa", "tokenizers", "safetensors"):
+    pytest.importorskip(module)  # PaddleFormers' CLI imports its data pipeline's packages at module level
+
+BASE = {
+    "train_dataset_type": "erniekit", "train_dataset_prob": "1.0", "dataset_type": "map", "mix_strategy": "concat",
+    "max_seq_len": 64, "packing": True, "template": "default",
+    "_attn_implementation": "eager",  # the default, flashmask, is a GPU kernel
+    "stage": "SFT", "fine_tuning": "full", "seed": 23, "do_train": True, "per_device_train_batch_size": 2,
+    "max_steps": STEPS, "logging_steps": 1, "learning_rate": 1.0e-3, "adam_epsilon": 1.0e-3,
+    "weight_decay": 0.1, "save_steps": 100,
+    "compute_type": "float32", "amp_master_grad": False,  # what fp32 needs in PaddleFormers' CLI
+    "device": "cpu", "report_to": "none", "disable_tqdm": True,
+}
+LORA = ["lora=true", "lora_rank=4", "fine_tuning=lora"]
+# unpacked, over-long samples cut (PaddleFormers' default, delete, has its map dataset draw a replacement from an
+# unseeded generator: a different sample on every process, which paddle_cp refuses within a replica)
+UNPACKED = ["packing=false", "truncation_strategy=right"]
+PT = ["stage=PT", "dataset_type=iterator"]  # PaddleFormers' map dataset cannot pack for PT (it fails on one card)
+# name -> (overrides, reference, collectives that must have sent bytes); on 4 ranks: the ranks a layout leaves
+# over are data parallel
+LAUNCH_RUNS = {
+    "ring4": (["context_parallel_size=4"], "full_b2", ["ring"]),
+    "ulysses4": (["sep_parallel_size=4"], "full_b2", ["ulysses"]),
+    "dp2_ring2": (["context_parallel_size=2"], "full_b4", ["ring", "grad_all_reduce"]),
+    "dp2_tp2_sp": (["tensor_model_parallel_size=2", "sequence_parallel=true"], "full_b4",
+                   ["tp_all_reduce", "all_gather", "grad_all_reduce"]),
+    "lora_dp2_ring2": (["context_parallel_size=2", *LORA], "lora_b4", ["ring", "grad_all_reduce"]),
+    "dp2_ulysses2_sharding2": (["sep_parallel_size=2", "sharding=stage2"], "full_b4",
+                               ["ulysses", "grad_reduce_scatter"]),
+    "pp2_ring2": (["pipeline_model_parallel_size=2", "context_parallel_size=2"], "full_b2",
+                  ["pp_activation", "ring"]),
+    "unpacked_ring4": (["context_parallel_size=4", *UNPACKED], "unpacked_b2", ["ring"]),
+    "pt_ring4": (["context_parallel_size=4", *PT], "pt_b2", ["ring"]),
+    "resume_ring2_ulysses2": (["context_parallel_size=2", "sep_parallel_size=2"], "full_b2",
+                              ["checkpoint_agree", "ring", "ulysses"]),
+}
+REFERENCES = {"full_b2": [], "full_b4": ["per_device_train_batch_size=4"],
+              "lora_b4": ["per_device_train_batch_size=4", *LORA], "unpacked_b2": UNPACKED, "pt_b2": PT}
+REFUSED = {
+    "bf16": ["compute_type=bf16"],
+    "dpo": ["stage=DPO"],
+    "sizes_do_not_fit": ["context_parallel_size=3"],
+    "sequence_parallel_alone": ["sequence_parallel=true"],
+}
+LOSS_LINE = re.compile(r"- loss: ([0-9.]+), .*global_step: (\d+),")
+
+
+def runs_in_log(text):
+    """{run name: {step: logged loss}} from a log where each run starts with a `PCP_RUN <name>` line."""
+    runs, current = {}, None
+    for line in text.splitlines():
+        if line.startswith("PCP_RUN "):
+            current = runs.setdefault(line.split()[1], {})
+        elif current is not None and (match := LOSS_LINE.search(line)):
+            current[int(match.group(2))] = float(match.group(1))
+    return runs
+
+
+def saved_weights(folder):
+    """The weights a run wrote: safetensors (the model; PaddleFormers' LoRA adapter on one card) or the LoRA
+    adapter in LoRAModel's other format, lora_model_state.pdparams (paddle_cp's export)."""
+    import paddle
+    from safetensors.numpy import load_file
+
+    weights = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    adapter = Path(folder) / "lora_model_state.pdparams"
+    if adapter.exists():
+        weights.update({name: value.numpy() for name, value in paddle.load(str(adapter)).items()})
+    return weights
+
+
+def _env(log_dir):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(WORKERS), str(EXAMPLES),
+                                                       os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", PADDLEFORMERS_DIST_LOG=str(log_dir))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def results():
+    """Runs everything once (in a folder of its own: pytest's numbered tmp folders are shared by every
+    pytest session of the machine, and rotated)."""
+    with tempfile.TemporaryDirectory(prefix="pcp_train_") as tmp:
+        yield run_all(Path(tmp))
+
+
+def run_all(tmp):
+    """{logged: {run: {step: loss}}, weights: {run: {name: array}}, work: each rank's records,
+    refusals: each rank's errors, refused_wrote: {name: whether its output_dir exists}, timings}."""
+    timings = {}
+    build = f"import sft_cli_inputs; sft_cli_inputs.build({str(tmp)!r}, samples=24, answer_bytes=40)"
+    subprocess.run([sys.executable, "-c", build], env=_env(tmp / "unused"), check=True, capture_output=True)
+    config = tmp / "sft.yaml"
+    config.write_text(yaml.safe_dump({**BASE, "model_name_or_path": str(tmp / "model"),
+                                      "train_dataset_path": str(tmp / "train.jsonl")}))
+
+    def argv(name, overrides):
+        return [str(config), f"output_dir={tmp / name}", *overrides]
+
+    started = time.time()
+    reference = subprocess.run(
+        [sys.executable, str(WORKERS / "sft_cli_reference.py"),
+         json.dumps({name: argv(name, overrides) for name, overrides in REFERENCES.items()})],
+        env=_env(tmp / "unused"), capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    logged = runs_in_log(reference.stderr)
+    timings["reference"] = time.time() - started
+
+    # pcp-train as a user starts it: its own launch, CPU ranks = the parallel sizes' product (2)
+    started = time.time()
+    spawned = subprocess.run([sys.executable, "-m", "paddle_cp.train", *argv("ring2", ["context_parallel_size=2",
+                                                                                        "save_steps=2"])],
+                             env=_env(tmp / "ring2_log"), capture_output=True, text=True, timeout=600, cwd=tmp)
+    worker_log = (tmp / "ring2_log" / "workerlog.0").read_text() if (tmp / "ring2_log").exists() else ""
+    assert spawned.returncode == 0, spawned.stdout[-3000:] + spawned.stderr[-3000:] + worker_log[-4000:]
+    logged["ring2"] = runs_in_log("PCP_RUN ring2\n" + worker_log)["ring2"]
+    assert "world_size: 2" in worker_log and (tmp / "ring2_log" / "workerlog.1").exists()  # its own 2 ranks
+    timings["pcp-train ring2 (2 ranks)"] = time.time() - started
+
+    # resume: a fresh output_dir holding the step-2 checkpoint, found by run_sft as it finds its own
+    shutil.copytree(tmp / "ring2" / "checkpoint-2", tmp / "resume_ring2_ulysses2" / "checkpoint-2")
+    spec = {"runs": {name: argv(name, overrides) for name, (overrides, _, _) in LAUNCH_RUNS.items()},
+            "refused": {name: argv(f"refused_{name}", overrides) for name, overrides in REFUSED.items()}}
+    started = time.time()
+    reports, logs = launch_logged("sft_cli_runs.py", 4, json.dumps(spec))
+    timings["4-rank launch"] = time.time() - started
+    for report in reports:
+        assert "crash" not in report["values"], report["values"]["crash"]
+    logged.update(runs_in_log(logs["workerlog.0"]))
+    refusals = [report["errors"] for report in reports]
+    return dict(logged=logged, timings=timings, refusals=refusals, work=[r["values"] for r in reports],
+                refused_wrote={name: (tmp / f"refused_{name}").exists() for name in REFUSED},
+                weights={name: saved_weights(tmp / name) for name in [*REFERENCES, "ring2", *LAUNCH_RUNS]})
+
+
+REFERENCE_OF = {"ring2": "full_b2", **{name: ref for name, (_, ref, _) in LAUNCH_RUNS.items()}}
+
+
+@pytest.mark.parametrize("run", list(LAUNCH_RUNS))
+def test_pcp_train_runs_the_layout_asked_for(results, run):
+    """What paddle_cp did: the layout's collectives sent bytes (pp_activation: the first stage's ranks), and
+    every rank split the batches by their documents (packed, and unpacked ones too: PaddleFormers' collator
+    gives both row indices)."""
+    sent = [values[f"{run}.bytes"] for values in results["work"]]
+    assert all(sum(rank.get(tag, 0) for rank in sent) > 0 for tag in LAUNCH_RUNS[run][2]), (run, sent)
+    if any(tag in ("ring", "ulysses") for tag in LAUNCH_RUNS[run][2]):
+        assert all(values[f"{run}.document_batches"] > 0 for values in results["work"]), run
+
+
+def test_a_rank_holding_no_label_trains_as_one_card(results):
+    """Ulysses' contiguous quarters of rows padded to max_seq_len: the last rank's quarter of some batches is
+    all padding (no label; the model's token mean would be 0/0). ulysses4's parity above covers those steps."""
+    assert sum(values["ulysses4.empty_shares"] for values in results["work"]) > 0
+
+
+@pytest.mark.parametrize("run", list(REFERENCE_OF))
+def test_pcp_train_matches_run_sft(results, run):
+    reference = REFERENCE_OF[run]
+    want, got = results["logged"][reference], results["logged"][run]
+    assert sorted(want) == list(range(1, STEPS + 1)), want
+    first = 3 if run.startswith("resume") else 1  # resumed after step 2
+    assert sorted(got) == list(range(first, STEPS + 1)), got
+    loss_error = max(abs(got[step] - want[step]) for step in got)
+    want_weights, got_weights = results["weights"][reference], results["weights"][run]
+    assert sorted(got_weights) == sorted(want_weights) and want_weights
+    weight_error = max(float(np.abs(got_weights[k] - want_weights[k]).max()) for k in want_weights)
+    print(f"{run}: loss {loss_error:.1e}, weights {weight_error:.1e}")
+    assert loss_error < TOLERANCE and weight_error < TOLERANCE, (run, loss_error, weight_error, got, want)
+
+
+REFUSAL_FIX = {  # what each error must name: the key, and the fix
+    "bf16": ("compute_type 'bf16'", "compute_type: float32"),
+    "dpo": ("stage 'DPO'", "paddleformers-cli"),
+    "sizes_do_not_fit": ("context_parallel_size 3", "must divide the world size"),
+    "sequence_parallel_alone": ("sequence_parallel", "tensor_model_parallel_size > 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_refused_on_every_rank_before_training(results, name):
+    key, fix = REFUSAL_FIX[name]
+    for errors in results["refusals"]:
+        kind, message = errors[name]
+        assert kind == "ValueError" and key in message and fix in message, (name, kind, message)
+    assert not results["refused_wrote"][name]  # nothing trained, nothing written
+
+
+def test_timings(results):
+    print({name: round(seconds, 1) for name, seconds in results["timings"].items()})

@@ -1,0 +1,66 @@
+"""pcp-train's command line: the YAML and overrides as PaddleFormers' CLI reads them, the ranks it starts
+(the launch command, CPU rank count, multi-node flags), and the stages it refuses before building anything.
+Training itself: tests/multiproc/test_paddleformers_cli.py."""
+import sys
+
+import pytest
+import yaml
+
+pytest.importorskip("paddleformers")
+pytest.importorskip("omegaconf")
+
+from paddle_cp.integrations.paddleformers import cli  # noqa: E402
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump({"stage": "SFT", "context_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                    "learning_rate": 1.0e-5, "output_dir": "out"}))
+    return str(path)
+
+
+def test_reads_the_yaml_and_overrides_as_paddleformers_cli(config):
+    args = cli.read_config([config, "learning_rate=3e-4", "max_steps=7", "packing=true"])
+    assert args["learning_rate"] == 3e-4 and args["max_steps"] == 7 and args["packing"] is True
+    assert args["context_parallel_size"] == 2 and args["output_dir"] == "out"
+    with pytest.raises(SystemExit, match="YAML or JSON config"):
+        cli.read_config(["--learning_rate", "1"])
+
+
+def test_cpu_ranks_are_one_replica_unless_asked(config, monkeypatch):
+    monkeypatch.delenv("PCP_NPROC_PER_NODE", raising=False)
+    args = cli.read_config([config])
+    assert cli.cpu_ranks(args) == 4  # context 2 x tensor 2
+    monkeypatch.setenv("PCP_NPROC_PER_NODE", "8")
+    assert cli.cpu_ranks(args) == 8
+
+
+def test_launch_command(config, monkeypatch):
+    for key in ("PCP_NPROC_PER_NODE", "NNODES", "MASTER_ADDR", "MASTER_PORT", "RANK", "PADDLEFORMERS_DIST_LOG"):
+        monkeypatch.delenv(key, raising=False)
+    argv = [config, "max_steps=3"]
+    command = cli.launch_command(argv, cli.read_config(argv))
+    assert command[:3] == [sys.executable, "-m", "paddle.distributed.launch"]
+    assert command[command.index("--log_dir") + 1] == "paddleformers_dist_log"
+    assert command[command.index("--nproc_per_node") + 1] == "4" and "--master" not in command
+    assert command[-5:] == [sys.executable, "-m", "paddle_cp.train", config, "max_steps=3"]
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("RANK", "1")
+    command = cli.launch_command(argv, cli.read_config(argv))
+    assert command[command.index("--master") + 1] == "10.0.0.1:8080"  # PaddleFormers' default port
+    assert command[command.index("--nnodes") + 1] == "2" and command[command.index("--rank") + 1] == "1"
+
+
+def test_other_stages_are_refused_by_name():
+    from paddle_cp.integrations.paddleformers.sft_workflow import check_stage
+
+    check_stage({"stage": "PT"})
+    with pytest.raises(ValueError, match="stage 'DPO' is not supported by pcp-train.*paddleformers-cli"):
+        check_stage({"stage": "DPO"})
+
+
+def test_help_needs_no_config(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "pcp-train config.yaml" in capsys.readouterr().out
