@@ -9,6 +9,7 @@ import pytest
 
 from paddle_cp.api.config import load_config
 from paddle_cp.tools import attention_cost, bench, bench_pp, memory, plan, selftest
+from paddle_cp.integrations.paddleformers import cli
 from paddle_cp.tools.memory_model import memory as memory_estimate
 from paddle_cp.tools.model_shape import ModelShape
 from paddle_cp.tools.plan_layout import Layout
@@ -125,7 +126,7 @@ def test_console_scripts_name_the_tools_mains():
     resolved = {name: getattr(importlib.import_module(target.split(":")[0]), target.split(":")[1])
                 for name, target in scripts.items()}
     assert resolved == {"pcp-bench": bench.main, "pcp-plan": plan.main, "pcp-memory": memory.main,
-                        "pcp-bench-pp": bench_pp.main, "pcp-selftest": selftest.main}
+                        "pcp-bench-pp": bench_pp.main, "pcp-selftest": selftest.main, "pcp-train": cli.main}
 
 
 def test_memory_bench_refuses_bad_arguments():
