@@ -70,7 +70,7 @@ def tile_counts(groups, end, ring):
     end = np.atleast_2d(np.asarray(end, dtype=np.int64))
     seq_len = len(groups)
     tokens = np.bincount(groups, minlength=ring)
-    order = np.argsort(groups, kind="stable")  # the keys, group after group, ascending in each
+    order = np.argsort(groups.astype(np.int16), kind="stable")  # the keys, group after group, ascending in each (radix)
     block_start = np.concatenate([[0], np.cumsum(tokens)])
     block_tiles = -(-tokens // TILE)
     tile_start = np.concatenate([[0], np.cumsum(block_tiles)])
@@ -82,11 +82,11 @@ def tile_counts(groups, end, ring):
     jump = np.diff(order, prepend=-2) != 1
     counts = TileCounts(np.zeros(ring, np.int64), np.zeros(ring, np.int64), np.zeros((ring, ring), np.int64), tokens)
     for row_end in end:
-        _count_row(counts, groups, row_end, order, key_tile, new_tile | jump, whole_tile, tile_block, in_block)
+        _count_row(counts, groups, row_end, order, block_start, key_tile, new_tile | jump, whole_tile, tile_block)
     return counts
 
 
-def _count_row(counts, groups, row_end, order, key_tile, breaks, whole_tile, tile_block, in_block):
+def _count_row(counts, groups, row_end, order, block_start, key_tile, breaks, whole_tile, tile_block):
     """Add one row's tiles. A fragment is a run of a block's keys in one key tile, consecutive positions
     and one document: its keys share their last row, and their first rows are consecutive (for the
     group holding them) or equal (for any other), so each group sees it as one interval of query tiles."""
@@ -95,12 +95,11 @@ def _count_row(counts, groups, row_end, order, key_tile, breaks, whole_tile, til
     starts = np.flatnonzero(breaks | (np.diff(key_end, prepend=-1) != 0))  # fragments, in key order
     size = np.diff(np.append(starts, len(order)))
     first_key, last_end, owner = order[starts], key_end[starts], groups[order[starts]]
-    lo = _held_before(groups, first_key, ring)  # [F, R]: each group's rows before the fragment
-    hi = _held_before(groups, last_end, ring)  # [F, R]: and before its document's end
-    own = np.arange(ring)[None, :] == owner[:, None]
-    lo[own] = in_block[starts]
-    lo_last = lo + np.where(own, size[:, None] - 1, 0)  # the fragment's last key's first row
-    lo, hi, lo_last = lo.T, hi.T, lo_last.T  # [R, F]
+    blocks = [order[a:b] for a, b in zip(block_start[:-1], block_start[1:])]  # each group's positions
+    lo = np.stack([np.searchsorted(block, first_key) for block in blocks])  # [R, F]: rows before the fragment
+    hi = np.stack([np.searchsorted(block, last_end) for block in blocks])  # [R, F]: and before its document's end
+    own = np.arange(ring)[:, None] == owner[None, :]
+    lo_last = lo + np.where(own, size[None, :] - 1, 0)  # the fragment's last key's first row
     seen = hi > lo
     first_tile = lo // TILE
     last_tile = np.where(seen, (hi - 1) // TILE, -1)
@@ -119,11 +118,3 @@ def _count_row(counts, groups, row_end, order, key_tile, breaks, whole_tile, til
         counts.visited[r] += np.bincount(tile_block, weights=nonempty[r], minlength=ring).astype(np.int64)
     counts.full += full.sum(axis=1)
     counts.partial += nonempty.sum(axis=1) - full.sum(axis=1)
-
-
-def _held_before(groups, points, ring):
-    """int64 [len(points), R]: how many positions before each point every group holds."""
-    marks, where = np.unique(points, return_inverse=True)
-    segment = np.searchsorted(marks, np.arange(len(groups)), side="right")  # marks at or before each position
-    held = np.bincount(segment * ring + groups, minlength=(len(marks) + 1) * ring).reshape(-1, ring)
-    return np.cumsum(held, axis=0)[where]
