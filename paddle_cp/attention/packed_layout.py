@@ -22,13 +22,11 @@ and the model prices every row.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 try:
     from .balance import balanced_groups
-    from .tile_cost import TILE, TileCounts, document_ends, tile_counts
+    from .tile_cost import TILE, document_ends, tile_counts
 except ImportError:  # loaded by file path (balance_gpu.py --layout): its numpy-only siblings, by path too
     import importlib.util
     import pathlib
@@ -41,20 +39,20 @@ except ImportError:  # loaded by file path (balance_gpu.py --layout): its numpy-
 
     balanced_groups = _sibling("balance").balanced_groups
     _tiles = _sibling("tile_cost")
-    TILE, TileCounts, document_ends, tile_counts = _tiles.TILE, _tiles.TileCounts, _tiles.document_ends, _tiles.tile_counts
+    TILE, document_ends, tile_counts = _tiles.TILE, _tiles.document_ends, _tiles.tile_counts
 
 MEMORY_BOUND = 1.05  # most tokens a ring group may hold, over S/R
 NEAR = 1.01  # slowest ranks within this of the cheapest count as equal
 CUT_LONGER_THAN = (2, 8, 32, None)  # the `cut>L` candidates: L = this x R tiles (2: `whole`; None: `uncut`)
 
 
-@dataclass
 class Candidate:
-    name: str
-    groups: np.ndarray  # ring group of every position
-    counts: TileCounts
-    slowest_ms: float
-    work_imbalance: float  # slowest group's query-key pairs over the mean
+    """A priced layout: `groups` (ring group of every position), its TileCounts, the slowest rank's
+    predicted ms and its slowest group's query-key pairs over the mean."""
+
+    def __init__(self, name, groups, counts, slowest_ms, work_imbalance):
+        self.name, self.groups, self.counts = name, groups, counts
+        self.slowest_ms, self.work_imbalance = slowest_ms, work_imbalance
 
 
 def chunk_sizes(seq_len, ring):

@@ -21,8 +21,6 @@ A rank of a hybrid group computes 1/U of the heads of its group's tiles; the fix
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 TILE = 128
@@ -31,16 +29,13 @@ FULL_MS = 0.00236  # one full tile
 RANK_MS = 1.59  # per rank and layer, whatever its tiles (launches, ring steps' fixed cost)
 
 
-@dataclass
 class TileCounts:
     """Per ring group r: `partial[r]`, `full[r]` tiles over all its steps and the batch's rows;
     `visited[r, g]`: its non-empty tiles against group g's keys (0: the step needs no kernel call);
-    `tokens[r]`: the positions it holds."""
+    `tokens[r]`: the positions it holds. (A plain class: the GPU script loads this file alone.)"""
 
-    partial: np.ndarray
-    full: np.ndarray
-    visited: np.ndarray
-    tokens: np.ndarray
+    def __init__(self, partial, full, visited, tokens):
+        self.partial, self.full, self.visited, self.tokens = partial, full, visited, tokens
 
     def rank_ms(self, ulysses=1):
         """Predicted ms of each rank of each group (fwd + bwd of one attention layer, H200)."""
