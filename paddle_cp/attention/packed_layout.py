@@ -1,6 +1,6 @@
 """The layout of a packed batch: of a few candidate layouts, the one whose slowest rank a GPU would
 finish first, by the tile model (tile_cost.py), under a memory bound (no ring group above 1.05 x S/R
-tokens). Numpy only: `ring_groups(position_in_document, document_id, R)` is the function
+tokens; S/R + 2R on rows of under 40R tokens per group). Numpy only: `ring_groups(position_in_document, document_id, R)` is the function
 shared/gpu/balance_gpu.py prices on a GPU (`--layout mine=paddle_cp/attention/packed_layout.py:ring_groups`).
 
 Why candidates: on a flash kernel a rank pays for tiles, and cutting a short document into 2R pieces
@@ -21,6 +21,8 @@ then a run of positions inside one document in every row (cut wherever some row'
 and the model prices every row.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -48,11 +50,13 @@ CUT_LONGER_THAN = (2, 8, 32, None)  # the `cut>L` candidates: L = this x R tiles
 
 class Candidate:
     """A priced layout: `groups` (ring group of every position), its TileCounts, the slowest rank's
-    predicted ms and its slowest group's query-key pairs over the mean."""
+    predicted ms, its slowest group's query-key pairs over the mean, and the host ms (CPU time) that
+    building and pricing it took."""
 
     def __init__(self, name, groups, counts, slowest_ms, work_imbalance):
         self.name, self.groups, self.counts = name, groups, counts
         self.slowest_ms, self.work_imbalance = slowest_ms, work_imbalance
+        self.host_ms = None
 
 
 def chunk_sizes(seq_len, ring):
@@ -72,8 +76,9 @@ def chunk_groups(seq_len, ring):
 
 
 def token_cap(seq_len, ring):
-    """The most tokens a ring group may hold: 1.05 x S/R (at least what 2R chunks give one)."""
-    return max(-(-seq_len // ring), int(MEMORY_BOUND * seq_len / ring))
+    """The most tokens a ring group may hold: 1.05 x S/R, or S/R + 2R where that is more (rows under 40R
+    tokens per group, where a few tokens are no memory and the pairs layout needs them)."""
+    return max(-(-seq_len // ring) + 2 * ring, int(MEMORY_BOUND * seq_len / ring))
 
 
 def whole_cost(length):
@@ -105,7 +110,8 @@ def cut_and_whole(starts, lengths, seq_len, ring, longer_than):
         piece = zigzag(length, ring, turn)
         groups[start:start + length] = piece
         tokens += np.bincount(piece, minlength=ring)
-        cost += whole_cost(length) / ring
+        pairs = np.bincount(piece, weights=np.arange(1, length + 1), minlength=ring)  # its queries' keys
+        cost += whole_cost(length) * pairs / pairs.sum()
     whole = np.flatnonzero(~cut)
     for d in whole[np.argsort(-lengths[whole], kind="stable")]:
         start, length = starts[d], lengths[d]
@@ -137,20 +143,20 @@ def segments(end):
 
 
 def candidates(end, work, ring):
-    """{name: ring group of every position} for a batch (`end`: each key's document end, `work`: the
-    keys each query sees, both int [rows, S])."""
+    """(name, ring group of every position) of each candidate for a batch (`end`: each key's document
+    end, `work`: the keys each query sees, both int [rows, S]), built one at a time."""
     seq_len = np.shape(end)[-1]
     starts, lengths = segments(end)
-    layouts = {"chunks": chunk_groups(seq_len, ring), "pairs": balanced_groups(work, ring)}
+    yield "chunks", chunk_groups(seq_len, ring)
+    yield "pairs", balanced_groups(work, ring)
     cut_before = -1
     for times in CUT_LONGER_THAN:
         longer_than = times * ring * TILE if times else seq_len
         cut = int((lengths > longer_than).sum())
         if cut != cut_before:  # each threshold cuts fewer documents: a new candidate where it cuts another set
-            name = "whole" if times == 2 else f"cut>{longer_than}" if times else "uncut"
-            layouts[name] = cut_and_whole(starts, lengths, seq_len, ring, longer_than)
+            name = "whole" if times == 2 else f"cut>{longer_than}" if cut else "uncut"
+            yield name, cut_and_whole(starts, lengths, seq_len, ring, longer_than)
         cut_before = cut
-    return layouts
 
 
 def price(name, groups, end, work, ring, ulysses=1):
@@ -164,8 +170,11 @@ def choose(end, work, ring, ulysses=1):
     bound whose groups hold at least one token per Ulysses rank, the most even work among those NEAR
     the cheapest slowest rank."""
     seq_len = np.shape(end)[-1]
-    priced = {name: price(name, groups, end, work, ring, ulysses)
-              for name, groups in candidates(end, work, ring).items()}
+    priced = {}
+    clock = time.process_time()
+    for name, groups in candidates(end, work, ring):
+        priced[name] = price(name, groups, end, work, ring, ulysses)
+        priced[name].host_ms, clock = (time.process_time() - clock) * 1e3, time.process_time()
     fits = [c for c in priced.values()
             if c.counts.tokens.max() <= token_cap(seq_len, ring) and c.counts.tokens.min() >= ulysses]
     cheapest = min(c.slowest_ms for c in fits)
