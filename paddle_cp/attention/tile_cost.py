@@ -27,6 +27,7 @@ TILE = 128
 PARTIAL_MS = 0.00354  # one partial tile, forward + backward
 FULL_MS = 0.00236  # one full tile
 RANK_MS = 1.59  # per rank and layer, whatever its tiles (launches, ring steps' fixed cost)
+FIT_HEADS, FIT_HEAD_DIM = 32, 128  # the shape the rates were measured at
 
 
 class TileCounts:
@@ -37,12 +38,13 @@ class TileCounts:
     def __init__(self, partial, full, visited, tokens):
         self.partial, self.full, self.visited, self.tokens = partial, full, visited, tokens
 
-    def rank_ms(self, ulysses=1):
-        """Predicted ms of each rank of each group (fwd + bwd of one attention layer, H200)."""
-        return (PARTIAL_MS * self.partial + FULL_MS * self.full) / ulysses + RANK_MS
+    def rank_ms(self, ulysses=1, head_scale=1.0):
+        """Predicted ms of each rank of each group (fwd + bwd of one attention layer, H200); `head_scale`:
+        the model's query heads x head dim over the fit's 32 x 128 (tiles cost in proportion)."""
+        return (PARTIAL_MS * self.partial + FULL_MS * self.full) * head_scale / ulysses + RANK_MS
 
-    def slowest_ms(self, ulysses=1):
-        return float(self.rank_ms(ulysses).max())
+    def slowest_ms(self, ulysses=1, head_scale=1.0):
+        return float(self.rank_ms(ulysses, head_scale).max())
 
     def kernel_steps(self):
         """Ring steps per group whose key block has a tile its queries see: one kernel call each and direction."""
