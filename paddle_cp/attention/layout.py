@@ -124,6 +124,7 @@ class SequenceLayout:
         self.ring = world // self.ulysses
         self.split = ChunkSplit()
         self.windows = {}  # this layout's RunWindows by (seq_len, rank, before, after): sequence_windows.py
+        self._last_batch = None  # (document ends, layout) of the last batch for_batch chose for
 
     def for_batch(self, documents, split="documents"):
         """The layout of a batch: with split 'documents', the one packed_layout.choose prices cheapest
@@ -131,12 +132,16 @@ class SequenceLayout:
         ring group (Ulysses alone: every rank attends for every query), this one (2R chunks)."""
         if check_split(split) == "chunks" or documents is None or self.ring == 1:
             return self
+        end = np.clip(documents.end, 0, documents.seq_len)  # all the choice reads (keys_seen derives from it)
+        if self._last_batch is not None and np.array_equal(self._last_batch[0], end):
+            return self._last_batch[1]  # the same batch again (its inputs, then its labels): chosen once
         work = documents.keys_seen()
-        chosen, _ = choose(np.clip(documents.end, 0, documents.seq_len), work, self.ring, self.ulysses)
-        if chosen.name == "chunks":
-            return self
-        layout = copy.copy(self)
-        layout.split, layout.windows = DocumentSplit(chosen.groups, work, self.ring), {}
+        chosen, _ = choose(end, work, self.ring, self.ulysses)
+        layout = self
+        if chosen.name != "chunks":
+            layout = copy.copy(self)
+            layout.split, layout.windows, layout._last_batch = DocumentSplit(chosen.groups, work, self.ring), {}, None
+        self._last_batch = (end, layout)
         return layout
 
     def check_length(self, seq_len, what="sequence"):

@@ -77,6 +77,7 @@ def test_small_batches_and_row_indices():
     base = SequenceLayout("p2p", 4)
     by_ids, by_rows = base.for_batch(documents), base.for_batch(from_rows)
     assert all(np.array_equal(by_ids.positions(4096, r), by_rows.positions(4096, r)) for r in range(4))
+    assert base.for_batch(documents) is by_rows  # the same batch again (inputs, then labels): chosen once
     with pytest.raises(ValueError, match="unknown sequence layout"):
         base.for_batch(None, "even")
     assert SequenceLayout("all2all", 4).for_batch(documents).split.name == "chunks"  # one ring group
