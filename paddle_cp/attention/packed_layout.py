@@ -28,7 +28,7 @@ import numpy as np
 
 try:
     from .balance import balanced_groups
-    from .tile_cost import TILE, document_ends, tile_counts
+    from .tile_cost import FULL_MS, PARTIAL_MS, TILE, document_ends, tile_counts
 except ImportError:  # loaded by file path (balance_gpu.py --layout): its numpy-only siblings, by path too
     import importlib.util
     import pathlib
@@ -41,7 +41,8 @@ except ImportError:  # loaded by file path (balance_gpu.py --layout): its numpy-
 
     balanced_groups = _sibling("balance").balanced_groups
     _tiles = _sibling("tile_cost")
-    TILE, document_ends, tile_counts = _tiles.TILE, _tiles.document_ends, _tiles.tile_counts
+    FULL_MS, PARTIAL_MS, TILE = _tiles.FULL_MS, _tiles.PARTIAL_MS, _tiles.TILE
+    document_ends, tile_counts = _tiles.document_ends, _tiles.tile_counts
 
 MEMORY_BOUND = 1.05  # most tokens a ring group may hold, over S/R
 NEAR = 1.01  # slowest ranks within this of the cheapest count as equal
@@ -87,7 +88,7 @@ def whole_cost(length):
     spanned = length / TILE + 1
     inside = np.maximum(length / TILE - 1, 0)
     full = inside * np.maximum(inside - 1, 0) / 2
-    return 0.00354 * (spanned * (spanned + 1) / 2 - full) + 0.00236 * full
+    return PARTIAL_MS * (spanned * (spanned + 1) / 2 - full) + FULL_MS * full
 
 
 def zigzag(length, ring, turn=0):
@@ -122,16 +123,15 @@ def cut_and_whole(starts, lengths, seq_len, ring, longer_than):
             tokens[g] += length
             cost[g] += whole_cost(length)
             continue
-        for g in np.argsort(tokens, kind="stable"):  # no room anywhere: fill the emptiest groups, tile-aligned
-            if length == 0:
-                break
-            take = min(length, cap - tokens[g])
-            if take < length and take > TILE:
-                take -= take % TILE
-            groups[start:start + take] = g
-            tokens[g] += take
-            cost[g] += whole_cost(take)
-            start, length = start + take, length - take
+        for aligned in (True, False):  # no room anywhere: fill the emptiest groups, at tile boundaries if they can
+            for g in np.argsort(tokens, kind="stable"):
+                take = max(0, min(length, cap - tokens[g]))  # a group over the cap by cut pieces takes none
+                if aligned and take < length:
+                    take -= take % TILE
+                groups[start:start + take] = g
+                tokens[g] += take
+                cost[g] += whole_cost(take)
+                start, length = start + take, length - take
     return groups
 
 
