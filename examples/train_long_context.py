@@ -136,7 +136,8 @@ def predicted_gpu_ms(position_ids, world):
     rows = {row["layout"]: row for row in layout_rows(position_ids.numpy(), "p2p", world)}
     print(f"predicted GPU attention per layer (tile model, H200 fwd+bwd; no GPU ran): slowest rank "
           f"{rows['chosen']['slowest_ms']:.2f} ms in the chosen '{rows['chosen']['candidate']}' layout, "
-          f"{rows['chunks']['slowest_ms']:.2f} ms with 2N equal chunks ({rows['chosen']['vs_chunks']:.3f}x)", flush=True)
+          f"{rows['chunks']['slowest_ms']:.2f} ms with 2N equal chunks ({rows['chosen']['vs_chunks']:.3f}x)",
+          flush=True)
     return {name: row["slowest_ms"] for name, row in rows.items()}
 
 

@@ -1,7 +1,7 @@
 """The layout of a packed batch: of a few candidate layouts, the one whose slowest rank a GPU would
 finish first, by the tile model (tile_cost.py), under a memory bound (no ring group above 1.05 x S/R
-tokens; S/R + 2R on rows of under 40R tokens per group). Numpy only: `ring_groups(position_in_document, document_id, R)` is the function
-shared/gpu/balance_gpu.py prices on a GPU (`--layout mine=paddle_cp/attention/packed_layout.py:ring_groups`).
+tokens; S/R + 2R on rows of under 40R tokens per group). Numpy only:
+`ring_groups(position_in_document, document_id, R)` is the function shared/gpu/balance_gpu.py prices on a GPU (`--layout mine=paddle_cp/attention/packed_layout.py:ring_groups`).
 
 Why candidates: on a flash kernel a rank pays for tiles, and cutting a short document into 2R pieces
 turns its tiles partial and multiplies them (shared/gpu/README.md), while a long document kept whole
@@ -178,7 +178,8 @@ def choose(end, work, ring, ulysses=1):
     fits = [c for c in priced.values()
             if c.counts.tokens.max() <= token_cap(seq_len, ring) and c.counts.tokens.min() >= ulysses]
     cheapest = min(c.slowest_ms for c in fits)
-    return min((c for c in fits if c.slowest_ms <= NEAR * cheapest), key=lambda c: (c.work_imbalance, c.slowest_ms)), priced
+    near = [c for c in fits if c.slowest_ms <= NEAR * cheapest]
+    return min(near, key=lambda c: (c.work_imbalance, c.slowest_ms)), priced
 
 
 def ring_groups(position_in_document, document_id, R):

@@ -93,7 +93,8 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=3, help="timed repetitions (median)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--documents", metavar="LENGTHS",
-                        help="packed documents: stdlib (the main job's), lognormal, longtail, uniform, single, or a file of lengths")
+                        help="packed documents: stdlib (the main job's), lognormal, longtail, uniform, single, "
+                             "or a file of lengths")
     parser.add_argument("--doc-batch", type=int, default=0, help="which batch of the packed stream (default: first)")
     parser.add_argument("--model-only", action="store_true",
                         help="with --documents: only the GPU tile model's table of the layouts, no CPU ranks")

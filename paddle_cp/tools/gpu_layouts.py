@@ -59,5 +59,6 @@ def table(rows):
         f"{r['tokens_max']:>7} {r['tokens_mean']:>8.0f} {r['kernel_calls_per_pass']:>5} {r['planning_ms']:>7.1f}"
         for r in rows]) + (f"\n(model figures, no GPU ran: slowest rank, fwd + bwd of one attention layer, H200; "
                            f"partial/full: its {TILE}x{TILE} tiles; calls: the most kernel calls of a rank per "
-                           "ring pass and direction; host ms: CPU time choosing among every candidate, or building and pricing "
+                           "ring pass and direction; host ms: CPU time choosing among every candidate, or building "
+                           "and pricing "
                            "that one layout alone)")

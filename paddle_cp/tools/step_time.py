@@ -6,8 +6,8 @@ hidden behind attention compute, the rest not overlapped. What each term counts:
 
 - compute: 6 FLOPs per active matmul parameter per token (the lm_head included, top-k experts only) and
   attention_cost.attention_flops, over tp and cp (on packed documents, attention at the GPU tile model's
-  seconds instead: attention_cost.PackedRow, the slowest rank in the layout paddle_cp chooses); recomputation adds its forward again (full: the layer;
-  selective: attention's or the MLP's share); a chunked loss recomputes the lm_head forward. A pipeline
+  seconds instead: attention_cost.PackedRow, the slowest rank in the layout paddle_cp chooses); recomputation
+  adds its forward again (full: the layer; selective: attention's or the MLP's share); a chunked loss recomputes the lm_head forward. A pipeline
   stage does 1/pp of it, stretched by the schedule's bubble.
 - tensor_parallel: sequence parallelism's all-gather and reduce-scatter around attention and the MLP, forward
   and backward (the volume of Megatron's two all-reduces per layer each way).

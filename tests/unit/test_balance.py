@@ -61,7 +61,8 @@ def test_every_backend_holds_every_token_once_within_the_memory_bound():
             layout = SequenceLayout(backend, world, degree).for_batch(documents)
             ring_tokens = [len(layout.group_positions(seq_len, g)) for g in range(layout.ring)]
             assert max(ring_tokens) <= packed_layout.token_cap(seq_len, layout.ring)
-            assert check_partition(layout, seq_len) <= -(-packed_layout.token_cap(seq_len, layout.ring) // layout.ulysses)
+            rank_cap = -(-packed_layout.token_cap(seq_len, layout.ring) // layout.ulysses)
+            assert check_partition(layout, seq_len) <= rank_cap
 
 
 def test_small_batches_and_row_indices():
@@ -102,7 +103,7 @@ def test_the_gpu_script_loads_the_layout_function_by_path():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert {line.split()[1].split(".")[0] for line in path.read_text().splitlines()
-            if line.startswith(("import ", "from "))} <= {"__future__", "numpy", "time", ""}  # "": its numpy-only siblings
+            if line.startswith(("import ", "from "))} <= {"__future__", "numpy", "time", ""}  # "": numpy-only siblings
     position_ids = packing.batches("lognormal", 16384, 1, 1)[0]
     pos = position_ids[0]
     doc = np.cumsum(pos == 0) - 1

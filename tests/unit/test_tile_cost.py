@@ -18,7 +18,8 @@ from paddle_cp.attention.balance import balanced_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 # shared/ lies beside the clone (CI), or beside the folder of worktrees (a developer's worktree)
-SHARED = next((p / "shared" / "gpu" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared" / "gpu").is_dir()), None)
+SHARED = next((p / "shared" / "gpu" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared" / "gpu").is_dir()),
+              None)
 
 
 @pytest.fixture(scope="module")
