@@ -5,8 +5,9 @@
 PaddleFormers' LlamaForCausalLM, built from a config (defaults otherwise: eager attention), learns the
 source files of Python's standard library as bytes (stdlib_text.py: one document per file, packed into
 sequences of --seq-len tokens). Attention stays inside each document: PrepareContextParallel(
-documents="position_ids") reads the documents from the restarting position ids and splits each batch so
-that every rank's attention work is the same (printed once, beside what 2N equal chunks would give).
+documents="position_ids") reads the documents from the restarting position ids and splits each batch in
+the layout a GPU would finish first by paddle_cp's tile model (printed once: the predicted slowest rank's
+ms beside 2N equal chunks', and the ranks' query-key work balance in both).
 Ring attention (p2p) runs over all ranks; each rank's mean loss is weighted by pcp.loss_weight, since
 the ranks hold different numbers of labelled tokens. Rank 0 prints a progress line per step; a checkpoint is saved
 every --save-every steps (--resume continues from the newest). At the end rank 0 replays the same steps
@@ -126,6 +127,20 @@ def work_imbalance(prepare, mesh, position_ids):
     return max(work) / (sum(work) / len(work))
 
 
+def predicted_gpu_ms(position_ids, world):
+    """{layout: ms} of the slowest rank's attention (forward + backward of one layer) on an H200, as the
+    GPU tile model prices this batch (paddle_cp/tools/gpu_layouts.py; no GPU runs): the layout the plan
+    chose, 2N equal chunks and whole documents."""
+    from paddle_cp.tools.gpu_layouts import layout_rows
+
+    rows = {row["layout"]: row for row in layout_rows(position_ids.numpy(), "p2p", world)}
+    print(f"predicted GPU attention per layer (tile model, H200 fwd+bwd; no GPU ran): slowest rank "
+          f"{rows['chosen']['slowest_ms']:.2f} ms in the chosen '{rows['chosen']['candidate']}' layout, "
+          f"{rows['chunks']['slowest_ms']:.2f} ms with 2N equal chunks ({rows['chosen']['vs_chunks']:.3f}x)",
+          flush=True)
+    return {name: row["slowest_ms"] for name, row in rows.items()}
+
+
 def train_parallel(args):
     """Every rank: train under context parallelism; returns every step's loss (the global mean) and the
     first batch's work imbalance in both layouts."""
@@ -148,6 +163,7 @@ def train_parallel(args):
             if dist.get_rank() == 0:
                 print(f"per-rank attention work, slowest over mean: {balance['documents']:.3f} "
                       f"({balance['chunks']:.3f} with 2N equal chunks)", flush=True)
+                balance["gpu_ms"] = predicted_gpu_ms(batch["position_ids"], world)
         # the batch's documents decide how it is split: labels follow with the same position ids
         local_labels = pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh,
                                           position_ids=batch["position_ids"])

@@ -1,4 +1,5 @@
-"""Which global positions each ring group holds when a batch packs documents: equal attention work, no padding.
+"""Equal query-key work per ring group for a batch of packed documents, no padding: the `pairs` candidate
+of packed_layout.py (on a GPU it fragments tiles; the tile model decides when it wins).
 
 The work of a query is the number of keys it sees (causal, inside its document), summed over the
 batch's rows: one layout serves every row, since a rank's tensors are [b, s_local, ...]. Cut the
@@ -11,7 +12,8 @@ split the same way, so each ring step is balanced too.
 What equal pieces cannot hand out goes to the groups as whole runs, largest work first: a segment's
 middle when its length is not a multiple of 2R, and segments shorter than 2R tokens (short
 documents stay on one rank). Each run is fewer than 2R tokens, so groups end within a few tokens
-and a small fraction of the work of their targets (measured: tests/unit/test_balance.py).
+and a small fraction of the work of their targets. On the rows shared/gpu measured, these groups' tiles are
+what the H200 counted (tests/unit/test_tile_cost.py).
 """
 from __future__ import annotations
 

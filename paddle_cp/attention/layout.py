@@ -9,9 +9,10 @@ group holds; a group's positions are split contiguously over its U ranks.
   shard_seq_load_balance: equal causal work for one document). Any length >=
   ranks works: chunk sizes differ by at most one token, and the extra tokens go
   one per rank before any rank gets a second, so local lengths differ by at most one.
-- `documents` (DocumentSplit): one batch's packed documents balanced by
-  attention work (balance.py), when the chunks leave the slowest ring group
-  more than BALANCED over the mean; local lengths differ by a few tokens.
+- `documents` (DocumentSplit): one batch's packed documents in the layout a
+  GPU would finish first by the tile model (packed_layout.py: of 2R chunks,
+  equal query-key pairs, whole documents and mixes, the cheapest slowest rank
+  within 1.05 x S/R tokens per ring group); the chunks when they are that one.
 
 PrepareContextParallel picks the split per batch (`SPLITS`); input splitting,
 unsharding and the attention all read the batch's layout from here.
@@ -23,11 +24,11 @@ import copy
 import numpy as np
 import paddle
 
-from .balance import balanced_groups, piece_starts
+from .balance import piece_starts
+from .packed_layout import choose, chunk_sizes
 
 BACKENDS = ("p2p", "all2all", "hybrid")
 SPLITS = ("documents", "chunks")  # PrepareContextParallel(layout=...): how a batch with documents is split
-BALANCED = 1.05  # slowest ring group's work over the mean at which the chunks are kept
 
 
 def check_split(name):
@@ -78,35 +79,25 @@ class ChunkSplit:
     name = "chunks"
     fragment = 0  # every run its own tiles
 
-    @staticmethod
-    def _sizes(seq_len, ring):
-        """Sizes of the 2R ring chunks; extra tokens go to chunks 0..R-1, then 2R-1 down to R."""
-        chunks = 2 * ring
-        order = list(range(ring)) + list(range(chunks - 1, ring - 1, -1))
-        sizes = [seq_len // chunks] * chunks
-        for chunk in order[: seq_len % chunks]:
-            sizes[chunk] += 1
-        return sizes
-
     def cuts(self, seq_len, ring):
         """Global positions where ring chunks start."""
-        return np.cumsum([0] + self._sizes(seq_len, ring))[1:-1]
+        return np.cumsum([0] + chunk_sizes(seq_len, ring))[1:-1]
 
     def group_positions(self, seq_len, ring, index):
-        starts = np.cumsum([0] + self._sizes(seq_len, ring))
+        starts = np.cumsum([0] + chunk_sizes(seq_len, ring))
         chunk_ids = (index, 2 * ring - 1 - index)
         return np.concatenate([np.arange(starts[c], starts[c + 1]) for c in chunk_ids])
 
 
 class DocumentSplit:
-    """One batch's positions over R ring groups, balanced by attention work (balance.py)."""
+    """One batch's positions over R ring groups, as packed_layout.py chose them."""
 
     name = "documents"
     fragment = 64  # many documents make many short pieces: those share the kernels' tiles
 
-    def __init__(self, work, ring):
-        """`work`: int64 [batch, seq_len], the keys each query sees (Documents.keys_seen)."""
-        group = balanced_groups(work, ring)
+    def __init__(self, group, work, ring):
+        """`group`: the ring group of every position; `work`: int64 [batch, seq_len], the keys each query
+        sees (Documents.keys_seen: pieces never straddle a document start)."""
         self.seq_len = work.shape[1]
         self.positions = [np.flatnonzero(group == g) for g in range(ring)]
         self._cuts = piece_starts(group, work)
@@ -133,26 +124,24 @@ class SequenceLayout:
         self.ring = world // self.ulysses
         self.split = ChunkSplit()
         self.windows = {}  # this layout's RunWindows by (seq_len, rank, before, after): sequence_windows.py
+        self._last_batch = None  # (document ends, layout) of the last batch for_batch chose for
 
     def for_batch(self, documents, split="documents"):
-        """The layout of a batch: balanced over its `documents` (a Documents, or None) with split
-        'documents', else this one. Also this one with a single ring group (Ulysses alone: every
-        rank attends for every query), when its chunks already balance the work within BALANCED
-        (many short documents: chunks keep each on one rank, which tiles best), and when the balance
-        would leave a rank without a token."""
+        """The layout of a batch: with split 'documents', the one packed_layout.choose prices cheapest
+        on a GPU for its `documents` (a Documents, or None); else, with no documents, and with a single
+        ring group (Ulysses alone: every rank attends for every query), this one (2R chunks)."""
         if check_split(split) == "chunks" or documents is None or self.ring == 1:
             return self
+        end = np.clip(documents.end, 0, documents.seq_len)  # all the choice reads (keys_seen derives from it)
+        if self._last_batch is not None and np.array_equal(self._last_batch[0], end):
+            return self._last_batch[1]  # the same batch again (its inputs, then its labels): chosen once
         work = documents.keys_seen()
-        per_position = work.sum(axis=0)
-        seq_len = work.shape[1]
-        chunks = [per_position[ChunkSplit().group_positions(seq_len, self.ring, g)].sum() for g in range(self.ring)]
-        if max(chunks) <= BALANCED * sum(chunks) / self.ring:
-            return self
-        balanced = DocumentSplit(work, self.ring)
-        if min(len(p) for p in balanced.positions) < self.ulysses:
-            return self
-        layout = copy.copy(self)
-        layout.split, layout.windows = balanced, {}
+        chosen, _ = choose(end, work, self.ring, self.ulysses)
+        layout = self
+        if chosen.name != "chunks":
+            layout = copy.copy(self)
+            layout.split, layout.windows, layout._last_batch = DocumentSplit(chosen.groups, work, self.ring), {}, None
+        self._last_batch = (end, layout)
         return layout
 
     def check_length(self, seq_len, what="sequence"):

@@ -25,8 +25,19 @@ Attention memory: activation bytes a rank holds between forward and backward
 
 Checked against measurements on CPU (tests/multiproc/test_bench.py): the bytes
 exactly, the held memory within 2%. The whole-model cost model is planner.py's.
+
+Attention time on packed documents is not FLOPs: a GPU pays 128 x 128 tiles, a partial
+one (a document boundary inside) about 1.5x a full one. PackedRow prices a row's
+attention with the GPU tile model (attention/tile_cost.py, the H200 fit) in the layout
+paddle_cp chooses for it (attention/packed_layout.py), the slowest rank's.
 """
 from __future__ import annotations
+
+import numpy as np
+
+from ..attention import packed_layout
+from ..attention.mask import Documents
+from ..attention.tile_cost import FIT_HEAD_DIM, FIT_HEADS
 
 FP32 = 4
 LSE_BYTES = FP32  # log-sum-exps are kept in fp32 whatever the input dtype
@@ -103,3 +114,20 @@ def attention_flops(batch, seq, heads, head_dim, causal):
     """Useful forward+backward FLOPs: 4bhs^2d forward (half if causal), backward 2.5x forward."""
     forward = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
     return 3.5 * forward
+
+
+class PackedRow:
+    """One row of packed documents (position ids [seq]) and its attention time by the GPU tile model."""
+
+    def __init__(self, position_ids):
+        self.documents = Documents.from_position_ids(np.asarray(position_ids)[None])
+        self._chosen = {}  # (ring, ulysses) -> the chosen layout's TileCounts
+
+    def seconds(self, ring, ulysses, heads, head_dim):
+        """The slowest rank's attention, forward + backward of one layer, in seconds: its tiles priced at the
+        H200 fit, scaled from the fit's 32 query heads of dim 128 to `heads` (a rank's before Ulysses) x `head_dim`."""
+        if (ring, ulysses) not in self._chosen:
+            chosen, _ = packed_layout.choose(self.documents.end, self.documents.keys_seen(), ring, ulysses)
+            self._chosen[ring, ulysses] = chosen.counts
+        counts = self._chosen[ring, ulysses]
+        return counts.slowest_ms(ulysses, heads * head_dim / (FIT_HEADS * FIT_HEAD_DIM)) / 1e3

@@ -51,6 +51,13 @@ layouts, `chunks` (2N equal chunks) beside `documents` (balanced by work):
 - efficiency as above, T_single being Paddle's SDPA with the documents' dense
   block-diagonal causal mask (the blockwise kernel with the documents for
   `efficiency_same_kernel`).
+
+With `--documents` it also prints (and writes under `gpu_model`) the GPU tile model's figures for the same
+batches, no GPU needed (tools/gpu_layouts.py): the chosen layout beside 2R chunks and the whole-document
+layout, predicted slowest-rank ms, tiles, tokens per rank, kernel calls per ring pass and host planning ms.
+`--model-only` prints just those (any length: 128K-token rows take well under a second each):
+
+    pcp-bench --documents lognormal --model-only --nproc 8 --seq 131072 262144 --backend p2p hybrid
 """
 from __future__ import annotations
 
@@ -86,8 +93,11 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=3, help="timed repetitions (median)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--documents", metavar="LENGTHS",
-                        help="packed documents: 'stdlib' (the main job's), 'lognormal' or a file of lengths")
+                        help="packed documents: stdlib (the main job's), lognormal, longtail, uniform, single, "
+                             "or a file of lengths")
     parser.add_argument("--doc-batch", type=int, default=0, help="which batch of the packed stream (default: first)")
+    parser.add_argument("--model-only", action="store_true",
+                        help="with --documents: only the GPU tile model's table of the layouts, no CPU ranks")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     parser.add_argument("--result-file", help=argparse.SUPPRESS)  # launcher <-> rank 0
@@ -115,6 +125,8 @@ def _check(parser, args):
             parser.error(f"--documents: {error}")
         if args.doc_batch < 0:
             parser.error("--doc-batch takes a batch index >= 0")
+    elif args.model_only:
+        parser.error("--model-only prices packed documents' layouts: give --documents too")
     for backend in args.backend:
         try:
             _, ulysses = degrees(backend, args.nproc, _degree(args, backend))
@@ -245,7 +257,10 @@ def measure_single(args):
 def summarise_all(args, single, measured):
     cases = [summarise(args, backend, seq, single["by_seq"][seq], single["rate"], per_rank, measured["rates"], split)
              for seq, backend, split, per_rank in measured["runs"]]
-    return {"config": _config(args), "cases": cases}
+    result = {"config": _config(args), "cases": cases}
+    if args.documents is not None:
+        result["gpu_model"] = gpu_model(args)
+    return result
 
 
 def _gather(dist, values):
@@ -504,18 +519,37 @@ def _config(args):
             "doc_batch": args.doc_batch}
 
 
+def gpu_model(args):
+    """The tile model's rows (tools/gpu_layouts.py) for every length and backend of a --documents run."""
+    from paddle_cp.tools import gpu_layouts
+
+    rows = []
+    for seq in args.seq:
+        _, positions = _documents(args, seq)
+        for backend in args.backend:
+            progress(f"seq {seq}: {backend} layouts priced by the GPU tile model")
+            rows += [dict(row, documents=args.documents)
+                     for row in gpu_layouts.layout_rows(positions, backend, args.nproc, _degree(args, backend))]
+    return rows
+
+
 def table(result):
+    from paddle_cp.tools import gpu_layouts
     from paddle_cp.tools.text import ruled_table  # here: the ranks run this file as a script
+
+    if not result["cases"]:
+        return gpu_layouts.table(result["gpu_model"])
 
     documents = result["config"]["documents"] is not None
     metrics = DOCUMENT_TABLE if documents else TABLE
     layout = f" {'layout':9}" if documents else ""
     head = (f"{'backend':8}{layout} {'seq':>6} {'N':>2} {'T_single':>9} {'T_rank':>9}"
             + "".join(f" {m:>12}" for m in metrics))
-    return ruled_table(head, [
+    cpu = ruled_table(head, [
         f"{c['backend']:8}" + (f" {c['layout']:9}" if documents else "")
         + f" {c['seq']:>6} {c['nproc']:>2} {c['t_single']:>8.3f}s {c['t_rank']:>8.3f}s"
         + "".join(f" {c[m]:>12.3f}" for m in metrics) for c in result["cases"]])
+    return cpu + ("\n\n" + gpu_layouts.table(result["gpu_model"]) if documents else "")
 
 
 def plot(result, path):
@@ -559,6 +593,9 @@ def main(argv=None):
         return
     argv = rest
     args = parse_args(argv)
+    if args.model_only:
+        finish({"config": _config(args), "cases": [], "gpu_model": gpu_model(args)}, args)
+        return
     if "PADDLE_TRAINER_ID" not in os.environ:
         os.environ.update({name: "1" for name in THREAD_VARS})  # one thread, like each rank (before paddle loads)
         single = measure_single(args)

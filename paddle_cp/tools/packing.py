@@ -2,8 +2,9 @@
 
 Distributions (`LENGTHS`): `stdlib`, the main job's documents (examples/stdlib_text.py: one per
 top-level standard-library module, sorted by name, BOS + its first `cap` - 2 bytes + EOS, cap
-1536); `lognormal`, long-tailed lengths with median 600 (sigma 1, seed 0); or a file with one
-length per line. Documents follow each other in one stream cut into rows of `seq_len` tokens (a
+1536); `lognormal`, long-tailed lengths with median 600 (sigma 1, seed 0); `longtail`, median 2000
+and sigma 1.5 (a few documents past 64K); `uniform`, 1 to 4000 tokens; `single`, one document
+longer than any row; or a file with one length per line. Documents follow each other in one stream cut into rows of `seq_len` tokens (a
 document cut by a row's end continues as a new document in the next row, as the main job packs).
 
 The work of a rank is what the documents layout balances: the keys each of its queries sees
@@ -33,7 +34,10 @@ def lognormal_lengths(count=20000, median=LOGNORMAL_MEDIAN, sigma=LOGNORMAL_SIGM
     return np.maximum(1, np.round(lengths)).astype(np.int64)
 
 
-LENGTHS = {"stdlib": stdlib_lengths, "lognormal": lognormal_lengths}
+LENGTHS = {"stdlib": stdlib_lengths, "lognormal": lognormal_lengths,
+           "longtail": lambda: lognormal_lengths(median=2000, sigma=1.5),
+           "uniform": lambda: np.random.default_rng(0).integers(1, 4001, 20000),
+           "single": lambda: np.array([2 ** 40])}
 
 
 def document_lengths(source):

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from paddle_cp.tools import planner
+from paddle_cp.tools import packing, planner
+from paddle_cp.tools.attention_cost import PackedRow
 from paddle_cp.tools.model_shape import ModelShape
 from paddle_cp.tools.plan_config import gpu_attention_fields, model_config, parallelize_config
 from paddle_cp.tools.plan_layout import Cluster, Layout
@@ -56,6 +57,9 @@ def parse_args(argv=None):
     parser.add_argument("--devices-per-node", type=int, default=8)
     parser.add_argument("--dtype-bytes", type=int, default=2, help="2 for bf16/fp16 training, 4 for fp32")
     parser.add_argument("--no-causal", action="store_true")
+    parser.add_argument("--documents", metavar="LENGTHS",
+                        help="the sequences pack documents of these lengths (pcp-bench's names or a file): attention "
+                             "priced by the GPU tile model in the layout paddle_cp chooses")
     parser.add_argument("--model-prefix", default="model", help="name of the decoder in the model (for plan keys)")
     parser.add_argument("--loss-chunk", type=int, default=planner.DEFAULT_LOSS_CHUNK,
                         help="tokens per chunk of the chunked loss the search tries")
@@ -116,8 +120,14 @@ def main(argv=None):
         sys.exit(f"pcp-plan: {error}")
     cluster = Cluster(args.devices, args.memory_gb * GB, args.tflops * 1e12, args.intra_gbps * GB,
                       args.inter_gbps * GB, args.devices_per_node)
+    packed = None
+    if args.documents:
+        try:
+            packed = PackedRow(packing.batches(args.documents, args.seq, 1, 1)[0][0])
+        except ValueError as error:
+            sys.exit(f"pcp-plan: --documents: {error}")
     estimates = planner.rank_layouts(model, cluster, args.seq, args.batch, args.dtype_bytes, not args.no_causal,
-                                     args.loss_chunk)
+                                     args.loss_chunk, packed)
     if not estimates:
         sys.exit(f"no layout of {args.devices} devices suits {model} at sequence {args.seq}")
     print(table(estimates, args.top))

@@ -68,10 +68,11 @@ def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHU
                          sharding=level, recompute=recompute, loss_chunk=chunk)
 
 
-def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True):
-    """One layout's memory, time and throughput (`batch` sequences per data-parallel replica)."""
+def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, packed=None):
+    """One layout's memory, time and throughput (`batch` sequences per data-parallel replica; `packed`: an
+    attention_cost.PackedRow of the sequences' documents)."""
     mem = memory(model, layout, seq, batch, elem)
-    time = step_time(model, layout, cluster, seq, batch, elem, causal)
+    time = step_time(model, layout, cluster, seq, batch, elem, causal, packed)
     total_time = sum(time.values())
     return {
         "layout": asdict(layout), "name": layout.name, "backend": layout.backend,
@@ -81,9 +82,9 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True):
     }
 
 
-def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK):
+def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK, packed=None):
     """Estimates of every candidate, best first: layouts that fit, by throughput (then the least memory), then the
     rest by memory."""
-    found = [estimate(model, layout, cluster, seq, batch, elem, causal)
+    found = [estimate(model, layout, cluster, seq, batch, elem, causal, packed)
              for layout in candidates(model, cluster.devices, seq, cluster.devices_per_node, batch, loss_chunk)]
     return sorted(found, key=lambda e: (not e["fits"], -e["tokens_per_second"] if e["fits"] else 0, e["memory_total"]))

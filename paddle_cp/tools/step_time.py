@@ -5,8 +5,9 @@ of `size` ranks `stride` apart stays on one node while stride x size <= devices 
 hidden behind attention compute, the rest not overlapped. What each term counts:
 
 - compute: 6 FLOPs per active matmul parameter per token (the lm_head included, top-k experts only) and
-  attention_cost.attention_flops, over tp and cp; recomputation adds its forward again (full: the layer;
-  selective: attention's or the MLP's share); a chunked loss recomputes the lm_head forward. A pipeline
+  attention_cost.attention_flops, over tp and cp (on packed documents, attention at the GPU tile model's
+  seconds instead: attention_cost.PackedRow, the slowest rank in the layout paddle_cp chooses); recomputation
+  adds its forward again (full: the layer; selective: attention's or the MLP's share); a chunked loss recomputes the lm_head forward. A pipeline
   stage does 1/pp of it, stretched by the schedule's bubble.
 - tensor_parallel: sequence parallelism's all-gather and reduce-scatter around attention and the MLP, forward
   and backward (the volume of Megatron's two all-reduces per layer each way).
@@ -45,8 +46,9 @@ def _recompute_factor(layout, attention_share):
     return share / 3
 
 
-def step_time(model, layout, cluster, seq, batch, elem, causal=True):
-    """{term: seconds} of one step (`batch` sequences of `seq` per data-parallel replica)."""
+def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None):
+    """{term: seconds} of one step (`batch` sequences of `seq` per data-parallel replica); `packed`: an
+    attention_cost.PackedRow when the sequences pack documents."""
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     tokens = batch * seq / cp  # per rank, all micro-batches
     heads, kv_heads = model.heads // tp, model.kv_heads // tp
@@ -59,13 +61,16 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True):
     stretch = 1 / (pp * (1 - layout.bubble))  # this stage's share, over the step's busy fraction
     uly, ring = attention_traffic(batch, seq, heads, kv_heads, model.head_dim, layout.ring, layout.ulysses, elem)
     attention_seconds = attention / cluster.flops
+    if packed is not None:  # tiles, not FLOPs: the layout's slowest rank at the tile model's rates
+        attention_seconds = model.layers * batch * packed.seconds(layout.ring, layout.ulysses, heads, model.head_dim)
+        total -= attention
     ring_seconds = model.layers * ring / _bandwidth(cluster, tp * layout.ulysses, layout.ring)
     tp_bytes = model.layers * 4 * 2 * _ring_share(tp) * tokens * model.hidden * elem
     expert_bytes = (model.moe_layers * 4 * model.experts_per_token * tokens / tp * model.hidden * elem
                     * _ring_share(layout.ep))
     dp_stride = tp * cp
     times = {
-        "compute": (total + recompute) / cluster.flops * stretch,
+        "compute": ((total + recompute) / cluster.flops + (attention_seconds if packed is not None else 0)) * stretch,
         "tensor_parallel": tp_bytes / _bandwidth(cluster, 1, tp) * stretch,
         "ulysses": model.layers * uly / _bandwidth(cluster, tp, layout.ulysses) * stretch,
         "ring_exposed": max(0.0, ring_seconds - attention_seconds) * stretch,

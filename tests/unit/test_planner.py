@@ -131,3 +131,30 @@ def test_bad_layout_names_say_which_token():
         Layout.parse("dq2 ring2")
     with pytest.raises(ValueError, match="'dp', 'sep' or both"):
         Layout.parse("dp2 l3@mp")
+
+
+def test_packed_documents_price_attention_by_the_gpu_tile_model():
+    """With packed documents the step's attention is the tile model's slowest rank in the layout paddle_cp
+    chooses (its tiles scaled from the fit's 32 heads of 128 to the model's), not FLOPs: short documents cost
+    less than one document of the row's length, and one document costs what its 2N chunks' tiles say."""
+    import numpy as np
+
+    from paddle_cp.attention.tile_cost import tile_counts
+    from paddle_cp.tools import packing
+    from paddle_cp.tools.attention_cost import PackedRow, attention_flops
+
+    cluster = Cluster(8, 80e9, 400e12, 300e9, 25e9, 8)
+    layout = Layout(dp=2, ring=4, ulysses=1, tp=1, pp=1)
+    seq = 32768
+    one = PackedRow(np.arange(seq))
+    short = PackedRow(packing.batches("lognormal", seq, 1, 1)[0][0])
+    times = {name: step_time(SMALL, layout, cluster, seq, 1, 2, packed=row) for name, row in (("one", one),
+                                                                                             ("short", short))}
+    plain = step_time(SMALL, layout, cluster, seq, 1, 2)
+    assert times["short"]["compute"] < times["one"]["compute"]
+    chunks = tile_counts(np.where(np.arange(seq) * 8 // seq < 4, np.arange(seq) * 8 // seq,
+                                  7 - np.arange(seq) * 8 // seq), np.full(seq, seq), 4)
+    attention = SMALL.layers * chunks.slowest_ms(1, SMALL.heads * SMALL.head_dim / (32 * 128)) / 1e3
+    flops_attention = SMALL.layers * attention_flops(1, seq, SMALL.heads, SMALL.head_dim, True) / (4 * cluster.flops)
+    assert times["one"]["compute"] == pytest.approx(plain["compute"] - flops_attention + attention)
+

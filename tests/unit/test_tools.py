@@ -174,3 +174,26 @@ def test_memory_sharding_cases_table_and_arguments():
     assert [(r["params_ratio"], r["adam_ratio"]) for r in results] == [(1.0, 1.0), (0.25, 0.25)]
     lines = memory_sharding.table(results).splitlines()
     assert len(lines) == 2 + len(results) + 1 and "0.250" in lines[3]
+
+
+def test_bench_documents_model_only_prices_the_layouts_side_by_side(tmp_path, capsys):
+    """pcp-bench --documents --model-only: no ranks; per backend the chosen layout, 2N chunks and whole
+    documents, the chosen never slower than the chunks (within the 1% tie rule), tokens within the bound,
+    at most one kernel call per ring step; a file of lengths works as the named distributions do."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("600\n90\n2500\n31\n1200\n7000\n")
+    for source in ("lognormal", str(lengths)):
+        out = tmp_path / "model.json"
+        bench.main(["--documents", source, "--model-only", "--nproc", "4", "--seq", "16384",
+                    "--backend", "p2p", "hybrid", "--json", str(out)])
+        assert "no GPU ran" in capsys.readouterr().out
+        rows = json.loads(out.read_text())["gpu_model"]
+        assert [(r["backend"], r["layout"]) for r in rows] == [
+            (b, name) for b in ("p2p", "hybrid") for name in ("chosen", "chunks", "whole")]
+        for backend in ("p2p", "hybrid"):
+            by = {r["layout"]: r for r in rows if r["backend"] == backend}
+            assert by["chosen"]["slowest_ms"] <= 1.01 * by["chunks"]["slowest_ms"]
+            assert by["chunks"]["tokens_max"] == 16384 // 4 and by["chosen"]["memory_bound_ok"]
+            assert all(1 <= r["kernel_calls_per_pass"] <= r["ring"] and r["planning_ms"] > 0 for r in by.values())
+    with pytest.raises(SystemExit):
+        bench.main(["--model-only", "--nproc", "4"])

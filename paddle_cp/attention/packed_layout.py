@@ -1,0 +1,188 @@
+"""The layout of a packed batch: of a few candidate layouts, the one whose slowest rank a GPU would
+finish first, by the tile model (tile_cost.py), under a memory bound (no ring group above 1.05 x S/R
+tokens; S/R + 2R on rows of under 40R tokens per group). Numpy only:
+`ring_groups(position_in_document, document_id, R)` is the function shared/gpu/balance_gpu.py prices on a GPU (`--layout mine=paddle_cp/attention/packed_layout.py:ring_groups`).
+
+Why candidates: on a flash kernel a rank pays for tiles, and cutting a short document into 2R pieces
+turns its tiles partial and multiplies them (shared/gpu/README.md), while a long document kept whole
+leaves its rank the slowest. Which wins depends on the batch's lengths, so each batch prices:
+- `chunks`: 2R equal chunks, group r holding r and 2R-1-r (Paddle's layout; any batch);
+- `pairs`: equal query-key pairs per group (balance.py; every document in 2R pieces);
+- `whole`, `cut>L`, `uncut`: documents longer than L (`whole`: 2R tiles; `uncut`: none) cut into 2R tile-aligned pieces,
+  group r holding pieces r and 2R-1-r; the others whole, largest predicted cost first, each on the
+  group predicted cheapest among those with room for it (a document no group has room for is cut
+  at tile boundaries over the groups with the most room).
+The choice: of the candidates whose slowest rank is within 1% of the cheapest (the model's own error is
+1.6%; on small batches the fixed 1.59 ms per rank is nearly all of it), the most even query-key work,
+which is what a kernel with small tiles (the CPU's) pays.
+
+Rows: one layout serves every row of a batch (a rank's tensors are [b, s_local, ...]); a "document" is
+then a run of positions inside one document in every row (cut wherever some row's document starts),
+and the model prices every row.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+try:
+    from .balance import balanced_groups
+    from .tile_cost import FULL_MS, PARTIAL_MS, TILE, document_ends, tile_counts
+except ImportError:  # loaded by file path (balance_gpu.py --layout): its numpy-only siblings, by path too
+    import importlib.util
+    import pathlib
+
+    def _sibling(name):
+        spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    balanced_groups = _sibling("balance").balanced_groups
+    _tiles = _sibling("tile_cost")
+    FULL_MS, PARTIAL_MS, TILE = _tiles.FULL_MS, _tiles.PARTIAL_MS, _tiles.TILE
+    document_ends, tile_counts = _tiles.document_ends, _tiles.tile_counts
+
+MEMORY_BOUND = 1.05  # most tokens a ring group may hold, over S/R
+NEAR = 1.01  # slowest ranks within this of the cheapest count as equal
+CUT_LONGER_THAN = (2, 8, 32, None)  # the `cut>L` candidates: L = this x R tiles (2: `whole`; None: `uncut`)
+
+
+class Candidate:
+    """A priced layout: `groups` (ring group of every position), its TileCounts, the slowest rank's
+    predicted ms, its slowest group's query-key pairs over the mean, and the host ms (CPU time) that
+    building and pricing it took."""
+
+    def __init__(self, name, groups, counts, slowest_ms, work_imbalance):
+        self.name, self.groups, self.counts = name, groups, counts
+        self.slowest_ms, self.work_imbalance = slowest_ms, work_imbalance
+        self.host_ms = None
+
+
+def chunk_sizes(seq_len, ring):
+    """Sizes of the 2R ring chunks; extra tokens go to chunks 0..R-1, then 2R-1 down to R (one per group
+    before any gets a second: local lengths differ by at most one)."""
+    chunks = 2 * ring
+    order = list(range(ring)) + list(range(chunks - 1, ring - 1, -1))
+    sizes = [seq_len // chunks] * chunks
+    for chunk in order[: seq_len % chunks]:
+        sizes[chunk] += 1
+    return sizes
+
+
+def chunk_groups(seq_len, ring):
+    chunk = np.repeat(np.arange(2 * ring), chunk_sizes(seq_len, ring))
+    return np.where(chunk < ring, chunk, 2 * ring - 1 - chunk)
+
+
+def token_cap(seq_len, ring):
+    """The most tokens a ring group may hold: 1.05 x S/R, or S/R + 2R where that is more (rows under 40R
+    tokens per group, where a few tokens are no memory and the pairs layout needs them)."""
+    return max(-(-seq_len // ring) + 2 * ring, int(MEMORY_BOUND * seq_len / ring))
+
+
+def whole_cost(length):
+    """Predicted ms of a document kept whole on one rank at a random tile offset: the lower triangle of
+    the tiles it spans, those it covers completely full (what the greedy placement ranks documents by)."""
+    spanned = length / TILE + 1
+    inside = np.maximum(length / TILE - 1, 0)
+    full = inside * np.maximum(inside - 1, 0) / 2
+    return PARTIAL_MS * (spanned * (spanned + 1) / 2 - full) + FULL_MS * full
+
+
+def zigzag(length, ring, turn=0):
+    """Group of each position of a document cut into 2R pieces at tile boundaries: group (r + turn) % R
+    holds pieces r and 2R-1-r (turning from document to document spreads the pieces' rounding)."""
+    bounds = np.round(np.arange(2 * ring + 1) * length / (2 * ring) / TILE).astype(np.int64) * TILE
+    bounds[-1] = length
+    piece = np.repeat(np.arange(2 * ring), np.diff(np.minimum(bounds, length)))
+    return (np.where(piece < ring, piece, 2 * ring - 1 - piece) + turn) % ring
+
+
+def cut_and_whole(starts, lengths, seq_len, ring, longer_than):
+    """Documents longer than `longer_than` in zigzag pieces, the others whole by greedy predicted cost."""
+    groups = np.full(seq_len, -1, np.int64)
+    cap = token_cap(seq_len, ring)
+    tokens = np.zeros(ring, np.int64)
+    cost = np.zeros(ring)
+    cut = lengths > longer_than
+    for turn, (start, length) in enumerate(zip(starts[cut], lengths[cut])):
+        piece = zigzag(length, ring, turn)
+        groups[start:start + length] = piece
+        tokens += np.bincount(piece, minlength=ring)
+        pairs = np.bincount(piece, weights=np.arange(1, length + 1), minlength=ring)  # its queries' keys
+        cost += whole_cost(length) * pairs / pairs.sum()
+    whole = np.flatnonzero(~cut)
+    for d in whole[np.argsort(-lengths[whole], kind="stable")]:
+        start, length = starts[d], lengths[d]
+        room = tokens + length <= cap
+        if room.any():
+            g = int(np.argmin(np.where(room, cost, np.inf)))
+            groups[start:start + length] = g
+            tokens[g] += length
+            cost[g] += whole_cost(length)
+            continue
+        for aligned in (True, False):  # no room anywhere: fill the emptiest groups, at tile boundaries if they can
+            for g in np.argsort(tokens, kind="stable"):
+                take = max(0, min(length, cap - tokens[g]))  # a group over the cap by cut pieces takes none
+                if aligned and take < length:
+                    take -= take % TILE
+                groups[start:start + take] = g
+                tokens[g] += take
+                cost[g] += whole_cost(take)
+                start, length = start + take, length - take
+    return groups
+
+
+def segments(end):
+    """(starts, lengths) of the runs inside one document in every row (`end`: int [rows, S])."""
+    end = np.atleast_2d(end)
+    starts = np.flatnonzero(np.concatenate([[True], (np.diff(end, axis=1) != 0).any(axis=0)]))
+    return starts, np.diff(np.append(starts, end.shape[1]))
+
+
+def candidates(end, work, ring):
+    """(name, ring group of every position) of each candidate for a batch (`end`: each key's document
+    end, `work`: the keys each query sees, both int [rows, S]), built one at a time."""
+    seq_len = np.shape(end)[-1]
+    starts, lengths = segments(end)
+    yield "chunks", chunk_groups(seq_len, ring)
+    yield "pairs", balanced_groups(work, ring)
+    cut_before = -1
+    for times in CUT_LONGER_THAN:
+        longer_than = times * ring * TILE if times else seq_len
+        cut = int((lengths > longer_than).sum())
+        if cut != cut_before:  # each threshold cuts fewer documents: a new candidate where it cuts another set
+            name = "whole" if times == 2 else f"cut>{longer_than}" if cut else "uncut"
+            yield name, cut_and_whole(starts, lengths, seq_len, ring, longer_than)
+        cut_before = cut
+
+
+def price(name, groups, end, work, ring, ulysses=1):
+    counts = tile_counts(groups, end, ring)
+    summed = np.bincount(groups, weights=np.atleast_2d(work).sum(axis=0), minlength=ring)
+    return Candidate(name, groups, counts, counts.slowest_ms(ulysses), float(summed.max() / summed.mean()))
+
+
+def choose(end, work, ring, ulysses=1):
+    """(the chosen Candidate, {name: Candidate} of every one priced): of the candidates within the memory
+    bound whose groups hold at least one token per Ulysses rank, the most even work among those NEAR
+    the cheapest slowest rank."""
+    seq_len = np.shape(end)[-1]
+    priced = {}
+    clock = time.process_time()
+    for name, groups in candidates(end, work, ring):
+        priced[name] = price(name, groups, end, work, ring, ulysses)
+        priced[name].host_ms, clock = (time.process_time() - clock) * 1e3, time.process_time()
+    fits = [c for c in priced.values()
+            if c.counts.tokens.max() <= token_cap(seq_len, ring) and c.counts.tokens.min() >= ulysses]
+    cheapest = min(c.slowest_ms for c in fits)
+    near = [c for c in fits if c.slowest_ms <= NEAR * cheapest]
+    return min(near, key=lambda c: (c.work_imbalance, c.slowest_ms)), priced
+
+
+def ring_groups(position_in_document, document_id, R):
+    """The chosen layout of one packed row: int64 [S], the ring group of every position."""
+    end = document_ends(position_in_document, document_id)[None]
+    return choose(end, (np.asarray(position_in_document) + 1)[None], R)[0].groups

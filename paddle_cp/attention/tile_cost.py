@@ -1,0 +1,117 @@
+"""What a packed batch's attention costs a GPU, counted in 128 x 128 tiles (numpy only, no device).
+
+A rank holds its ring group's positions in ascending order; over the R ring steps its queries meet
+every group's key block once. A flash kernel with per-tile masks (Paddle's flashmask_attention,
+PyTorch's flex_attention) visits the (query tile, key tile) pairs of each step: an empty one (no
+query sees any key) is skipped, a full one (every query sees every key) needs no mask, a partial one
+costs about 1.5x a full one. Each step's keys are padded to a multiple of 128, so no tile straddles
+two steps (the measurement in shared/gpu/README.md did the same).
+
+Counted exactly: key j is seen by the queries at global positions j <= i < end[j] (causal, inside its
+document), which among a rank's sorted positions are one range of rows [lo_j, hi_j), where lo_j and
+hi_j are the rank's positions before j and before end[j] (a prefix count, no search). In a key tile
+the lo's grow with the key, so its non-empty query tiles are the union of each key's interval of
+tiles, counted with a running maximum; the tile is full for query tile t when every key's rows cover
+all 128 of t's rows.
+
+Priced with the H200 fit of shared/gpu/h200-flex-tiles.json (flex_attention forward + backward of one
+layer, bf16, 32 query / 8 key-value heads, head dim 128; median error 1.6% over 252 rank timings):
+    ms = 0.00354 x partial tiles + 0.00236 x full tiles + 1.59 per rank.
+A rank of a hybrid group computes 1/U of the heads of its group's tiles; the fixed cost stays whole.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+TILE = 128
+PARTIAL_MS = 0.00354  # one partial tile, forward + backward
+FULL_MS = 0.00236  # one full tile
+RANK_MS = 1.59  # per rank and layer, whatever its tiles (launches, ring steps' fixed cost)
+FIT_HEADS, FIT_HEAD_DIM = 32, 128  # the shape the rates were measured at
+
+
+class TileCounts:
+    """Per ring group r: `partial[r]`, `full[r]` tiles over all its steps and the batch's rows;
+    `visited[r, g]`: its non-empty tiles against group g's keys (0: the step needs no kernel call);
+    `tokens[r]`: the positions it holds. (A plain class: the GPU script loads this file alone.)"""
+
+    def __init__(self, partial, full, visited, tokens):
+        self.partial, self.full, self.visited, self.tokens = partial, full, visited, tokens
+
+    def rank_ms(self, ulysses=1, head_scale=1.0):
+        """Predicted ms of each rank of each group (fwd + bwd of one attention layer, H200); `head_scale`:
+        the model's query heads x head dim over the fit's 32 x 128 (tiles cost in proportion)."""
+        return (PARTIAL_MS * self.partial + FULL_MS * self.full) * head_scale / ulysses + RANK_MS
+
+    def slowest_ms(self, ulysses=1, head_scale=1.0):
+        return float(self.rank_ms(ulysses, head_scale).max())
+
+    def kernel_steps(self):
+        """Ring steps per group whose key block has a tile its queries see: one kernel call each and direction."""
+        return (self.visited > 0).sum(axis=1)
+
+
+def document_ends(position_in_document, document_id):
+    """int64 [S]: where the document of each position ends (one row; documents are consecutive runs of ids)."""
+    document_id = np.asarray(document_id)
+    start = np.arange(len(document_id)) - np.asarray(position_in_document)
+    new = np.flatnonzero(np.diff(document_id) != 0) + 1
+    bounds = np.concatenate([new, [len(document_id)]])
+    return bounds[np.searchsorted(bounds, start, side="right")].astype(np.int64)
+
+
+def tile_counts(groups, end, ring):
+    """`groups`: the ring group of every position (int [S]); `end`: int [rows, S] or [S], key j's
+    document end (it is seen by positions j <= i < end[j]). -> TileCounts of the layout."""
+    groups = np.asarray(groups, dtype=np.int64)
+    end = np.atleast_2d(np.asarray(end, dtype=np.int64))
+    seq_len = len(groups)
+    tokens = np.bincount(groups, minlength=ring)
+    order = np.argsort(groups.astype(np.int16), kind="stable")  # the keys, group after group, ascending in each (radix)
+    block_start = np.concatenate([[0], np.cumsum(tokens)])
+    block_tiles = -(-tokens // TILE)
+    tile_start = np.concatenate([[0], np.cumsum(block_tiles)])
+    in_block = np.arange(seq_len) - np.repeat(block_start[:-1], tokens)
+    key_tile = np.repeat(tile_start[:-1], tokens) + in_block // TILE  # [S]: tile of each ordered key
+    whole_tile = np.bincount(key_tile, minlength=tile_start[-1]) == TILE  # padding keys are seen by none
+    tile_block = np.repeat(np.arange(ring), block_tiles)
+    new_tile = np.diff(key_tile, prepend=-1) != 0
+    jump = np.diff(order, prepend=-2) != 1
+    counts = TileCounts(np.zeros(ring, np.int64), np.zeros(ring, np.int64), np.zeros((ring, ring), np.int64), tokens)
+    for row_end in end:
+        _count_row(counts, groups, row_end, order, block_start, key_tile, new_tile | jump, whole_tile, tile_block)
+    return counts
+
+
+def _count_row(counts, groups, row_end, order, block_start, key_tile, breaks, whole_tile, tile_block):
+    """Add one row's tiles. A fragment is a run of a block's keys in one key tile, consecutive positions
+    and one document: its keys share their last row, and their first rows are consecutive (for the
+    group holding them) or equal (for any other), so each group sees it as one interval of query tiles."""
+    ring = len(counts.tokens)
+    key_end = row_end[order]
+    starts = np.flatnonzero(breaks | (np.diff(key_end, prepend=-1) != 0))  # fragments, in key order
+    size = np.diff(np.append(starts, len(order)))
+    first_key, last_end, owner = order[starts], key_end[starts], groups[order[starts]]
+    blocks = [order[a:b] for a, b in zip(block_start[:-1], block_start[1:])]  # each group's positions
+    lo = np.stack([np.searchsorted(block, first_key) for block in blocks])  # [R, F]: rows before the fragment
+    hi = np.stack([np.searchsorted(block, last_end) for block in blocks])  # [R, F]: and before its document's end
+    own = np.arange(ring)[:, None] == owner[None, :]
+    lo_last = lo + np.where(own, size[None, :] - 1, 0)  # the fragment's last key's first row
+    seen = hi > lo
+    first_tile = lo // TILE
+    last_tile = np.where(seen, (hi - 1) // TILE, -1)
+    tile = key_tile[starts]
+    spread = int(counts.tokens.max()) // TILE + 2  # separates key tiles in one running maximum
+    offset = tile * spread
+    reach = np.maximum.accumulate(last_tile + offset, axis=1)  # furthest query tile so far in the key tile
+    before = np.maximum(np.concatenate([np.full((ring, 1), -spread), reach[:, :-1]], axis=1) - offset, -1)
+    added = np.maximum(last_tile - np.maximum(first_tile, before + 1) + 1, 0)  # query tiles this fragment adds
+    tile_first = np.flatnonzero(np.diff(tile, prepend=-1))
+    nonempty = np.add.reduceat(added, tile_first, axis=1)  # [R, key tiles]
+    lo_max = np.maximum.reduceat(lo_last, tile_first, axis=1)
+    hi_min = np.minimum.reduceat(hi, tile_first, axis=1)  # an unseen fragment (hi <= lo) leaves no full tile
+    full = np.where(whole_tile, np.maximum(hi_min // TILE + (-lo_max // TILE), 0), 0)
+    for r in range(ring):
+        counts.visited[r] += np.bincount(tile_block, weights=nonempty[r], minlength=ring).astype(np.int64)
+    counts.full += full.sum(axis=1)
+    counts.partial += nonempty.sum(axis=1) - full.sum(axis=1)

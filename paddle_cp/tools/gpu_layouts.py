@@ -1,0 +1,64 @@
+"""A packed batch's layouts priced for a GPU by the tile model (attention/tile_cost.py): the one
+paddle_cp chooses (attention/packed_layout.py) beside 2R chunks and the whole-document layout.
+Model figures, no GPU runs: predicted ms of the slowest rank (forward + backward of one attention
+layer on an H200, the fit of shared/gpu/h200-flex-tiles.json), its tiles, tokens per rank, kernel calls
+and the host time the choice takes.
+
+Kernel calls: one per ring step whose key block holds a tile the rank's queries see, per direction
+(forward and backward), the plan of one call per step (issue 32): calls per pass = non-empty steps of R.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..attention import packed_layout
+from ..attention.mask import Documents
+from ..attention.tile_cost import TILE
+from .attention_cost import degrees
+from .text import ruled_table
+
+COMPARED = ("chosen", "chunks", "whole")
+
+
+def layout_rows(position_ids, backend, world, ulysses_degree=None):
+    """One row per COMPARED layout of a batch of packed position ids ([rows, S])."""
+    ring, ulysses = degrees(backend, world, ulysses_degree)
+    documents = Documents.from_position_ids(position_ids)
+    seq_len = documents.seq_len
+    start = time.process_time()
+    work = documents.keys_seen()
+    chosen, priced = packed_layout.choose(documents.end, work, ring, ulysses)
+    choose_ms = (time.process_time() - start) * 1e3
+    chunks_ms = priced["chunks"].slowest_ms
+    rows = []
+    for name in COMPARED:
+        candidate = chosen if name == "chosen" else priced[name]
+        counts = candidate.counts
+        slowest = int(np.argmax(counts.rank_ms(ulysses)))
+        rows.append({
+            "layout": name, "candidate": candidate.name, "backend": backend, "seq": seq_len, "nproc": world,
+            "ring": ring, "ulysses": ulysses, "slowest_ms": candidate.slowest_ms,
+            "vs_chunks": candidate.slowest_ms / chunks_ms,
+            "partial_tiles": int(counts.partial[slowest]), "full_tiles": int(counts.full[slowest]),
+            "tokens_max": int(-(-counts.tokens.max() // ulysses)), "tokens_mean": seq_len / world,
+            "memory_bound_ok": bool(counts.tokens.max() <= packed_layout.token_cap(seq_len, ring)),
+            "kernel_calls_per_pass": int(counts.kernel_steps().max()),
+            "planning_ms": choose_ms if name == "chosen" else candidate.host_ms,
+        })
+    return rows
+
+
+def table(rows):
+    head = (f"{'documents':10} {'backend':8} {'seq':>7} {'N':>2} {'layout':7} {'candidate':10} {'slowest ms':>10} "
+            f"{'vs chunks':>9} {'partial':>7} {'full':>6} {'tok max':>7} {'tok mean':>8} {'calls':>5} {'host ms':>7}")
+    return ruled_table(head, [
+        f"{r['documents']:10} {r['backend']:8} {r['seq']:>7} {r['nproc']:>2} {r['layout']:7} {r['candidate']:10} "
+        f"{r['slowest_ms']:>10.2f} {r['vs_chunks']:>9.3f} {r['partial_tiles']:>7} {r['full_tiles']:>6} "
+        f"{r['tokens_max']:>7} {r['tokens_mean']:>8.0f} {r['kernel_calls_per_pass']:>5} {r['planning_ms']:>7.1f}"
+        for r in rows]) + (f"\n(model figures, no GPU ran: slowest rank, fwd + bwd of one attention layer, H200; "
+                           f"partial/full: its {TILE}x{TILE} tiles; calls: the most kernel calls of a rank per "
+                           "ring pass and direction; host ms: CPU time choosing among every candidate, or building "
+                           "and pricing "
+                           "that one layout alone)")
