@@ -28,6 +28,7 @@ from .plans import (
     SequenceParallelDisable,
     SequenceParallelEnable,
     SequenceParallelEnd,
+    SequenceTiled,
     TokenWise,
 )
 from .sequence.shard import sequence_positions, shard_sequence, unshard_sequence
@@ -41,6 +42,7 @@ __all__ = [
     "PrepareContextParallel", "ContextParallel", "TokenWise", "TokenMixer", "register_mixer",
     "ColWiseParallel", "RowWiseParallel", "ConvParallel", "ExpertParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
+    "SequenceTiled",
     "PrepareLayerInput", "PrepareLayerOutput",
     "full_state_dict", "shard_batch", "shard_dataloader", "loss_weight",
     "ring_attention", "ulysses_attention", "hybrid_attention", "attention_work",

@@ -10,4 +10,5 @@ from .sequence_parallel import (  # noqa: F401
     SequenceParallelEnable,
     SequenceParallelEnd,
 )
+from .sequence_tiled import SequenceTiled  # noqa: F401
 from .tensor_parallel import ColWiseParallel, RowWiseParallel  # noqa: F401
