@@ -20,6 +20,8 @@ import paddle
 from paddle.autograd import PyLayer
 from paddle.base import core, framework
 
+from .replay import replaying
+
 
 def tile_bounds(rows, tokens):
     """[(start, end)] cutting `rows` rows into tiles of `tokens` (the last one shorter)."""
@@ -74,7 +76,7 @@ class _Tiled(PyLayer):
         for (start, end), rng in zip(ctx.bounds, ctx.rng):
             tile = rows[start:end].detach()
             tile.stop_gradient = False
-            with paddle.enable_grad(), _rng_state(rng), paddle.amp.auto_cast(**ctx.autocast):
+            with paddle.enable_grad(), replaying(), _rng_state(rng), paddle.amp.auto_cast(**ctx.autocast):
                 y = _call(ctx.block, tile, x.ndim)
             with paddle.amp.auto_cast(enable=False):
                 paddle.autograd.backward([y], [grad_rows[start:end].reshape(y.shape)])
