@@ -15,7 +15,11 @@ class OffloadRecomputeInputs(Plan):
     must_match = True
 
     def __init__(self):
-        self.store = HostCheckpoints()
+        self._store = HostCheckpoints()
+
+    @property
+    def store(self):
+        return self._store
 
     def check(self, layer, mesh, param_names=()):
         refuse_param_plan(self, param_names)
@@ -28,4 +32,4 @@ class OffloadRecomputeInputs(Plan):
 
     def apply(self, layer, mesh, param_names=()):
         self.check(layer, mesh, param_names)
-        return offload_recompute_inputs(layer, self.store)
+        return offload_recompute_inputs(layer, self._store)
