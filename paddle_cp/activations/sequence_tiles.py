@@ -6,7 +6,8 @@ on each token alone gives the same rows whether it sees the sequence whole or in
 TiledMLP does) the forward runs tile by tile without recording a graph and keeps only the block's input; the
 backward replays one tile at a time with its graph, sends that tile's output gradient through it (the block's
 parameter gradients accumulate tile by tile, as a recomputed layer's do) and writes the tile's input gradient.
-So one tile's intermediates live at a time instead of the whole sequence's. The price on a GPU: the block's
+So one tile's intermediates live at a time instead of the whole sequence's; a forward without a graph (a
+recomputed layer's first one) runs tile by tile too. The price on a GPU: the block's
 forward runs twice (as under recomputation, which it replaces for this block) and tiles x the op launches.
 
 Exact: each output row is the same function of its input row; only the order of floating-point sums over
@@ -15,6 +16,7 @@ tiles in the parameter gradients changes (fp32 rounding).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import paddle
 from paddle.autograd import PyLayer
@@ -53,19 +55,10 @@ class _Tiled(PyLayer):
 
     @staticmethod
     def forward(ctx, block, tokens, x):
-        rows = x.reshape([-1, x.shape[-1]])  # [tokens, hidden]: every leading dim is a token
-        bounds = tile_bounds(rows.shape[0], tokens)
-        ctx.block, ctx.bounds, ctx.autocast, ctx.rng = block, bounds, _autocast_now(), []
-        out = None
-        with paddle.no_grad():
-            for start, end in bounds:
-                ctx.rng.append(paddle.get_rng_state())
-                y = _call(block, rows[start:end], x.ndim)
-                if out is None:  # written in place: a concatenation would hold the output twice
-                    out = paddle.empty([rows.shape[0], y.shape[-1]], y.dtype)
-                out[start:end] = y.reshape([end - start, y.shape[-1]])
+        ctx.block, ctx.autocast, ctx.rng = block, _autocast_now(), []
+        ctx.bounds = tile_bounds(math.prod(x.shape[:-1]), tokens)
         ctx.save_for_backward(x)
-        return out.reshape([*x.shape[:-1], out.shape[-1]])  # [..., out]
+        return _forward_tiles(block, ctx.bounds, x, ctx.rng)
 
     @staticmethod
     def backward(ctx, grad):
@@ -85,6 +78,20 @@ class _Tiled(PyLayer):
         return dx.reshape(x.shape)
 
 
+def _forward_tiles(block, bounds, x, rng_states):
+    """block(x) tile by tile without a graph, written into one output; each tile's RNG state appended."""
+    rows = x.reshape([-1, x.shape[-1]])  # [tokens, hidden]: every leading dim is a token
+    out = None
+    with paddle.no_grad():
+        for start, end in bounds:
+            rng_states.append(paddle.get_rng_state())
+            y = _call(block, rows[start:end], x.ndim)
+            if out is None:  # written in place: a concatenation would hold the output twice
+                out = paddle.empty([rows.shape[0], y.shape[-1]], y.dtype)
+            out[start:end] = y.reshape([end - start, y.shape[-1]])
+    return out.reshape([*x.shape[:-1], out.shape[-1]])  # [..., out]
+
+
 def _call(block, tile, ndim):
     """The block on one tile, given with as many dims as its whole input had ([1, t, hidden] for [b, s, hidden])."""
     y = block(tile.reshape([1] * (ndim - 2) + tile.shape))
@@ -98,8 +105,8 @@ def run_tiled(block, tokens, x):
     if not isinstance(x, paddle.Tensor) or x.ndim < 2:
         raise ValueError(f"SequenceTiled: the layer's input must be a [..., tokens, hidden] tensor, got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
-    if not paddle.is_grad_enabled():
-        return block(x)  # nothing is kept without a graph: tiles would only add launches
+    if not paddle.is_grad_enabled():  # a recomputed layer's first forward: tiles bound its working set too
+        return _forward_tiles(block, tile_bounds(math.prod(x.shape[:-1]), tokens), x, [])
     if x.stop_gradient:  # the block's own parameters still need the backward to run
         x = x.detach()
         x.stop_gradient = False
