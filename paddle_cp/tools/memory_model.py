@@ -46,7 +46,7 @@ CHUNK_TEMPORARIES = 6  # [chunk, vocab] fp32 tensors PaddleFormers' fused head +
 HEAD_WEIGHT_COPIES = 5  # lm_head-sized fp32 tensors it holds then (per-chunk weight gradients and their sum)
 LOSS_BACKWARD_LOGITS = 2  # [t, vocab] fp32 tensors the unchunked loss backward adds to the logits
 STEP_GRADIENT_COPIES = 3
-TILE_GRADIENT_TENSORS = 2  # [tile, intermediate] gradients a tiled MLP's backward holds beside its four tensors  # gradients, their flat buffer, its pieces (or padded buckets) at the step
+MLP_GRADIENT_TENSORS = 2  # [tokens (or a tile), intermediate] gradients an MLP's backward holds at once  # gradients, their flat buffer, its pieces (or padded buckets) at the step
 # a MoE layer, per token (measured on gpt-oss, stacked experts): expert-width tensors per top-k copy (its
 # gate/up output, clamps, GLU), and routing bookkeeping (logits, weights, per-expert masks) per expert
 MOE_TENSORS_PER_EXPERT_WIDTH = 10
@@ -109,16 +109,16 @@ def layer_activations(model, layout, tokens, seq, batch, elem, moe, fused=False)
     if moe:  # experts and shared experts are not split over tp; under ep the same count, elsewhere
         routed = MOE_TENSORS_PER_EXPERT_WIDTH * model.experts_per_token * model.expert_intermediate + h
         mlp = tokens * (MOE_ROUTER_BYTES_PER_EXPERT * model.experts + (routed + 4 * model.shared_intermediate) * elem)
-        tile_work = 0
+        mlp_backward = 0
     elif layout.mlp_tile:  # SequenceTiled keeps the MLP's input alone; its backward works on one tile at a time
         mlp = copies * block_input
-        tile_work = tile_working_set(model, layout, tokens, elem)
+        mlp_backward = tile_working_set(model, layout, tokens, elem)
     else:  # gate, up, activation, product
         mlp = tokens * 4 * model.intermediate / tp * elem + copies * block_input
-        tile_work = 0
+        mlp_backward = tokens * MLP_GRADIENT_TENSORS * model.intermediate / tp * elem
     return {"attention": norm + 2 * copies * block_input + rope + attention, "mlp": norm + mlp,
             "block_input": block_input, "core_attention": tokens * heads * (d * elem + FP32),
-            "tile_work": tile_work}
+            "mlp_backward": mlp_backward}
 
 
 def norm_bytes(model, layout, tokens, elem, fused=False):
@@ -132,9 +132,9 @@ def norm_bytes(model, layout, tokens, elem, fused=False):
 
 def tile_working_set(model, layout, tokens, elem):
     """What a SequenceTiled MLP's backward adds while it replays one tile: the tile's gate, up, activation and
-    product and TILE_GRADIENT_TENSORS of their gradients, and the [t, h] input gradient it writes tile by tile."""
+    product and MLP_GRADIENT_TENSORS of their gradients, and the [t, h] input gradient it writes tile by tile."""
     tile = min(layout.mlp_tile, tokens)
-    return (tile * (4 + TILE_GRADIENT_TENSORS) * model.intermediate / layout.tp + tokens * model.hidden) * elem
+    return (tile * (4 + MLP_GRADIENT_TENSORS) * model.intermediate / layout.tp + tokens * model.hidden) * elem
 
 
 def recompute_inputs(model, layout, tokens, elem):
@@ -180,7 +180,7 @@ def activations(model, layout, seq, batch, elem, stage, fused=False):
             parts = layer_activations(model, layout, tokens, seq, sequences, elem, moe, fused)
             held += count * kept_by_layer(model, layout, parts, tokens, elem)
             rebuilt = parts["attention"] + parts["mlp"] if layout.recompute != NO_RECOMPUTE else 0
-            working = max(working, rebuilt + parts["tile_work"])
+            working = max(working, rebuilt + parts["mlp_backward"])
     saved_inputs = recompute_inputs(model, layout, tokens, elem)
     host = layers * saved_inputs * in_flight(layout, stage) if layout.offload else 0
     if layout.offload:

@@ -98,11 +98,18 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=Fa
 def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
                  mlp_tile=DEFAULT_MLP_TILE, fused=False):
     """Estimates of every candidate, best first: layouts that fit, by throughput (then the least memory), then the
-    rest by memory."""
+    rest by memory. Among those that fit, layouts that tile MLPs or offload activations come after those that need
+    neither: they buy length with an extra MLP forward, host memory and PCIe traffic (whose contention with the
+    rest of the step the model does not count), worth it only where nothing else fits."""
     found = [estimate(model, layout, cluster, seq, batch, elem, causal, fused)
              for layout in candidates(model, cluster.devices, seq, cluster.devices_per_node, batch, loss_chunk,
                                       mlp_tile)]
-    return sorted(found, key=lambda e: (not e["fits"], -e["tokens_per_second"] if e["fits"] else 0, e["memory_total"]))
+    return sorted(found, key=lambda e: (not e["fits"], e["fits"] and _saves_memory(e),
+                                        -e["tokens_per_second"] if e["fits"] else 0, e["memory_total"]))
+
+
+def _saves_memory(estimate):
+    return bool(estimate["layout"]["mlp_tile"] or estimate["layout"]["offload"])
 
 
 def longest_sequence(model, cluster, granularity, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
