@@ -68,6 +68,7 @@ def parse_args(argv=None):
                              "with GPU fused RMSNorm and RoPE")
     parser.add_argument("--mlp-tile", type=int, default=planner.DEFAULT_MLP_TILE,
                         help="tokens per SequenceTiled MLP tile the search tries (0: never tile)")
+    parser.add_argument("--no-offload", action="store_true", help="never keep recomputed layers' inputs on the host")
     parser.add_argument("--intra-gbps", type=float, default=300.0, help="GB/s per device within a node")
     parser.add_argument("--inter-gbps", type=float, default=25.0, help="GB/s per device across nodes")
     parser.add_argument("--devices-per-node", type=int, default=8)
@@ -140,7 +141,7 @@ def main(argv=None):
                       args.inter_gbps * GB, args.devices_per_node, args.attention_tflops * 1e12,
                       args.pcie_gbps * GB, args.host_memory_gb * GB)
     search = dict(batch=args.batch, elem=args.dtype_bytes, causal=not args.no_causal, loss_chunk=args.loss_chunk,
-                  mlp_tile=args.mlp_tile, fused=args.kernels == "fused")
+                  mlp_tile=args.mlp_tile, fused=args.kernels == "fused", offload=not args.no_offload)
     if args.max_seq:
         args.seq, estimates = planner.longest_sequence(model, cluster, args.granularity, **search)
         if not args.seq:

@@ -49,15 +49,16 @@ def _vpp_options(model, pp, micro):
         stage_layers(model, pp, s) % v == 0 for s in range(pp)))]
 
 
-def _memory_options(model, recompute, tokens, mlp_tile):
+def _memory_options(model, recompute, tokens, mlp_tile, offload):
     """(mlp_tile, offload) pairs: tiles where a rank has more tokens than a tile and no layer is MoE (SequenceTiled
-    refuses MoE blocks); host offload of full recomputation's inputs."""
+    refuses MoE blocks); host offload of full recomputation's inputs (if `offload`)."""
     tiles = [0] + ([mlp_tile] if mlp_tile and not model.moe_layers and tokens > mlp_tile else [])
-    offloads = [False, True] if recompute == RECOMPUTE_FULL else [False]
+    offloads = [False, True] if recompute == RECOMPUTE_FULL and offload else [False]
     return list(itertools.product(tiles, offloads))
 
 
-def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHUNK, mlp_tile=DEFAULT_MLP_TILE):
+def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHUNK, mlp_tile=DEFAULT_MLP_TILE,
+               offload=True):
     """Every layout of `devices` paddle_cp can run for `model` at `seq` tokens, `batch` sequences per replica
     (a pipeline takes one sequence per micro-batch: m = batch)."""
     for pp, tp, ulysses, ring in itertools.product(_divisors(devices), repeat=4):
@@ -75,9 +76,9 @@ def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHU
         for vpp, ep, level, recompute, chunk in itertools.product(
                 _vpp_options(model, pp, micro), experts, range(4) if replicas > 1 else [0],
                 recompute_options(model, pp), chunks):
-            for tile, offload in _memory_options(model, recompute, batch * seq / cp / micro, mlp_tile):
+            for tile, host in _memory_options(model, recompute, batch * seq / cp / micro, mlp_tile, offload):
                 yield Layout(dp=dp, ring=ring, ulysses=ulysses, tp=tp, pp=pp, micro=micro, vpp=vpp, ep=ep,
-                             sharding=level, recompute=recompute, loss_chunk=chunk, mlp_tile=tile, offload=offload)
+                             sharding=level, recompute=recompute, loss_chunk=chunk, mlp_tile=tile, offload=host)
 
 
 def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=False):
@@ -96,14 +97,14 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=Fa
 
 
 def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
-                 mlp_tile=DEFAULT_MLP_TILE, fused=False):
+                 mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True):
     """Estimates of every candidate, best first: layouts that fit, by throughput (then the least memory), then the
     rest by memory. Among those that fit, layouts that tile MLPs or offload activations come after those that need
     neither: they buy length with an extra MLP forward, host memory and PCIe traffic (whose contention with the
     rest of the step the model does not count), worth it only where nothing else fits."""
     found = [estimate(model, layout, cluster, seq, batch, elem, causal, fused)
              for layout in candidates(model, cluster.devices, seq, cluster.devices_per_node, batch, loss_chunk,
-                                      mlp_tile)]
+                                      mlp_tile, offload)]
     return sorted(found, key=lambda e: (not e["fits"], e["fits"] and _saves_memory(e),
                                         -e["tokens_per_second"] if e["fits"] else 0, e["memory_total"]))
 
@@ -113,11 +114,12 @@ def _saves_memory(estimate):
 
 
 def longest_sequence(model, cluster, granularity, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
-                     mlp_tile=DEFAULT_MLP_TILE, fused=False):
+                     mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True):
     """(the longest multiple of `granularity` tokens some layout fits, its ranked estimates); (0, []) if none fits
     even `granularity` tokens. Bisection: memory grows with the sequence for every layout."""
     def fitting(units):
-        ranked = rank_layouts(model, cluster, units * granularity, batch, elem, causal, loss_chunk, mlp_tile, fused)
+        ranked = rank_layouts(model, cluster, units * granularity, batch, elem, causal, loss_chunk, mlp_tile, fused,
+                              offload)
         return ranked if ranked and ranked[0]["fits"] else None
 
     best = fitting(1)
