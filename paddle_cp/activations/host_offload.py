@@ -134,11 +134,13 @@ class HostCheckpoints:
             self.counts["offloaded"] += 1
             return saved
 
-        with paddle.autograd.saved_tensors_hooks(pack, self._unpack):
-            yield
-        self._release_copied()
-        if not call:
-            self.calls.remove(call)
+        try:
+            with paddle.autograd.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            self._release_copied()
+            if not call:
+                self.calls.remove(call)
 
     def _release_copied(self):
         self.copying_out = [p for p in self.copying_out if not self.transport.ready(p)]

@@ -70,12 +70,13 @@ def test_tiled_mlp_removes_its_intermediates_from_the_peak_as_estimated(tmp_path
 
 @needs_paddleformers
 def test_offload_removes_saved_layer_inputs_from_the_device_as_estimated(tmp_path):
-    """2 ring ranks, 1024 tokens each, 16 fully recomputed layers: offloading their inputs takes them off the device
-    at the end of the forward and off the peak, as estimated; the host holds what the estimate says."""
-    model = ["--hidden", "128", "--layers", "16", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
+    """2 ring ranks, 512 tokens each, 32 fully recomputed layers (short enough that the CPU attention kernel's
+    [q, k] blocks stay small): offloading their inputs takes them off the device at the end of the forward and
+    off the peak, as estimated; the host holds what the estimate says."""
+    model = ["--hidden", "64", "--layers", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "32",
              "--vocab", "256"]
-    rows = _layouts(tmp_path, ("ring2 full", "ring2 full offload"), 2048, model)
-    inputs = 16 * (1024 * 128 * 4 + 1024 * 2 * 64 * 4)  # hidden states and rotary tables of every layer, fp32
+    rows = _layouts(tmp_path, ("ring2 full", "ring2 full offload"), 1024, model)
+    inputs = 32 * (512 * 64 * 4 + 512 * 2 * 32 * 4)  # hidden states and rotary tables of every layer, fp32
     held, _ = _drop(rows, "ring2 full", "ring2 full offload", "activations")
     assert held == pytest.approx(inputs, rel=0.02)
     offloaded = rows["ring2 full offload"]
