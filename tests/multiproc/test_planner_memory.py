@@ -81,6 +81,17 @@ def test_offload_removes_saved_layer_inputs_from_the_device_as_estimated(tmp_pat
     assert held == pytest.approx(inputs, rel=0.02)
     offloaded = rows["ring2 full offload"]
     assert offloaded["host"] == pytest.approx(inputs, rel=0.02) == offloaded["estimate"]["host"]
-    measured, estimated = _drop(rows, "ring2 full", "ring2 full offload")
-    assert measured > 0.25 * inputs, measured
+    measured, _ = _drop(rows, "ring2 full", "ring2 full offload")
+    assert measured > 0.5 * inputs, measured
+    # both measured peaks are in a layer's backward (the one phase offload changes); the estimate's own peak
+    # moves to the optimizer step, its layer backward being ~3 MiB under the measured one in both layouts (the
+    # CPU attention kernel's [q, k] blocks, which GPU flash attention does not hold): compared phase by phase
+    from paddle_cp.tools.memory_model import memory
+    from paddle_cp.tools.model_shape import ModelShape
+    from paddle_cp.tools.plan_layout import Layout
+
+    shape = ModelShape(layers=32, hidden=64, heads=2, kv_heads=1, vocab=256, intermediate=32, tied_embeddings=True)
+    phase = {name: memory(shape, Layout.parse(name), 1024, 1, 4)["phases"]["layer_backward"]
+             for name in ("ring2 full", "ring2 full offload")}
+    estimated = phase["ring2 full"] - phase["ring2 full offload"]
     assert 1 / PEAK_FACTOR < estimated / measured < PEAK_FACTOR, (measured, estimated)
