@@ -99,14 +99,15 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=Fa
 def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
                  mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True):
     """Estimates of every candidate, best first: layouts that fit, by throughput (then the least memory), then the
-    rest by memory. Among those that fit, layouts that tile MLPs or offload activations come after those that need
-    neither: they buy length with an extra MLP forward, host memory and PCIe traffic (whose contention with the
-    rest of the step the model does not count), worth it only where nothing else fits."""
+    rest by memory. Layouts that tile MLPs or offload activations are kept only where no layout fits without
+    them: they buy length with an extra MLP forward, host memory and PCIe traffic (whose contention with the
+    rest of the step the model does not count)."""
     found = [estimate(model, layout, cluster, seq, batch, elem, causal, fused)
              for layout in candidates(model, cluster.devices, seq, cluster.devices_per_node, batch, loss_chunk,
                                       mlp_tile, offload)]
-    return sorted(found, key=lambda e: (not e["fits"], e["fits"] and _saves_memory(e),
-                                        -e["tokens_per_second"] if e["fits"] else 0, e["memory_total"]))
+    if any(e["fits"] and not _saves_memory(e) for e in found):
+        found = [e for e in found if not _saves_memory(e)]
+    return sorted(found, key=lambda e: (not e["fits"], -e["tokens_per_second"] if e["fits"] else 0, e["memory_total"]))
 
 
 def _saves_memory(estimate):
