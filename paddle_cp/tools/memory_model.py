@@ -20,6 +20,12 @@ path and paddle_cp hold it:
   and rebuilds one layer in backward; selective recomputation drops what its modules hold. Plus the final
   norm. Under a pipeline the first stage holds 1F1B's min(m, p) micro-batches (interleaved: its warm-up's
   chunks).
+- long sequences (docs/long_sequences.md): a SequenceTiled MLP keeps its input alone, its backward adds one tile's
+  four tensors and MLP_GRADIENT_TENSORS gradients and the [t, h] input gradient (an untiled MLP's backward adds
+  MLP_GRADIENT_TENSORS [t, intermediate] gradients); OffloadRecomputeInputs moves full recomputation's kept inputs
+  to the host (`host`) and adds a layer's own and the next layer's (prefetched) to its backward. `fused`: GPU
+  kernels' activations (fused RMSNorm: input and fp32 inverse rms; fused RoPE: no fp32 copies), from their op
+  contracts, not measured.
 - logits: the [t, vocab/tp] fp32 logits at the end of the forward; the loss backward adds two more.
   Chunked (PaddleFormers' fused head + loss): nothing at the end of the forward, and its backward holds
   CHUNK_TEMPORARIES [chunk, vocab/tp] fp32 tensors and HEAD_WEIGHT_COPIES of the lm_head weight (fp32).
