@@ -45,7 +45,7 @@ def batches(train, vocab_size=128, start_step=0):
 
 def new_model_and_optimizer(train):
     paddle.seed(train["seed"])
-    model = build_llama(train["model"])
+    model = build_llama(train["model"], **train.get("model_config", {}))  # e.g. PaddleFormers' recompute flags
     return model, paddle.optimizer.AdamW(learning_rate=train["learning_rate"], parameters=model.parameters())
 
 

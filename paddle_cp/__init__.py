@@ -22,6 +22,7 @@ from .plans import (
     ContextParallel,
     ConvParallel,
     ExpertParallel,
+    OffloadRecomputeInputs,
     PrepareContextParallel,
     PrepareLayerInput,
     PrepareLayerOutput,
@@ -30,6 +31,7 @@ from .plans import (
     SequenceParallelDisable,
     SequenceParallelEnable,
     SequenceParallelEnd,
+    SequenceTiled,
     TokenWise,
 )
 from .sequence.shard import sequence_positions, shard_sequence, unshard_sequence
@@ -48,6 +50,7 @@ __all__ = [
     "register_attention_class", "BlockKind", "register_block_kind", "register_fused_weights",
     "ColWiseParallel", "RowWiseParallel", "ConvParallel", "ExpertParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
+    "SequenceTiled", "OffloadRecomputeInputs",
     "PrepareLayerInput", "PrepareLayerOutput",
     "full_state_dict", "shard_batch", "shard_dataloader", "loss_weight",
     "ring_attention", "ulysses_attention", "hybrid_attention", "attention_work",

@@ -57,7 +57,11 @@ def resolve_plan(model, plan):
             if params is not None:
                 matched.append((name, layer, plans, params))
                 used.add(key)
-    for key in plan:
+    for key, plans in plan.items():
+        strict = [type(p).__name__ for p in plans if getattr(p, "must_match", False)]
+        if key not in used and strict:
+            raise ValueError(f"parallelize_plan key {key!r} for {strict[0]} {_why_unmatched(key, layers)}: name "
+                             "the layers it applies to, e.g. 'model.layers.*.mlp'")
         if key not in used:
             warnings.warn(f"parallelize_plan key {key!r} {_why_unmatched(key, layers)}", stacklevel=3)
     return matched

@@ -15,7 +15,9 @@ however it imported `recompute` (PaddleFormers binds it at import).
 A wrapper registered with `around_calls` runs around each whole recompute call in
 forward (the pipeline's stage boundaries: a unit of another stage is not recomputed,
 and a stage's last unit ends the stage's forward only once the call has returned
-its output, with the output's graph).
+its output, with the output's graph). One registered with `around_saving` is told
+the call's function, arguments and whether it is the reentrant PyLayer (host offload
+of the inputs that call saves).
 """
 from __future__ import annotations
 
@@ -25,12 +27,14 @@ import importlib
 
 _captures = []  # functions returning a context manager factory that re-establishes state as it is now, or None
 _call_wrappers = []  # wrapper(run) -> run()'s result or a replacement, around every whole recompute call
+_saving_wrappers = []  # wrapper(run, function, args, reentrant) around every recompute call
 _installed = []
 
 
 def carry(capture):
     """Register `capture() -> (() -> context manager) | None`, called at every recompute call."""
-    _captures.append(capture)
+    if capture not in _captures:
+        _captures.append(capture)
 
 
 def around_calls(wrapper):
@@ -39,7 +43,15 @@ def around_calls(wrapper):
         _call_wrappers.append(wrapper)
 
 
-def _through_wrappers(run):
+def around_saving(wrapper):
+    """Register `wrapper(run, function, args, reentrant)`, called instead of each recompute call `run()`."""
+    if wrapper not in _saving_wrappers:
+        _saving_wrappers.append(wrapper)
+
+
+def _through_wrappers(run, function, args, reentrant):
+    for wrapper in _saving_wrappers:
+        run = functools.partial(wrapper, run, function, args, reentrant)
     for wrapper in _call_wrappers:
         run = functools.partial(wrapper, run)
     return run()
@@ -68,13 +80,15 @@ class _CarryingPyLayer:
         self.pylayer = pylayer
 
     def apply(self, function, *args, **kwargs):
-        return _through_wrappers(lambda: self.pylayer.apply(with_current_state(function), *args, **kwargs))
+        return _through_wrappers(lambda: self.pylayer.apply(with_current_state(function), *args, **kwargs),
+                                 function, args, reentrant=True)
 
 
 def _carrying(helper):
     @functools.wraps(helper)
     def call(function, *args, **kwargs):
-        return _through_wrappers(lambda: helper(with_current_state(function), *args, **kwargs))
+        return _through_wrappers(lambda: helper(with_current_state(function), *args, **kwargs),
+                                 function, args, reentrant=False)
 
     return call
 

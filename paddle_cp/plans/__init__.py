@@ -10,4 +10,6 @@ from .sequence_parallel import (  # noqa: F401
     SequenceParallelEnable,
     SequenceParallelEnd,
 )
+from .offload import OffloadRecomputeInputs  # noqa: F401
+from .sequence_tiled import SequenceTiled  # noqa: F401
 from .tensor_parallel import ColWiseParallel, RowWiseParallel  # noqa: F401

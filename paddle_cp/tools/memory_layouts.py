@@ -7,7 +7,8 @@ ranks; one launch of that many CPU ranks trains pcp-memory's PaddleFormers Llama
 unfused RMSNorm) one step per layout and length, with the config pcp-plan writes for the layout
 (plan_config: the parallelize YAML and the PaddleFormers fields), and reports per rank, the largest over
 ranks, what pcp-memory reports (params, optimizer, activations, logits, peak; a pipeline runs its
-forward and backward inside one call, so it has a peak only). The launching process puts the planner's
+forward and backward inside one call, so it has a peak only) and, for `offload` layouts, the most bytes
+OffloadRecomputeInputs kept in host memory at once. The launching process puts the planner's
 estimate for the same layout (memory_model.memory, fp32) beside each figure and their ratio.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from paddle_cp.tools.model_shape import ModelShape
 from paddle_cp.tools.plan_layout import Layout
 from paddle_cp.tools.text import ruled_table
 
-PARTS = ("params", "optimizer", "activations", "logits", "peak")
+PARTS = ("params", "optimizer", "activations", "logits", "peak", "host")
 MIB = 2 ** 20
 FP32 = 4
 
@@ -66,7 +67,11 @@ def measure(args, layout, seq):
     inputs, labels = ids[:, :-1], ids[:, 1:]
     if layout.dp > 1:
         inputs, labels = pcp.shard_batch((inputs, labels), mesh=mesh)
-    return step_parts(model, opt, {"input_ids": inputs, "labels": labels}, start, params)
+    parts = step_parts(model, opt, {"input_ids": inputs, "labels": labels}, start, params)
+    stores = [plan.store for section in config.values() if isinstance(section, dict)
+              for plans in (section.get("parallelize_plan") or {}).values()
+              for plan in (plans if isinstance(plans, list) else [plans]) if isinstance(plan, pcp.OffloadRecomputeInputs)]
+    return {**parts, "host": max((store.host_peak for store in stores), default=0)}
 
 
 def run_ranks(args):

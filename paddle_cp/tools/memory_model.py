@@ -20,6 +20,12 @@ path and paddle_cp hold it:
   and rebuilds one layer in backward; selective recomputation drops what its modules hold. Plus the final
   norm. Under a pipeline the first stage holds 1F1B's min(m, p) micro-batches (interleaved: its warm-up's
   chunks).
+- long sequences (docs/long_sequences.md): a SequenceTiled MLP keeps its input alone, its backward adds one tile's
+  four tensors and MLP_GRADIENT_TENSORS gradients and the [t, h] input gradient (an untiled MLP's backward adds
+  MLP_GRADIENT_TENSORS [t, intermediate] gradients); OffloadRecomputeInputs moves full recomputation's kept inputs
+  to the host (`host`) and adds a layer's own and the next layer's (prefetched) to its backward. `fused`: GPU
+  kernels' activations (fused RMSNorm: input and fp32 inverse rms; fused RoPE: no fp32 copies), from their op
+  contracts, not measured.
 - logits: the [t, vocab/tp] fp32 logits at the end of the forward; the loss backward adds two more.
   Chunked (PaddleFormers' fused head + loss): nothing at the end of the forward, and its backward holds
   CHUNK_TEMPORARIES [chunk, vocab/tp] fp32 tensors and HEAD_WEIGHT_COPIES of the lm_head weight (fp32).
@@ -45,7 +51,8 @@ MOMENTS_BYTES = 2 * FP32  # AdamW's two moments per parameter, fp32
 CHUNK_TEMPORARIES = 6  # [chunk, vocab] fp32 tensors PaddleFormers' fused head + loss holds at once in backward
 HEAD_WEIGHT_COPIES = 5  # lm_head-sized fp32 tensors it holds then (per-chunk weight gradients and their sum)
 LOSS_BACKWARD_LOGITS = 2  # [t, vocab] fp32 tensors the unchunked loss backward adds to the logits
-STEP_GRADIENT_COPIES = 3  # gradients, their flat buffer, its pieces (or padded buckets) at the step
+STEP_GRADIENT_COPIES = 3
+MLP_GRADIENT_TENSORS = 2  # [tokens (or a tile), intermediate] gradients an MLP's backward holds at once  # gradients, their flat buffer, its pieces (or padded buckets) at the step
 # a MoE layer, per token (measured on gpt-oss, stacked experts): expert-width tensors per top-k copy (its
 # gate/up output, clamps, GLU), and routing bookkeeping (logits, weights, per-expert masks) per expert
 MOE_TENSORS_PER_EXPERT_WIDTH = 10
@@ -92,33 +99,59 @@ def _state(model, layout, stage, elem):
             "whole_gradients": (dense + experts) * elem}
 
 
-def layer_activations(model, layout, tokens, seq, batch, elem, moe):
+def layer_activations(model, layout, tokens, seq, batch, elem, moe, fused=False):
     """Bytes one decoder layer (a MoE layer if `moe`) holds for one micro-batch (`tokens` per rank, `batch`
     sequences of `seq`) without recomputation, by block, and what recomputation works with:
-    {"attention", "mlp", "block_input" (a block's [t, h] input), "core_attention" (attention's output and lse)}."""
+    {"attention", "mlp", "block_input" (a block's [t, h] input), "core_attention" (attention's output and lse),
+    "tile_work" (a tiled MLP's backward working set)}. `fused`: GPU kernels (fused RMSNorm, fused RoPE)."""
     tp, h, d = layout.tp, model.hidden, model.head_dim
     heads, kv_heads = model.heads // tp, model.kv_heads // tp
-    # input (fp32 copy) and normalized value at t/tp; the output at t, which the projections read, or under
-    # tensor parallelism each column-split projection's own copy of it (q, k, v; gate, up)
-    norm = tokens / tp * h * (FP32 + elem) + tokens * h * elem
+    norm = norm_bytes(model, layout, tokens, elem, fused)
+    rope = 0 if fused else tokens * (heads + kv_heads) * d * 2 * FP32  # q, k and their rotated halves, fp32
     block_input = tokens * h * elem
     copies = 1 if tp > 1 else 0
-    rope = tokens * (heads + kv_heads) * d * 2 * FP32  # q, k and their rotated halves, fp32
     attention = attention_held_bytes(layout.backend, batch, seq, heads, kv_heads, d, layout.cp, elem,
                                      layout.ulysses)
     if moe:  # experts and shared experts are not split over tp; under ep the same count, elsewhere
         routed = MOE_TENSORS_PER_EXPERT_WIDTH * model.experts_per_token * model.expert_intermediate + h
         mlp = tokens * (MOE_ROUTER_BYTES_PER_EXPERT * model.experts + (routed + 4 * model.shared_intermediate) * elem)
+        mlp_backward = 0
+    elif layout.mlp_tile:  # SequenceTiled keeps the MLP's input alone; its backward works on one tile at a time
+        mlp = copies * block_input
+        mlp_backward = tile_working_set(model, layout, tokens, elem)
     else:  # gate, up, activation, product
         mlp = tokens * 4 * model.intermediate / tp * elem + copies * block_input
+        mlp_backward = tokens * MLP_GRADIENT_TENSORS * model.intermediate / tp * elem
     return {"attention": norm + 2 * copies * block_input + rope + attention, "mlp": norm + mlp,
-            "block_input": block_input, "core_attention": tokens * heads * (d * elem + FP32)}
+            "block_input": block_input, "core_attention": tokens * heads * (d * elem + FP32),
+            "mlp_backward": mlp_backward}
+
+
+def norm_bytes(model, layout, tokens, elem, fused=False):
+    """An RMSNorm's: its input (an fp32 copy) and normalized value at t/tp, and the output at t, which the
+    projections read, or under tensor parallelism each column-split projection's own copy of it (q, k, v;
+    gate, up). Fused (GPU): its input and an fp32 inverse rms per token, and the output."""
+    h, tp = model.hidden, layout.tp
+    kept = h * elem + FP32 if fused else h * (FP32 + elem)
+    return tokens / tp * kept + tokens * h * elem
+
+
+def tile_working_set(model, layout, tokens, elem):
+    """What a SequenceTiled MLP's backward adds while it replays one tile: the tile's gate, up, activation and
+    product and MLP_GRADIENT_TENSORS of their gradients, and the [t, h] input gradient it writes tile by tile."""
+    tile = min(layout.mlp_tile, tokens)
+    return (tile * (4 + MLP_GRADIENT_TENSORS) * model.intermediate / layout.tp + tokens * model.hidden) * elem
+
+
+def recompute_inputs(model, layout, tokens, elem):
+    """Bytes a fully recomputed layer's call saves: its input and the rotary tables passed to it (fp32)."""
+    return tokens / layout.tp * model.hidden * elem + tokens * 2 * model.head_dim * FP32
 
 
 def kept_by_layer(model, layout, parts, tokens, elem):
-    """Bytes a layer keeps until its backward under the layout's recomputation."""
-    if layout.recompute == RECOMPUTE_FULL:  # its input and the rotary tables passed to it
-        return tokens / layout.tp * model.hidden * elem + tokens * 2 * model.head_dim * FP32
+    """Bytes a layer keeps on the device until its backward under the layout's recomputation."""
+    if layout.recompute == RECOMPUTE_FULL:  # on the host under offload
+        return 0 if layout.offload else recompute_inputs(model, layout, tokens, elem)
     attention, mlp = parts["attention"], parts["mlp"]
     if "full_attn" in layout.selective:
         attention = parts["block_input"]
@@ -139,22 +172,29 @@ def in_flight(layout, stage):
     return min(m * v, warmup + 1) / v
 
 
-def activations(model, layout, seq, batch, elem, stage):
-    """(held at the end of the forward, one layer rebuilt in backward) for `stage`."""
+def activations(model, layout, seq, batch, elem, stage, fused=False):
+    """(held at the end of the forward, a layer's backward working set, held in host memory) for `stage`. The
+    working set: the layer rebuilt by recomputation (with a tiled MLP's tile) or, without, a tiled MLP's tile;
+    under offload also its own inputs brought back and the next layer's, prefetched."""
     sequences = batch / layout.micro  # per micro-batch
     tokens = sequences * seq / layout.cp
     layers = stage_layers(model, layout.pp, stage)
     moe_layers = layers * model.moe_layers / model.layers
-    held, rebuilt = 0, 0
+    held, working = 0, 0
     for count, moe in ((moe_layers, True), (layers - moe_layers, False)):
         if count:
-            parts = layer_activations(model, layout, tokens, seq, sequences, elem, moe)
+            parts = layer_activations(model, layout, tokens, seq, sequences, elem, moe, fused)
             held += count * kept_by_layer(model, layout, parts, tokens, elem)
-            rebuilt = max(rebuilt, parts["attention"] + parts["mlp"])
+            rebuilt = parts["attention"] + parts["mlp"] if layout.recompute != NO_RECOMPUTE else 0
+            working = max(working, rebuilt + parts["mlp_backward"])
+    saved_inputs = recompute_inputs(model, layout, tokens, elem)
+    host = layers * saved_inputs * in_flight(layout, stage) if layout.offload else 0
+    if layout.offload:
+        working += 2 * saved_inputs
     held *= in_flight(layout, stage)
     if stage == layout.pp - 1:  # the final norm
-        held += tokens / layout.tp * model.hidden * (FP32 + elem) + tokens * model.hidden * elem
-    return held, rebuilt if layout.recompute != NO_RECOMPUTE else 0
+        held += norm_bytes(model, layout, tokens, elem, fused)
+    return held, working, host
 
 
 def logits(model, layout, seq, batch, stage):
@@ -170,9 +210,9 @@ def logits(model, layout, seq, batch, stage):
     return held, LOSS_BACKWARD_LOGITS * held
 
 
-def stage_memory(model, layout, seq, batch, elem, stage):
+def stage_memory(model, layout, seq, batch, elem, stage, fused=False):
     state = _state(model, layout, stage, elem)
-    held, rebuilt = activations(model, layout, seq, batch, elem, stage)
+    held, rebuilt, host = activations(model, layout, seq, batch, elem, stage, fused)
     logits_held, loss_backward = logits(model, layout, seq, batch, stage)
     fetched = 2 * model.largest_param / layout.tp * elem if layout.sharding == 3 else 0  # a copy and its gradient
     base = state["weights"] + state["optimizer"]
@@ -189,17 +229,18 @@ def stage_memory(model, layout, seq, batch, elem, stage):
               "step": base + STEP_GRADIENT_COPIES * gradients}
     return {"weights": state["weights"], "gradients": state["gradients"], "optimizer": state["optimizer"],
             "activations": held, "logits": logits_held, "phases": phases, "peak": max(phases.values()),
-            "stage": stage}
+            "stage": stage, "host": host}
 
 
-def memory(model, layout, seq, batch=1, elem=2):
-    """Per-rank bytes of the busier of the first and last pipeline stage (see the module docstring)."""
+def memory(model, layout, seq, batch=1, elem=2, fused=False):
+    """Per-rank bytes of the busier of the first and last pipeline stage (see the module docstring); `host`:
+    the offloaded bytes it keeps in host memory. `fused`: GPU kernels' activations (fused RMSNorm and RoPE)."""
     stages = {0, layout.pp - 1}
-    return max((stage_memory(model, layout, seq, batch, elem, s) for s in stages), key=lambda m: m["peak"])
+    return max((stage_memory(model, layout, seq, batch, elem, s, fused) for s in stages), key=lambda m: m["peak"])
 
 
 def measured_parts(estimate):
-    """The estimate under pcp-memory's names (params, optimizer, activations, logits, peak)."""
+    """The estimate under pcp-memory's names (params, optimizer, activations, logits, peak, host)."""
     return {"params": estimate["weights"], "optimizer": estimate["optimizer"], "activations": estimate["activations"],
-            "logits": estimate["logits"], "peak": estimate["peak"]}
+            "logits": estimate["logits"], "peak": estimate["peak"], "host": estimate["host"]}
 

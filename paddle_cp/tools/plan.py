@@ -2,6 +2,7 @@
 with sharding levels, recomputation and chunked loss, for a model and a cluster.
 
     pcp-plan --config config.json --seq 131072 --devices 64 --memory-gb 80
+    pcp-plan --config config.json --max-seq --devices 8 --memory-gb 80 --kernels fused   # the longest that fits
 
 Prints a table of candidates (best first: those that fit, fastest first), then for the best `--configs` layouts
 the published recipe each resembles and the config to run it: YAML for `paddle_cp.load_config` (the PaddleFormers
@@ -47,11 +48,28 @@ def parse_args(argv=None):
     parser.add_argument("--config", help="PaddleFormers / Hugging Face config.json (instead of the shape flags)")
     for flag in SHAPE_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), type=int)
-    parser.add_argument("--seq", type=int, required=True, help="sequence length")
+    parser.add_argument("--seq", type=int, help="sequence length")
+    parser.add_argument("--max-seq", action="store_true",
+                        help="find the longest sequence some layout fits (a multiple of --granularity) and plan it")
+    parser.add_argument("--granularity", type=int, default=65536, help="--max-seq's step in tokens")
     parser.add_argument("--batch", type=int, default=1, help="sequences per data-parallel replica per step")
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--memory-gb", type=float, default=80.0, help="memory per device")
-    parser.add_argument("--tflops", type=float, default=400.0, help="achievable TFLOP/s per device")
+    parser.add_argument("--tflops", type=float, default=700.0,
+                        help="achievable bf16 GEMM TFLOP/s per device (H200 at Llama-8B shapes: 695-772)")
+    parser.add_argument("--attention-tflops", type=float, default=300.0,
+                        help="causal attention forward + backward TFLOP/s (H200: FlashAttention-2 287-328, "
+                             "cuDNN 544-577)")
+    parser.add_argument("--pcie-gbps", type=float, default=25.0,
+                        help="GB/s per device and direction to host memory (activation offload)")
+    parser.add_argument("--host-memory-gb", type=float, default=2000.0,
+                        help="host memory per node for offloaded activations (DGX H100/H200: 2 TB)")
+    parser.add_argument("--kernels", choices=["eager", "fused"], default="eager",
+                        help="activations as PaddleFormers' eager ops hold them (what pcp-memory measures on CPU) or "
+                             "with GPU fused RMSNorm and RoPE")
+    parser.add_argument("--mlp-tile", type=int, default=planner.DEFAULT_MLP_TILE,
+                        help="tokens per SequenceTiled MLP tile the search tries (0: never tile)")
+    parser.add_argument("--no-offload", action="store_true", help="never keep recomputed layers' inputs on the host")
     parser.add_argument("--intra-gbps", type=float, default=300.0, help="GB/s per device within a node")
     parser.add_argument("--inter-gbps", type=float, default=25.0, help="GB/s per device across nodes")
     parser.add_argument("--devices-per-node", type=int, default=8)
@@ -69,6 +87,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if not args.config and any(getattr(args, f) is None for f in SHAPE_FLAGS if f != "kv_heads"):
         parser.error("give --config config.json, or --layers --hidden --heads --vocab --intermediate [--kv-heads]")
+    if (args.seq is None) == (not args.max_seq):
+        parser.error("give --seq N, or --max-seq to find the longest sequence that fits")
+    if args.granularity < 1 or args.mlp_tile < 0:
+        parser.error("--granularity must be positive and --mlp-tile not negative")
     return args
 
 
@@ -81,12 +103,13 @@ def model_shape(args):
 
 
 def table(estimates, top):
-    head = f"{'layout':40} {'backend':8} {'mem GB':>8} {'fits':>5} {'step s':>8} {'tok/s':>10}  time split (s)"
+    head = (f"{'layout':52} {'backend':8} {'mem GB':>8} {'host GB/node':>12} {'fits':>5} {'step s':>8} "
+            f"{'tok/s':>10}  time split (s)")
     rows = []
     for e in estimates[:top]:
         split = " ".join(f"{k}={v:.3g}" for k, v in e["time"].items() if v)
-        rows.append(f"{e['name']:40} {e['backend']:8} {e['memory_total'] / GB:>8.1f} {'yes' if e['fits'] else 'no':>5}"
-                    f" {e['step_time']:>8.3f} {e['tokens_per_second']:>10.0f}  {split}")
+        rows.append(f"{e['name']:52} {e['backend']:8} {e['memory_total'] / GB:>8.1f} {e['host_per_node'] / GB:>12.0f} "
+                    f"{'yes' if e['fits'] else 'no':>5} {e['step_time']:>8.3f} {e['tokens_per_second']:>10.0f}  {split}")
     return ruled_table(head, rows)
 
 
@@ -119,15 +142,25 @@ def main(argv=None):
     except ValueError as error:  # a shape the planner cannot model: say so, no traceback
         sys.exit(f"pcp-plan: {error}")
     cluster = Cluster(args.devices, args.memory_gb * GB, args.tflops * 1e12, args.intra_gbps * GB,
-                      args.inter_gbps * GB, args.devices_per_node)
-    packed = None
+                      args.inter_gbps * GB, args.devices_per_node, args.attention_tflops * 1e12,
+                      args.pcie_gbps * GB, args.host_memory_gb * GB)
+    search = dict(batch=args.batch, elem=args.dtype_bytes, causal=not args.no_causal, loss_chunk=args.loss_chunk,
+                  mlp_tile=args.mlp_tile, fused=args.kernels == "fused", offload=not args.no_offload)
     if args.documents:
+        if args.max_seq:
+            sys.exit("pcp-plan: --documents prices one row of --seq tokens: give --seq instead of --max-seq")
         try:
-            packed = PackedRow(packing.batches(args.documents, args.seq, 1, 1)[0][0])
+            search["packed"] = PackedRow(packing.batches(args.documents, args.seq, 1, 1)[0][0])
         except ValueError as error:
             sys.exit(f"pcp-plan: --documents: {error}")
-    estimates = planner.rank_layouts(model, cluster, args.seq, args.batch, args.dtype_bytes, not args.no_causal,
-                                     args.loss_chunk, packed)
+    if args.max_seq:
+        args.seq, estimates = planner.longest_sequence(model, cluster, args.granularity, **search)
+        if not args.seq:
+            sys.exit(f"pcp-plan: no layout of {args.devices} devices fits {args.granularity} tokens of {model}")
+        print(f"longest sequence that fits: {args.seq} tokens ({args.seq / 2 ** 20:.2f}M; multiples of "
+              f"{args.granularity}), {args.kernels} kernels\n")
+    else:
+        estimates = planner.rank_layouts(model, cluster, args.seq, **search)
     if not estimates:
         sys.exit(f"no layout of {args.devices} devices suits {model} at sequence {args.seq}")
     print(table(estimates, args.top))
@@ -138,7 +171,8 @@ def main(argv=None):
     for plan, estimate in zip(plans, fitting):
         print("\n" + describe(plan, estimate), end="")
     if args.json:
-        result = {"model": vars(model), "cluster": vars(cluster), "seq": args.seq, "estimates": estimates,
+        result = {"model": vars(model), "cluster": vars(cluster), "seq": args.seq, "max_seq": args.max_seq,
+                  "estimates": estimates,
                   "best": fitting[0] if fitting else None, "plans": plans,
                   "config": plans[0]["config"] if plans else None}
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

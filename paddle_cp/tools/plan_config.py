@@ -31,6 +31,13 @@ def parallelize_config(layout, model_prefix="model"):
             "": {"PrepareContextParallel": dict(args)},  # the model itself: splits input_ids and labels
             f"{layers}.self_attn": [{"ContextParallel": dict(args)}],
         }}
+    memory_plans = {}
+    if layout.mlp_tile:
+        memory_plans[f"{layers}.mlp"] = [{"SequenceTiled": {"tokens": layout.mlp_tile}}]
+    if layout.offload:
+        memory_plans[layers] = "OffloadRecomputeInputs"
+    if memory_plans:
+        config.setdefault("cp_config", {"parallelize_plan": {}})["parallelize_plan"].update(memory_plans)
     if layout.ep > 1:  # issue 25's API: the MoE block of every layer, experts folded onto dp x sep
         config["ep_config"] = {"degree": layout.ep, "parallelize_plan": {f"{layers}.mlp": "ExpertParallel"}}
     return config

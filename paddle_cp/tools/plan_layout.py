@@ -1,6 +1,7 @@
 """One candidate layout of a training run, and the cluster it runs on (pure, no Paddle).
 
-A layout's name lists its degrees and options as tokens, e.g. `dp2 ring4 uly1 tp8 pp2 m8 l3 full chunk4096`;
+A layout's name lists its degrees and options as tokens, e.g. `dp2 ring4 uly1 tp8 pp2 m8 l3 full chunk4096
+tile4096 offload`;
 `Layout.parse` reads such a name back (spaces or commas between tokens; omitted tokens take the defaults).
 """
 from __future__ import annotations
@@ -17,10 +18,17 @@ SHARD_DIMS = ("dp", "sep")  # sharding's default: every rank holding a replica (
 class Cluster:
     devices: int
     memory: float  # bytes per device
-    flops: float  # achievable FLOP/s per device for this model's matmuls
+    flops: float  # achievable FLOP/s per device for this model's matmuls (GEMMs)
     intra_bandwidth: float  # bytes/s per device within a node
     inter_bandwidth: float  # bytes/s per device across nodes
     devices_per_node: int
+    attention_flops: float = 0.0  # achievable FLOP/s of causal attention forward + backward (0: `flops`)
+    pcie_bandwidth: float = 25e9  # bytes/s per device and direction between device and host memory
+    host_memory: float = 2e12  # bytes of host memory per node for offloaded activations (DGX H100: 2 TB)
+
+    @property
+    def attention_rate(self):
+        return self.attention_flops or self.flops
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,9 @@ class Layout:
     (interleaved 1F1B); ep: expert-parallel degree, folded onto the dp x sep ranks (issue 25's ep_config);
     sharding: dp_config's level, over `shard_dims`; recompute: "none", "full" (whole layers) or selective
     modules joined by "+" ("core_attn+mlp"); loss_chunk: tokens per chunk of a chunked lm_head + loss
-    (0: the whole sequence at once). Tensor parallelism always runs with sequence parallelism.
+    (0: the whole sequence at once); mlp_tile: tokens per tile of SequenceTiled MLPs (0: untiled); offload:
+    full recomputation's saved layer inputs kept in host memory (OffloadRecomputeInputs). Tensor
+    parallelism always runs with sequence parallelism.
     """
 
     dp: int = 1
@@ -46,6 +56,8 @@ class Layout:
     shard_dims: tuple = SHARD_DIMS
     recompute: str = NO_RECOMPUTE
     loss_chunk: int = 0
+    mlp_tile: int = 0
+    offload: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "shard_dims", tuple(self.shard_dims))  # a list when read back from JSON
@@ -94,6 +106,10 @@ class Layout:
             tokens.append(self.recompute if self.recompute == RECOMPUTE_FULL else "sel:" + self.recompute)
         if self.loss_chunk:
             tokens.append(f"chunk{self.loss_chunk}")
+        if self.mlp_tile:
+            tokens.append(f"tile{self.mlp_tile}")
+        if self.offload:
+            tokens.append("offload")
         return " ".join(tokens)
 
     @classmethod
@@ -101,7 +117,7 @@ class Layout:
         """The layout a name describes: `dp2 ring2 l3@dp`, `ring4,full,chunk256`, `tp2 uly2 sel:core_attn+mlp`."""
         values = {}
         numbers = {"dp": "dp", "ring": "ring", "uly": "ulysses", "tp": "tp", "pp": "pp", "m": "micro", "vpp": "vpp",
-                   "ep": "ep", "chunk": "loss_chunk"}
+                   "ep": "ep", "chunk": "loss_chunk", "tile": "mlp_tile"}
         for token in re.split(r"[\s,]+", name.strip()):
             number = re.fullmatch(r"([a-z]+)(\d+)", token)
             level = re.fullmatch(r"l([0-3])(?:@([a-z+]+))?", token)
@@ -113,10 +129,14 @@ class Layout:
                 values[numbers[number.group(1)]] = int(number.group(2))
             elif token == RECOMPUTE_FULL or token.startswith("sel:"):
                 values["recompute"] = token.removeprefix("sel:")
+            elif token == "offload":
+                values["offload"] = True
             else:
                 raise ValueError(f"layout {name!r}: cannot read {token!r}; tokens are dp<N> ring<N> uly<N> tp<N> pp<N> "
-                                 "m<N> vpp<N> ep<N> l<0-3>[@dp|@sep|@dp+sep] full sel:<modules> chunk<N>")
+                                 "m<N> vpp<N> ep<N> l<0-3>[@dp|@sep|@dp+sep] full sel:<modules> chunk<N> tile<N> offload")
         layout = cls(**values)
         if not set(layout.shard_dims) <= set(SHARD_DIMS):
             raise ValueError(f"layout {name!r}: sharding runs over 'dp', 'sep' or both, not {layout.shard_dims}")
+        if layout.offload and layout.recompute != RECOMPUTE_FULL:
+            raise ValueError(f"layout {name!r}: offload keeps full recomputation's layer inputs on the host; add 'full'")
         return layout

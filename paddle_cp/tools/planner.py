@@ -4,9 +4,11 @@
 A candidate is a pipeline x data x ring x Ulysses x tensor factorisation of the devices (tensor parallel
 within a node, with sequence parallelism), an interleaved pipeline or not, an expert-parallel degree (MoE
 models: dividing dp x sep), a sharding level over dp x sep, recomputation (none, full, or the selective
-modules the model's family reads) and an unchunked or chunked loss. Each gets memory_model.memory (bytes
-per rank, the busiest stage's peak) and step_time.step_time; those that fit the device memory come first,
-fastest first, then the rest by memory.
+modules the model's family reads), an unchunked or chunked loss, MLPs tiled over the sequence or not (dense
+models), full recomputation's layer inputs in host memory or not. Each gets memory_model.memory (bytes per
+rank, the busiest stage's peak; its host bytes per node within the cluster's host memory) and
+step_time.step_time; those that fit come first, fastest first, then the rest by memory. `longest_sequence`
+bisects for the longest sequence some layout fits (`pcp-plan --max-seq`).
 
 Not proposed: recomputation on a pipeline and a chunked loss with tensor parallelism (both run, but the
 estimates do not model them yet: the chunked loss under tp computes the whole head on every rank), an
@@ -23,6 +25,7 @@ from .plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
 from .step_time import step_time
 
 DEFAULT_LOSS_CHUNK = 4096  # tokens per chunk of the chunked loss the search tries
+DEFAULT_MLP_TILE = 4096  # tokens per SequenceTiled tile the search tries (ALST: about the hidden size)
 
 
 def _divisors(n):
@@ -46,7 +49,16 @@ def _vpp_options(model, pp, micro):
         stage_layers(model, pp, s) % v == 0 for s in range(pp)))]
 
 
-def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHUNK):
+def _memory_options(model, recompute, tokens, mlp_tile, offload):
+    """(mlp_tile, offload) pairs: tiles where a rank has more tokens than a tile and no layer is MoE (SequenceTiled
+    refuses MoE blocks); host offload of full recomputation's inputs (if `offload`)."""
+    tiles = [0] + ([mlp_tile] if mlp_tile and not model.moe_layers and tokens > mlp_tile else [])
+    offloads = [False, True] if recompute == RECOMPUTE_FULL and offload else [False]
+    return list(itertools.product(tiles, offloads))
+
+
+def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHUNK, mlp_tile=DEFAULT_MLP_TILE,
+               offload=True):
     """Every layout of `devices` paddle_cp can run for `model` at `seq` tokens, `batch` sequences per replica
     (a pipeline takes one sequence per micro-batch: m = batch)."""
     for pp, tp, ulysses, ring in itertools.product(_divisors(devices), repeat=4):
@@ -64,27 +76,62 @@ def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHU
         for vpp, ep, level, recompute, chunk in itertools.product(
                 _vpp_options(model, pp, micro), experts, range(4) if replicas > 1 else [0],
                 recompute_options(model, pp), chunks):
-            yield Layout(dp=dp, ring=ring, ulysses=ulysses, tp=tp, pp=pp, micro=micro, vpp=vpp, ep=ep,
-                         sharding=level, recompute=recompute, loss_chunk=chunk)
+            for tile, host in _memory_options(model, recompute, batch * seq / cp / micro, mlp_tile, offload):
+                yield Layout(dp=dp, ring=ring, ulysses=ulysses, tp=tp, pp=pp, micro=micro, vpp=vpp, ep=ep,
+                             sharding=level, recompute=recompute, loss_chunk=chunk, mlp_tile=tile, offload=host)
 
 
-def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, packed=None):
+def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=False, packed=None):
     """One layout's memory, time and throughput (`batch` sequences per data-parallel replica; `packed`: an
     attention_cost.PackedRow of the sequences' documents)."""
-    mem = memory(model, layout, seq, batch, elem)
+    mem = memory(model, layout, seq, batch, elem, fused)
     time = step_time(model, layout, cluster, seq, batch, elem, causal, packed)
     total_time = sum(time.values())
+    host_per_node = mem["host"] * min(cluster.devices, cluster.devices_per_node)
     return {
         "layout": asdict(layout), "name": layout.name, "backend": layout.backend,
-        "memory": mem, "memory_total": mem["peak"], "fits": mem["peak"] <= cluster.memory,
+        "memory": mem, "memory_total": mem["peak"], "host_per_node": host_per_node,
+        "fits": mem["peak"] <= cluster.memory and host_per_node <= cluster.host_memory,
         "time": time, "step_time": total_time,
         "tokens_per_second": layout.dp * batch * seq / total_time,
     }
 
 
-def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK, packed=None):
+def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
+                 mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, packed=None):
     """Estimates of every candidate, best first: layouts that fit, by throughput (then the least memory), then the
-    rest by memory."""
-    found = [estimate(model, layout, cluster, seq, batch, elem, causal, packed)
-             for layout in candidates(model, cluster.devices, seq, cluster.devices_per_node, batch, loss_chunk)]
+    rest by memory. Layouts that tile MLPs or offload activations are kept only where no layout fits without
+    them: they buy length with an extra MLP forward, host memory and PCIe traffic (whose contention with the
+    rest of the step the model does not count)."""
+    found = [estimate(model, layout, cluster, seq, batch, elem, causal, fused, packed)
+             for layout in candidates(model, cluster.devices, seq, cluster.devices_per_node, batch, loss_chunk,
+                                      mlp_tile, offload)]
+    if any(e["fits"] and not _saves_memory(e) for e in found):
+        found = [e for e in found if not _saves_memory(e)]
     return sorted(found, key=lambda e: (not e["fits"], -e["tokens_per_second"] if e["fits"] else 0, e["memory_total"]))
+
+
+def _saves_memory(estimate):
+    return bool(estimate["layout"]["mlp_tile"] or estimate["layout"]["offload"])
+
+
+def longest_sequence(model, cluster, granularity, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
+                     mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True):
+    """(the longest multiple of `granularity` tokens some layout fits, its ranked estimates); (0, []) if none fits
+    even `granularity` tokens. Bisection: memory grows with the sequence for every layout."""
+    def fitting(units):
+        ranked = rank_layouts(model, cluster, units * granularity, batch, elem, causal, loss_chunk, mlp_tile, fused,
+                              offload)
+        return ranked if ranked and ranked[0]["fits"] else None
+
+    best = fitting(1)
+    if best is None:
+        return 0, []
+    lo, hi = 1, 2
+    while (found := fitting(hi)) is not None:
+        lo, hi, best = hi, hi * 2, found
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        found = fitting(mid)
+        lo, hi, best = (mid, hi, found) if found is not None else (lo, mid, best)
+    return lo * granularity, best

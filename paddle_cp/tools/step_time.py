@@ -1,6 +1,8 @@
 """Seconds per training step of a planned layout on a GPU cluster (pure functions, a model, not a measurement).
 
-Compute at the cluster's FLOP/s; each communication at the bandwidth of the links its group spans (a group
+Matmuls at the cluster's GEMM rate, attention at its attention rate (an H200 measured bf16 GEMM at 695-772
+TFLOP/s at Llama-8B shapes, causal attention forward + backward at 287-328 with FlashAttention-2 and 544-577
+with cuDNN: docs/long_context.md); each communication at the bandwidth of the links its group spans (a group
 of `size` ranks `stride` apart stays on one node while stride x size <= devices per node); ring traffic
 hidden behind attention compute, the rest not overlapped. What each term counts:
 
@@ -15,6 +17,10 @@ hidden behind attention compute, the rest not overlapped. What each term counts:
 - pipeline_p2p: every micro-batch's activations forward and gradients back, once per chunk (interleaved).
 - expert_all_to_all: each MoE layer sends its tokens' top-k copies to their experts and back, forward and
   backward: 4 k t h bytes x (E-1)/E.
+- sequence tiles: a SequenceTiled MLP's forward runs once more (its backward replays each tile).
+- host_offload_exposed: offloaded layer inputs go to the host during each layer's forward and come back
+  (prefetched) during the previous layer's backward, on a side stream: per layer, the part of a copy longer
+  than that layer's compute in the same pass shows.
 - gradients: paddle_cp's reduction over the sharding ranks: level 0 an all-reduce, 1 an all-reduce then the
   owners' broadcast of new values, 2 a reduce-scatter then the broadcast, 3 a reduce-scatter and every
   parameter fetched from its owner for the forward and again for the backward (and the recomputed forward).
@@ -22,7 +28,7 @@ hidden behind attention compute, the rest not overlapped. What each term counts:
 from __future__ import annotations
 
 from .attention_cost import attention_flops, attention_traffic
-from .memory_model import stage_params
+from .memory_model import recompute_inputs, stage_params
 from .plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL
 
 
@@ -55,22 +61,28 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None
     dense_flops = 6 * tokens * model.active_matmul_params / tp
     attention = model.layers * batch * attention_flops(1, seq, model.heads, model.head_dim, causal) / (cp * tp)
     total = dense_flops + attention
-    recompute = _recompute_factor(layout, attention / total) * total
+    factor = _recompute_factor(layout, attention / total)
+    recompute_dense, recompute_attention = factor * dense_flops, factor * attention
     if layout.loss_chunk:
-        recompute += 2 * tokens * model.embedding_params / tp
+        recompute_dense += 2 * tokens * model.embedding_params / tp
+    if layout.mlp_tile:
+        recompute_dense += 2 * tokens * model.dense_layers * model.dense_mlp_params / tp
     stretch = 1 / (pp * (1 - layout.bubble))  # this stage's share, over the step's busy fraction
     uly, ring = attention_traffic(batch, seq, heads, kv_heads, model.head_dim, layout.ring, layout.ulysses, elem)
-    attention_seconds = attention / cluster.flops
-    if packed is not None:  # tiles, not FLOPs: the layout's slowest rank at the tile model's rates
+    attention_seconds = attention / cluster.attention_rate
+    if packed is not None:  # tiles, not FLOPs: the layout's slowest rank at the tile model's rates (fwd + bwd)
         attention_seconds = model.layers * batch * packed.seconds(layout.ring, layout.ulysses, heads, model.head_dim)
-        total -= attention
+    gemm_seconds = dense_flops / cluster.flops
     ring_seconds = model.layers * ring / _bandwidth(cluster, tp * layout.ulysses, layout.ring)
     tp_bytes = model.layers * 4 * 2 * _ring_share(tp) * tokens * model.hidden * elem
     expert_bytes = (model.moe_layers * 4 * model.experts_per_token * tokens / tp * model.hidden * elem
                     * _ring_share(layout.ep))
     dp_stride = tp * cp
     times = {
-        "compute": ((total + recompute) / cluster.flops + (attention_seconds if packed is not None else 0)) * stretch,
+        "compute": ((dense_flops + recompute_dense) / cluster.flops + attention_seconds
+                    + recompute_attention / cluster.attention_rate) * stretch,
+        "host_offload_exposed": _offload_exposed(model, layout, cluster, tokens, elem,
+                                                 (gemm_seconds + attention_seconds) / model.layers) * stretch,
         "tensor_parallel": tp_bytes / _bandwidth(cluster, 1, tp) * stretch,
         "ulysses": model.layers * uly / _bandwidth(cluster, tp, layout.ulysses) * stretch,
         "ring_exposed": max(0.0, ring_seconds - attention_seconds) * stretch,
@@ -80,6 +92,15 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None
         "gradients": _gradient_seconds(model, layout, cluster, elem, dp_stride),
     }
     return times
+
+
+def _offload_exposed(model, layout, cluster, tokens, elem, layer_seconds):
+    """Copy time not hidden behind compute: per layer, its inputs out during its forward (a third of the
+    layer's forward + backward) and back during the previous layer's backward and recomputed forward."""
+    if not layout.offload:
+        return 0.0
+    copy = recompute_inputs(model, layout, tokens, elem) / cluster.pcie_bandwidth
+    return model.layers * (max(0.0, copy - layer_seconds / 3) + max(0.0, copy - layer_seconds))
 
 
 def _gradient_seconds(model, layout, cluster, elem, stride):

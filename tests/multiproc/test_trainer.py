@@ -56,6 +56,18 @@ def test_composed_trainer_matches_one_card(run):
     check_parity(_reports("composed"), run)
 
 
+def test_offload_and_tiles_from_training_arguments_train_like_one_card():
+    """offload_recompute_inputs and mlp_tile_tokens on dp2 x ring2 with PaddleFormers' full recompute: the same
+    losses and state as PaddleFormers' own Trainer on one card without them; without full recompute, refused."""
+    reports = _reports("memory")
+    check_parity(reports, "dp2_cp2_recompute_offload_tiled")
+    for report in reports:
+        kind, message = report["errors"]["offload_without_recompute"]
+        assert kind == "ValueError" and "recompute_granularity" in message and "'full'" in message
+        kind, message = report["errors"]["negative_tile"]
+        assert kind == "ValueError" and "mlp_tile_tokens" in message
+
+
 def test_save_model_loads_with_from_pretrained():
     rank0 = _reports("composed")[0]
     assert rank0["values"]["dp2_sharding2_cp2.export_keys_match"]

@@ -8,7 +8,7 @@ import yaml
 
 from paddle_cp.api.config import load_config
 from paddle_cp.tools import plan, planner
-from paddle_cp.tools.memory_model import logits, memory, stage_params
+from paddle_cp.tools.memory_model import activations, logits, memory, stage_params
 from paddle_cp.tools.model_shape import ModelShape
 from paddle_cp.tools.plan_config import model_config, parallelize_config
 from paddle_cp.tools.plan_layout import Cluster, Layout
@@ -158,3 +158,63 @@ def test_packed_documents_price_attention_by_the_gpu_tile_model():
     flops_attention = SMALL.layers * attention_flops(1, seq, SMALL.heads, SMALL.head_dim, True) / (4 * cluster.flops)
     assert times["one"]["compute"] == pytest.approx(plain["compute"] - flops_attention + attention)
 
+
+
+def test_tiled_mlp_and_offload_terms_and_separate_compute_rates():
+    model = ModelShape.from_config(LLAMA3_8B)
+    seq, tokens = 1 << 20, (1 << 20) / 8
+    full = memory(model, Layout(ring=8, recompute="full"), seq, 1, 2, fused=True)
+    tiled = memory(model, Layout(ring=8, recompute="full", mlp_tile=4096), seq, 1, 2, fused=True)
+    # the rebuilt layer's gate, up, activation and product, and two of their gradients in its backward
+    intermediates = 6 * tokens * model.intermediate * 2
+    tile_work = (4096 * 6 * model.intermediate + tokens * model.hidden) * 2
+    removed = full["phases"]["layer_backward"] - tiled["phases"]["layer_backward"]
+    assert removed == pytest.approx(intermediates - tile_work) and removed > 0.8 * intermediates
+    offload = memory(model, Layout(ring=8, recompute="full", offload=True), seq, 1, 2, fused=True)
+    inputs = tokens * model.hidden * 2 + tokens * 2 * model.head_dim * 4  # hidden states, rotary tables (fp32)
+    assert offload["host"] == pytest.approx(model.layers * inputs) and full["host"] == 0
+    assert full["activations"] - offload["activations"] == pytest.approx(model.layers * inputs)
+    # a layer's backward holds its own inputs back and the next layer's, prefetched
+    working = {flag: activations(model, Layout(ring=8, recompute="full", offload=flag), seq, 1, 2, 0, fused=True)[1]
+               for flag in (False, True)}
+    assert working[True] == pytest.approx(working[False] + 2 * inputs)
+    with pytest.raises(ValueError, match="add 'full'"):
+        Layout.parse("ring8 offload")
+    assert Layout.parse("ring8 full tile4096 offload") == Layout(ring=8, recompute="full", mlp_tile=4096, offload=True)
+    config = parallelize_config(Layout(ring=8, recompute="full", mlp_tile=4096, offload=True))["cp_config"]
+    assert config["parallelize_plan"]["model.layers.*.mlp"] == [{"SequenceTiled": {"tokens": 4096}}]
+    assert config["parallelize_plan"]["model.layers.*"] == "OffloadRecomputeInputs"
+    # matmuls at the GEMM rate, attention at its own: doubling the attention rate halves attention's share
+    slow = Cluster(8, 80e9, 700e12, 300e9, 25e9, 8, attention_flops=300e12)
+    fast = Cluster(8, 80e9, 700e12, 300e9, 25e9, 8, attention_flops=600e12)
+    layout = Layout(ring=8)
+    dense = 6 * tokens * model.active_matmul_params / 700e12
+    attention = step_time(model, layout, slow, seq, 1, 2)["compute"] - dense
+    assert step_time(model, layout, fast, seq, 1, 2)["compute"] - dense == pytest.approx(attention / 2)
+    # offload copies hide behind a layer's compute at 1M tokens, not with a slow link
+    assert step_time(model, Layout(ring=8, recompute="full", offload=True), slow, seq, 1, 2)["host_offload_exposed"] == 0
+    crawl = Cluster(8, 80e9, 700e12, 300e9, 25e9, 8, attention_flops=300e12, pcie_bandwidth=1e8)
+    assert step_time(model, Layout(ring=8, recompute="full", offload=True), crawl, seq, 1, 2)["host_offload_exposed"] > 0
+
+
+def test_max_seq_plans_llama3_8b_beyond_alst_on_8_gpus_of_80_gb(tmp_path, capsys):
+    """ALST: 3.7M tokens for Llama-3-8B on 8 x H100 80 GB; paddle_cp's planner finds a longer one it can run."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    out = tmp_path / "plan.json"
+    plan.main(["--config", str(tmp_path / "config.json"), "--max-seq", "--devices", "8", "--memory-gb", "80",
+               "--kernels", "fused", "--json", str(out)])
+    assert "longest sequence that fits" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["seq"] >= 3_800_000 and result["seq"] % 65536 == 0
+    best = result["best"]
+    assert best["fits"] and best["memory_total"] <= 80e9 and best["host_per_node"] <= 2000e9
+    assert best["layout"]["offload"] and best["layout"]["mlp_tile"] and best["layout"]["recompute"] == "full"
+    longer = planner.rank_layouts(ModelShape.from_config(LLAMA3_8B), Cluster(8, 80e9, 700e12, 300e9, 25e9, 8, 300e12),
+                                  result["seq"] + 65536, fused=True)
+    assert not longer[0]["fits"]  # one step longer fits no layout
+    path = tmp_path / "layout.yaml"
+    path.write_text(result["plans"][0]["yaml"])
+    _, config = load_config(str(path), world_size=8)
+    plans = config["cp_config"]["parallelize_plan"]
+    assert type(plans["model.layers.*.mlp"][0]).__name__ == "SequenceTiled"
+    assert type(plans["model.layers.*"]).__name__ == "OffloadRecomputeInputs"

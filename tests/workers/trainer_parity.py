@@ -227,7 +227,23 @@ RUNS = {
             resume=dict(parallel=dict(CP2, sep_parallel_size=2, per_device_train_batch_size=4)),
             parallel=dict(sep_parallel_size=2, per_device_train_batch_size=2), global_batch=4),
     },
+    "memory": {
+        # offload_recompute_inputs and mlp_tile_tokens (paddle_cp's flags, on the parallel run only) on dp2 x ring2
+        "dp2_cp2_recompute_offload_tiled": dict(
+            parallel=dict(CP2, per_device_train_batch_size=2, offload_recompute_inputs=True, mlp_tile_tokens=3),
+            global_batch=4, args=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+            model=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+    },
 }
+
+
+def memory_bad_configs(report, root):
+    from paddle_cp.integrations.paddleformers import TrainingArguments
+
+    report.expect_error("offload_without_recompute", lambda: TrainingArguments(
+        output_dir=os.path.join(root, "bad"), **dict(COMMON, context_parallel_size=2, offload_recompute_inputs=True)))
+    report.expect_error("negative_tile", lambda: TrainingArguments(
+        output_dir=os.path.join(root, "bad"), **dict(COMMON, context_parallel_size=2, mlp_tile_tokens=-4)))
 
 
 def bad_configs(report, root):
@@ -256,6 +272,8 @@ def main(report):
     runs = RUNS[sys.argv[1]]
     if sys.argv[1] == "core":
         bad_configs(report, root)
+    if sys.argv[1] == "memory":
+        memory_bad_configs(report, root)
     results = {name: parallel_run(report, name, spec, root) for name, spec in runs.items()}
     if dist.get_rank() != 0:
         return

@@ -134,6 +134,21 @@ def parallelize_config(model, degrees, schedule_mode="1F1B", micro_batches=1):
     return config
 
 
+def with_memory_plans(config, model, offload_recompute_inputs, mlp_tile_tokens):
+    """`config` with the decoder layers' activation-memory plans added to its cp_config: their recompute inputs
+    in host memory, their MLPs over the sequence in tiles."""
+    plans = {}
+    if mlp_tile_tokens:
+        plans[f"{decoder_stack(model)}.*.mlp"] = pcp.SequenceTiled(tokens=mlp_tile_tokens)
+    if offload_recompute_inputs:
+        plans[f"{decoder_stack(model)}.*"] = pcp.OffloadRecomputeInputs()
+    if not plans:
+        return config
+    section = dict(config.get("cp_config") or {})
+    section["parallelize_plan"] = {**(section.get("parallelize_plan") or {}), **plans}
+    return {**config, "cp_config": section}
+
+
 def prepare_plan(config):
     """The config's PrepareContextParallel (how labels are split over sep), or None."""
     for section in ("cp_config", "mp_config"):

@@ -30,7 +30,7 @@ import paddle_cp as pcp
 
 from .data import DataParallelBatchSampler
 from .loss import EmptyShare, PipelineLoss, local_tokens
-from .plans import parallelize_config, prepare_plan
+from .plans import parallelize_config, prepare_plan, with_memory_plans
 from .training_args import TrainingArguments
 
 IGNORED_LABEL = -100  # PaddleFormers' default `ignored_index`
@@ -65,6 +65,11 @@ class Trainer(PaddleFormersTrainer):
             if self.paddle_cp_config is None:
                 self.paddle_cp_config = parallelize_config(model, degrees, args.pipeline_schedule_mode,
                                                            micro_batches=self._pipeline_micro_batches())
+            self.paddle_cp_config = with_memory_plans(self.paddle_cp_config, model, args.offload_recompute_inputs,
+                                                      args.mlp_tile_tokens)
+        elif args.offload_recompute_inputs or args.mlp_tile_tokens:
+            raise ValueError("offload_recompute_inputs and mlp_tile_tokens are applied by paddle_cp.parallelize, which "
+                             "this Trainer runs only with a parallel layout (more than one rank)")
         self._prepare_plan = prepare_plan(self.paddle_cp_config or {})
         self._pipeline_loss = None
         pp_config = (self.paddle_cp_config or {}).get("pp_config")

@@ -68,9 +68,22 @@ class TrainingArguments(PaddleFormersTrainingArguments):
     )
     pipeline_schedule_mode: str = field(
         default="1F1B", metadata={"help": "paddle_cp pipeline schedule: FThenB, 1F1B or VPP"})
+    offload_recompute_inputs: bool = field(
+        default=False, metadata={"help": "Keep the inputs each fully recomputed decoder layer saves in host memory "
+                                         "until its backward (paddle_cp.OffloadRecomputeInputs); needs "
+                                         "recompute_granularity='full'."})
+    mlp_tile_tokens: int = field(
+        default=0, metadata={"help": "Run each decoder layer's MLP over the sequence in tiles of this many tokens "
+                                     "(paddle_cp.SequenceTiled); 0: untiled."})
 
     def __post_init__(self):
         # everything here is arithmetic on the arguments: a bad combination raises on every rank alike
+        if self.offload_recompute_inputs and self.recompute_granularity != "full":
+            raise ValueError(f"offload_recompute_inputs keeps fully recomputed layers' inputs on the host, but "
+                             f"recompute_granularity is {self.recompute_granularity!r}: set it to 'full' (and the "
+                             "model config's recompute flags with it) or drop offload_recompute_inputs")
+        if isinstance(self.mlp_tile_tokens, bool) or not isinstance(self.mlp_tile_tokens, int) or self.mlp_tile_tokens < 0:
+            raise ValueError(f"mlp_tile_tokens takes tokens per tile (0: untiled), got {self.mlp_tile_tokens!r}")
         flags = {name: getattr(self, name) for name in FLEET_FLAGS}
         if self.paddle_cp_config is not None:
             defaults = {f.name: f.default for f in fields(self)}

@@ -1,0 +1,35 @@
+"""OffloadRecomputeInputs: what a recomputed layer saves for its backward waits in host memory."""
+from __future__ import annotations
+
+from ..activations.host_offload import HostCheckpoints, offload_recompute_inputs
+from .base import Plan, refuse_param_plan
+
+
+class OffloadRecomputeInputs(Plan):
+    """`{"model.layers.*": OffloadRecomputeInputs()}`: the inputs each recompute call of these layers saves
+    (hidden states, rotary tables) are copied to host memory after its forward and brought back for its
+    backward replay, the next layer's ahead of time (activations/host_offload.py). Needs recomputation of
+    these layers (PaddleFormers' recompute_granularity="full"); a forward that records a graph without it
+    raises. One store serves every layer the key matches: `self.store` counts bytes and copies."""
+
+    must_match = True
+
+    def __init__(self):
+        self._store = HostCheckpoints()
+
+    @property
+    def store(self):
+        return self._store
+
+    def check(self, layer, mesh, param_names=()):
+        refuse_param_plan(self, param_names)
+        config = getattr(layer, "config", None)
+        if config is not None and hasattr(config, "recompute_granularity") and config.recompute_granularity != "full":
+            raise ValueError(f"OffloadRecomputeInputs on {type(layer).__name__}: its model does not recompute whole "
+                             f"layers (recompute_granularity={config.recompute_granularity!r}), so nothing waits "
+                             "for a replay to offload; set recompute_granularity='full', recompute_method='uniform', "
+                             "recompute_num_layers=1, or drop the plan")
+
+    def apply(self, layer, mesh, param_names=()):
+        self.check(layer, mesh, param_names)
+        return offload_recompute_inputs(layer, self._store)
