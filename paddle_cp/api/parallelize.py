@@ -25,6 +25,7 @@ from .. import mesh as mesh_lib
 from ..comm import collectives
 from ..attention import recompute
 from ..pipeline import LossFactorAgreement, apply_pipeline, keep_own_parameters, plan_pipeline, recompute_boundary
+from ..data_parallel.buckets import bucket_size_mb, plan_buckets
 from ..data_parallel.optimizer import ParallelOptimizer, optimizer_parameters
 from ..params import complete_placements, is_lazy, record_of
 from .expert_config import expert_applications
@@ -134,6 +135,7 @@ class _Parallelized:
     sharding: Optional[Sharding]
     prepare: tuple = ()  # (PrepareContextParallel, its layer) of each one applied: check_parity
     loss_factor: object = None  # a pipeline's LossFactorAgreement: the optimizer checks a returned loss's factor
+    buckets: tuple = ((), frozenset())  # the gradient buckets and those only step() reduces (plan_buckets)
 
 
 def parallelize_model(model, mesh=None, config=None):
@@ -168,13 +170,15 @@ def parallelize_model(model, mesh=None, config=None):
     for param in model.parameters():
         complete_placements(param, mesh)
     dims = sharding_dims(config.get("dp_config"))
-    sharding = shard_parameters(level, [p for p in model.parameters() if record_of(p).held_here()], mesh, dims)
+    held = [p for p in model.parameters() if record_of(p).held_here()]
+    buckets = plan_buckets(model, held, bucket_size_mb(config.get("dp_config")))
+    sharding = shard_parameters(level, held, mesh, dims, buckets[0])
     if sharding is not None and level == 3:
         sharding.release_parameters(model)
     if lazy:
         require_initialized(model)
     prepare = tuple((plan, layer) for plan, layer, _ in applications if isinstance(plan, PrepareContextParallel))
-    state = _Parallelized(mesh, level, dims, world, sharding, prepare, loss_factor)
+    state = _Parallelized(mesh, level, dims, world, sharding, prepare, loss_factor, buckets)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)
     return model
@@ -196,7 +200,7 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
         raise ValueError(f"dp_config {differs} parallelize_model got: pass both calls the same config")
     if not all(record_of(p).held_here() for p in optimizer_parameters(optimizer)):
         keep_own_parameters(optimizer)  # a pipeline: the optimizer keeps this stage's parameters
-    return ParallelOptimizer(optimizer, state.world, state.sharding, state.loss_factor)
+    return ParallelOptimizer(optimizer, state.world, state.sharding, state.loss_factor, state.buckets)
 
 
 def parallelized_state(model):

@@ -8,8 +8,9 @@ bytes); the ranks along the dims it leaves out (`rest`) still average the owner'
 - level 1: only the owner keeps the parameter's optimizer state and steps it;
   then it broadcasts the new value to the other ranks it shards over.
 - level 2: also gradients: they are reduce-scattered so each rank receives only
-  the summed gradients of the parameters it owns (one reduce-scatter over all the
-  replicas; over the chosen dims, then an average over the rest).
+  the summed gradients of the parameters it owns (a reduce-scatter per gradient bucket over
+  all the replicas, during backward where it can: buckets.py; over the chosen dims, then an
+  average over the rest), and the full gradients are freed then.
 - level 3: also parameters: non-owners keep an empty placeholder; the full value
   is fetched from the owner for each layer's forward and again for its backward,
   and freed after each (parameter_fetch.py); a fetch unit (params.mark_fetch_unit: a MoE
@@ -21,14 +22,12 @@ from __future__ import annotations
 import math
 import warnings
 
-import numpy as np
-import paddle
-
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from .optimizer import OwnGradients, gradient_dtype
+from .buckets import bucket_size_mb
+from .optimizer import OwnGradients
 from .parameter_fetch import GatheredBytes, fetch_around
-from ..params import DATA_DIMS, SHARDING, Owned, Partial, is_fetch_unit, record_of, release_value
+from ..params import DATA_DIMS, Owned, Partial, is_fetch_unit, record_of, release_value
 
 LEVELS = (0, 1, 2, 3)
 SHARDABLE_DIMS = ("dp", "sep", "cp")  # the data dims (params.DATA_DIMS; `cp` is sep's alias)
@@ -39,11 +38,12 @@ def check_level(dp_config):
     dp_config = dp_config or {}
     if not isinstance(dp_config, dict):
         raise TypeError(f"dp_config must be a dict like {{'sharding_level': 1}}, got {type(dp_config).__name__}")
-    unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim"}
+    unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim", "bucket_size_mb"}
     if unknown:
-        raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level' "
-                         "and 'sharding_mesh_dim'")
+        raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level', "
+                         "'sharding_mesh_dim' and 'bucket_size_mb'")
     sharding_dims(dp_config)
+    bucket_size_mb(dp_config)
     level = dp_config.get("sharding_level", 0)
     if level not in LEVELS:
         raise ValueError(f"dp_config sharding_level must be one of {LEVELS}, got {level!r}")
@@ -63,14 +63,18 @@ def sharding_dims(dp_config):
     return tuple(listed)
 
 
-def _owners(params, size):
-    """Owner position of each parameter: largest first onto the least-loaded rank (same on every rank)."""
+def _owners(params, size, total):
+    """Owner position of each parameter: largest first onto the least-loaded rank, ties to the least loaded
+    so far (`total`, updated), so each gradient bucket's reduce-scatter chunks come out about equal
+    (same on every rank)."""
     load, owner = [0] * size, [None] * len(params)
     sizes = [math.prod(p.shape) for p in params]  # from shapes: a lazy parameter has no numel() yet
     for i in sorted(range(len(params)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(size), key=lambda r: (load[r], r))
+        rank = min(range(size), key=lambda r: (load[r], total[r], r))
         owner[i] = rank
         load[rank] += sizes[i]
+    for rank in range(size):
+        total[rank] += load[rank]
     return owner
 
 
@@ -98,12 +102,13 @@ def owned(param):
     return next(iter(record_of(param).find(Owned)), None)
 
 
-def shard_parameters(level, params, mesh, dims):
+def shard_parameters(level, params, mesh, dims, buckets=()):
     """The Sharding of `params` at `level` over the mesh dims `dims`, or None: at level 0, and with a warning
-    naming why when no parameter has more than one replica there (every rank would keep everything)."""
+    naming why when no parameter has more than one replica there (every rank would keep everything).
+    `buckets`: the gradient buckets (buckets.plan_buckets); owners are balanced within each."""
     if level == 0:
         return None
-    sharding = Sharding(level, params, mesh, dims)
+    sharding = Sharding(level, params, mesh, dims, buckets)
     if sharding.sharded:
         return sharding
     sizes = ", ".join(f"{d}={mesh_lib.dim_size(mesh, d)}" for d in dims)
@@ -119,21 +124,27 @@ def shard_parameters(level, params, mesh, dims):
 class Sharding:
     """The level's reduce/update steps; each parameter's owner is in its record (an Owned placement)."""
 
-    def __init__(self, level, params, mesh, dims=DATA_DIMS):
+    def __init__(self, level, params, mesh, dims=DATA_DIMS, buckets=()):
         self.level, self.params = level, list(params)
         # frozen parameters (a LoRA model's base weights) have no gradient and never change: they are left
         # out of the gradient and update traffic, and balanced apart so the trained ones' state is balanced too
         self.trained = [p for p in self.params if not p.stop_gradient]
-        frozen = [p for p in self.params if p.stop_gradient]
-        for part in (self.trained, frozen):
+        in_bucket = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
+        parts = {}  # (trained, bucket) -> params, balanced apart: one bucket's reduce-scatter has even chunks
+        for param in self.params:
+            parts.setdefault((param.stop_gradient, in_bucket.get(id(param), -1)), []).append(param)
+        totals = {}  # shard group's ranks -> elements owned by each position so far
+        for _, part in sorted(parts.items(), key=lambda item: item[0]):
             by_group = {}  # shard group's ranks -> (shard group, [(param, replicas, rest)])
             for param in part:
                 replicas = data_replicas(record_of(param))
                 shard_group, rest = split_replicas(mesh, replicas, dims) if replicas else (None, None)
                 if shard_group is not None and shard_group.size > 1:
                     by_group.setdefault(shard_group.ranks, (shard_group, []))[1].append((param, replicas, rest))
-            for shard_group, members in by_group.values():
-                for (param, replicas, rest), owner in zip(members, _owners([m[0] for m in members], shard_group.size)):
+            for ranks, (shard_group, members) in by_group.items():
+                total = totals.setdefault(ranks, [0] * shard_group.size)
+                owners = _owners([m[0] for m in members], shard_group.size, total)
+                for (param, replicas, rest), owner in zip(members, owners):
                     record_of(param).replace(replicas, Owned(replicas.group, shard_group, rest, owner, level))
         self.sharded = [p for p in self.params if owned(p) is not None]
         self._stash = {}  # level 3: gradients of parameters this rank does not own
@@ -144,58 +155,14 @@ class Sharding:
         placement = owned(param)
         return placement is None or placement.owner_here()
 
-    def reduce_scatter_gradients(self):
-        """Levels 2-3: each owner receives the average of its parameters' gradients, in one reduce-scatter
-        per shard group and dtype; the groups in the order of their kinds, the same on every rank."""
-        work = {}
-        for p in self.trained:
-            for reduction in record_of(p).reductions():
-                if reduction.phase == SHARDING:
-                    key = (reduction.group.kind, reduction.group.ranks)
-                    work.setdefault(key, (reduction.group, []))[1].append(p)
-        for _, (group, params) in sorted(work.items(), key=lambda item: item[0]):
-            self._reduce_scatter(group, params)
-        self._stash.clear()
-        self.drop_foreign_gradients()
-
-    def _reduce_scatter(self, group, params):
-        """Bucket r holds position r's parameters, padded to equal length."""
-        n = group.size
-        grads = {id(p): self._grad(p) for p in params}
-        by_dtype = {}
-        for p in params:
-            by_dtype.setdefault(grads[id(p)].dtype, []).append(p)
-        for dtype, same_dtype in by_dtype.items():
-            buckets = [[p for p in same_dtype if owned(p).owner == r] for r in range(n)]
-            flats = [paddle.concat([grads[id(p)].reshape([-1]) for p in b]) if b else paddle.zeros([0], dtype)
-                     for b in buckets]
-            length = max(int(f.shape[0]) for f in flats)
-            chunks = [paddle.concat([f, paddle.zeros([length - int(f.shape[0])], dtype)]) for f in flats]
-            mine = collectives.reduce_scatter(group, chunks, tag="grad_reduce_scatter") / n
-            offset = 0
-            for p in buckets[group.index]:
-                size = int(np.prod(record_of(p).local_shape()))
-                if p.grad is not None:  # a parameter no rank used keeps no gradient, as on one card
-                    paddle.assign(mine[offset:offset + size].reshape(p.grad.shape), p.grad)
-                offset += size
-
-    def _grad(self, p):
-        """This rank's gradient of `p` in its reduced dtype (zeros if it has none): the same buckets on every rank."""
-        dtype = gradient_dtype(p)
-        grad = self.gradient(p)
-        if grad is None:
-            return paddle.zeros(record_of(p).local_shape(), dtype)
-        return grad if grad.dtype == dtype else grad.astype(dtype)
-
     def gradient(self, p):
-        """This rank's gradient of `p`: at level 3 a non-owner's is in the stash until the reduce-scatter."""
+        """This rank's gradient of `p`: at level 3 a non-owner's is in the stash until its bucket is reduced."""
         return self._stash.get(id(p)) if self.level == 3 and not self.owns(p) else p.grad
 
-    def zero_gradient(self, p):
-        if self.level == 3 and not self.owns(p):
-            self._stash[id(p)] = paddle.zeros(record_of(p).local_shape(), gradient_dtype(p))
-        else:
-            OwnGradients.zero_gradient(p)
+    def release(self, p):
+        """Free this rank's gradient of `p`: its bucket holds it now."""
+        self._stash.pop(id(p), None)
+        OwnGradients.release(p)
 
     def drop_foreign_gradients(self):
         """Free the gradients of parameters another rank owns: the inner optimizer then skips them
@@ -233,9 +200,6 @@ class Sharding:
 
     def clear_stash(self):
         self._stash.clear()
-
-    def scale_stash(self, factor):
-        self._stash = {key: grad * factor for key, grad in self._stash.items()}
 
     def stash(self, param, grad):
         key = id(param)
