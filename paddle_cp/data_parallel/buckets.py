@@ -16,8 +16,8 @@ gloo they block, in order. The reduced gradients are put on the parameters by `s
 "Its last gradient of the step" is learned, on the host, from the step before: how many backward
 passes a step makes (a pass: a backward call in which a member's gradient arrived, ended by a final
 backward hook) and in which pass each member's gradient last arrived. So gradient accumulation (k
-backwards per step), pipeline schedules (a backward per micro-batch) and recompute (a backward per
-segment) reduce after the last one. The first step, and any step whose pattern differs (fewer passes,
+backwards per step) and recompute (a backward per segment) reduce after the last one; with k > 1 the
+gradients stay whole until the last backward (reduced once per step, not once per backward). The first step, and any step whose pattern differs (fewer passes,
 a member not arriving), reduce what is left in `step()`; a step with more passes than learned reduces
 each bucket a second time with what arrived after its first reduction (a round of zeros where nothing
 did), so every rank still issues the same collectives.
@@ -25,15 +25,18 @@ did), so every rank still issues the same collectives.
 Every rank issues the buckets in one fixed order: first those that may be reduced during backward, in
 index order (one not ready holds back those after it), then those reduced only in `step()`, in index
 order. A bucket is reduced only in `step()` when it holds
-- a parameter summed over pipeline stages (a tied weight: the other stage may still wait for this one's
-  activation gradient, so a blocking collective inside backward would never meet its peer), or of a
-  fetch unit (experts: which run depends on the routing);
+- a parameter of a fetch unit (experts: which run, on which ranks, depends on the routing, so the
+  point in backward where the bucket completes differs between ranks, and a blocking gloo
+  collective there could wait on a peer that waits in an attention exchange);
 - a parameter no rank had a gradient for at the first step: which ranks have one is agreed then, in
   one all-reduce per group read on the host, and again every step for such a bucket only (one card
   gives such a parameter no gradient, so it must not get zeros). Otherwise a parameter missing here is
   reduced as zeros, with no host read: that is one card's gradient, which `clear_grad()` zeroes;
 - or when an enabled GradScaler drives the optimizer (`shard_scaler` turns overlap off: the scaler's
-  step reads and may change gradients between backward and step, as Paddle's own tests inject infs).
+  step reads and may change gradients between backward and step, as the scaler tests inject infs), or
+  under a pipeline (the factor a script puts on a scheduled step's loss is known only after the
+  schedule's backwards and may differ between dp replicas: it must reach the gradients before they are
+  summed, optimizer.py).
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ import paddle
 from paddle.base import core
 
 from ..comm import collectives
-from ..params import BEFORE_SHARDING, SHARDING, Owned, is_fetch_unit, record_of
+from ..params import SHARDING, Owned, is_fetch_unit, record_of
 
 DEFAULT_BUCKET_MB = 25  # Paddle DataParallel's comm_buffer_size
 MB = 1 << 20
@@ -84,9 +87,7 @@ def plan_buckets(model, params, size_mb):
             size = 0
         buckets[-1].append(param)
         size += nbytes
-    step_only = {id(p) for p in params if id(p) in in_units or
-                 any(r.phase == BEFORE_SHARDING and r.group.size > 1 for r in record_of(p).reductions())}
-    return buckets, step_only
+    return buckets, {id(p) for p in params if id(p) in in_units}
 
 
 def gradient_dtype(param):
@@ -221,16 +222,16 @@ class GradientBuckets:
                 self._reduce(bucket)  # what arrived after its first round (zeros on a rank where nothing did)
         self._next = len(self._order)
 
-    def install(self, scale=None):
-        """Put the reduced gradients on the parameters (times `scale`); non-owners' are freed. Learns this step's
-        pattern for the next and starts a new step."""
+    def install(self):
+        """Put the reduced gradients on the parameters (non-owners' were freed). Learns this step's pattern for
+        the next and starts a new step."""
         self._finish_in_flight()
         for bucket in self.buckets:
             for param in bucket.params:
                 value = bucket.values.get(id(param))
                 if value is not None and id(param) not in bucket.dead:  # else another rank owns it, or no rank used it
                     value = value.reshape(record_of(param).local_shape())
-                    param._set_grad_ivar(value * scale if scale is not None else value)
+                    param._set_grad_ivar(value)
         if not self.agreed:
             self.agreed, self._order = True, self._fixed_order()
         self._passes_learned, self._last_pass = self.passes, dict(self._arrived_in)
@@ -263,9 +264,6 @@ class GradientBuckets:
                 values[id(param)] = grad if grad.dtype == dtype else grad.astype(dtype)
             else:
                 values[id(param)] = paddle.zeros(record_of(param).local_shape(), gradient_dtype(param))
-            self.gradients.release(param)
-            freed += self._counted.pop(id(param), 0)
-        self.grad_bytes.add(-freed)
         finishing = []
         for phase, key, group, op in bucket.steps:
             for finish in finishing:
@@ -278,6 +276,10 @@ class GradientBuckets:
                 finishing = _reduce_scatter(group, members, values)
             else:
                 finishing = _all_reduce(group, members, values, op)
+        for param in bucket.params:  # the first collective's buffer holds them now
+            self.gradients.release(param)
+            freed += self._counted.pop(id(param), 0)
+        self.grad_bytes.add(-freed)
         first_round = bucket.rounds == 0
         bucket.rounds += 1
 
@@ -378,27 +380,25 @@ def _all_reduce(group, members, values, op):
 
 def _reduce_scatter(group, members, values):
     """Levels 2-3: each owner receives the average of its members' values over `group`: chunk r holds position
-    r's members, padded to equal length (one reduce-scatter per dtype). The full values are dropped at once;
-    after it only this position's members keep a value."""
+    r's members (one reduce-scatter per dtype; owners are balanced within each bucket, so chunks are about equal,
+    and none is padded: uneven chunks are reduced as they are). The full values are dropped at once; after it
+    only this position's members keep a value."""
     n, finishing = group.size, []
     for dtype, same_dtype in _by_dtype(members, values).items():
         owners = [[p for p in same_dtype if _owner(p) == r] for r in range(n)]
-        flats = [paddle.concat([values[id(p)].reshape([-1]) for p in b]) if b else paddle.zeros([0], dtype)
-                 for b in owners]
+        # a position owning none of them gets one zero: every exchange moves something
+        chunks = [paddle.concat([values[id(p)].reshape([-1]) for p in b]) if b else paddle.zeros([1], dtype)
+                  for b in owners]
         for p in same_dtype:
             del values[id(p)]
-        length = max(math.prod(f.shape) for f in flats)
-        chunks = [paddle.concat([f, paddle.zeros([length - math.prod(f.shape)], dtype)]) for f in flats]
-        del flats
         mine, handle = collectives.reduce_scatter_async(group, chunks, tag="grad_reduce_scatter")
 
         def finish(mine=mine, handle=handle, own=owners[group.index], chunks=chunks):
             handle.wait()
             chunks.clear()  # kept until the collective completed (NCCL reads them on its stream)
-            total = mine / n
-            sizes = [math.prod(record_of(p).local_shape()) for p in own]
             if own:
-                for param, part in zip(own, paddle.split(total[:sum(sizes)], sizes)):
+                sizes = [math.prod(record_of(p).local_shape()) for p in own]
+                for param, part in zip(own, paddle.split(mine / n, sizes)):
                     values[id(param)] = part
         finishing.append(finish)
     return finishing

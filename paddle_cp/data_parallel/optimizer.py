@@ -70,6 +70,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         layout, step_only = buckets  # plan_buckets' over the model's parameters: keep the optimizer's
         layout = [kept for kept in ([p for p in bucket if id(p) in mine] for bucket in layout) if kept]
         own(self, "_buckets", GradientBuckets(layout, step_only, sharding or OwnGradients))
+        self._buckets.overlap = loss_factor is None  # see _apply_pipeline_loss_scale
 
     def __getattribute__(self, name):
         if name.startswith("__") or name in _OWN_ATTRIBUTES:
@@ -126,14 +127,9 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         only touch the gradients this rank owns."""
         if self._reduced:
             return
-        factor = self._pipeline_loss_scale()
+        self._apply_pipeline_loss_scale()
         self._buckets.reduce_rest()
-        self._buckets.install(factor)
-        if factor is not None:  # parameters no bucket reduces (no group of more than one rank)
-            bucketed = {id(p) for bucket in self._buckets.buckets for p in bucket.params}
-            for p in self._params:
-                if id(p) not in bucketed and p.grad is not None and p.grad._is_initialized():
-                    paddle.assign(p.grad * factor, p.grad)
+        self._buckets.install()
         self._reduced = True
 
     def keep_gradients_until_step(self):
@@ -146,14 +142,22 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         """The buckets (buckets.GradientBuckets): their issue log and gradient bytes, for tests and tools."""
         return self._buckets
 
-    def _pipeline_loss_scale(self):
-        """Pipeline: the factor the script put on the losses a scheduled step returned (their backward ran
-        unscaled inside the schedule), first agreed over the mesh (pipeline/loss_factor.py: only dp replicas may
-        differ); applied to the reduced gradients (None: no factor)."""
+    def _apply_pipeline_loss_scale(self):
+        """Pipeline: the factor the script put on the losses a scheduled step returned (their backward
+        ran unscaled inside the schedule), applied to this rank's gradients before they are reduced;
+        first agreed over the mesh (pipeline/loss_factor.py: only dp replicas may differ). Known only after
+        the schedule's backwards and possibly different between dp replicas, it must reach the gradients
+        before they are summed: a pipeline's buckets are reduced in step()."""
         factor, runtime.state.pipeline_loss_scale = runtime.state.pipeline_loss_scale, None
         if self._loss_factor is not None:
             self._loss_factor.agree(1.0 if factor is None else factor)
-        return None if factor is None or factor == 1.0 else factor
+        if factor is None or factor == 1.0:
+            return
+        for p in self._params:
+            if p.grad is not None and p.grad._is_initialized():
+                paddle.assign(p.grad * factor, p.grad)
+        if self._sharding is not None:
+            self._sharding.scale_stash(factor)
 
     def agree_found_inf(self, found_inf):
         """True on every rank of the mesh when any rank found inf/nan in its gradients (one

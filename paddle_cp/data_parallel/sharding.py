@@ -201,6 +201,9 @@ class Sharding:
     def clear_stash(self):
         self._stash.clear()
 
+    def scale_stash(self, factor):
+        self._stash = {key: grad * factor for key, grad in self._stash.items()}
+
     def stash(self, param, grad):
         key = id(param)
         self._stash[key] = grad if key not in self._stash else self._stash[key] + grad
