@@ -17,10 +17,11 @@ gloo they block, in order. The reduced gradients are put on the parameters by `s
 passes a step makes (a pass: a backward call in which a member's gradient arrived, ended by a final
 backward hook) and in which pass each member's gradient last arrived. So gradient accumulation (k
 backwards per step) and recompute (a backward per segment) reduce after the last one; with k > 1 the
-gradients stay whole until the last backward (reduced once per step, not once per backward). The first step, and any step whose pattern differs (fewer passes,
-a member not arriving), reduce what is left in `step()`; a step with more passes than learned reduces
-each bucket a second time with what arrived after its first reduction (a round of zeros where nothing
-did), so every rank still issues the same collectives.
+gradients stay whole until the last backward (reduced once per step, not once per backward). The first
+step, and any step whose pattern differs (fewer passes, a member not arriving), reduce what is left in
+`step()`; a step with more passes than learned reduces each bucket a second time with what arrived
+after its first reduction (a round of zeros where nothing did), so every rank still issues the same
+collectives (every rank makes the same backward calls: the script's).
 
 Every rank issues the buckets in one fixed order: first those that may be reduced during backward, in
 index order (one not ready holds back those after it), then those reduced only in `step()`, in index
@@ -68,9 +69,10 @@ def local_nbytes(param):
 
 
 def reduced(param):
-    """Whether `param`'s gradient is reduced at all: trained, held here, a group of more than one rank."""
+    """Whether `param`'s gradient may be reduced: trained, held here, placed over a group of more than one rank
+    (a sequence-parallel plan marks partial gradients over mp only in the first forward)."""
     record = record_of(param)
-    return not param.stop_gradient and record.held_here() and any(r.group.size > 1 for r in record.reductions())
+    return not param.stop_gradient and record.held_here() and any(p.group.size > 1 for p in record.placements)
 
 
 def plan_buckets(model, params, size_mb):
@@ -119,17 +121,16 @@ class GradientBytes:
 
 class _Bucket:
     def __init__(self, index, params, early):
-        self.index, self.params, self.early = index, params, early
-        self.steps = _steps(params)  # its reductions, in the order they run
-        self.dead = set()  # ids of members no rank had a gradient for at the first step
+        self.index, self.params, self.early = index, params, early  # early: no member only step() may reduce
+        self.dead = set()  # ids of members no rank had a gradient for, at the last agreement
+        self.rounds = 0  # reductions issued this step
+        self.values = {}  # id(param) -> its reduced gradient (summed over the rounds)
+        self.pending = None  # the last reduction's finishing work, run after its collective completes
 
     @property
     def overlaps(self):
         """Whether backward may reduce it (the same on every rank: placements and an agreed presence)."""
         return self.early and not self.dead
-        self.rounds = 0  # reductions issued this step
-        self.values = {}  # id(param) -> its reduced gradient (summed over the rounds)
-        self.pending = None  # the last reduction's finishing work, run after its collective completes
 
 
 class GradientBuckets:
@@ -147,7 +148,9 @@ class GradientBuckets:
         self.overlap = True  # False once an enabled GradScaler drives the optimizer
         self.agreed = False  # which members have a gradient somewhere: agreed at the first step
         self.grad_bytes = GradientBytes()
-        self.issue_log = []  # (bucket index, arrivals so far this step, pass) of each reduction issued in backward
+        # (bucket index, member gradients arrived so far, pass) of each bucket issued during backward, this step
+        # (kept until the next step's first gradient arrives)
+        self.issue_log = []
         self._passes_learned = None  # backward passes of the last step
         self._last_pass = {}  # id(param) -> the pass its gradient last arrived in, last step
         self._new_step()
@@ -170,6 +173,11 @@ class GradientBuckets:
     # backward ------------------------------------------------------------------------------
 
     def _arrived(self, param):
+        bucket = self._bucket_of.get(id(param))
+        if bucket is None:  # a newer optimizer over the model left this parameter out: it reduces it no more
+            return
+        if not self.arrivals:
+            self.issue_log = []
         if not self._in_pass:
             self._in_pass = True
             self.passes += 1
@@ -180,7 +188,6 @@ class GradientBuckets:
         if key not in self._counted:
             self._counted[key] = self._unreduced_bytes(param)
             self.grad_bytes.add(self._counted[key])
-        bucket = self._bucket_of[key]
         if bucket.rounds:
             self._late = True
         elif self._ready_to_overlap():
@@ -254,29 +261,27 @@ class GradientBuckets:
 
     def _reduce(self, bucket):
         """Issue every reduction of the bucket's gradients; the last one's finishing work (average, split into
-        the members' gradients) runs when the next bucket is issued or in step()."""
+        the members' gradients) runs when the next bucket is issued or in step(). Placements are read now: a
+        sequence-parallel plan marks partial gradients during the first forward."""
         self._finish_in_flight()
+        steps = _steps(bucket.params)
+        in_steps = {id(p) for *_, members in steps for p in members}
+        reduced = [p for p in bucket.params if id(p) in in_steps]
         values, freed = {}, 0
-        for param in bucket.params:
-            grad = self.gradients.gradient(param)
+        for param in reduced:
+            grad, dtype = self.gradients.gradient(param), gradient_dtype(param)
             if has_gradient(grad):
-                dtype = gradient_dtype(param)
                 values[id(param)] = grad if grad.dtype == dtype else grad.astype(dtype)
             else:
-                values[id(param)] = paddle.zeros(record_of(param).local_shape(), gradient_dtype(param))
+                values[id(param)] = paddle.zeros(record_of(param).local_shape(), dtype)
         finishing = []
-        for phase, key, group, op in bucket.steps:
+        for phase, group, op, members in steps:
             for finish in finishing:
                 finish()  # the previous collective's result is an input of this one
-            members = [p for p in bucket.params if id(p) in values and _needs(p, phase, key)]
-            if not members:
-                finishing = []
-                continue
-            if phase == SHARDING:
-                finishing = _reduce_scatter(group, members, values)
-            else:
-                finishing = _all_reduce(group, members, values, op)
-        for param in bucket.params:  # the first collective's buffer holds them now
+            members = [p for p in members if id(p) in values]  # after the reduce-scatter: the owned ones
+            reduce = _reduce_scatter if phase == SHARDING else _all_reduce
+            finishing = reduce(group, members, values, op) if members else []
+        for param in reduced:  # the first collective's buffers hold them now
             self.gradients.release(param)
             freed += self._counted.pop(id(param), 0)
         self.grad_bytes.add(-freed)
@@ -290,10 +295,9 @@ class GradientBuckets:
             for key, value in values.items():
                 if first_round:
                     bucket.values[key] = value
+                    kept += math.prod(value.shape) * value.element_size()
                 else:
                     bucket.values[key] = bucket.values[key] + value
-                    continue
-                kept += math.prod(value.shape) * value.element_size()
             self.grad_bytes.add(kept)
 
         bucket.pending = pending
@@ -307,8 +311,7 @@ class GradientBuckets:
         """Which members have a gradient on some rank sharing them: one all-reduce per group of their
         reductions, read on the host (the first step; then every step for a bucket with such a member)."""
         present = {id(p): int(has_gradient(self.gradients.gradient(p))) for p in bucket.params}
-        for phase, key, group, _ in bucket.steps:
-            members = [p for p in bucket.params if _needs(p, phase, key)]
+        for _, group, _, members in _steps(bucket.params):
             counts = paddle.to_tensor([present[id(p)] for p in members], dtype="int32")
             collectives.all_reduce(group, counts, tag="grad_presence")
             for param, count in zip(members, counts.numpy().tolist()):
@@ -332,23 +335,16 @@ def has_gradient(grad):
     return grad is not None and grad._is_initialized() and math.prod(grad.shape) > 0
 
 
-def _key(reduction):
-    return reduction.group.kind, reduction.group.ranks, reduction.op
-
-
-def _needs(param, phase, key):
-    return any(r.phase == phase and _key(r) == key and r.group.size > 1 for r in record_of(param).reductions())
-
-
 def _steps(params):
-    """(phase, key, group, op) of every reduction the parameters need, in the order they run: by phase, then
-    by the group's kind (MeshGroup.kind), the same on every rank."""
+    """(phase, group, op, members) of every reduction the parameters' placements ask for, in the order they run:
+    by phase, then by the group's kind (MeshGroup.kind), the same on every rank."""
     steps = {}
     for param in params:
         for r in record_of(param).reductions():
             if r.group.size > 1:
-                steps.setdefault((r.phase, _key(r)), r.group)
-    return [(phase, key, group, key[2]) for (phase, key), group in sorted(steps.items(), key=lambda item: item[0])]
+                key = (r.phase, r.group.kind, r.group.ranks, r.op)
+                steps.setdefault(key, (r.group, []))[1].append(param)
+    return [(key[0], group, key[3], members) for key, (group, members) in sorted(steps.items(), key=lambda i: i[0])]
 
 
 def _by_dtype(members, values):
@@ -378,7 +374,7 @@ def _all_reduce(group, members, values, op):
     return finishing
 
 
-def _reduce_scatter(group, members, values):
+def _reduce_scatter(group, members, values, op):
     """Levels 2-3: each owner receives the average of its members' values over `group`: chunk r holds position
     r's members (one reduce-scatter per dtype; owners are balanced within each bucket, so chunks are about equal,
     and none is padded: uneven chunks are reduced as they are). The full values are dropped at once; after it
@@ -398,7 +394,7 @@ def _reduce_scatter(group, members, values):
             chunks.clear()  # kept until the collective completed (NCCL reads them on its stream)
             if own:
                 sizes = [math.prod(record_of(p).local_shape()) for p in own]
-                for param, part in zip(own, paddle.split(mine / n, sizes)):
+                for param, part in zip(own, paddle.split(mine / n if op == "avg" else mine, sizes)):
                     values[id(param)] = part
         finishing.append(finish)
     return finishing

@@ -114,7 +114,6 @@ def layout(report, name, dims, level, want):
     for step in range(STEPS):
         if step == COUNTED[0]:
             buckets.grad_bytes.reset_peak()
-        logged = len(buckets.issue_log)
         total = paddle.zeros([])
         with host_reads(reads) if step in COUNTED else contextlib.nullcontext():
             for ids, labels in data[step * ACC:(step + 1) * ACC]:
@@ -125,7 +124,7 @@ def layout(report, name, dims, level, want):
                 loss.backward()
                 total = total + loss.detach()
             if step in COUNTED:
-                issued.append({"issued": buckets.issue_log[logged:], "arrivals": buckets.arrivals,
+                issued.append({"issued": buckets.issue_log, "arrivals": buckets.arrivals,
                                "passes": buckets.passes})
             optimizer.step()
             optimizer.clear_grad()
@@ -217,8 +216,11 @@ def mlp_case(report, name, passes, level, branch=False):
                                                                             "bucket_size_mb": 0.1}})
     dead = []  # buckets agreeing presence each step, after each step
 
+    issued = []  # buckets issued during backward, each step
+
     def count_dead(step):
         dead.append(sum(bool(b.dead) for b in optimizer.gradient_buckets.buckets))
+        issued.append(len(optimizer.gradient_buckets.issue_log))
 
     losses = mlp_train(model, optimizer, passes, rank=rank, world=world, branch=branch, after_step=count_dead)
     total = paddle.to_tensor(losses.astype("float32"))
@@ -227,7 +229,7 @@ def mlp_case(report, name, passes, level, branch=False):
     state = pcp.full_state_dict(model)
     for key, value in want_state.items():
         report.diff(f"{name}.param", state[key], value)
-    report.value(f"{name}.issued", len(optimizer.gradient_buckets.issue_log))
+    report.value(f"{name}.issued", issued)
     report.value(f"{name}.dead_buckets", dead)
 
 
@@ -253,7 +255,7 @@ def allocator_peak(report, level):
         if step == 2:
             report.value(f"alloc_l{level}.peak", peak() - before)
             report.value(f"alloc_l{level}.grad_peak", optimizer.gradient_buckets.grad_bytes.peak)
-            report.value(f"alloc_l{level}.issued", buckets.issue_log[-len(buckets.buckets):])
+            report.value(f"alloc_l{level}.issued", buckets.issue_log)
             report.value(f"alloc_l{level}.arrivals", arrivals)
             report.value(f"alloc_l{level}.buckets", len(buckets.buckets))
         optimizer.step()
