@@ -171,8 +171,8 @@ def parallelize_model(model, mesh=None, config=None):
         complete_placements(param, mesh)
     dims = sharding_dims(config.get("dp_config"))
     held = [p for p in model.parameters() if record_of(p).held_here()]
+    sharding = shard_parameters(level, held, mesh, dims)
     buckets = plan_buckets(model, held, bucket_size_mb(config.get("dp_config")))
-    sharding = shard_parameters(level, held, mesh, dims, buckets[0])
     if sharding is not None and level == 3:
         sharding.release_parameters(model)
     if lazy:

@@ -376,9 +376,9 @@ def _all_reduce(group, members, values, op):
 
 def _reduce_scatter(group, members, values, op):
     """Levels 2-3: each owner receives the average of its members' values over `group`: chunk r holds position
-    r's members (one reduce-scatter per dtype; owners are balanced within each bucket, so chunks are about equal,
-    and none is padded: uneven chunks are reduced as they are). The full values are dropped at once; after it
-    only this position's members keep a value."""
+    r's members (one reduce-scatter per dtype; owners are balanced over the whole model, not per bucket, so the
+    chunks differ: reduced as they are, none padded). The full values are dropped at once; after it only this
+    position's members keep a value."""
     n, finishing = group.size, []
     for dtype, same_dtype in _by_dtype(members, values).items():
         owners = [[p for p in same_dtype if _owner(p) == r] for r in range(n)]

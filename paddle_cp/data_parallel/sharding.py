@@ -63,18 +63,14 @@ def sharding_dims(dp_config):
     return tuple(listed)
 
 
-def _owners(params, size, total):
-    """Owner position of each parameter: largest first onto the least-loaded rank, ties to the least loaded
-    so far (`total`, updated), so each gradient bucket's reduce-scatter chunks come out about equal
-    (same on every rank)."""
+def _owners(params, size):
+    """Owner position of each parameter: largest first onto the least-loaded rank (same on every rank)."""
     load, owner = [0] * size, [None] * len(params)
     sizes = [math.prod(p.shape) for p in params]  # from shapes: a lazy parameter has no numel() yet
     for i in sorted(range(len(params)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(size), key=lambda r: (load[r], total[r], r))
+        rank = min(range(size), key=lambda r: (load[r], r))
         owner[i] = rank
         load[rank] += sizes[i]
-    for rank in range(size):
-        total[rank] += load[rank]
     return owner
 
 
@@ -102,13 +98,12 @@ def owned(param):
     return next(iter(record_of(param).find(Owned)), None)
 
 
-def shard_parameters(level, params, mesh, dims, buckets=()):
+def shard_parameters(level, params, mesh, dims):
     """The Sharding of `params` at `level` over the mesh dims `dims`, or None: at level 0, and with a warning
-    naming why when no parameter has more than one replica there (every rank would keep everything).
-    `buckets`: the gradient buckets (buckets.plan_buckets); owners are balanced within each."""
+    naming why when no parameter has more than one replica there (every rank would keep everything)."""
     if level == 0:
         return None
-    sharding = Sharding(level, params, mesh, dims, buckets)
+    sharding = Sharding(level, params, mesh, dims)
     if sharding.sharded:
         return sharding
     sizes = ", ".join(f"{d}={mesh_lib.dim_size(mesh, d)}" for d in dims)
@@ -124,27 +119,21 @@ def shard_parameters(level, params, mesh, dims, buckets=()):
 class Sharding:
     """The level's reduce/update steps; each parameter's owner is in its record (an Owned placement)."""
 
-    def __init__(self, level, params, mesh, dims=DATA_DIMS, buckets=()):
+    def __init__(self, level, params, mesh, dims=DATA_DIMS):
         self.level, self.params = level, list(params)
         # frozen parameters (a LoRA model's base weights) have no gradient and never change: they are left
         # out of the gradient and update traffic, and balanced apart so the trained ones' state is balanced too
         self.trained = [p for p in self.params if not p.stop_gradient]
-        in_bucket = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
-        parts = {}  # (trained, bucket) -> params, balanced apart: one bucket's reduce-scatter has even chunks
-        for param in self.params:
-            parts.setdefault((param.stop_gradient, in_bucket.get(id(param), -1)), []).append(param)
-        totals = {}  # shard group's ranks -> elements owned by each position so far
-        for _, part in sorted(parts.items(), key=lambda item: item[0]):
+        frozen = [p for p in self.params if p.stop_gradient]
+        for part in (self.trained, frozen):
             by_group = {}  # shard group's ranks -> (shard group, [(param, replicas, rest)])
             for param in part:
                 replicas = data_replicas(record_of(param))
                 shard_group, rest = split_replicas(mesh, replicas, dims) if replicas else (None, None)
                 if shard_group is not None and shard_group.size > 1:
                     by_group.setdefault(shard_group.ranks, (shard_group, []))[1].append((param, replicas, rest))
-            for ranks, (shard_group, members) in by_group.items():
-                total = totals.setdefault(ranks, [0] * shard_group.size)
-                owners = _owners([m[0] for m in members], shard_group.size, total)
-                for (param, replicas, rest), owner in zip(members, owners):
+            for shard_group, members in by_group.values():
+                for (param, replicas, rest), owner in zip(members, _owners([m[0] for m in members], shard_group.size)):
                     record_of(param).replace(replicas, Owned(replicas.group, shard_group, rest, owner, level))
         self.sharded = [p for p in self.params if owned(p) is not None]
         self._stash = {}  # level 3: gradients of parameters this rank does not own
