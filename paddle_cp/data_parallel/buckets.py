@@ -76,20 +76,26 @@ def reduced(param):
 
 
 def plan_buckets(model, params, size_mb):
-    """([[param]] the buckets, in issue order; {id(param)} of those only `step()` may reduce): `params` that are
-    reduced, in the reverse of their order, cut into runs of at most `size_mb` MiB (a larger one alone).
-    Only shapes and placements: the same on every rank holding the same parameters."""
+    """([[param]] the buckets, in issue order; {id(param)} of those only `step()` may reduce): `params` that may
+    be reduced, in the reverse of their order, cut into runs of at most `size_mb` MiB (a larger one alone);
+    a fetch unit's (experts: which ones a rank holds, and their sizes, differ between ranks that reduce the
+    other parameters together) in runs of their own, after the others. Only shapes and placements: the same
+    on every rank that reduces a bucket."""
     in_units = {id(p) for layer in model.sublayers(include_self=True) if is_fetch_unit(layer)
                 for p in layer.parameters()}
-    limit, buckets, size = size_mb * MB, [], 0
-    for param in reversed([p for p in params if reduced(p)]):
-        nbytes = local_nbytes(param)
-        if not buckets or size + nbytes > limit:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(param)
-        size += nbytes
-    return buckets, {id(p) for p in params if id(p) in in_units}
+    reduced_here = [p for p in params if reduced(p)]
+    buckets = []
+    for part in ([p for p in reduced_here if id(p) not in in_units], [p for p in reduced_here if id(p) in in_units]):
+        runs, size = [], 0
+        for param in reversed(part):
+            nbytes = local_nbytes(param)
+            if not runs or size + nbytes > size_mb * MB:
+                runs.append([])
+                size = 0
+            runs[-1].append(param)
+            size += nbytes
+        buckets += runs
+    return buckets, {id(p) for p in reduced_here if id(p) in in_units}
 
 
 def gradient_dtype(param):

@@ -19,7 +19,8 @@ def _model():
 
 def test_buckets_run_in_reverse_order_within_the_size(monkeypatch):
     """Every trained parameter placed over more than one rank, last first, in runs of at most the size (one
-    larger parameter alone); a fetch unit's parameters are only reduced in step()."""
+    larger parameter alone); a fetch unit's parameters in runs of their own, after the others, only reduced in
+    step()."""
     model = _model()
     mesh = dist.ProcessMesh([0], dim_names=["dp"])
     group = mesh_group(mesh, ["dp"])
@@ -29,12 +30,12 @@ def test_buckets_run_in_reverse_order_within_the_size(monkeypatch):
     mark_fetch_unit(model[2])
     buckets, step_only = plan_buckets(model, list(model.parameters()), 0.3)
     names = {id(p): n for n, p in model.named_parameters()}
-    assert [[names[id(p)] for p in b] for b in buckets] == [["2.bias", "2.weight", "1.weight", "0.bias"], ["0.weight"]]
+    assert [[names[id(p)] for p in b] for b in buckets] == [["1.weight", "0.bias"], ["0.weight"], ["2.bias", "2.weight"]]
     assert step_only == {id(model[2].weight), id(model[2].bias)}
     assert all(sum(4 * p.numel().item() for p in b) <= 0.3 * MB for b in buckets)
     small, _ = plan_buckets(model, list(model.parameters()), 0.1)
-    assert [[names[id(p)] for p in b] for b in small] == [["2.bias", "2.weight"], ["1.weight"], ["0.bias"],
-                                                         ["0.weight"]]  # a 0.25 MiB weight alone
+    assert [[names[id(p)] for p in b] for b in small] == [["1.weight"], ["0.bias"], ["0.weight"],
+                                                         ["2.bias", "2.weight"]]  # a 0.25 MiB weight alone
 
 
 def test_parameters_on_one_rank_are_not_bucketed():
