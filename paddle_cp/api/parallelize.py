@@ -18,6 +18,8 @@ parameter; `parallelize_optimizer` finds it there and wraps the optimizer.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -172,7 +174,9 @@ def parallelize_model(model, mesh=None, config=None):
     dims = sharding_dims(config.get("dp_config"))
     held = [p for p in model.parameters() if record_of(p).held_here()]
     sharding = shard_parameters(level, held, mesh, dims)
-    buckets = plan_buckets(model, held, bucket_size_mb(config.get("dp_config")))
+    # a pipeline reduces in step() (optimizer.py), in one bucket: its stages hold different parameters, and cut
+    # by size, a tied weight would fall in a different bucket on each stage that sums it
+    buckets = plan_buckets(model, held, math.inf if pipeline else bucket_size_mb(config.get("dp_config")))
     if sharding is not None and level == 3:
         sharding.release_parameters(model)
     if lazy:
