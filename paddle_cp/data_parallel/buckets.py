@@ -37,7 +37,7 @@ order. A bucket is reduced only in `step()` when it holds
   step reads and may change gradients between backward and step, as the scaler tests inject infs), or
   under a pipeline (the factor a script puts on a scheduled step's loss is known only after the
   schedule's backwards and may differ between dp replicas: it must reach the gradients before they are
-  summed, optimizer.py).
+  summed, optimizer.py; parallelize makes a pipeline's parameters one bucket).
 """
 from __future__ import annotations
 
