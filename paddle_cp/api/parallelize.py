@@ -18,6 +18,8 @@ parameter; `parallelize_optimizer` finds it there and wraps the optimizer.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +27,7 @@ from .. import mesh as mesh_lib
 from ..comm import collectives
 from ..attention import recompute
 from ..pipeline import LossFactorAgreement, apply_pipeline, keep_own_parameters, plan_pipeline, recompute_boundary
+from ..data_parallel.buckets import bucket_size_mb, plan_buckets
 from ..data_parallel.optimizer import ParallelOptimizer, optimizer_parameters
 from ..params import complete_placements, is_lazy, record_of
 from .expert_config import expert_applications
@@ -134,6 +137,7 @@ class _Parallelized:
     sharding: Optional[Sharding]
     prepare: tuple = ()  # (PrepareContextParallel, its layer) of each one applied: check_parity
     loss_factor: object = None  # a pipeline's LossFactorAgreement: the optimizer checks a returned loss's factor
+    buckets: tuple = ((), frozenset())  # the gradient buckets and those only step() reduces (plan_buckets)
 
 
 def parallelize_model(model, mesh=None, config=None):
@@ -168,13 +172,17 @@ def parallelize_model(model, mesh=None, config=None):
     for param in model.parameters():
         complete_placements(param, mesh)
     dims = sharding_dims(config.get("dp_config"))
-    sharding = shard_parameters(level, [p for p in model.parameters() if record_of(p).held_here()], mesh, dims)
+    held = [p for p in model.parameters() if record_of(p).held_here()]
+    sharding = shard_parameters(level, held, mesh, dims)
+    # a pipeline reduces in step() (optimizer.py), in one bucket: its stages hold different parameters, and cut
+    # by size, a tied weight would fall in a different bucket on each stage that sums it
+    buckets = plan_buckets(model, held, math.inf if pipeline else bucket_size_mb(config.get("dp_config")))
     if sharding is not None and level == 3:
         sharding.release_parameters(model)
     if lazy:
         require_initialized(model)
     prepare = tuple((plan, layer) for plan, layer, _ in applications if isinstance(plan, PrepareContextParallel))
-    state = _Parallelized(mesh, level, dims, world, sharding, prepare, loss_factor)
+    state = _Parallelized(mesh, level, dims, world, sharding, prepare, loss_factor, buckets)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)
     return model
@@ -196,7 +204,7 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
         raise ValueError(f"dp_config {differs} parallelize_model got: pass both calls the same config")
     if not all(record_of(p).held_here() for p in optimizer_parameters(optimizer)):
         keep_own_parameters(optimizer)  # a pipeline: the optimizer keeps this stage's parameters
-    return ParallelOptimizer(optimizer, state.world, state.sharding, state.loss_factor)
+    return ParallelOptimizer(optimizer, state.world, state.sharding, state.loss_factor, state.buckets)
 
 
 def parallelized_state(model):

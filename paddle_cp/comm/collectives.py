@@ -45,11 +45,34 @@ def all_reduce(mesh_group, tensor, tag="all_reduce"):
     """Sum `tensor` over the group in place (ring cost: 2(N-1)/N of its bytes)."""
     if mesh_group.size == 1:
         return tensor
+    _all_reduce(mesh_group, tensor, tag, sync_op=True)
+    return tensor
+
+
+class Done:
+    """The handle of a collective that has completed already (gloo, a group of one)."""
+
+    @staticmethod
+    def wait():
+        return True
+
+
+def all_reduce_async(mesh_group, tensor, tag="all_reduce"):
+    """Start summing `tensor` over the group in place; returns a handle whose `wait()` makes later work on the
+    compute stream wait for the result. NCCL: issued on its communication stream (`sync_op=False`), the host
+    goes on at once; gloo: `all_reduce`, done before it returns."""
+    if mesh_group.size == 1 or not p2p.uses_native_p2p(tensor):
+        all_reduce(mesh_group, tensor, tag=tag)
+        return Done
+    task = _all_reduce(mesh_group, tensor, tag, sync_op=False)
+    return task if task is not None else Done  # None: a synchronous stand-in (tests)
+
+
+def _all_reduce(mesh_group, tensor, tag, sync_op):
     n = mesh_group.size
     counters.record(tag, counters.nbytes(tensor) * 2 * (n - 1) // n)
     with guard(tag, mesh_group.ranks):
-        dist.all_reduce(tensor, group=mesh_group.group)
-    return tensor
+        return dist.all_reduce(tensor, group=mesh_group.group, sync_op=sync_op)
 
 
 def broadcast(mesh_group, tensor, src_index=0, tag="broadcast"):
@@ -106,23 +129,54 @@ def _all_to_all_rounds(mesh_group, chunks, tag, recv_shapes):
 
 
 def reduce_scatter(mesh_group, chunks, tag="reduce_scatter"):
-    """Sum over ranks of chunks[me]: each position gets its own reduced chunk."""
-    n, me = mesh_group.size, mesh_group.index
+    """Sum over ranks of chunks[me]: each position gets its own reduced chunk. Chunk j has one length on every
+    rank; lengths may differ between positions (then NCCL runs one reduce per position)."""
+    n = mesh_group.size
     if n == 1:
         return chunks[0]
     chunks = [c.contiguous() for c in chunks]
     if p2p.uses_native_p2p(chunks[0]):
-        counters.record(tag, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
-        out = paddle.empty_like(chunks[me])
-        with guard(tag, mesh_group.ranks):
-            dist.reduce_scatter(out, _in_group_order(_sorted_positions(mesh_group), chunks), group=mesh_group.group)
+        out, task = _native_reduce_scatter(mesh_group, chunks, tag, sync_op=True)
         return out
     return _reduce_scatter_rounds(mesh_group, chunks, tag)
+
+
+def reduce_scatter_async(mesh_group, chunks, tag="reduce_scatter"):
+    """(this position's reduced chunk, handle): as `all_reduce_async`, the chunk is final after `wait()`; gloo
+    (no reduce-scatter there: N-1 ordered exchanges) is `reduce_scatter`, done before it returns."""
+    if mesh_group.size == 1 or not p2p.uses_native_p2p(chunks[0]):
+        return reduce_scatter(mesh_group, chunks, tag=tag), Done
+    out, task = _native_reduce_scatter(mesh_group, [c.contiguous() for c in chunks], tag, sync_op=False)
+    return out, task
+
+
+class _Tasks:
+    def __init__(self, tasks):
+        self._tasks = [t for t in tasks if t is not None]  # None: a synchronous stand-in (tests)
+
+    def wait(self):
+        for task in self._tasks:
+            task.wait()
+        return True
+
+
+def _native_reduce_scatter(mesh_group, chunks, tag, sync_op):
+    me = mesh_group.index
+    counters.record(tag, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
+    with guard(tag, mesh_group.ranks):
+        if len({tuple(c.shape) for c in chunks}) == 1:
+            out = paddle.empty_like(chunks[me])
+            return out, _Tasks([dist.reduce_scatter(out, _in_group_order(_sorted_positions(mesh_group), chunks),
+                                                    group=mesh_group.group, sync_op=sync_op)])
+        # uneven: position j's chunk summed onto it (chunks are this call's own buffers: summed in place)
+        tasks = [dist.reduce(c, dst=mesh_group.rank_at(j), group=mesh_group.group, sync_op=sync_op)
+                 for j, c in enumerate(chunks)]
+    return chunks[me], _Tasks(tasks)
 
 
 def _reduce_scatter_rounds(mesh_group, chunks, tag):
     n, me = mesh_group.size, mesh_group.index
     total = chunks[me].clone()
     for offset in range(1, n):
-        total = total + p2p.shift(mesh_group, chunks[(me + offset) % n], offset, tag).wait()
+        total = total + p2p.shift(mesh_group, chunks[(me + offset) % n], offset, tag, chunks[me].shape).wait()
     return total

@@ -15,32 +15,12 @@ holding it).
 """
 from __future__ import annotations
 
-import math
-
 import paddle
-from paddle.amp.auto_cast import amp_global_state
 
 from .. import runtime
 from ..comm import collectives
-from ..params import AFTER_SHARDING, BEFORE_SHARDING, record_of
-
-
-def _coalesced(tensors):
-    """One flat buffer per dtype: a handful of all-reduces instead of one per parameter."""
-    by_dtype = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    return by_dtype.values()
-
-
-def gradient_dtype(param):
-    """The dtype of `param`'s reduced gradient, the same on every rank: float32 for a float16/bfloat16
-    parameter under `paddle.amp.decorate(master_grad=True)` (Paddle casts those gradients at the end of
-    backward), else the parameter's. A gradient made or stashed here (a branch this rank did not take,
-    a level-3 non-owner's) gets it too, so every rank fills buffers of the same dtypes and sizes."""
-    if param.dtype in (paddle.float16, paddle.bfloat16) and amp_global_state().use_master_grad:
-        return paddle.float32
-    return param.dtype
+from ..params import record_of
+from .buckets import GradientBuckets, gradient_dtype  # noqa: F401 (gradient_dtype: imported from here too)
 
 
 class OwnGradients:
@@ -52,51 +32,10 @@ class OwnGradients:
         return param.grad
 
     @staticmethod
-    def zero_gradient(param):
-        param._set_grad_ivar(paddle.zeros(param.shape, gradient_dtype(param)))
-
-
-def _agree_on_gradients(parameters, mesh_group, gradients):
-    """Give a zero gradient to every parameter that has one on some rank of the group but not here
-    (a branch only some ranks took), so all ranks reduce buffers of one size, as one card would."""
-    present = paddle.to_tensor([int(gradients.gradient(p) is not None) for p in parameters], dtype="int32")
-    collectives.all_reduce(mesh_group, present, tag="grad_presence")
-    for param, count in zip(parameters, present.numpy().tolist()):
-        if count and gradients.gradient(param) is None:
-            gradients.zero_gradient(param)
-
-
-def _reduce_gradients(parameters, mesh_group, tag, average, gradients):
-    """Sum (or average) the parameters' gradients over the group, coalesced by dtype, in place."""
-    parameters = [p for p in parameters if not p.stop_gradient]  # frozen: no gradient on any rank
-    if mesh_group.size == 1 or not parameters:
-        return
-    _agree_on_gradients(parameters, mesh_group, gradients)
-    # dropped gradients (another rank owns them) are empty: nothing to reduce
-    # sizes from shapes: int(numel()) would read a device tensor, a host sync per parameter per step
-    grads = [g for g in map(gradients.gradient, parameters)
-             if g is not None and g._is_initialized() and math.prod(g.shape)]
-    for same_dtype in _coalesced(grads):
-        flat = paddle.concat([g.reshape([-1]) for g in same_dtype])
-        collectives.all_reduce(mesh_group, flat, tag=tag)
-        if average:
-            flat = flat / mesh_group.size
-        for grad, part in zip(same_dtype, paddle.split(flat, [math.prod(g.shape) for g in same_dtype])):
-            paddle.assign(part.reshape(grad.shape), grad)
-
-
-def run_reductions(parameters, phase, gradients=OwnGradients):
-    """Every reduction of `phase` the parameters' placements ask for: one coalesced all-reduce per (group, op),
-    the groups in the order of their kinds (MeshGroup.kind), the same on every rank."""
-    work = {}
-    for param in parameters:
-        for reduction in record_of(param).reductions():
-            if reduction.phase == phase and reduction.group.size > 1:
-                key = (reduction.group.kind, reduction.group.ranks, reduction.op)
-                work.setdefault(key, (reduction.group, []))[1].append(param)
-    for (_, _, op), (group, params) in sorted(work.items(), key=lambda item: item[0]):
-        average = op == "avg"
-        _reduce_gradients(params, group, "grad_all_reduce" if average else "grad_sum_all_reduce", average, gradients)
+    def release(param):
+        """Free it: its bucket holds it now."""
+        if param.grad is not None:
+            param.clear_gradient(False)
 
 
 def optimizer_parameters(optimizer):
@@ -113,12 +52,13 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
     `GradScaler` see the optimizer they expect. A subclass of Paddle's Optimizer (never initialized
     as one) only so that isinstance checks such as decorate's accept it, as Paddle's own wrapper does.
 
-    Gradients are reduced once per step, in `step()` (or earlier, in `reduce_gradients()`, when
-    `pcp.shard_scaler`'s unscale needs the reduced gradients): micro-batches accumulated with
-    several backwards before one `step()` are reduced once, as one card sums them.
+    Gradients are reduced in buckets (buckets.py): during the backward that writes a bucket's last
+    gradient of the step, or else in `step()` (or earlier, in `reduce_gradients()`, when
+    `pcp.shard_scaler`'s unscale needs the reduced gradients): micro-batches accumulated with several
+    backwards before one `step()` are reduced once, after the last, as one card sums them.
     """
 
-    def __init__(self, optimizer, world, sharding=None, loss_factor=None):
+    def __init__(self, optimizer, world, sharding=None, loss_factor=None, buckets=((), frozenset())):
         own = object.__setattr__
         own(self, "_inner", optimizer)
         own(self, "_world", world)  # the whole mesh: the gradient norm and found-inf are agreed over it
@@ -126,6 +66,11 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         own(self, "_loss_factor", loss_factor)  # a pipeline's: checks the factor on a returned loss
         own(self, "_params", optimizer_parameters(optimizer))
         own(self, "_reduced", False)  # this step's gradients are reduced already
+        mine = {id(p) for p in self._params}
+        layout, step_only = buckets  # plan_buckets' over the model's parameters: keep the optimizer's
+        layout = [kept for kept in ([p for p in bucket if id(p) in mine] for bucket in layout) if kept]
+        own(self, "_buckets", GradientBuckets(layout, step_only, sharding or OwnGradients))
+        self._buckets.overlap = loss_factor is None  # see _apply_pipeline_loss_scale
 
     def __getattribute__(self, name):
         if name.startswith("__") or name in _OWN_ATTRIBUTES:
@@ -168,30 +113,41 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         that was skipped (a GradScaler that found inf)."""
         if self._sharding is not None:
             self._sharding.clear_stash()
+        self._buckets.clear()
         self._reduced = False
         runtime.state.pipeline_loss_scale = None
         self._inner.clear_grad(set_to_zero)
 
     def reduce_gradients(self):
-        """Reduce this step's gradients over the mesh (once; `step()` calls it if nobody did).
+        """Reduce this step's gradients over the mesh (once; `step()` calls it if nobody did): wait for the
+        buckets backward reduced, reduce the others, put the results on the parameters.
 
-        Sums over ranks commute: sums over pipeline stages first (each stage owns its own
-        parameters), then at sharding levels 2-3 the reduce-scatter onto owners, so the
-        reductions after it only touch the gradients this rank owns."""
+        Sums over ranks commute: for each gradient, sums over pipeline stages first (each stage owns its own
+        parameters), then at sharding levels 2-3 the reduce-scatter onto owners, so the reductions after it
+        only touch the gradients this rank owns."""
         if self._reduced:
             return
         self._apply_pipeline_loss_scale()
-        # before the reduce-scatter a level-3 non-owner's gradients are in the sharding's stash
-        run_reductions(self._params, BEFORE_SHARDING, self._sharding or OwnGradients)
-        if self._sharding is not None and self._sharding.level >= 2:
-            self._sharding.reduce_scatter_gradients()
-        run_reductions(self._params, AFTER_SHARDING)
+        self._buckets.reduce_rest()
+        self._buckets.install()
         self._reduced = True
+
+    def keep_gradients_until_step(self):
+        """Reduce no bucket during backward from now on: a GradScaler's step reads (and a script may change)
+        the gradients backward left, before `reduce_gradients()` (pcp.shard_scaler calls this)."""
+        self._buckets.overlap = False
+
+    @property
+    def gradient_buckets(self):
+        """The buckets (buckets.GradientBuckets): their issue log and gradient bytes, for tests and tools."""
+        return self._buckets
 
     def _apply_pipeline_loss_scale(self):
         """Pipeline: the factor the script put on the losses a scheduled step returned (their backward
         ran unscaled inside the schedule), applied to this rank's gradients before they are reduced;
-        first agreed over the mesh (pipeline/loss_factor.py: only dp replicas may differ)."""
+        first agreed over the mesh (pipeline/loss_factor.py: only dp replicas may differ). Known only after
+        the schedule's backwards and possibly different between dp replicas, it must reach the gradients
+        before they are summed: a pipeline's buckets are reduced in step()."""
         factor, runtime.state.pipeline_loss_scale = runtime.state.pipeline_loss_scale, None
         if self._loss_factor is not None:
             self._loss_factor.agree(1.0 if factor is None else factor)
@@ -254,13 +210,14 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
             raise ValueError("minimize(parameters=, no_grad_set=) is not supported by the optimizer parallelize "
                              "returns: give the parameters to the optimizer when you build it (frozen ones with "
                              "stop_gradient=True)")
+        self.reduce_gradients()
         params_grads = [(p, p.grad) for p in self._params if p.grad is not None]
         self.step()
         return None, params_grads
 
 
 _OWN_ATTRIBUTES = frozenset(vars(ParallelOptimizer)) | {
-    "_inner", "_world", "_sharding", "_loss_factor", "_params", "_reduced"}
+    "_inner", "_world", "_sharding", "_loss_factor", "_params", "_reduced", "_buckets"}
 
 
 class _AttrHolder:

@@ -29,6 +29,7 @@ def shard_scaler(scaler):
     def reduce_then_unscale(optimizer):
         if not (scaler._enable and isinstance(optimizer, ParallelOptimizer)):
             return unscale(optimizer)  # disabled (CPU) or a plain optimizer: Paddle's behaviour
+        optimizer.keep_gradients_until_step()  # from the next step on; this one's may be reduced already
         optimizer.reduce_gradients()
         unscale(optimizer)
         scaler._found_inf = optimizer.agree_found_inf(scaler._found_inf)

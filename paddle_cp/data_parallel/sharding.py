@@ -8,8 +8,9 @@ bytes); the ranks along the dims it leaves out (`rest`) still average the owner'
 - level 1: only the owner keeps the parameter's optimizer state and steps it;
   then it broadcasts the new value to the other ranks it shards over.
 - level 2: also gradients: they are reduce-scattered so each rank receives only
-  the summed gradients of the parameters it owns (one reduce-scatter over all the
-  replicas; over the chosen dims, then an average over the rest).
+  the summed gradients of the parameters it owns (a reduce-scatter per gradient bucket over
+  all the replicas, during backward where it can: buckets.py; over the chosen dims, then an
+  average over the rest), and the full gradients are freed then.
 - level 3: also parameters: non-owners keep an empty placeholder; the full value
   is fetched from the owner for each layer's forward and again for its backward,
   and freed after each (parameter_fetch.py); a fetch unit (params.mark_fetch_unit: a MoE
@@ -21,14 +22,12 @@ from __future__ import annotations
 import math
 import warnings
 
-import numpy as np
-import paddle
-
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from .optimizer import OwnGradients, gradient_dtype
+from .buckets import bucket_size_mb
+from .optimizer import OwnGradients
 from .parameter_fetch import GatheredBytes, fetch_around
-from ..params import DATA_DIMS, SHARDING, Owned, Partial, is_fetch_unit, record_of, release_value
+from ..params import DATA_DIMS, Owned, Partial, is_fetch_unit, record_of, release_value
 
 LEVELS = (0, 1, 2, 3)
 SHARDABLE_DIMS = ("dp", "sep", "cp")  # the data dims (params.DATA_DIMS; `cp` is sep's alias)
@@ -39,11 +38,12 @@ def check_level(dp_config):
     dp_config = dp_config or {}
     if not isinstance(dp_config, dict):
         raise TypeError(f"dp_config must be a dict like {{'sharding_level': 1}}, got {type(dp_config).__name__}")
-    unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim"}
+    unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim", "bucket_size_mb"}
     if unknown:
-        raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level' "
-                         "and 'sharding_mesh_dim'")
+        raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level', "
+                         "'sharding_mesh_dim' and 'bucket_size_mb'")
     sharding_dims(dp_config)
+    bucket_size_mb(dp_config)
     level = dp_config.get("sharding_level", 0)
     if level not in LEVELS:
         raise ValueError(f"dp_config sharding_level must be one of {LEVELS}, got {level!r}")
@@ -144,58 +144,14 @@ class Sharding:
         placement = owned(param)
         return placement is None or placement.owner_here()
 
-    def reduce_scatter_gradients(self):
-        """Levels 2-3: each owner receives the average of its parameters' gradients, in one reduce-scatter
-        per shard group and dtype; the groups in the order of their kinds, the same on every rank."""
-        work = {}
-        for p in self.trained:
-            for reduction in record_of(p).reductions():
-                if reduction.phase == SHARDING:
-                    key = (reduction.group.kind, reduction.group.ranks)
-                    work.setdefault(key, (reduction.group, []))[1].append(p)
-        for _, (group, params) in sorted(work.items(), key=lambda item: item[0]):
-            self._reduce_scatter(group, params)
-        self._stash.clear()
-        self.drop_foreign_gradients()
-
-    def _reduce_scatter(self, group, params):
-        """Bucket r holds position r's parameters, padded to equal length."""
-        n = group.size
-        grads = {id(p): self._grad(p) for p in params}
-        by_dtype = {}
-        for p in params:
-            by_dtype.setdefault(grads[id(p)].dtype, []).append(p)
-        for dtype, same_dtype in by_dtype.items():
-            buckets = [[p for p in same_dtype if owned(p).owner == r] for r in range(n)]
-            flats = [paddle.concat([grads[id(p)].reshape([-1]) for p in b]) if b else paddle.zeros([0], dtype)
-                     for b in buckets]
-            length = max(int(f.shape[0]) for f in flats)
-            chunks = [paddle.concat([f, paddle.zeros([length - int(f.shape[0])], dtype)]) for f in flats]
-            mine = collectives.reduce_scatter(group, chunks, tag="grad_reduce_scatter") / n
-            offset = 0
-            for p in buckets[group.index]:
-                size = int(np.prod(record_of(p).local_shape()))
-                if p.grad is not None:  # a parameter no rank used keeps no gradient, as on one card
-                    paddle.assign(mine[offset:offset + size].reshape(p.grad.shape), p.grad)
-                offset += size
-
-    def _grad(self, p):
-        """This rank's gradient of `p` in its reduced dtype (zeros if it has none): the same buckets on every rank."""
-        dtype = gradient_dtype(p)
-        grad = self.gradient(p)
-        if grad is None:
-            return paddle.zeros(record_of(p).local_shape(), dtype)
-        return grad if grad.dtype == dtype else grad.astype(dtype)
-
     def gradient(self, p):
-        """This rank's gradient of `p`: at level 3 a non-owner's is in the stash until the reduce-scatter."""
+        """This rank's gradient of `p`: at level 3 a non-owner's is in the stash until its bucket is reduced."""
         return self._stash.get(id(p)) if self.level == 3 and not self.owns(p) else p.grad
 
-    def zero_gradient(self, p):
-        if self.level == 3 and not self.owns(p):
-            self._stash[id(p)] = paddle.zeros(record_of(p).local_shape(), gradient_dtype(p))
-        else:
-            OwnGradients.zero_gradient(p)
+    def release(self, p):
+        """Free this rank's gradient of `p`: its bucket holds it now."""
+        self._stash.pop(id(p), None)
+        OwnGradients.release(p)
 
     def drop_foreign_gradients(self):
         """Free the gradients of parameters another rank owns: the inner optimizer then skips them

@@ -29,15 +29,14 @@ path and paddle_cp hold it:
 - logits: the [t, vocab/tp] fp32 logits at the end of the forward; the loss backward adds two more.
   Chunked (PaddleFormers' fused head + loss): nothing at the end of the forward, and its backward holds
   CHUNK_TEMPORARIES [chunk, vocab/tp] fp32 tensors and HEAD_WEIGHT_COPIES of the lm_head weight (fp32).
-- the step: paddle_cp reduces gradients at the optimizer step from one flat copy: the gradients, the flat
-  buffer and its pieces (levels 2-3: the padded per-owner buckets) exist at once, STEP_GRADIENT_COPIES of the
-  stage's whole gradients, whatever the level (gradients are whole until then: no bucketed reduction
-  during backward yet).
+- gradients reduced in buckets (data_parallel/buckets.py, BUCKET_BYTES each, as the last backward writes
+  them): at levels 2-3 a rank holds, during its layers' backward, the share it owns plus about a bucket not
+  yet reduced (whole gradients under a pipeline, whose buckets wait for the step, and at levels 0-1); the
+  reduction holds those gradients plus BUCKET_COPIES buckets (a bucket's flat buffer and its pieces).
 
 peak = max(loss backward: weights + optimizer + activations + 3 x logits (or the chunked loss's temporaries),
-           layer backward: weights + optimizer + max(activations, gradients) + a recomputed layer + level 3's
-           fetched parameter, step: weights + optimizer + STEP_GRADIENT_COPIES x whole gradients).
-
+           layer backward: weights + optimizer + max(activations, held gradients) + a recomputed layer + level
+           3's fetched parameter, step: weights + optimizer + held gradients + BUCKET_COPIES x a bucket).
 The constants were measured on CPU, fp32, with `pcp-memory` (Paddle 3.3.1, PaddleFormers 1.2.0): the
 activation inventory within 1% of PaddleFormers' Llama per layer; the rest checked by `pcp-memory --layouts`
 (docs/tools.md gives the table). Fused GPU kernels (RMSNorm, SwiGLU) hold less: there it is an upper bound.
@@ -51,8 +50,9 @@ MOMENTS_BYTES = 2 * FP32  # AdamW's two moments per parameter, fp32
 CHUNK_TEMPORARIES = 6  # [chunk, vocab] fp32 tensors PaddleFormers' fused head + loss holds at once in backward
 HEAD_WEIGHT_COPIES = 5  # lm_head-sized fp32 tensors it holds then (per-chunk weight gradients and their sum)
 LOSS_BACKWARD_LOGITS = 2  # [t, vocab] fp32 tensors the unchunked loss backward adds to the logits
-STEP_GRADIENT_COPIES = 3
-MLP_GRADIENT_TENSORS = 2  # [tokens (or a tile), intermediate] gradients an MLP's backward holds at once  # gradients, their flat buffer, its pieces (or padded buckets) at the step
+MLP_GRADIENT_TENSORS = 2  # [tokens (or a tile), intermediate] gradients an MLP's backward holds at once
+BUCKET_BYTES = 25 * 2 ** 20  # dp_config bucket_size_mb's default (data_parallel/buckets.py)
+BUCKET_COPIES = 2  # a bucket's flat buffer and the pieces it is split back into, beside the gradients
 # a MoE layer, per token (measured on gpt-oss, stacked experts): expert-width tensors per top-k copy (its
 # gate/up output, clamps, GLU), and routing bookkeeping (logits, weights, per-expert masks) per expert
 MOE_TENSORS_PER_EXPERT_WIDTH = 10
@@ -95,8 +95,12 @@ def _state(model, layout, stage, elem):
         return owned + experts / expert_ranks if level >= at_level else dense + experts
 
     optimizer_bytes = MOMENTS_BYTES + (FP32 if elem < FP32 else 0)  # below fp32: an fp32 master copy
+    whole = (dense + experts) * elem
+    bucket = min(BUCKET_BYTES, whole)
+    # levels 2-3: buckets are reduce-scattered as backward fills them (not under a pipeline: in its step)
+    held = whole if level < 2 or layout.pp > 1 else min(whole, share(2) * elem + bucket)
     return {"weights": share(3) * elem, "gradients": share(2) * elem, "optimizer": share(1) * optimizer_bytes,
-            "whole_gradients": (dense + experts) * elem}
+            "whole_gradients": whole, "held_gradients": held, "bucket": bucket}
 
 
 def layer_activations(model, layout, tokens, seq, batch, elem, moe, fused=False):
@@ -216,7 +220,7 @@ def stage_memory(model, layout, seq, batch, elem, stage, fused=False):
     logits_held, loss_backward = logits(model, layout, seq, batch, stage)
     fetched = 2 * model.largest_param / layout.tp * elem if layout.sharding == 3 else 0  # a copy and its gradient
     base = state["weights"] + state["optimizer"]
-    gradients = state["whole_gradients"]
+    gradients = state["held_gradients"]
     if layout.pp > 1 and layout.micro > 1:
         # later micro-batches run while the gradients of earlier ones are held; on the last stage the
         # runner also still holds the previous micro-batch's logits (measured: one more logits tensor)
@@ -226,7 +230,7 @@ def stage_memory(model, layout, seq, batch, elem, stage, fused=False):
         during_layers = max(held, gradients)  # activations freed as gradients appear, layer by layer
     phases = {"loss_backward": base + held + logits_held + loss_backward,
               "layer_backward": base + during_layers + rebuilt + fetched,
-              "step": base + STEP_GRADIENT_COPIES * gradients}
+              "step": base + gradients + BUCKET_COPIES * state["bucket"]}
     return {"weights": state["weights"], "gradients": state["gradients"], "optimizer": state["optimizer"],
             "activations": held, "logits": logits_held, "phases": phases, "peak": max(phases.values()),
             "stage": stage, "host": host}

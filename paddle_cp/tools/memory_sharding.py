@@ -1,7 +1,7 @@
 """`pcp-memory --sharding`: what each sharding level leaves a rank on a context-parallel mesh.
 
     pcp-memory --sharding --json sharding.json
-    pcp-memory --sharding --meshes sep4 --levels 3 --seq 1024
+    pcp-memory --sharding --meshes sep4 --levels 3 --seq 1024 --bucket-mb 0.5
 
 One launch of 4 CPU ranks trains a PaddleFormers Llama (ring attention over `sep`, each dp
 rank its own samples) for two steps per case: each mesh at sharding level 0 and at each of
@@ -10,8 +10,10 @@ alone (`sharding_mesh_dim="dp"`, the only choice before). Per case and rank, for
 second step (tools/io_phases.py): the bytes of the parameters (and buffers) the rank holds
 and of the AdamW state it keeps, each against level 0 (the whole model and one card's
 state), the largest parameter (a rank should hold a quarter plus at most one of them), the
-allocator's peak, and the bytes the rank sent, by purpose (gradient reductions, parameter
-broadcasts and fetches, attention). The table shows each case's largest rank; the JSON
+allocator's peak, the most gradient bytes it held at once (data_parallel/buckets.py counts
+them: buckets of --bucket-mb are reduced as backward fills them, so level 2 holds its share
+plus about a bucket, levels 0-1 all of them), and the bytes the rank sent, by purpose
+(gradient reductions, parameter broadcasts and fetches, attention). The table shows each case's largest rank; the JSON
 has every rank.
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ from paddle_cp.tools.text import ruled_table, show
 MESHES = {"sep4": [("sep", 4)], "dp2xsep2": [("dp", 2), ("sep", 2)]}
 SHARDED_OVER = {"dp x sep": None, "dp": "dp"}  # the table's name -> dp_config's sharding_mesh_dim
 PURPOSES = {"gradients": "grads", "parameters": "params", "attention": "attention", "other": "other"}  # -> column
-FIELDS = ("params", "adam", "peak", "sent", *PURPOSES)
+FIELDS = ("params", "adam", "peak", "grad_peak", "sent", *PURPOSES)
 
 
 def parse_args(argv=None):
@@ -42,6 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--intermediate", type=int, default=344)
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--bucket-mb", type=float, default=1.0,
+                        help="dp_config bucket_size_mb (the default model's layer is 0.7 MiB)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--result-file", help=argparse.SUPPRESS)  # launcher <-> rank 0
     args = parser.parse_args(argv)
@@ -93,7 +97,8 @@ def measure_case(args, mesh_name, over, level):
     prepare = pcp.PrepareContextParallel("p2p")
     config = {"cp_config": {"parallelize_plan": {"model": prepare,
                                                  "model.layers.*.self_attn": pcp.ContextParallel("p2p")}},
-              "dp_config": {"sharding_level": level, "sharding_mesh_dim": SHARDED_OVER.get(over)}}
+              "dp_config": {"sharding_level": level, "sharding_mesh_dim": SHARDED_OVER.get(over),
+                            "bucket_size_mb": args.bucket_mb}}
     model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
     ids = paddle.randint(0, args.vocab, [2, args.seq + 1])  # the same on every rank (seeded in _build)
     inputs, labels = pcp.shard_batch((ids[:, :-1], ids[:, 1:]), mesh=mesh)
@@ -104,15 +109,17 @@ def measure_case(args, mesh_name, over, level):
         optimizer.step()
         optimizer.clear_grad(set_to_zero=False)
 
-    step()  # creates AdamW's state
+    step()  # creates AdamW's state; the buckets learn when backward writes each gradient
     counters.reset()
+    optimizer.gradient_buckets.grad_bytes.reset_peak()
     row = measure("step", step, model, optimizer)
     sent = {p: 0 for p in PURPOSES}
     for tag, nbytes in counters.bytes_sent().items():
         sent[purpose(tag)] += nbytes
     params = share_bytes(model)
-    return {"params": params, "adam": row["share"] - params, "peak": row["peak"], "sent": sum(sent.values()),
-            **sent}, row["largest_parameter"]
+    return {"params": params, "adam": row["share"] - params, "peak": row["peak"],
+            "grad_peak": optimizer.gradient_buckets.grad_bytes.peak, "sent": sum(sent.values()), **sent}, \
+        row["largest_parameter"]
 
 
 def run_ranks(args):
@@ -148,13 +155,14 @@ def with_ratios(results):
 
 def table(results):
     head = (f"{'mesh':9} {'sharded over':12} {'level':>5} {'params MiB':>10} {'of model':>8} {'adam MiB':>9} "
-            f"{'of 1 card':>9} {'peak MiB':>9} {'sent MiB':>9}" + "".join(f" {c + ' MiB':>13}" for c in PURPOSES.values()))
+            f"{'of 1 card':>9} {'peak MiB':>9} {'grads MiB':>9} {'sent MiB':>9}" + "".join(f" {c + ' MiB':>13}" for c in PURPOSES.values()))
     rows = [f"{r['mesh']:9} {r['sharded_over']:12} {r['level']:>5} {r['max']['params'] / MIB:>10.2f} "
             f"{r['params_ratio']:>8.3f} {r['max']['adam'] / MIB:>9.2f} {r['adam_ratio']:>9.3f} "
-            f"{r['max']['peak'] / MIB:>9.2f} {r['max']['sent'] / MIB:>9.2f}"
+            f"{r['max']['peak'] / MIB:>9.2f} {r['max']['grad_peak'] / MIB:>9.2f} {r['max']['sent'] / MIB:>9.2f}"
             + "".join(f" {r['max'][p] / MIB:>13.2f}" for p in PURPOSES) for r in results]
     largest = max(r["largest_parameter"] for r in results)
-    rows.append(f"each case's largest rank; sent: by it in the second step; the largest parameter: {largest / MIB:.2f} MiB")
+    rows.append(f"each case's largest rank; grads: the most gradient bytes it held at once; sent: by it in the second "
+                f"step; the largest parameter: {largest / MIB:.2f} MiB")
     return ruled_table(head, rows)
 
 

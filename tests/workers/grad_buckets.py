@@ -1,0 +1,286 @@
+"""Gradient buckets reduced during backward (data_parallel/buckets.py), on 4 gloo ranks vs one card.
+
+Layouts (a PaddleFormers Llama, buckets of BUCKET_MB so it makes about twenty): dp2 x mp2 at sharding
+levels 0, 2, 3; sep2 x dp2 (ring attention, whose backward exchanges blocks between the bucket
+reductions) at levels 1 and 2; pp2 x dp2 with the tied embedding. Each trains STEPS steps of ACC
+micro-batches against one card. Recorded per layout: the buckets issued during backward in steps 3-5
+(with the backward position, the member gradients arrived so far, at which each was issued, against the
+step's total), the host reads made from paddle_cp/data_parallel in steps 3-5 (every Tensor method that
+hands a value to the host, and paddle.to_tensor), the most gradient bytes held (buckets.GradientBytes)
+and the bytes of this rank's full gradients.
+
+Then an MLP on dp4 (gradients dominate its memory): the host allocator's peak over backward and the
+reduction at levels 1 and 2; a script whose backward count per step changes (1, 1, 2, 1, 3: more
+passes than learned are reduced in a second round); a layer only rank 0 uses from step 3 on, and one no
+rank uses until step 4 (its bucket agrees presence each step, as one card gives it no gradient until then).
+"""
+import contextlib
+import sys
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from optimizer_amp import PP_CONFIG, build
+from report import run
+from tensor_parallel import CP_PLAN, WELL_CONDITIONED_EPSILON, paddle_plan
+
+import paddle_cp as pcp
+from paddle_cp.tools.allocator import allocated, peak, reset_peak
+
+BUCKET_MB = 0.02
+BATCH, SEQ, ACC, STEPS = 4, 16, 2, 5
+COUNTED = (2, 3, 4)  # steps 3-5
+HOST_READS = ("numpy", "item", "tolist", "__float__", "__bool__", "__int__", "__index__")
+DATA_PARALLEL = "paddle_cp/data_parallel/"
+
+
+@contextlib.contextmanager
+def host_reads(counts):
+    """Count host reads made from paddle_cp/data_parallel (a frame there on the stack) into counts["data_parallel"],
+    all others into counts["elsewhere"]; a read made inside a read counts once."""
+    originals = {name: getattr(paddle.Tensor, name) for name in HOST_READS}
+    originals["to_tensor"] = paddle.to_tensor
+    depth = [0]
+
+    def where():
+        frame = sys._getframe(2)
+        while frame is not None:
+            if DATA_PARALLEL in frame.f_code.co_filename:
+                return "data_parallel"
+            frame = frame.f_back
+        return "elsewhere"
+
+    def counted(original):
+        def read(*args, **kwargs):
+            if depth[0] == 0:
+                key = where()
+                counts[key] = counts.get(key, 0) + 1
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return read
+
+    for name in HOST_READS:
+        setattr(paddle.Tensor, name, counted(originals[name]))
+    paddle.to_tensor = counted(originals["to_tensor"])
+    try:
+        yield
+    finally:
+        for name in HOST_READS:
+            setattr(paddle.Tensor, name, originals[name])
+        paddle.to_tensor = originals["to_tensor"]
+
+
+def batches():
+    rng = np.random.RandomState(11)
+    return [tuple(paddle.to_tensor(rng.randint(0, 128, [BATCH, SEQ]), dtype="int64") for _ in range(2))
+            for _ in range(STEPS * ACC)]
+
+
+def one_card():
+    model, optimizer, scheduler = build(WELL_CONDITIONED_EPSILON)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for ids, labels in batches()[step * ACC:(step + 1) * ACC]:
+            loss = model(input_ids=ids, labels=labels)[0] / ACC
+            loss.backward()
+            total += float(loss)
+        optimizer.step()
+        optimizer.clear_grad()
+        scheduler.step()
+        losses.append(total)
+    return np.array(losses), {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def layout(report, name, dims, level, want):
+    world = dist.get_world_size()
+    mesh = dist.ProcessMesh(np.arange(world).reshape([d for _, d in dims]).tolist(), dim_names=[n for n, _ in dims])
+    model, optimizer, scheduler = build(WELL_CONDITIONED_EPSILON)
+    config = {"dp_config": {"sharding_level": level, "bucket_size_mb": BUCKET_MB}}
+    sep = "sep" in dict(dims)
+    if "pp" in dict(dims):
+        config["pp_config"] = PP_CONFIG
+    if dict(dims).get("mp", 1) > 1:
+        config["mp_config"] = {"parallelize_plan": paddle_plan(model)}
+    if sep:
+        config["cp_config"] = {"parallelize_plan": CP_PLAN}
+    model, optimizer = pcp.parallelize(model, optimizer, mesh=mesh, config=config)
+    buckets = optimizer.gradient_buckets
+    data = batches()
+    losses, issued, reads = [], [], {}
+    for step in range(STEPS):
+        if step == COUNTED[0]:
+            buckets.grad_bytes.reset_peak()
+        total = paddle.zeros([])
+        with host_reads(reads) if step in COUNTED else contextlib.nullcontext():
+            for ids, labels in data[step * ACC:(step + 1) * ACC]:
+                ids, labels = pcp.shard_batch((ids, labels), mesh=mesh)
+                if sep:
+                    labels = pcp.shard_sequence(labels, mesh=mesh)
+                loss = model(input_ids=ids, labels=labels)[0] / ACC
+                loss.backward()
+                total = total + loss.detach()
+            if step in COUNTED:
+                issued.append({"issued": buckets.issue_log, "arrivals": buckets.arrivals,
+                               "passes": buckets.passes})
+            optimizer.step()
+            optimizer.clear_grad()
+            scheduler.step()
+        dist.all_reduce(total)  # mp copies are equal: the world mean is the dp x sep mean
+        losses.append(float(total) / world)
+    report.diff(f"{name}.loss", np.array(losses), want[0])
+    state = pcp.full_state_dict(model)
+    for key, value in want[1].items():
+        report.diff(f"{name}.param", state[key], value)
+    report.value(f"{name}.buckets", len(buckets.buckets))
+    report.value(f"{name}.early_buckets", sum(b.overlaps for b in buckets.buckets))
+    report.value(f"{name}.issued", issued)
+    report.value(f"{name}.host_reads", reads)
+    report.value(f"{name}.grad_peak", buckets.grad_bytes.peak)
+    report.value(f"{name}.grad_full", sum(bucket_bytes(b.params) for b in buckets.buckets))
+    report.value(f"{name}.largest_bucket", max(bucket_bytes(b.params) for b in buckets.buckets))
+
+
+def bucket_bytes(params):
+    from paddle_cp.data_parallel.buckets import local_nbytes
+    return sum(local_nbytes(p) for p in params)
+
+
+# ---- an MLP on dp4 ------------------------------------------------------------------------------
+
+WIDTH, DEPTH = 64, 16
+
+
+class MLP(paddle.nn.Layer):
+    def __init__(self, extra=False):
+        super().__init__()
+        self.layers = paddle.nn.LayerList([paddle.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
+        self.branch = paddle.nn.Linear(WIDTH, WIDTH)  # used by rank 0 from step 3 on (the branch case)
+        self.late = paddle.nn.Linear(WIDTH, WIDTH)  # used by no rank until step 4 (the branch case)
+
+    def forward(self, x, rank=0, step=0):
+        for layer in self.layers:
+            x = paddle.tanh(layer(x))
+        if rank == 0 and step >= 2:
+            x = self.branch(x)
+        if step >= 3:
+            x = self.late(x)
+        return (x ** 2).mean()
+
+
+def mlp(branch=False):
+    """The MLP and its AdamW; without the branch case its two extra layers are frozen."""
+    paddle.seed(7)
+    model = MLP()
+    for layer in () if branch else (model.branch, model.late):
+        for p in layer.parameters():
+            p.stop_gradient = True
+    return model, paddle.optimizer.AdamW(learning_rate=1e-2, epsilon=1e-3, parameters=model.parameters())
+
+
+def mlp_inputs(step, rank, rows=2):
+    return paddle.to_tensor(np.random.RandomState(100 * step + rank).randn(rows, WIDTH).astype("float32"))
+
+
+def mlp_train(model, optimizer, passes, rank=None, world=1, branch=False, after_step=None):
+    """Each step: `passes[step]` backwards (loss / passes of each); one card (rank None) sums every rank's
+    loss / world. Returns the losses."""
+    losses = []
+    for step, count in enumerate(passes):
+        total = 0.0
+        for micro in range(count):
+            ranks = range(world) if rank is None else [rank]
+            loss = sum(model(mlp_inputs(step * 10 + micro, r), r if branch else 1, step if branch else 0)
+                       for r in ranks) / (count * world if rank is None else count)
+            loss.backward()
+            total += float(loss)
+        optimizer.step()
+        optimizer.clear_grad()
+        losses.append(total)
+        if after_step is not None:
+            after_step(step)
+    return np.array(losses)
+
+
+def mlp_case(report, name, passes, level, branch=False):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimizer = mlp(branch)
+    want = mlp_train(model, optimizer, passes, world=world, branch=branch)
+    want_state = {k: v.numpy() for k, v in model.state_dict().items()}
+    model, optimizer = mlp(branch)
+    mesh = dist.ProcessMesh(list(range(world)), dim_names=["dp"])
+    model, optimizer = pcp.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": level,
+                                                                            "bucket_size_mb": 0.1}})
+    dead = []  # buckets agreeing presence each step, after each step
+
+    issued = []  # buckets issued during backward, each step
+
+    def count_dead(step):
+        dead.append(sum(bool(b.dead) for b in optimizer.gradient_buckets.buckets))
+        issued.append(len(optimizer.gradient_buckets.issue_log))
+
+    losses = mlp_train(model, optimizer, passes, rank=rank, world=world, branch=branch, after_step=count_dead)
+    total = paddle.to_tensor(losses.astype("float32"))
+    dist.all_reduce(total)
+    report.diff(f"{name}.loss", total.numpy() / world, want)
+    state = pcp.full_state_dict(model)
+    for key, value in want_state.items():
+        report.diff(f"{name}.param", state[key], value)
+    report.value(f"{name}.issued", issued)
+    report.value(f"{name}.dead_buckets", dead)
+
+
+def allocator_peak(report, level):
+    """Host allocator bytes at the peak of backward + the reduction of step 3, above what was held before
+    (parameters, AdamW state); gradients dropped by clear_grad(set_to_zero=False) between steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimizer = mlp()
+    mesh = dist.ProcessMesh(list(range(world)), dim_names=["dp"])
+    model, optimizer = pcp.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": level,
+                                                                            "bucket_size_mb": 0.04}})
+    buckets = optimizer.gradient_buckets
+    for step in range(3):
+        x = mlp_inputs(step, rank, rows=1)
+        if step == 2:
+            before = allocated()
+            reset_peak()
+            buckets.grad_bytes.reset_peak()
+        model(x).backward()
+        if step == 2:
+            arrivals = buckets.arrivals
+        optimizer.reduce_gradients()
+        if step == 2:
+            report.value(f"alloc_l{level}.peak", peak() - before)
+            report.value(f"alloc_l{level}.grad_peak", optimizer.gradient_buckets.grad_bytes.peak)
+            report.value(f"alloc_l{level}.issued", buckets.issue_log)
+            report.value(f"alloc_l{level}.arrivals", arrivals)
+            report.value(f"alloc_l{level}.buckets", len(buckets.buckets))
+        optimizer.step()
+        optimizer.clear_grad(set_to_zero=False)
+    report.value(f"alloc_l{level}.grads", sum(p.numel().item() * 4 for p in model.parameters() if not p.stop_gradient))
+
+
+def main(report):
+    group = sys.argv[1]
+    if group == "llama":
+        want = one_card()
+        layout(report, "dp2xmp2_l0", [("dp", 2), ("mp", 2)], 0, want)
+        layout(report, "dp2xmp2_l2", [("dp", 2), ("mp", 2)], 2, want)
+        layout(report, "dp2xmp2_l3", [("dp", 2), ("mp", 2)], 3, want)
+        layout(report, "sep2xdp2_l1", [("dp", 2), ("sep", 2)], 1, want)
+        layout(report, "sep2xdp2_l2", [("dp", 2), ("sep", 2)], 2, want)
+        layout(report, "pp2xdp2_l0", [("pp", 2), ("dp", 2)], 0, want)
+    else:
+        allocator_peak(report, 1)
+        allocator_peak(report, 2)
+        mlp_case(report, "passes_change_l0", [1, 1, 2, 1, 3], 0)
+        mlp_case(report, "passes_change_l2", [1, 1, 2, 1, 3], 2)
+        mlp_case(report, "branch_l0", [1, 1, 1, 1, 1], 0, branch=True)
+        mlp_case(report, "branch_l2", [1, 1, 1, 1, 1], 2, branch=True)
+
+
+if __name__ == "__main__":
+    run(main)
