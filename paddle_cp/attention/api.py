@@ -58,8 +58,13 @@ def context_parallel_attention(
             start = sum(split.q_counts[:groups.ulysses.index])  # this rank's query heads after the trade
             sinks = sinks[start:start + split.q_counts[groups.ulysses.index]]
         query, key, value = scatter_heads(query, key, value, groups.ulysses, split, lengths)
-    masks = RingMasks(layout.ring_positions(seq_len), ring_index, bool(is_causal), documents, attn_mask,
-                      layout.chunk_starts(seq_len), window, valid, layout.split.fragment)
+    def ring_masks():
+        return RingMasks(layout.ring_positions(seq_len), ring_index, bool(is_causal), documents, attn_mask,
+                         layout.chunk_starts(seq_len), window, valid, layout.split.fragment)
+
+    # made once per batch and read by every layer; a dense mask is a layer's tensor, so its masks are not kept
+    masks = ring_masks() if attn_mask is not None else layout.plans.get(
+        (layout.split, seq_len, ring_index, bool(is_causal), window, documents, valid), ring_masks)
     out = ring_attention_local(query, key, value, groups.ring, masks, scale, rotate, sinks)
     if groups.ulysses.size > 1:
         out = gather_heads(out, groups.ulysses, split, lengths)

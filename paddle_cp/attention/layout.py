@@ -24,6 +24,7 @@ import numpy as np
 import paddle
 
 from .balance import balanced_groups, piece_starts
+from .batch_plans import BatchPlans
 
 BACKENDS = ("p2p", "all2all", "hybrid")
 SPLITS = ("documents", "chunks")  # PrepareContextParallel(layout=...): how a batch with documents is split
@@ -133,6 +134,7 @@ class SequenceLayout:
         self.ring = world // self.ulysses
         self.split = ChunkSplit()
         self.windows = {}  # this layout's RunWindows by (seq_len, rank, before, after): sequence_windows.py
+        self.plans = BatchPlans()  # attention's masks per batch (api.py), keyed by the split among other facts
 
     def for_batch(self, documents, split="documents"):
         """The layout of a batch: balanced over its `documents` (a Documents, or None) with split
