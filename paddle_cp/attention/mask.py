@@ -272,9 +272,10 @@ class BlockMask:
         (first row that no longer sees it, first row that does), rows counted from r0. Made on the device once."""
         if batch not in self._row_indices:
             (r0, r1), (k0, k1) = self.extent().rows, self.extent().keys
-            start, end = (np.clip(x[:, k0:k1] - r0, 0, r1 - r0) for x in (self.start, self.end))
-            bounds = np.broadcast_to(np.stack([end, start], axis=-1)[:, None], (batch, 1, k1 - k0, 2))
-            self._row_indices[batch] = paddle.to_tensor(np.ascontiguousarray(bounds, dtype=np.int32))
+            bounds = np.empty((batch, 1, k1 - k0, 2), np.int32)
+            bounds[:, 0, :, 0] = np.clip(self.end[:, k0:k1] - r0, 0, r1 - r0)
+            bounds[:, 0, :, 1] = np.clip(self.start[:, k0:k1] - r0, 0, r1 - r0)
+            self._row_indices[batch] = paddle.to_tensor(bounds)
         return self._row_indices[batch]
 
     def tile_plan(self, size):
