@@ -2,6 +2,7 @@
 kept per batch (attention/batch_plans.py, api.ring_masks); the planning bench's counts."""
 import numpy as np
 import pytest
+from workers.visibility import visible
 
 from paddle_cp.attention.api import ring_masks
 from paddle_cp.attention.batch_plans import BatchPlans
@@ -10,19 +11,6 @@ from paddle_cp.attention.mask import BlockMask, Documents
 from paddle_cp.tools import bench_planning, packing
 
 SEQ = 97
-
-
-def _visible(causal, doc_ids=None, window=None, valid=None):
-    """bool [b, SEQ, SEQ]: query i sees key j, from the definitions."""
-    i, j = np.arange(SEQ)[:, None], np.arange(SEQ)[None]
-    seen = (j <= i if causal else np.ones((SEQ, SEQ), bool))[None]
-    if doc_ids is not None:
-        seen = seen & (doc_ids[:, :, None] == doc_ids[:, None, :])
-    if window is not None:
-        seen = seen & (j > i - window)
-    if valid is not None:
-        seen = seen & valid[:, None, :]
-    return seen
 
 
 def _cases():
@@ -51,7 +39,7 @@ def _mask(q_pos, k_pos, causal, doc_ids=None, window=None, valid=None):
 def test_row_bounds_extent_and_tiles_are_the_visibility_matrix():
     for q_pos, k_pos, facts in _cases():
         mask = _mask(q_pos, k_pos, **facts)
-        seen = _visible(**facts)[:, q_pos][:, :, k_pos]  # [b, q, k]
+        seen = visible(SEQ, **facts)[:, q_pos][:, :, k_pos]  # [b, q, k]
         rows = np.arange(len(q_pos))[None, :, None]
         by_bounds = (mask.start[:, None, :] <= rows) & (rows < mask.end[:, None, :])
         np.testing.assert_array_equal(np.broadcast_to(by_bounds, seen.shape), seen)

@@ -18,6 +18,7 @@ import paddle.distributed as dist
 import paddle.nn.functional as F
 from paddle import _C_ops
 from report import run
+from visibility import visible
 
 import paddle_cp as pcp
 from paddle_cp import mesh as mesh_lib
@@ -102,12 +103,7 @@ def visible_steps(case, world, rank, doc_ids, window):
     layout = SequenceLayout(backend, world, degree)
     if masking == "docs_layout":
         layout = layout.for_batch(Documents.from_ids(doc_ids))
-    i, j = np.arange(seq)[:, None], np.arange(seq)[None]
-    seen = (j <= i if causal else np.ones((seq, seq), bool))[None]
-    if doc_ids is not None:
-        seen = seen & (doc_ids[:, :, None] == doc_ids[:, None, :])
-    if window is not None:
-        seen = seen & (j > i - window)
+    seen = visible(seq, causal, doc_ids, window)
     mine = layout.group_positions(seq, rank // layout.ulysses)
     steps = flash = 0
     for group in range(layout.ring):
