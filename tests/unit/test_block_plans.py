@@ -59,8 +59,8 @@ def test_row_bounds_extent_and_tiles_are_the_visibility_matrix():
         # flashmask's row indices: per key (first row past it, first row seeing it), from r0, over the extent
         indices = mask.row_indices(seen.shape[0]).numpy()
         r = np.arange(block.shape[1])[None, :, None]
-        np.testing.assert_array_equal(np.broadcast_to((indices[:, 0, None, :, 1] <= r) & (r < indices[:, 0, None, :, 0]),
-                                                      block.shape), block)
+        by_indices = (indices[:, 0, None, :, 1] <= r) & (r < indices[:, 0, None, :, 0])
+        np.testing.assert_array_equal(np.broadcast_to(by_indices, block.shape), block)
 
         plan, computed = mask.tile_plan(8)
         planned = {(q_tile, k_tile): full for q_tile, seen_tiles in plan for k_tile, full in seen_tiles}

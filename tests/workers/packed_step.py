@@ -1,10 +1,10 @@
 """A training step of a model with tiny heads on one packed row of short documents, under the layout a
 PrepareContextParallel plan gives the batch by default and under 2N chunks: what a step plans and runs.
 
-Per layout: the layout's name, the attention masks made per step (BlockMasks: once per batch, not per layer
+Per layout: whether it moved tokens from the 2N chunks, the attention masks made per step (BlockMasks: once per batch, not per layer
 or direction), the blockwise kernel's calls per step (one per ring step, layer and direction), the query-key
-pairs it computes, and the median step time, wall and this rank's CPU (for the note, never asserted). argv: seq_len, the document
-lengths' median (lognormal, tools/packing.py), the row of the packed stream, timed steps.
+pairs it computes, and the median step time, wall and this rank's CPU (for the note, never asserted). argv:
+seq_len, the document lengths' median (lognormal, tools/packing.py), the row of the packed stream, timed steps.
 """
 import statistics
 import sys
@@ -43,8 +43,9 @@ def llama():
     from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
 
     paddle.seed(2024)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=LAYERS,
-                                        num_attention_heads=2, num_key_value_heads=1, fuse_rms_norm=False))
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=LAYERS,
+                         num_attention_heads=2, num_key_value_heads=1, fuse_rms_norm=False)
+    return LlamaForCausalLM(config)
 
 
 def train(report, mesh, layout, seq, positions, steps):
@@ -54,11 +55,12 @@ def train(report, mesh, layout, seq, positions, steps):
     model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
     rng = np.random.RandomState(5)
     seconds, cpu, counts = [], [], []
-    for step in range(steps + 1):  # the first step warms up
+    for _ in range(steps + 1):  # the first step warms up
         ids = rng.randint(0, VOCAB, [1, seq + 1])
         ids, labels = paddle.to_tensor(ids[:, :-1]), paddle.to_tensor(ids[:, 1:])
         dist.barrier()
-        before, work = dict(_counts), pcp.attention_work(reset=True)
+        before = dict(_counts)
+        pcp.attention_work(reset=True)
         start, start_cpu = time.perf_counter(), time.process_time()
         local = pcp.shard_sequence(labels, backend=prepare, mesh=mesh, position_ids=positions)
         loss = model(input_ids=ids, labels=local, position_ids=positions)[0] * pcp.loss_weight(local.numel(), mesh)
@@ -69,9 +71,9 @@ def train(report, mesh, layout, seq, positions, steps):
         cpu.append(time.process_time() - start_cpu)
         work = pcp.attention_work(reset=True)
         counts.append({key: _counts[key] - before[key] for key in _counts} | {"computed": work["computed"]})
-    name = pcp.sequence_positions(seq, backend=prepare, mesh=mesh, position_ids=positions)
+    mine = pcp.sequence_positions(seq, backend=prepare, mesh=mesh, position_ids=positions)
     chunks = pcp.sequence_positions(seq, backend="p2p", mesh=mesh)
-    report.value(f"{layout}.moved", not np.array_equal(name.numpy(), chunks.numpy()))
+    report.value(f"{layout}.moved", not np.array_equal(mine.numpy(), chunks.numpy()))
     report.value(f"{layout}.counts", counts[1:])
     report.value(f"{layout}.step_seconds", statistics.median(seconds[1:]))
     report.value(f"{layout}.step_cpu_seconds", statistics.median(cpu[1:]))
@@ -80,7 +82,8 @@ def train(report, mesh, layout, seq, positions, steps):
 def main(report):
     seq, median, row, steps = (int(arg) for arg in sys.argv[1:5])
     mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["sep"])
-    positions = paddle.to_tensor(packing.packed_position_ids(packing.lognormal_lengths(median=median), seq, row + 1)[row:])
+    lengths = packing.lognormal_lengths(median=median)
+    positions = paddle.to_tensor(packing.packed_position_ids(lengths, seq, row + 1)[row:])
     report.value("documents", int((positions.numpy() == 0).sum()))
     report.value("layers", LAYERS)
     _counted()
