@@ -1,12 +1,15 @@
-"""Which keys each query sees, tile by tile, from global token positions.
+"""Which keys each query sees, from global token positions.
 
 A query at global position i sees the key at position j iff
     lo[j] <= i < hi[j]          (causality, documents, sliding window, padding)
 and the dense mask, if any, allows (i, j). Causal: lo[j] = j. Documents:
 [lo, hi) is clipped to the key's document. Sliding window w (PaddleFormers'
-eager mask: i - w < j <= i): hi[j] <= j + w. A padding key: [lo, hi) empty. Knowing positions (not local
-offsets) is what lets a rank holding chunks r and 2N-1-r, or a ring block from
-another rank, skip exactly the tiles no query sees; the skipped work is counted.
+eager mask: i - w < j <= i): hi[j] <= j + w. A padding key: [lo, hi) empty.
+A rank's query positions ascend, so the query rows that see key j are one
+range [start[j], end[j]): Paddle's flashmask row indices, one kernel call
+for a whole block (a ring step), and for the blockwise kernel the tiles no
+query sees, skipped; the skipped work is counted. Knowing positions (not local
+offsets) is what makes any layout (2N chunks, documents spread or whole) exact.
 """
 from __future__ import annotations
 
