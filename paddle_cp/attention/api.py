@@ -58,12 +58,23 @@ def context_parallel_attention(
             start = sum(split.q_counts[:groups.ulysses.index])  # this rank's query heads after the trade
             sinks = sinks[start:start + split.q_counts[groups.ulysses.index]]
         query, key, value = scatter_heads(query, key, value, groups.ulysses, split, lengths)
-    masks = RingMasks(layout.ring_positions(seq_len), ring_index, bool(is_causal), documents, attn_mask,
-                      layout.chunk_starts(seq_len), window, valid, layout.split.fragment)
+    masks = ring_masks(layout, seq_len, ring_index, bool(is_causal), documents, attn_mask, window, valid)
     out = ring_attention_local(query, key, value, groups.ring, masks, scale, rotate, sinks)
     if groups.ulysses.size > 1:
         out = gather_heads(out, groups.ulysses, split, lengths)
     return out
+
+
+def ring_masks(layout, seq_len, ring_index, causal, documents=None, dense=None, window=None, valid=None):
+    """The RingMasks of ring group `ring_index`'s queries for a batch: made by its first layer and read by the
+    others from `layout.plans`; a dense mask is a layer's tensor, so masks with one are made per call."""
+    def make():
+        return RingMasks(layout.ring_positions(seq_len), ring_index, causal, documents, dense,
+                         layout.chunk_starts(seq_len), window, valid, layout.split.fragment)
+
+    if dense is not None:
+        return make()
+    return layout.plans.get((layout.split, seq_len, ring_index, causal, window, documents, valid), make)
 
 
 def _functional(backend):

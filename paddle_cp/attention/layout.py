@@ -26,6 +26,7 @@ import paddle
 
 from .balance import piece_starts
 from .packed_layout import choose, chunk_sizes
+from .batch_plans import BatchPlans
 
 BACKENDS = ("p2p", "all2all", "hybrid")
 SPLITS = ("documents", "chunks")  # PrepareContextParallel(layout=...): how a batch with documents is split
@@ -125,6 +126,7 @@ class SequenceLayout:
         self.split = ChunkSplit()
         self.windows = {}  # this layout's RunWindows by (seq_len, rank, before, after): sequence_windows.py
         self._last_batch = None  # (document ends, layout) of the last batch for_batch chose for
+        self.plans = BatchPlans()  # attention's masks per batch (api.py), keyed by the split among other facts
 
     def for_batch(self, documents, split="documents"):
         """The layout of a batch: with split 'documents', the one packed_layout.choose prices cheapest

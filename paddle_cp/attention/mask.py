@@ -1,16 +1,20 @@
-"""Which keys each query sees, tile by tile, from global token positions.
+"""Which keys each query sees, from global token positions.
 
 A query at global position i sees the key at position j iff
     lo[j] <= i < hi[j]          (causality, documents, sliding window, padding)
 and the dense mask, if any, allows (i, j). Causal: lo[j] = j. Documents:
 [lo, hi) is clipped to the key's document. Sliding window w (PaddleFormers'
-eager mask: i - w < j <= i): hi[j] <= j + w. A padding key: [lo, hi) empty. Knowing positions (not local
-offsets) is what lets a rank holding chunks r and 2N-1-r, or a ring block from
-another rank, skip exactly the tiles no query sees; the skipped work is counted.
+eager mask: i - w < j <= i): hi[j] <= j + w. A padding key: [lo, hi) empty.
+A rank's query positions ascend, so the query rows that see key j are one
+range [start[j], end[j]): Paddle's flashmask row indices, one kernel call
+for a whole block (a ring step), and for the blockwise kernel the tiles no
+query sees, skipped; the skipped work is counted. Knowing positions (not local
+offsets) is what makes any layout (2N chunks, documents spread or whole) exact.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import paddle
@@ -31,6 +35,12 @@ def attention_work(reset=False):
     if reset:
         runtime.state.attention_work.update(computed=0, skipped=0)
     return done
+
+
+def record_work(computed, area):
+    """A kernel computed `computed` of a block's `area` query-key pairs (and skipped the rest)."""
+    runtime.state.attention_work["computed"] += computed
+    runtime.state.attention_work["skipped"] += area - computed
 
 
 @dataclass(frozen=True)
@@ -144,8 +154,22 @@ def _as_rows(values, what):
     return array
 
 
+class Extent(NamedTuple):
+    """The part of a (queries x keys) block anyone sees: rows [r0, r1) and keys [k0, k1) (local indices), and
+    its kind: 'none' (empty), 'all' (every row sees every key), 'diagonal' (plain causal over identical
+    positions) or 'some'. One kernel call covers it."""
+
+    rows: tuple
+    keys: tuple
+    kind: str
+
+    @property
+    def area(self):
+        return (self.rows[1] - self.rows[0]) * (self.keys[1] - self.keys[0])
+
+
 class BlockMask:
-    """Visibility between queries at `q_pos` and keys at `k_pos` (global positions).
+    """Visibility between queries at `q_pos` (ascending) and keys at `k_pos` (global positions).
 
     `dense`: this pair's slice of a dense mask, [b, 1 or heads, len(q_pos), len(k_pos)],
     boolean (True = attend) or additive (-inf or a dtype's min = masked).
@@ -153,33 +177,44 @@ class BlockMask:
     `fragment`: runs shorter than this share tiles (see `tiles`; 0: every run its own).
     `window`: causal sliding window (a key is seen by itself and the w-1 queries after it);
     `valid`: [b, seq_len] bool over global positions, False for padding keys.
+
+    Query positions ascend, so the rows that see key j are one range [start[j], end[j]) (empty:
+    start == end): the whole plan, computed at once with two searchsorted calls. Built once per batch
+    (ring.RingMasks, cached by the layout) and read by every layer; what the kernels derive from it
+    (the block's extent, the blockwise tiles, the device copies) is kept here too.
     """
 
     def __init__(self, q_pos, k_pos, causal, documents=None, dense=None, cuts=(), window=None, valid=None,
                  fragment=0):
         self.q_pos, self.k_pos = np.asarray(q_pos), np.asarray(k_pos)
+        if np.any(np.diff(self.q_pos) <= 0):
+            raise ValueError("a rank's query positions must ascend (every sequence layout holds them in order)")
         self.cuts, self.fragment = cuts, fragment
         self.causal, self.dense, self.window = causal, dense, window
         if documents is not None and documents.causal_only and not causal:
             raise ValueError("attn_mask_startend_row_indices describe a causal mask: call attention with is_causal=True")
         far = np.iinfo(np.int64).max
+        # query positions lo[j] <= i < hi[j] see key j
         if documents is None:
-            self.lo = (self.k_pos if causal else np.zeros_like(self.k_pos))[None]
-            self.hi = np.full((1, len(self.k_pos)), far)
+            lo = (self.k_pos if causal else np.zeros_like(self.k_pos))[None]
+            hi = np.full((1, len(self.k_pos)), far)
         else:
-            self.lo = np.broadcast_to(self.k_pos, documents.start[:, self.k_pos].shape) if causal \
-                else documents.start[:, self.k_pos]
-            self.hi = documents.end[:, self.k_pos]
+            lo = self.k_pos[None] if causal else documents.start[:, self.k_pos]
+            hi = documents.end[:, self.k_pos]
         if window is not None:
             if not causal:
                 raise ValueError("a sliding window is causal (query i sees keys i-w < j <= i): call with is_causal=True")
-            self.hi = np.minimum(self.hi, self.k_pos + window)
+            hi = np.minimum(hi, self.k_pos + window)
         if valid is not None:
             seen = np.asarray(valid, bool)[:, self.k_pos]
-            self.lo = np.where(seen, self.lo, far)
-            self.hi = np.where(seen, self.hi, 0)
+            lo, hi = np.where(seen, lo, far), np.where(seen, hi, 0)
+        lo, hi = np.broadcast_arrays(lo, hi)
+        # int64 [b or 1, sk]: the rows that see each key
+        self.start = np.searchsorted(self.q_pos, lo)
+        self.end = np.maximum(np.searchsorted(self.q_pos, hi), self.start)
         self.restricted = causal or documents is not None or dense is not None or valid is not None
-        self._seen = None
+        self._seen = self._extent = self._bounds = None
+        self._tile_plans, self._row_indices = {}, {}
 
     def q_runs(self):
         return runs(self.q_pos, self.cuts)
@@ -199,18 +234,17 @@ class BlockMask:
         kind = self._classify(q_range, k_range)
         if record:
             area = (q_range[1] - q_range[0]) * (k_range[1] - k_range[0])
-            runtime.state.attention_work["skipped" if kind == "none" else "computed"] += area
+            record_work(0 if kind == "none" else area, area)
         return kind
 
     def _classify(self, q_range, k_range):
         if not self.restricted:
             return "all"
         (qs, qe), (ks, ke) = q_range, k_range
-        first, last = self.q_pos[qs], self.q_pos[qe - 1]
-        lo, hi = self.lo[:, ks:ke], self.hi[:, ks:ke]
-        if not np.any((hi > first) & (lo <= last)):
+        start, end = self.start[:, ks:ke], self.end[:, ks:ke]
+        if not np.any(np.minimum(end, qe) > np.maximum(start, qs)):
             return "none"
-        every = lo.max() <= first and hi.min() > last
+        every = start.max() <= qs and end.min() >= qe
         if self.dense is not None:
             seen = self._dense_seen()[:, :, qs:qe, ks:ke]
             if not seen.any():
@@ -218,9 +252,71 @@ class BlockMask:
             return "all" if every and seen.all() else "some"
         if every:
             return "all"
-        diagonal = (self.causal and (qe - qs) == (ke - ks) and first == self.k_pos[ks]
-                    and np.all(hi > last) and np.array_equal(self.q_pos[qs:qe], self.k_pos[ks:ke]))
+        diagonal = (self.causal and qe - qs == ke - ks and end.min() >= qe
+                    and np.array_equal(self.q_pos[qs:qe], self.k_pos[ks:ke])
+                    and np.all(start == np.arange(qs, qe)))
         return "diagonal" if diagonal else "some"
+
+    def extent(self):
+        """The block's Extent: the rows and keys anyone sees, trimmed, and their kind."""
+        if self._extent is None:
+            seen = self.end > self.start  # [b or 1, sk]
+            keys = np.flatnonzero(seen.any(axis=0))
+            if not len(keys):
+                self._extent = Extent((0, 0), (0, 0), "none")
+            else:
+                rows = (int(self.start[seen].min()), int(self.end[seen].max()))
+                span = (int(keys[0]), int(keys[-1]) + 1)
+                self._extent = Extent(rows, span, self._classify(rows, span))
+        return self._extent
+
+    def row_indices(self, batch):
+        """flashmask_attention's startend_row_indices for the extent: int32 [batch, 1, k1 - k0, 2], per key
+        (first row that no longer sees it, first row that does), rows counted from r0. Made on the device once."""
+        if batch not in self._row_indices:
+            (r0, r1), (k0, k1) = self.extent().rows, self.extent().keys
+            bounds = np.empty((batch, 1, k1 - k0, 2), np.int32)
+            bounds[:, 0, :, 0] = np.clip(self.end[:, k0:k1] - r0, 0, r1 - r0)
+            bounds[:, 0, :, 1] = np.clip(self.start[:, k0:k1] - r0, 0, r1 - r0)
+            self._row_indices[batch] = paddle.to_tensor(bounds)
+        return self._row_indices[batch]
+
+    def tile_plan(self, size):
+        """[(q tile, [(k tile, full), ...]), ...] over tiles of at most `size` rows and keys, the tiles no
+        query sees left out (`full`: every row sees every key, no mask needed), and the query-key pairs
+        computed. Vectorised: each key's rows [start, end) touch one range of query tiles."""
+        if size not in self._tile_plans:
+            q_tiles, k_tiles = self.q_tiles(size), self.k_tiles(size)
+            q_first, q_last = (np.array([t[i] for t in q_tiles]) for i in (0, 1))
+            k_first = np.array([t[0] for t in k_tiles])
+            seen, full = self._tile_grid(q_first, q_last, k_first)
+            if self.dense is not None:  # a dense mask may hide more: its visible pairs, read on the host
+                for t, u in zip(*np.nonzero(seen)):
+                    kind = self._classify(q_tiles[t], k_tiles[u])
+                    seen[t, u], full[t, u] = kind != "none", kind == "all"
+            sizes = (q_last - q_first)[:, None] * np.diff(np.append(k_first, len(self.k_pos)))[None]
+            plan = [(q_tiles[t], [(k_tiles[u], bool(full[t, u])) for u in np.flatnonzero(seen[t])])
+                    for t in range(len(q_tiles))]
+            self._tile_plans[size] = (plan, int(sizes[seen].sum()))
+        return self._tile_plans[size]
+
+    def _tile_grid(self, q_first, q_last, k_first):
+        """bool [q tiles, k tiles] each: some row of the q tile sees some key of the k tile; every row sees
+        every key."""
+        n_q, n_k = len(q_first), len(k_first)
+        key_tile = np.searchsorted(k_first, np.arange(len(self.k_pos)), side="right") - 1
+        batch_row, key = np.nonzero(self.end > self.start)
+        first = np.searchsorted(q_first, self.start[batch_row, key], side="right") - 1
+        last = np.searchsorted(q_first, self.end[batch_row, key] - 1, side="right") - 1
+        # +1 where a key's range of q tiles begins, -1 after it ends; summed along the q tiles
+        flat = key_tile[key] * (n_q + 1)
+        edges = (np.bincount(flat + first, minlength=n_k * (n_q + 1))
+                 - np.bincount(flat + last + 1, minlength=n_k * (n_q + 1)))
+        seen = (np.cumsum(edges.reshape(n_k, n_q + 1), axis=1)[:, :n_q] > 0).T
+        latest_start = np.maximum.reduceat(self.start.max(axis=0), k_first)
+        earliest_end = np.minimum.reduceat(self.end.min(axis=0), k_first)
+        full = (latest_start[None] <= q_first[:, None]) & (earliest_end[None] >= q_last[:, None])
+        return seen, full & seen
 
     def _dense_seen(self):
         """The dense mask's visible pairs on the host, read once per block (its only device read)."""
@@ -233,20 +329,15 @@ class BlockMask:
         (qs, qe), (ks, ke) = q_range, k_range
         return self.dense[:, :, qs:qe, ks:ke]
 
-    def row_bounds(self, q_range, k_range):
-        """Per key of a tile, the tile's rows that see it, [start, end) (query positions ascend, so they are
-        one range); int64 [b or 1, Bk] each (dense masks aside)."""
-        (qs, qe), (ks, ke) = q_range, k_range
-        rows = self.q_pos[qs:qe]
-        lo, hi = np.broadcast_arrays(self.lo[:, ks:ke], self.hi[:, ks:ke])
-        return np.searchsorted(rows, lo), np.searchsorted(rows, hi)
-
     def tile(self, q_range, k_range):
-        """[b or 1, 1 or heads, Bq, Bk] mask for a tile: boolean, or additive when the dense mask is."""
+        """[b or 1, 1 or heads, Bq, Bk] mask for a tile: boolean, or additive when the dense mask is; made on the
+        device from the row bounds, copied there once per block."""
         (qs, qe), (ks, ke) = q_range, k_range
-        q = self.q_pos[qs:qe][None, :, None]
-        visible = (self.lo[:, None, ks:ke] <= q) & (q < self.hi[:, None, ks:ke])
-        visible = paddle.to_tensor(visible[:, None])
+        if self._bounds is None:
+            self._bounds = [paddle.to_tensor(x) for x in (self.start, self.end)]
+        start, end = (x[:, ks:ke].unsqueeze(1) for x in self._bounds)  # [b or 1, 1, Bk]
+        rows = paddle.arange(qs, qe, dtype="int64").unsqueeze(-1)  # [Bq, 1]
+        visible = ((start <= rows) & (rows < end)).unsqueeze(1)
         if self.dense is None:
             return visible
         tile = self._dense_tile(q_range, k_range)

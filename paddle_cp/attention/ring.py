@@ -17,13 +17,14 @@ from paddle.autograd import PyLayer
 from ..comm import p2p
 from .kernels import saveable, select_kernel
 from .layout import runs
-from .mask import BlockMask
+from .mask import BlockMask, record_work
 from .merge import merge
 from .rotation import make_rotation
 
 
 class RingMasks:
-    """BlockMasks of this member's queries against each ring member's keys.
+    """BlockMasks of this member's queries against each ring member's keys, each made once (the
+    forward and backward of every layer of a batch read the same; api.py keeps them per batch).
 
     `positions[i]`: global positions of member i's tokens; `dense`: this
     member's rows of a dense mask, [b, 1|h, len(positions[index]), seq_len];
@@ -35,14 +36,17 @@ class RingMasks:
         self.positions, self.index, self.cuts = positions, index, cuts
         self.causal, self.documents, self.dense = causal, documents, dense
         self.window, self.valid, self.fragment = window, valid, fragment
+        self._blocks = {}
 
     def lengths(self):
         return [len(p) for p in self.positions]
 
     def block(self, src):
-        keys = self.positions[src]
-        return BlockMask(self.positions[self.index], keys, self.causal, self.documents, self._columns(keys),
-                         self.cuts, self.window, self.valid, self.fragment)
+        if src not in self._blocks:
+            keys = self.positions[src]
+            self._blocks[src] = BlockMask(self.positions[self.index], keys, self.causal, self.documents,
+                                          self._columns(keys), self.cuts, self.window, self.valid, self.fragment)
+        return self._blocks[src]
 
     def _columns(self, keys):
         if self.dense is None:
@@ -77,6 +81,9 @@ def ring_forward(q, k, v, group, masks, scale, rotate):
         src = (group.index - step) % group.size
         k_block, v_block = blocks.unpack(rotation.fetch(step), src)
         mask = masks.block(src)
+        if out is not None and mask.extent().kind == "none":  # no query here sees these keys
+            record_work(0, q.shape[1] * k_block.shape[1])
+            continue
         block_out, block_lse = select_kernel(q, v, mask).forward(q, k_block, v_block, mask, scale)
         out, lse = merge(out, lse, block_out, block_lse)
     return out, lse

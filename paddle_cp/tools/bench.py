@@ -2,6 +2,7 @@
 
     pcp-bench --nproc 2 --seq 2048 --backend p2p --causal --json out.json
     pcp-bench --mixer gated_deltanet --nproc 2 4 --seq 2048    (a Gated DeltaNet layer: tools/bench_gdn.py)
+    pcp-bench --planning --nproc 8 --seq 131072 --documents lognormal   (host planning: tools/bench_planning.py)
 
 Launches N CPU ranks itself (`python -m paddle.distributed.launch`, one thread per
 rank), or runs as one of them when started inside a launch (PADDLE_TRAINER_ID set).
@@ -585,7 +586,13 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     mixer = argparse.ArgumentParser(add_help=False)
     mixer.add_argument("--mixer", choices=["attention", "gated_deltanet"], default="attention")
+    mixer.add_argument("--planning", action="store_true")
     chosen, rest = mixer.parse_known_args(argv)
+    if chosen.planning:  # host time to plan one layer's attention, no launch (tools/bench_planning.py)
+        from paddle_cp.tools import bench_planning
+
+        bench_planning.main(rest)
+        return
     if chosen.mixer == "gated_deltanet":  # a Gated DeltaNet layer instead (tools/bench_gdn.py)
         from paddle_cp.tools import bench_gdn
 

@@ -25,7 +25,7 @@ def case_names(report):
 @pytest.mark.parametrize("world", WORLDS)
 def test_flash_path_matches_blockwise_and_fp32(world):
     for report in parity_reports(world):
-        assert len(case_names(report)) == 11 + 3 * (world == 4)
+        assert len(case_names(report)) == 12 + 3 * (world == 4)
         for key, err in report["values"].items():
             if key.rsplit(".", 1)[-1] in ("vs_blockwise", "vs_fp32", "blockwise_vs_fp32"):
                 dtype = paddle.float16 if ".fp16." in key else paddle.bfloat16
@@ -46,9 +46,20 @@ def test_flash_ops_are_what_runs(world):
     for name in [name for name in case_names(reports[0]) if name.endswith(CUT)]:
         for op in ("flashmask_attention", "flashmask_attention_grad"):
             assert sum(r["values"][f"{name}.calls"][op] for r in reports) > 0, (name, op)
-    # with documents or a window, blocks they do not cut still go to flash_attn on some rank
-    for name in ("p2p.docs", "p2p.window"):
-        assert sum(r["values"][f"{name}.calls"]["flash_attn"] for r in reports) > 0, name
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_op_call_per_ring_step_and_direction(world):
+    """Each ring step's whole block (any number of documents, a window, uneven chunks) is one op call forward
+    and one grad call backward: flash_attn where the block, trimmed to the rows and keys anyone sees, is all
+    visible or plain causal, flashmask_attention otherwise; a step in which no query sees a key makes none.
+    The steps are counted from the whole sequence's mask, apart from paddle_cp's planning."""
+    for report in parity_reports(world):
+        for name in case_names(report):
+            calls, values = report["values"][f"{name}.calls"], report["values"]
+            steps, flash = values[f"{name}.steps"], values[f"{name}.flash_steps"]
+            assert calls["flash_attn"] == calls["flash_attn_grad"] == flash, (name, calls, steps, flash)
+            assert calls["flashmask_attention"] == calls["flashmask_attention_grad"] == steps - flash, (name, calls)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -18,6 +18,7 @@ import paddle.distributed as dist
 import paddle.nn.functional as F
 from paddle import _C_ops
 from report import run
+from visibility import visible
 
 import paddle_cp as pcp
 from paddle_cp import mesh as mesh_lib
@@ -53,14 +54,15 @@ def _observed_flash():
 def cases(n):
     """(name, backend, ulysses_degree, causal, batch, seq, q_heads, kv_heads, masking, rotate, scale);
     masking: "" (causal or full only), "docs" (packed documents), "docs_layout" (packed documents in the
-    documents layout: the ranks' positions scattered, short pieces sharing tiles) or "window" (sliding window of
-    seq // 3)."""
+    documents layout: the ranks' positions scattered, short pieces sharing tiles), "packed" (many documents of
+    2-9 tokens: every ring step cuts several) or "window" (sliding window of seq // 3)."""
     table = [
         ("p2p.causal.uneven", "p2p", None, True, 2, 6 * n + 1, 4, 2, "", "ring", None),
         ("p2p.causal.uneven.allgather", "p2p", None, True, 1, 6 * n + 3, 2, 1, "", "allgather", None),
         ("p2p.full.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, "", "ring", 0.3),
         ("p2p.docs", "p2p", None, True, 1, 5 * n + 2, 2, 1, "docs", "ring", None),
         ("p2p.docs_layout", "p2p", None, True, 2, 24 * n + 5, 2, 1, "docs_layout", "ring", None),
+        ("p2p.packed.docs", "p2p", None, True, 2, 40 * n + 3, 2, 1, "packed", "ring", None),
         ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, "", "ring", None),
         ("all2all.full", "all2all", None, False, 1, 4 * n, 2 * n, n, "", "ring", None),
         ("all2all.docs", "all2all", None, True, 1, 4 * n + 3, n, n, "docs", "ring", None),
@@ -81,6 +83,40 @@ def layout_doc_ids(batch, seq):
     """Long and short documents (one of 2 tokens), different per row: the 2N chunks leave them unbalanced."""
     ends = [[seq // 2, seq // 2 + 2, seq], [3, seq // 3, seq]]
     return np.stack([np.searchsorted(np.array(row[:-1]), np.arange(seq), side="right") for row in ends[:batch]])
+
+
+def packed_doc_ids(batch, seq):
+    """Documents of 2-9 tokens, different per row."""
+    rng = np.random.RandomState(7)
+    return np.stack([np.repeat(np.arange(seq), rng.randint(2, 10, size=seq))[:seq] for _ in range(batch)])
+
+
+def visible_steps(case, world, rank, doc_ids, window):
+    """(ring steps in which some query of this rank sees some key of the step's block, those of them that
+    flash_attn computes), read off the whole sequence's mask, apart from paddle_cp's planning: each direction
+    makes one op call per such step, a flash_attn call where the block trimmed to the rows and keys anyone
+    sees is all visible or plain causal over the same positions, a flashmask_attention call otherwise."""
+    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.attention.mask import Documents
+
+    _, backend, degree, causal, _, seq, _, _, masking, _, _ = case
+    layout = SequenceLayout(backend, world, degree)
+    if masking == "docs_layout":
+        layout = layout.for_batch(Documents.from_ids(doc_ids))
+    seen = visible(seq, causal, doc_ids, window)
+    mine = layout.group_positions(seq, rank // layout.ulysses)
+    steps = flash = 0
+    for group in range(layout.ring):
+        theirs = layout.group_positions(seq, group)
+        block = seen[:, mine][:, :, theirs]  # [b, q, k]
+        rows, keys = np.flatnonzero(block.any(axis=(0, 2))), np.flatnonzero(block.any(axis=(0, 1)))
+        if not len(rows):
+            continue
+        steps += 1
+        block = block[:, rows[0]:rows[-1] + 1, keys[0]:keys[-1] + 1]
+        same = np.array_equal(mine[rows[0]:rows[-1] + 1], theirs[keys[0]:keys[-1] + 1])
+        flash += bool(block.all() or (same and (block == np.tri(len(block[0]), dtype=bool)).all()))
+    return steps, flash
 
 
 def doc_ids_for(batch, seq):
@@ -162,7 +198,8 @@ def check_case(report, mesh, case):
     dtype = paddle.float16 if name.endswith(".fp16") else BF16
     q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(dtype)
                          for heads in (q_heads, kv_heads, kv_heads, q_heads))
-    doc_ids = {"docs": doc_ids_for, "docs_layout": layout_doc_ids}.get(masking, lambda *_: None)(batch, seq)
+    doc_ids = {"docs": doc_ids_for, "docs_layout": layout_doc_ids, "packed": packed_doc_ids}.get(
+        masking, lambda *_: None)(batch, seq)
     window = seq // 3 if masking == "window" else None
     layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
     reference = fp32_reference(q, k, v, grad_out, causal, scale, doc_ids, window)
@@ -182,6 +219,9 @@ def check_case(report, mesh, case):
         report.value(f"{name}.{label}.vs_fp32", relative(got, want))
         report.value(f"{name}.{label}.blockwise_vs_fp32", relative(block, want))
     report.value(f"{name}.calls", calls)
+    steps, flash_steps = visible_steps(case, dist.get_world_size(), dist.get_rank(), doc_ids, window)
+    report.value(f"{name}.steps", steps)
+    report.value(f"{name}.flash_steps", flash_steps)
     report.value(f"{name}.left_in_flight", len(emulated_async.in_flight()))
 
 

@@ -1,10 +1,12 @@
 """Attention kernels: `forward(q, k, v, mask, scale) -> (out, lse)` and its backward.
 
 `mask` is a BlockMask (attention/mask.py). `select_kernel` picks, for fp16/bf16
-GPU tensors with one head dim for q/k/v, Paddle's flash-attention op when every
-tile is all keys or causal on the diagonal, else its flashmask op (tiles cut by
-documents, windows or padding) when the build has it and no dense mask applies;
-the blockwise fp32 kernel everywhere else.
+GPU tensors with one head dim for q/k/v, Paddle's flash-attention op when the
+block, trimmed to what anyone sees, is all keys or plain causal, else its
+flashmask op (a block cut by documents, windows or padding) when the build has
+it and no dense mask applies; the blockwise fp32 kernel everywhere else. The
+flash kernels make one op call per block (a ring step), the blockwise kernel
+visits the tiles the block's row bounds say anyone sees.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def on_gpu(tensor):
 
 def select_kernel(q, v, mask=None):
     gpu, has_flash, has_flashmask = on_gpu(q), flash_available(), flashmask_available()
-    fits = mask is None or not (gpu and has_flash) or FlashKernel.supports(mask)  # classifies every tile: only on GPU
+    fits = mask is None or FlashKernel.supports(mask)
     fits_flashmask = mask is None or FlashMaskKernel.supports(mask)
     name = choose_kernel_name(gpu, q.dtype, has_flash, fits, q.shape[-1] == v.shape[-1], has_flashmask, fits_flashmask)
     return _KERNELS[name]()

@@ -2,12 +2,15 @@
 
 Layouts: q [b, sq, hq, d], k/v [b, sk, hk, d] with hq a multiple of hk (GQA:
 q head h reads k/v head h // (hq // hk), as Paddle's SDPA). Which keys a query
-sees comes from a BlockMask (mask.py); tiles it rules out are skipped. A query
+sees comes from a BlockMask (mask.py): the same row bounds as the flash kernels
+take say which tiles no query sees (skipped) and which need no mask. A query
 that sees no key gets output 0 and log-sum-exp -inf, so partial results merge.
 """
 from __future__ import annotations
 
 import paddle
+
+from ..mask import record_work
 
 FP32 = paddle.float32
 NEG_INF = float("-inf")
@@ -51,18 +54,13 @@ class BlockwiseKernel:
         return s + mask.astype(FP32)
 
     def _plan(self, mask, record):
-        """[(q tile, [(k tile, tile mask or None), ...]), ...] for the tiles anyone sees."""
-        size = self._tile_size(mask.window)
-        k_tiles = mask.k_tiles(size)
-        plan = []
-        for q_tile in mask.q_tiles(size):
-            seen = []
-            for k_tile in k_tiles:
-                kind = mask.classify(q_tile, k_tile, record)
-                if kind != "none":
-                    seen.append((k_tile, None if kind == "all" else mask.tile(q_tile, k_tile)))
-            plan.append((q_tile, seen))
-        return plan
+        """[(q tile, [(k tile, tile mask or None), ...]), ...] for the tiles anyone sees (the block's plan,
+        made once per batch: BlockMask.tile_plan); tile masks are made on the device as they are reached."""
+        plan, computed = mask.tile_plan(self._tile_size(mask.window))
+        if record:
+            record_work(computed, len(mask.q_pos) * len(mask.k_pos))
+        for q_tile, seen in plan:
+            yield q_tile, ((k_tile, None if full else mask.tile(q_tile, k_tile)) for k_tile, full in seen)
 
     def forward(self, q, k, v, mask, scale):
         """-> out [b, sq, hq, dv] fp32, lse [b, hq, sq] fp32 (dv: v's head dim, may differ from q/k's)."""

@@ -1,10 +1,12 @@
 """Paddle's flash-attention op (GPU, fp16/bf16); same interface as BlockwiseKernel.
 
-flash_attn knows only "all keys" and "causal on the diagonal", so the BlockMask
-is cut into runs of consecutive positions and each pair of runs is one call,
-merged by log-sum-exp. Tiles a document boundary, a window edge or padding cuts
-go to the flashmask kernel (flashmask.py, which runs the others here), dense
-masks to the blockwise kernel (see `supports`), and so does MLA (v head dim != q/k head dim, which the v2
+One call per block (a ring step's queries x keys), as Paddle's own ring makes:
+the block is trimmed to the rows and keys anyone sees (BlockMask.extent), and
+flash_attn computes it when every trimmed row sees every key, or when it is
+plain causal over identical positions; nothing runs for an empty block. A block
+a document boundary, a window edge or padding cuts goes to the flashmask kernel
+(flashmask.py, one call too), dense masks to the blockwise kernel (see
+`supports`), and so does MLA (v head dim != q/k head dim, which the v2
 op refuses); the `flash_attn` op takes no sliding window. Attention sinks are
 merged after any kernel (ring.py), so they need nothing here.
 
@@ -14,7 +16,7 @@ softmax_lse float32 holding [b, h, sq] packed at the start of its buffer, which
 older Paddles shape [b, h, round_up(sq, 128)] (3.3.1's flash_attn_utils.h:
 [b, h, sq]), so it is read flat, not sliced; flash_attn_grad reads it
 the same way and needs a seed_offset tensor; causal is aligned top-left, and
-only square pairs of identical positions are sent as causal, where top-left and
+only square blocks of identical positions are sent as causal, where top-left and
 bottom-right agree. The test suite runs this file against that emulation on
 CPU; it has never run against the real op on a GPU.
 """
@@ -23,71 +25,69 @@ from __future__ import annotations
 import paddle
 from paddle import _C_ops
 
-from ..merge import merge
+from ..mask import record_work
+
+FP32 = paddle.float32
 
 
 class FlashKernel:
     @staticmethod
     def supports(mask):
-        """Whether every tile is empty, full or plain causal: a sliding window that cuts a tile,
-        padding, documents or a dense mask inside a tile need another kernel."""
-        return all(mask.classify(qr, kr) in ("none", "all", "diagonal") for qr in mask.q_runs() for kr in mask.k_runs())
-
-    @staticmethod
-    def _ranges(mask):
-        """(query ranges, key ranges) one call each: runs of consecutive positions."""
-        return mask.q_runs(), mask.k_runs()
-
-    def _pairs(self, mask, record):
-        """(q range, [(k range, kind), ...]) for each query range, the ranges its queries see nothing of left out."""
-        q_ranges, k_ranges = self._ranges(mask)
-        for qr in q_ranges:
-            seen = [(kr, mask.classify(qr, kr, record)) for kr in k_ranges]
-            yield qr, [(kr, kind) for kr, kind in seen if kind != "none"]
+        """Whether the block is empty, full or plain causal once trimmed: a sliding window that cuts it,
+        padding, documents or a dense mask inside it need another kernel."""
+        return mask.extent().kind in ("none", "all", "diagonal")
 
     def forward(self, q, k, v, mask, scale):
-        b, _, hq, d = q.shape
+        """-> out [b, sq, hq, dv] fp32, lse [b, hq, sq] fp32; rows outside the extent: out 0, lse -inf."""
+        b, sq, hq, _ = q.shape
+        extent = mask.extent()
+        record_work(extent.area, sq * k.shape[1])
+        if extent.kind == "none":
+            return paddle.zeros([b, sq, hq, v.shape[3]], FP32), paddle.full([b, hq, sq], float("-inf"), FP32)
+        (r0, r1), (k0, k1) = extent.rows, extent.keys
         # the ops fix the softmax scale at 1/sqrt(d): fold any other scale into q.
-        q = _rescale(q, scale)
-        outs, lses = [], []
-        for (qs, qe), seen in self._pairs(mask, record=True):
-            out = lse = None
-            for (ks, ke), kind in seen:
-                block_out, block_lse = self._tile_forward(
-                    q[:, qs:qe], k[:, ks:ke], v[:, ks:ke], mask, (qs, qe), (ks, ke), kind)
-                out, lse = merge(out, lse, block_out.astype(paddle.float32), block_lse)
-            if out is None:  # these queries see no key here
-                out = paddle.zeros([b, qe - qs, hq, d], paddle.float32)
-                lse = paddle.full([b, hq, qe - qs], float("-inf"), paddle.float32)
-            outs.append(out)
-            lses.append(lse)
-        return paddle.concat(outs, axis=1), paddle.concat(lses, axis=2)
+        out, lse = self._call(_rescale(q[:, r0:r1], scale), k[:, k0:k1], v[:, k0:k1], mask, extent)
+        return placed(out.astype(FP32), 1, r0, sq, 0.0), placed(lse, 2, r0, sq, float("-inf"))
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
-        dtype = q.dtype
-        scaled = _rescale(q, scale)
-        dq = paddle.zeros(q.shape, paddle.float32)
-        dk = paddle.zeros(k.shape, paddle.float32)
-        dv = paddle.zeros(v.shape, paddle.float32)
-        for (qs, qe), seen in self._pairs(mask, record=False):
-            for (ks, ke), kind in seen:
-                dq_b, dk_b, dv_b = self._tile_backward(
-                    scaled[:, qs:qe], k[:, ks:ke], v[:, ks:ke], out[:, qs:qe].astype(dtype),
-                    lse[:, :, qs:qe].contiguous(), dout[:, qs:qe].astype(dtype), mask, (qs, qe), (ks, ke), kind)
-                dq[:, qs:qe] += dq_b.astype(paddle.float32)
-                dk[:, ks:ke] += dk_b.astype(paddle.float32)
-                dv[:, ks:ke] += dv_b.astype(paddle.float32)
-        return _rescale(dq, scale), dk, dv
+        extent = mask.extent()
+        if extent.kind == "none":
+            return tuple(paddle.zeros(x.shape, FP32) for x in (q, k, v))
+        dtype, sq, sk = q.dtype, q.shape[1], k.shape[1]
+        (r0, r1), (k0, k1) = extent.rows, extent.keys
+        dq, dk, dv = self._call_grad(
+            _rescale(q[:, r0:r1], scale), k[:, k0:k1], v[:, k0:k1], out[:, r0:r1].astype(dtype),
+            lse[:, :, r0:r1].contiguous(), dout[:, r0:r1].astype(dtype), mask, extent)
+        dq = placed(dq.astype(FP32), 1, r0, sq, 0.0)
+        return _rescale(dq, scale), placed(dk.astype(FP32), 1, k0, sk, 0.0), placed(dv.astype(FP32), 1, k0, sk, 0.0)
 
     @staticmethod
-    def _tile_forward(q, k, v, mask, q_range, k_range, kind):
-        """(out, lse [b, h, Bq]) of one tile that is all keys or causal on the diagonal."""
-        out, _, lse, _ = _C_ops.flash_attn(q, k, v, None, None, 0.0, kind == "diagonal", False, False, "")
+    def _call(q, k, v, mask, extent):
+        """(out, lse [b, h, Bq]) of a block that is all keys or causal on the diagonal."""
+        if extent.kind == "some":
+            raise ValueError("flash_attn takes blocks that are all keys or plain causal: this one needs flashmask")
+        out, _, lse, _ = _C_ops.flash_attn(q, k, v, None, None, 0.0, extent.kind == "diagonal", False, False, "")
         return out, unpacked_lse(lse, q.shape[0], q.shape[2], q.shape[1])
 
     @staticmethod
-    def _tile_backward(q, k, v, out, lse, dout, mask, q_range, k_range, kind):
-        return _C_ops.flash_attn_grad(q, k, v, out, lse, no_dropout_seed(), None, dout, 0.0, kind == "diagonal")
+    def _call_grad(q, k, v, out, lse, dout, mask, extent):
+        return _C_ops.flash_attn_grad(q, k, v, out, lse, no_dropout_seed(), None, dout, 0.0, extent.kind == "diagonal")
+
+
+def placed(x, axis, start, total, fill):
+    """`x`, which covers [start, start + its length) of `total` along `axis`, with `fill` around it."""
+    end = start + x.shape[axis]
+    if start == 0 and end == total:
+        return x
+    parts = []
+    for length in (start, None, total - end):
+        if length is None:
+            parts.append(x)
+        elif length:
+            shape = list(x.shape)
+            shape[axis] = length
+            parts.append(paddle.full(shape, fill, x.dtype))
+    return paddle.concat(parts, axis=axis)
 
 
 def unpacked_lse(lse, b, h, sq):

@@ -1,11 +1,13 @@
-"""Paddle's flashmask_attention op (GPU, fp16/bf16) for the tiles flash_attn cannot express.
+"""Paddle's flashmask_attention op (GPU, fp16/bf16) for the blocks flash_attn cannot express.
 
-A tile cut by a document boundary, a sliding-window edge or padding keys is,
-for every key, one range of the tile's query rows that see it (query positions
-ascend; BlockMask.row_bounds). flashmask_attention takes exactly that, per batch row
-and key, so such a tile is one call; tiles that are all keys or causal on the
-diagonal still go to flash_attn (FlashKernel, whose loop this kernel shares).
-Dense masks are not ranges of rows and stay with the blockwise kernel.
+A block cut by document boundaries, a sliding-window edge or padding keys is,
+for every key, one range of the block's query rows that see it (query positions
+ascend; BlockMask's row bounds). flashmask_attention takes exactly that, per batch
+row and key, so such a block (a whole ring step, any number of documents) is one
+call, its row indices made on the device once per batch (BlockMask.row_indices);
+blocks that are all keys or plain causal once trimmed go to flash_attn
+(FlashKernel, whose trimming this kernel shares). Dense masks are not ranges of
+rows and stay with the blockwise kernel.
 
 The op's contract, read from Paddle 3.3.1 (python/paddle/nn/functional/
 flash_attention.py `flashmask_attention`; paddle/phi/kernels/gpu/
@@ -59,32 +61,20 @@ class FlashMaskKernel(FlashKernel):
         """Every tile is a range of rows per key except under a dense mask."""
         return mask.dense is None
 
-    @staticmethod
-    def _ranges(mask):
-        """Runs, with the short pieces of a documents layout sharing calls (their rows per key stay one range)."""
-        return mask.q_tiles(), mask.k_tiles()
-
-    @staticmethod
-    def _row_indices(mask, q_range, k_range, batch):
-        """int32 [b, 1, Bk, 2]: per key, (first row that no longer sees it, first row that does)."""
-        start, end = mask.row_bounds(q_range, k_range)  # [b or 1, Bk] each
-        bounds = paddle.to_tensor([end, start], dtype="int32")  # [2, b or 1, Bk]
-        return bounds.transpose([1, 2, 0]).unsqueeze(1).expand([batch, 1, bounds.shape[2], 2])
-
-    def _tile_forward(self, q, k, v, mask, q_range, k_range, kind):
-        if kind != "some":
-            return super()._tile_forward(q, k, v, mask, q_range, k_range, kind)
-        rows = self._row_indices(mask, q_range, k_range, q.shape[0])
-        out, _, lse, _ = _C_ops.flashmask_attention(q, k, v, rows, None, 0.0, False, False, False, "")
+    def _call(self, q, k, v, mask, extent):
+        if extent.kind != "some":
+            return super()._call(q, k, v, mask, extent)
+        out, _, lse, _ = _C_ops.flashmask_attention(q, k, v, mask.row_indices(q.shape[0]), None, 0.0, False, False,
+                                                    False, "")
         lse = unpacked_lse(lse, q.shape[0], q.shape[2], q.shape[1])
         return out, paddle.where(paddle.isinf(lse), paddle.full([], float("-inf"), lse.dtype), lse)
 
-    def _tile_backward(self, q, k, v, out, lse, dout, mask, q_range, k_range, kind):
-        if kind != "some":
-            return super()._tile_backward(q, k, v, out, lse, dout, mask, q_range, k_range, kind)
-        rows = self._row_indices(mask, q_range, k_range, q.shape[0])
+    def _call_grad(self, q, k, v, out, lse, dout, mask, extent):
+        if extent.kind != "some":
+            return super()._call_grad(q, k, v, out, lse, dout, mask, extent)
         lse = paddle.where(paddle.isinf(lse), paddle.full([], float("inf"), lse.dtype), lse)
-        return _C_ops.flashmask_attention_grad(q, k, v, rows, out, lse, no_dropout_seed(), dout, 0.0, False)
+        return _C_ops.flashmask_attention_grad(q, k, v, mask.row_indices(q.shape[0]), out, lse, no_dropout_seed(),
+                                               dout, 0.0, False)
 
 
 def flashmask_available():
