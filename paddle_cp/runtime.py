@@ -6,6 +6,7 @@ which modules a ContextParallel plan covers) is not runtime state and lives else
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -39,9 +40,22 @@ class RuntimeState:
     # the sep groups (their ranks) whose tensors shard_sequence split by a backend name since their plan's
     # last forward: a batch the plan splits by its documents refuses them (labels in another layout)
     split_by_backend_name: set = field(default_factory=set)
+    # PrepareContextParallel plan -> PlanNotes: what its batches showed, for shard_sequence given that plan
+    plan_notes: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+
+@dataclass
+class PlanNotes:
+    sharded: set = field(default_factory=set)  # splits shard_sequence used since the plan's last forward
+    startend_seen: bool = False  # a forward split a batch by attn_mask_startend_row_indices it was not told of
 
 
 state = RuntimeState()
+
+
+def plan_notes(plan):
+    """The notes kept for `plan` (made on first use): the plan object itself holds only its arguments."""
+    return state.plan_notes.setdefault(plan, PlanNotes())
 
 
 def reset():

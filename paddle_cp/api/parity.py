@@ -19,6 +19,7 @@ import numpy as np
 import paddle
 
 from .. import runtime
+from ..attention import resolve_group
 from ..comm import collectives
 from ..sequence.shard import shard_sequence, unshard_sequence
 from .parallelize import parallelized_state
@@ -135,7 +136,7 @@ def _local_tokens(model, inputs, local_labels, split):
 def _largest_difference(name, got, want, split, tokens):
     if got.numel() == 1 and want.numel() == 1:
         if split is not None:  # each sep rank's mean over its own tokens
-            got = _token_mean(got, tokens, split.prepare._groups.sep)
+            got = _token_mean(got, tokens, resolve_group(split.mesh))
         return abs(float(got) - float(want.astype("float64")))
     if tuple(got.shape) != tuple(want.shape):
         got = _in_token_order(name, got, want, split)

@@ -67,7 +67,7 @@ def _attend(plan, implementation, module, query, key, value, attention_mask=None
     scale = None if implementation == "flashmask" and sink is None else scaling
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     info = routing.batch(plan)
-    seq_len = info.seq_len if info is not None else query.shape[1] * plan._layout.world
+    seq_len = info.seq_len if info is not None else query.shape[1] * plan.layout.world
     documents = info.documents if info is not None else None
     causal, dense, padding = one_card_semantics(implementation, module, attention_mask, is_causal, seq_len,
                                                 documents)
