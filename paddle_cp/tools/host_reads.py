@@ -3,8 +3,8 @@
 On a GPU every read of a device value on the host (`.numpy()`, `.item()`, `.tolist()`, `float()`,
 `int()`, `bool()`, an index) drains the queue of kernels and collectives the host had run ahead
 with; `paddle.to_tensor` of host data copies in the other direction, once per call, in the hot path.
-Both are counted here (a read made by a read counts once), each by the line of paddle_cp (or of the
-caller) that made it, so a count of 0 says a step never waits for the device and a count above 0
+Both are counted here (a read made by a read counts once), each by the line outside Paddle (paddle_cp's, the model's or the
+script's) that made it, so a count of 0 says a step never waits for the device and a count above 0
 says where it did. A read of a value gathered a step earlier (comm/deferred.py), which waits at
 most for that earlier collective, is counted apart as `deferred`.
 On CPU these calls cost nothing; what is counted is what a GPU run would do.
@@ -43,17 +43,17 @@ class HostReads:
 
 
 def _site():
-    """file:line of the innermost caller inside paddle_cp (else the innermost caller outside this file and
-    Paddle): where the read was made."""
-    frame, outside = sys._getframe(2), None
+    """file:line of the innermost caller outside Paddle (paddle_cp's, the model's, the script's): where the
+    read was made."""
+    frame = sys._getframe(2)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if path != _HERE and path.startswith(_PACKAGE):
-            return f"{os.path.relpath(path, os.path.dirname(_PACKAGE))}:{frame.f_lineno}"
-        if outside is None and path != _HERE and f"{os.sep}paddle{os.sep}" not in path:
-            outside = f"{path.rpartition('site-packages' + os.sep)[2]}:{frame.f_lineno}"
+        if path != _HERE and f"{os.sep}paddle{os.sep}" not in path:
+            if path.startswith(_PACKAGE):
+                return f"{os.path.relpath(path, os.path.dirname(_PACKAGE))}:{frame.f_lineno}"
+            return f"{path.rpartition('site-packages' + os.sep)[2]}:{frame.f_lineno}"
         frame = frame.f_back
-    return outside or "?"
+    return "?"
 
 
 @contextlib.contextmanager
