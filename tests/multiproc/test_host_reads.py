@@ -70,3 +70,18 @@ def test_sharding_levels_read_nothing_in_a_step():
 def test_pipelines_read_nothing_in_a_step():
     reports = step_reads("pipelines")
     check_layouts(reports, {"pp2_sep2.1f1b", "pp2_sep2.vpp", "pp2_dp2.fthenb", "pp4.1f1b"})
+
+
+def test_one_plan_dict_serves_two_models_and_reset_leaves_a_third_exact():
+    """tests/workers/two_models.py: one plan dict for Llama on sep4 and Phi-3 on dp2 x sep2 trained in turn,
+    then runtime.reset() and Llama under tensor + sequence parallel: each vs one card (fp32, 1e-5); the plan
+    objects keep no run state."""
+    reports = launch_once("two_models.py", 4)
+    for report in reports:
+        assert not report["values"].get("crash"), report["values"]["crash"]
+        runs = {name.split(".state.")[0].rsplit(".loss", 1)[0] for name in report["max_abs"]}
+        assert runs == {"one_plan.llama_sep4", "one_plan.phi3_dp2_sep2", "after_reset.llama_dp2_mp2_sp"}
+        worst = {name: err for name, err in report["max_abs"].items() if not err <= 1e-5}
+        assert not worst, worst
+        assert all(report["values"][f"{run}.state_keys_match"] for run in runs)
+        assert report["values"]["plan_state"] == []
