@@ -34,7 +34,9 @@ class RuntimeState:
     context_parallel_paused: bool = False
     # pipeline: the factor the script applied to the losses scheduled steps returned since the last
     # optimizer step (`(loss / k).backward()`, a GradScaler's scale); the optimizer applies it
-    pipeline_loss_scale: float | None = None
+    pipeline_loss_scale: object = None  # a device scalar (the loss gradient), or None
+    # pipeline: True (a bool device scalar) once two calls of this step scaled their losses differently
+    pipeline_loss_scales_differ: object = None
     # pipeline: the Pipeline (pipeline/runner.py) whose stage forward is running: recompute calls ask it
     pipeline_running: object = None
     # the sep groups (their ranks) whose tensors shard_sequence split by a backend name since their plan's
