@@ -20,6 +20,7 @@ class RuntimeState:
     # between the Begin layer and the blocks saw (a later pipeline stage's stand-ins give it that shape)
     sequence_whole_shape: tuple | None = None
     bytes_sent: defaultdict = field(default_factory=lambda: defaultdict(int))  # bytes this rank sent, by tag
+    collectives_issued: defaultdict = field(default_factory=lambda: defaultdict(int))  # collectives, by tag
     # SequenceInfo of the batches whose top layer is running (innermost last), from PrepareContextParallel
     batches: list = field(default_factory=list)
     # routing.Frame of each ContextParallel layer whose forward is running (innermost last)

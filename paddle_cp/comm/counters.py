@@ -1,4 +1,5 @@
-"""Bytes each rank sends, by tag: what benchmarks compare with the analytic minimum."""
+"""Bytes each rank sends and collectives it issues (a point-to-point exchange counts as one), by tag: what
+benchmarks compare with the analytic minimum and count per step."""
 import math
 
 from ..runtime import state
@@ -6,6 +7,7 @@ from ..runtime import state
 
 def record(tag, nbytes):
     state.bytes_sent[tag] += int(nbytes)
+    state.collectives_issued[tag] += 1
 
 
 def bytes_sent(tag=None):
@@ -13,8 +15,14 @@ def bytes_sent(tag=None):
     return state.bytes_sent[tag] if tag is not None else dict(state.bytes_sent)
 
 
+def collectives_issued(tag=None):
+    """Collectives this rank issued since the last reset: for one tag, or a dict of all."""
+    return state.collectives_issued[tag] if tag is not None else dict(state.collectives_issued)
+
+
 def reset():
     state.bytes_sent.clear()
+    state.collectives_issued.clear()
 
 
 def nbytes(tensor):
