@@ -39,7 +39,7 @@ def check_parity(model, **inputs):
                          "over its stages: check the model without pp_config")
     if len(state.prepare) > 1:
         raise ValueError("check_parity: the model has several PrepareContextParallel plans; give it one")
-    prepare, prepared_layer = state.prepare[0] if state.prepare else (None, None)
+    prepare, prepared_layer = (state.prepare[0][0], state.prepare[0][1]()) if state.prepare else (None, None)
     if prepare is not None and prepare.documents is not None:
         raise ValueError(
             f"check_parity: PrepareContextParallel(documents={prepare.documents!r}) confines attention to documents "

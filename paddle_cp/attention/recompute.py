@@ -23,31 +23,32 @@ import contextlib
 import functools
 import importlib
 
-_captures = []  # functions returning a context manager factory that re-establishes state as it is now, or None
-_call_wrappers = []  # wrapper(run) -> run()'s result or a replacement, around every whole recompute call
-_installed = []
+from .. import runtime
+
+_installed = []  # Paddle's recompute entry points are wrapped (once per process: they stay wrapped)
 
 
 def carry(capture):
     """Register `capture() -> (() -> context manager) | None`, called at every recompute call."""
-    _captures.append(capture)
+    runtime.installed.recompute_captures.append(capture)
 
 
 def around_calls(wrapper):
     """Register `wrapper(run)`, called instead of each recompute call `run()` (once per wrapper)."""
-    if wrapper not in _call_wrappers:
-        _call_wrappers.append(wrapper)
+    wrappers = runtime.installed.recompute_wrappers
+    if wrapper not in wrappers:
+        wrappers.append(wrapper)
 
 
 def _through_wrappers(run):
-    for wrapper in _call_wrappers:
+    for wrapper in runtime.installed.recompute_wrappers:
         run = functools.partial(wrapper, run)
     return run()
 
 
 def with_current_state(function):
     """`function`, run under the carried state as it is now (itself when nothing is carried)."""
-    restores = [restore for restore in (capture() for capture in _captures) if restore is not None]
+    restores = [restore for restore in (capture() for capture in runtime.installed.recompute_captures) if restore is not None]
     if not restores:
         return function
 

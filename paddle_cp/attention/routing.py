@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import weakref
 from dataclasses import dataclass
 
 from .. import runtime
@@ -26,9 +25,6 @@ from .api import context_parallel_attention
 from .lengths import agreed_seq_len
 from .validation import check_local_length
 
-
-# module -> the ContextParallel plan covering it (configuration, set when the plan is applied)
-_planned = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -41,7 +37,7 @@ class Frame:
 def cover(plan, layer):
     """Route attention calls naming `layer` or any of its sublayers to `plan`."""
     for module in layer.sublayers(include_self=True):
-        _planned[module] = plan
+        runtime.installed.planned[module] = plan
 
 
 def paused():
@@ -116,7 +112,7 @@ def plan_for(module=None):
     """The plan a call should run under, or None for the original function."""
     if paused():
         return None
-    plan = _planned.get(module) if module is not None else None
+    plan = runtime.installed.planned.get(module) if module is not None else None
     if plan is None and runtime.state.running:
         plan = runtime.state.running[-1].plan
     return plan

@@ -59,16 +59,13 @@ def recompute_boundary(run):
     return run() if pipeline is None else pipeline.recompute_call(run)
 
 
-_unit_classes = {}
-
-
 def _unit_class(cls):
     """A subclass of `cls` whose calls go through the pipeline (hooks of skipped units do not run either)."""
-    if cls not in _unit_classes:
+    def make(cls):
         def __call__(self, *args, **kwargs):
             return self.__dict__["_pcp_pipeline"].call_unit(self, cls.__call__, args, kwargs)
-        _unit_classes[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
-    return _unit_classes[cls]
+        return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return runtime.installed.derived_class("pipeline_unit", cls, make)
 
 
 def _layout(value):

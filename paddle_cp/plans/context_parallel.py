@@ -142,7 +142,7 @@ class PrepareContextParallel(_SepPlan):
 
     def apply(self, layer, mesh, param_names=()):
         run = _PreparedRun(self, self._join_sep_group(layer, mesh, param_names), mesh, layer)
-        adapters.install()  # attention reached outside every ContextParallel layer then raises, not runs locally
+        adapters.install(layer)  # attention reached outside every ContextParallel layer then raises, not runs locally
         layer.register_forward_pre_hook(run.split_inputs, with_kwargs=True)
         return layer.register_forward_post_hook(run.forget_batch, always_call=True)
 

@@ -72,7 +72,7 @@ def test_pipelines_read_nothing_in_a_step():
 def test_one_plan_dict_serves_two_models_and_reset_leaves_a_third_exact():
     """tests/workers/two_models.py: one plan dict for Llama on sep4 and Phi-3 on dp2 x sep2 trained in turn,
     then runtime.reset() and Llama under tensor + sequence parallel: each vs one card (fp32, 1e-5); the plan
-    objects keep no run state."""
+    objects keep no run state; once both models are released, Paddle's own SDPA is back."""
     reports = launch_once("two_models.py", 4)
     for report in reports:
         assert not report["values"].get("crash"), report["values"]["crash"]
@@ -82,3 +82,4 @@ def test_one_plan_dict_serves_two_models_and_reset_leaves_a_third_exact():
         assert not worst, worst
         assert all(report["values"][f"{run}.state_keys_match"] for run in runs)
         assert report["values"]["plan_state"] == []
+        assert report["values"]["sdpa_restored_after_release"]

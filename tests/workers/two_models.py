@@ -1,11 +1,15 @@
 """Two models in one process (4 ranks), each against one card (tensor_parallel.reference: 3 AdamW steps,
 epsilon 1e-3, fp32): one context-parallel plan dict serving both, trained step by step in turn on
 different meshes (Llama on sep4, Phi-3 on dp2 x sep2: each model's run state, not the plan, holds its
-groups, signature and batch check); then, after paddle_cp.runtime.reset(), a third model parallelized in
-the same process (Llama, tensor + sequence parallel on dp2 x mp2) trains exactly too.
+groups, signature and batch check); both released, F.scaled_dot_product_attention is Paddle's own again;
+then, after paddle_cp.runtime.reset(), a third model parallelized in the same process (Llama, tensor +
+sequence parallel on dp2 x mp2) trains exactly too.
 """
+import gc
+
 import numpy as np
 import paddle.distributed as dist
+import paddle.nn.functional as F
 from report import run
 from tensor_parallel import WELL_CONDITIONED_EPSILON, batches, build, positions, reference
 from tensor_parallel import sequence_parallel_plan
@@ -50,6 +54,7 @@ class Trainee:
 
 
 def main(report):
+    own_sdpa = F.scaled_dot_product_attention
     plan = {"model": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
     shared = [Trainee("llama", mesh_of([4], ["sep"]), {"cp_config": {"parallelize_plan": plan}}),
               Trainee("phi3", mesh_of([2, 2], ["dp", "sep"]), {"cp_config": {"parallelize_plan": plan}})]
@@ -60,6 +65,9 @@ def main(report):
     shared[1].compare(report, "one_plan.phi3_dp2_sep2")
     report.value("plan_state", sorted(k for plan_object in plan.values() for k in vars(plan_object)
                                       if k.startswith("_")))
+    del shared
+    gc.collect()  # the models' hooks and their run state form cycles
+    report.value("sdpa_restored_after_release", F.scaled_dot_product_attention is own_sdpa)
     runtime.reset()
     after = Trainee("llama", mesh_of([2, 2], ["dp", "mp"]), {"mp_config": {"parallelize_plan": sequence_parallel_plan()}})
     for ids, labels in batches("llama"):

@@ -117,3 +117,19 @@ def install():
         else:
             interface.AttentionInterface.register(implementation, wrapped)
     interface.AttentionInterface.register(NAME, paddle_cp_attention)
+
+
+def uninstall():
+    """PaddleFormers' own functions back ("paddle_cp" stays registered: outside a plan it raises)."""
+    interface = sys.modules.get(INTERFACE_MODULE)
+    if interface is None:
+        return
+    functions = interface.ALL_ATTENTION_FUNCTIONS
+    for implementation in list(functions):
+        original = getattr(functions[implementation], "paddle_cp_original", None)
+        if original is None:
+            continue
+        if implementation in functions._local_mapping:
+            functions[implementation] = original
+        else:
+            interface.AttentionInterface.register(implementation, original)

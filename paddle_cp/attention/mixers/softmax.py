@@ -19,5 +19,5 @@ class SoftmaxAttention(TokenMixer):
         return kind.__module__.startswith("paddleformers.") and kind.__name__.endswith("Attention")
 
     def _route(self, layer, plan):
-        adapters.install()
+        adapters.install(layer)
         routing.cover(plan, layer)
