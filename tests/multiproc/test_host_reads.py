@@ -69,6 +69,20 @@ def test_pipelines_read_nothing_in_a_step():
     check_layouts(reports, {"pp2_sep2.1f1b", "pp2_sep2.vpp", "pp2_dp2.fthenb", "pp4.1f1b"})
 
 
+def test_expert_parallel_reads_its_token_counts_once_per_moe_layer():
+    """Qwen3-MoE (2 MoE layers) on dp2 x sep2, experts over 4 ranks: the only read is the [P, E] table of token
+    counts per expert, gathered on the device, one per MoE layer and step; after it (the queue drained) one copy
+    in of the received rows' order by expert, both ways. Nothing else of paddle_cp reads."""
+    reports = step_reads("experts")
+    moe_layers = 2
+    for report in reports:
+        counts = report["values"]["qwen3_moe.dp2_sep2.counts"]
+        experts = {site: n for site, n in ours(counts["sites"]).items() if "paddle_cp/experts/dispatch.py" in site}
+        assert {site.split(" at ")[0]: n for site, n in experts.items()} == {
+            "reads": COUNTED_STEPS * moe_layers, "uploads": COUNTED_STEPS * moe_layers}, experts
+        assert {site: n for site, n in ours(counts["sites"]).items() if site not in experts} == {}, counts["sites"]
+
+
 def test_one_plan_dict_serves_two_models_and_reset_leaves_a_third_exact():
     """tests/workers/two_models.py: one plan dict for Llama on sep4 and Phi-3 on dp2 x sep2 trained in turn,
     then runtime.reset() and Llama under tensor + sequence parallel: each vs one card (fp32, 1e-5); the plan

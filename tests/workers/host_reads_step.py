@@ -1,7 +1,7 @@
 """Host reads in a steady-state training step under paddle_cp, layout by layout (4 ranks).
 
 Each layout trains PaddleFormers' Llama (4 layers, untied) for STEPS AdamW steps from one seed on
-the same global batches; steps 3 to 5 (forward, backward, optimizer.step(), clear_grad()) run under
+the same global batches (Qwen3-MoE for the experts group); steps 3 to 5 (forward, backward, optimizer.step(), clear_grad()) run under
 paddle_cp.tools.host_reads.counting(). Batches are made (and split with pcp.shard_batch /
 shard_sequence) before the count: that is the data loader's work. Reported per layout: the counts
 (reads, uploads, deferred reads, and the line of each) and the losses (every step, this rank), so the
@@ -56,7 +56,21 @@ def layouts():
                                                                   "accumulate_steps": 2}}),
         "pp4.1f1b": ([("pp", 4)], {"pp_config": {**BASE, "schedule_mode": "1F1B", "accumulate_steps": 4}}),
     }
-    return {"dense": dense, "sharding": sharding, "pipelines": pipelines}
+    experts = {"qwen3_moe.dp2_sep2": ([("dp", 2), ("sep", 2)], {**cp, "ep_config": {
+        "degree": 4, "parallelize_plan": {"model.layers.*.mlp": pcp.ExpertParallel()}}})}
+    return {"dense": dense, "sharding": sharding, "pipelines": pipelines, "experts": experts}
+
+
+def qwen3_moe():
+    """PaddleFormers' Qwen3-MoE, small (tests/workers/paddleformers_models.py): every layer an MoE layer."""
+    from paddleformers_models import build as build_family
+    from paddleformers_models import stub_gpu_modules
+
+    stub_gpu_modules()
+    return build_family("qwen3_moe", dtype="float32")
+
+
+MODELS = {"experts": qwen3_moe}
 
 
 def batches():
@@ -65,9 +79,9 @@ def batches():
              paddle.to_tensor(rng.randint(0, VOCAB, [BATCH, SEQ]), dtype="int64")) for _ in range(STEPS)]
 
 
-def build():
+def build(group):
     paddle.seed(2024)
-    model = llama(tie=False)
+    model = MODELS.get(group, lambda: llama(tie=False))()
     optimizer = paddle.optimizer.AdamW(learning_rate=1e-2, weight_decay=0.1, epsilon=EPSILON,
                                        grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP), parameters=model.parameters())
     return model, optimizer
@@ -82,10 +96,10 @@ def local_batch(ids, labels, mesh, config):
     return ids, labels
 
 
-def train_counting(dims, config):
+def train_counting(group, dims, config):
     """(losses, host reads of the counted steps) of one layout."""
     mesh = mesh_of(dims)
-    model, optimizer = build()
+    model, optimizer = build(group)
     model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
     counts, losses = host_reads.HostReads(), []
     for step, (ids, labels) in enumerate(batches()):
@@ -101,7 +115,7 @@ def train_counting(dims, config):
 
 def main(report):
     for name, (dims, config) in layouts()[sys.argv[1]].items():
-        losses, counts = train_counting(dims, config)
+        losses, counts = train_counting(sys.argv[1], dims, config)
         report.value(f"{name}.losses", losses)
         report.value(f"{name}.counts", counts.as_dict())
 
