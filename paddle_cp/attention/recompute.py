@@ -48,7 +48,8 @@ def _through_wrappers(run):
 
 def with_current_state(function):
     """`function`, run under the carried state as it is now (itself when nothing is carried)."""
-    restores = [restore for restore in (capture() for capture in runtime.installed.recompute_captures) if restore is not None]
+    captured = (capture() for capture in runtime.installed.recompute_captures)
+    restores = [restore for restore in captured if restore is not None]
     if not restores:
         return function
 

@@ -3,9 +3,9 @@
 On a GPU every read of a device value on the host (`.numpy()`, `.item()`, `.tolist()`, `float()`,
 `int()`, `bool()`, an index) drains the queue of kernels and collectives the host had run ahead
 with; `paddle.to_tensor` of host data copies in the other direction, once per call, in the hot path.
-Both are counted here (a read made by a read counts once), each by the line outside Paddle (paddle_cp's, the model's or the
-script's) that made it, so a count of 0 says a step never waits for the device and a count above 0
-says where it did. A read of a value gathered a step earlier (comm/deferred.py), which waits at
+Both are counted here (a read made by a read counts once), each by the line outside Paddle
+(paddle_cp's, the model's or the script's) that made it, so a count of 0 says a step never waits
+for the device and a count above 0 says where it did. A read of a value gathered a step earlier (comm/deferred.py), which waits at
 most for that earlier collective, is counted apart as `deferred`.
 On CPU these calls cost nothing; what is counted is what a GPU run would do.
 Used by the tests (tests/workers/host_syncs.py, host_reads_step.py) and by pcp-bench.

@@ -1,8 +1,8 @@
 """Host reads in a steady-state training step under paddle_cp, layout by layout (4 ranks).
 
-Each layout trains PaddleFormers' Llama (4 layers, untied) for STEPS AdamW steps from one seed on
-the same global batches (Qwen3-MoE for the experts group); steps 3 to 5 (forward, backward, optimizer.step(), clear_grad()) run under
-paddle_cp.tools.host_reads.counting(). Batches are made (and split with pcp.shard_batch /
+Each layout trains PaddleFormers' Llama (4 layers, untied; Qwen3-MoE for the experts group) for STEPS
+AdamW steps from one seed on the same global batches; steps 3 to 5 (forward, backward, optimizer.step(),
+clear_grad()) run under paddle_cp.tools.host_reads.counting(). Batches are made (and split with pcp.shard_batch /
 shard_sequence) before the count: that is the data loader's work. Reported per layout: the counts
 (reads, uploads, deferred reads, and the line of each) and the losses (every step, this rank), so the
 run is seen to train. argv[1] names the group of layouts.

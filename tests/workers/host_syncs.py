@@ -1,8 +1,8 @@
 """Device-to-host reads during one context-parallel attention call (forward and backward).
 
 Every Tensor method that hands a value to the host is counted while the call runs
-(paddle_cp/tools/host_reads.py; its copies in, paddle.to_tensor of host data, apart), and so are the blocks (one ring step's
-query-key pairs, forward and backward) the call builds. Tile decisions for causal,
+(paddle_cp/tools/host_reads.py; copies in, paddle.to_tensor of host data, apart), and so are the
+blocks (one ring step's query-key pairs, forward and backward) the call builds. Tile decisions for causal,
 full, windowed and document masks come from host-side positions: those calls read nothing;
 a dense mask may be read once per block.
 """

@@ -69,7 +69,8 @@ def main(report):
     gc.collect()  # the models' hooks and their run state form cycles
     report.value("sdpa_restored_after_release", F.scaled_dot_product_attention is own_sdpa)
     runtime.reset()
-    after = Trainee("llama", mesh_of([2, 2], ["dp", "mp"]), {"mp_config": {"parallelize_plan": sequence_parallel_plan()}})
+    tensor_parallel = {"mp_config": {"parallelize_plan": sequence_parallel_plan()}}
+    after = Trainee("llama", mesh_of([2, 2], ["dp", "mp"]), tensor_parallel)
     for ids, labels in batches("llama"):
         after.step(ids, labels)
     after.compare(report, "after_reset.llama_dp2_mp2_sp")
