@@ -1,5 +1,6 @@
 """Bytes each rank sends and collectives it issues (a point-to-point exchange counts as one), by tag: what
 benchmarks compare with the analytic minimum and count per step."""
+import contextlib
 import math
 
 from ..runtime import state
@@ -7,7 +8,19 @@ from ..runtime import state
 
 def record(tag, nbytes):
     state.bytes_sent[tag] += int(nbytes)
+    if not state.emulating_collective:
+        state.collectives_issued[tag] += 1
+
+
+@contextlib.contextmanager
+def one_collective(tag):
+    """The point-to-point rounds that emulate one collective on gloo count as the one collective NCCL issues."""
     state.collectives_issued[tag] += 1
+    state.emulating_collective = True
+    try:
+        yield
+    finally:
+        state.emulating_collective = False
 
 
 def bytes_sent(tag=None):

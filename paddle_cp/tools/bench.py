@@ -34,7 +34,8 @@ For every sequence length and backend it runs forward+backward of attention on
   which attention_cost predicts (`held_predicted_ratio`).
 - host_reads_per_step, collectives_per_step: of one forward+backward, on the rank with the most
   (tools/host_reads.py counts device values read on the host and copies in of host data: each stalls a
-  GPU's queue; a point-to-point exchange counts as one collective). Printed in a second table.
+  GPU's queue; a ring exchange counts as one collective, and so does an all-to-all or reduce-scatter that
+  gloo emulates with point-to-point rounds, as on NCCL). Printed in a second table.
 
 On a machine with fewer cores than ranks the ranks share cores: T_rank and the
 matmul rate are then both slowed, so kernel_util stays fair but efficiency
