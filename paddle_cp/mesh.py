@@ -9,10 +9,10 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from . import runtime
 from .comm.watchdog import startup_guard  # the one import from comm: the watchdog imports nothing of the package
 
 _ALIASES = {"sep": ("sep", "cp"), "cp": ("sep", "cp")}
-_groups: dict = {}
 
 
 def set_mesh(mesh):
@@ -179,9 +179,10 @@ def _names(mesh, axes):
 
 def _slice_group(key, mesh_array, axes, p2p, dims):
     slices = _slices(mesh_array, axes)
-    if key not in _groups:
-        _groups[key] = _create_groups(slices)
-    mine = _groups[key]
+    groups = runtime.installed.groups  # made once per process: reset keeps them (runtime.py)
+    if key not in groups:
+        groups[key] = _create_groups(slices)
+    mine = groups[key]
     if p2p and needs_pair_groups(mine.size) and not mine.pairs and paddle.get_device() == "cpu":
         _create_pairs(slices, mine)
     # the groups are shared by meshes of the same ranks and shape, whatever their dims are called
@@ -207,15 +208,15 @@ def line_subgroups(mesh, dim, position_sets):
     mine = {}
     for positions in position_sets:
         key = (tuple(mesh.process_ids), tuple(mesh.shape), ("line", axis, tuple(positions)))
-        if key not in _groups:
+        if key not in runtime.installed.groups:
             found = None
             for line in lines:
                 ranks = tuple(line[i] for i in positions)
                 group = _new_group(ranks)
                 if me in ranks:
                     found = MeshGroup(ranks, ranks.index(me), group, kind=repr(key))
-            _groups[key] = found
-        mine[tuple(positions)] = _groups[key]
+            runtime.installed.groups[key] = found
+        mine[tuple(positions)] = runtime.installed.groups[key]
     return mine
 
 
@@ -233,9 +234,10 @@ def _new_group(ranks):
     members = tuple(sorted(ranks))
     if members == tuple(range(dist.get_world_size())):
         return None  # Paddle's default group: no new gloo rendezvous
-    if ("ranks", members) not in _groups:
-        _groups["ranks", members] = _rendezvous(members)
-    return _groups["ranks", members]
+    groups = runtime.installed.groups
+    if ("ranks", members) not in groups:
+        groups["ranks", members] = _rendezvous(members)
+    return groups["ranks", members]
 
 
 def _rendezvous(ranks):

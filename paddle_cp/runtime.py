@@ -1,11 +1,22 @@
-"""Per-process runtime state: what hooks and collectives record while a model runs.
+"""Everything paddle_cp keeps per process, and the one `reset()` that clears it.
 
-One object, so a test (or a new training run in the same process) clears all of
-it with one `reset()`. Configuration (meshes, process groups, parameter records,
-which modules a ContextParallel plan covers) is not runtime state and lives elsewhere.
+`state` (RuntimeState): what hooks and collectives record while models run (the batch running, counters,
+pending deferred facts). `installed` (Installed): what paddle_cp puts into the process for the models
+parallelized in it: process groups, the modules each ContextParallel covers, token mixers, recompute
+carriers, classes derived from the models' layer classes, patches of Paddle's and PaddleFormers'
+functions. A run's own state (a plan applied to one model: its groups, batch check, positions) lives in
+the hooks `parallelize` registered on that model, not here and not on the plan objects.
+
+`reset()` (a test, or a new training run in the same process) forgets every record and derived class.
+It keeps what it cannot or need not remake: process groups (made collectively, by every rank in one
+order; Paddle cannot destroy a gloo group without its peers, and a later parallelize of the same ranks
+reuses them); mixers and recompute carriers (registered once, at import or by the user); the plans of
+modules (weak: they go with their models); patches (held by live models, undone when the last is
+released). An async checkpoint save still writing makes it raise (wait_checkpoint() first).
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -19,6 +30,8 @@ class RuntimeState:
     # between the Begin layer and the blocks saw (a later pipeline stage's stand-ins give it that shape)
     sequence_whole_shape: tuple | None = None
     bytes_sent: defaultdict = field(default_factory=lambda: defaultdict(int))  # bytes this rank sent, by tag
+    collectives_issued: defaultdict = field(default_factory=lambda: defaultdict(int))  # collectives, by tag
+    emulating_collective: bool = False  # gloo's point-to-point rounds of one collective are running
     # SequenceInfo of the batches whose top layer is running (innermost last), from PrepareContextParallel
     batches: list = field(default_factory=list)
     # routing.Frame of each ContextParallel layer whose forward is running (innermost last)
@@ -33,17 +46,83 @@ class RuntimeState:
     context_parallel_paused: bool = False
     # pipeline: the factor the script applied to the losses scheduled steps returned since the last
     # optimizer step (`(loss / k).backward()`, a GradScaler's scale); the optimizer applies it
-    pipeline_loss_scale: float | None = None
+    pipeline_loss_scale: object = None  # a device scalar (the loss gradient), or None
+    # pipeline: True (a bool device scalar) once two calls of this step scaled their losses differently
+    pipeline_loss_scales_differ: object = None
     # pipeline: the Pipeline (pipeline/runner.py) whose stage forward is running: recompute calls ask it
     pipeline_running: object = None
     # the sep groups (their ranks) whose tensors shard_sequence split by a backend name since their plan's
     # last forward: a batch the plan splits by its documents refuses them (labels in another layout)
     split_by_backend_name: set = field(default_factory=set)
+    # PrepareContextParallel plan -> PlanNotes: what its batches showed, for shard_sequence given that plan
+    plan_notes: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    pending_save: object = None  # the async checkpoint save whose files are still being written
+
+
+@dataclass
+class PlanNotes:
+    sharded: set = field(default_factory=set)  # splits shard_sequence used since the plan's last forward
+    startend_seen: bool = False  # a forward split a batch by attn_mask_startend_row_indices it was not told of
 
 
 state = RuntimeState()
 
 
+class Installed:
+    """What paddle_cp installs in the process (see the module's doc for what reset keeps)."""
+
+    def __init__(self):
+        self.groups = {}  # mesh slice key -> this rank's MeshGroup (mesh.py)
+        self.planned = weakref.WeakKeyDictionary()  # module -> the SepRun of the ContextParallel covering it
+        self.mixers = []  # TokenMixer instances, looked up in order (attention/mixers/registry.py)
+        self.recompute_captures = []  # attention/recompute.py: state a recompute replay needs again
+        self.recompute_wrappers = []  # attention/recompute.py: around every whole recompute call
+        self.recompute_saving_wrappers = []  # attention/recompute.py: told each call's function and inputs
+        self.derived_classes = {}  # (purpose, layer class) -> its subclass (experts, pipeline units)
+        self._patches = {}  # name -> (ids of the live holders, undo)
+
+    def derived_class(self, purpose, cls, make):
+        """The subclass `make(cls)` for `purpose`, made once per class."""
+        key = (purpose, cls)
+        if key not in self.derived_classes:
+            self.derived_classes[key] = make(cls)
+        return self.derived_classes[key]
+
+    def hold_patch(self, name, holder, install, undo):
+        """Patch `name` stays installed while `holder` (a parallelized layer) lives: `install()` (idempotent,
+        called for every holder: it may find more to patch), `undo()` once the last holder has been released
+        (garbage-collected)."""
+        install()
+        if name not in self._patches:
+            self._patches[name] = (set(), undo)
+        holders = self._patches[name][0]
+        if id(holder) not in holders:
+            holders.add(id(holder))
+            weakref.finalize(holder, self._release, name, id(holder))
+
+    def patched(self, name):
+        return name in self._patches
+
+    def _release(self, name, holder_id):
+        holders, undo = self._patches.get(name, (set(), None))
+        holders.discard(holder_id)
+        if undo is not None and not holders:
+            del self._patches[name]
+            undo()
+
+
+installed = Installed()
+
+
+def plan_notes(plan):
+    """The notes kept for `plan` (made on first use): the plan object itself holds only its arguments."""
+    return state.plan_notes.setdefault(plan, PlanNotes())
+
+
 def reset():
-    """Forget everything recorded so far (in place: modules keep their reference to `state`)."""
+    """Forget every record and derived class (in place: modules keep their reference to `state`)."""
+    if state.pending_save is not None:
+        raise RuntimeError("an async checkpoint save is still being written: call paddle_cp.wait_checkpoint() "
+                           "on every rank before reset()")
     state.__dict__.update(RuntimeState().__dict__)
+    installed.derived_classes.clear()

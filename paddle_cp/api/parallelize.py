@@ -19,6 +19,7 @@ parameter; `parallelize_optimizer` finds it there and wraps the optimizer.
 from __future__ import annotations
 
 import math
+import weakref
 
 from dataclasses import dataclass
 from typing import Optional
@@ -135,7 +136,9 @@ class _Parallelized:
     dims: tuple  # the dims sharding spans
     world: object  # MeshGroup of the whole mesh
     sharding: Optional[Sharding]
-    prepare: tuple = ()  # (PrepareContextParallel, its layer) of each one applied: check_parity
+    # (PrepareContextParallel, a weak reference to its layer) of each one applied: check_parity (weak: the
+    # parameters carrying this must not keep the model, and the patches it holds, alive)
+    prepare: tuple = ()
     loss_factor: object = None  # a pipeline's LossFactorAgreement: the optimizer checks a returned loss's factor
     buckets: tuple = ((), frozenset())  # the gradient buckets and those only step() reduces (plan_buckets)
 
@@ -181,7 +184,8 @@ def parallelize_model(model, mesh=None, config=None):
         sharding.release_parameters(model)
     if lazy:
         require_initialized(model)
-    prepare = tuple((plan, layer) for plan, layer, _ in applications if isinstance(plan, PrepareContextParallel))
+    prepare = tuple((plan, weakref.ref(layer)) for plan, layer, _ in applications
+                    if isinstance(plan, PrepareContextParallel))
     state = _Parallelized(mesh, level, dims, world, sharding, prepare, loss_factor, buckets)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)

@@ -29,6 +29,7 @@ import numpy as np
 import paddle
 
 from .. import runtime
+from ..attention import resolve_group
 from ..comm import collectives
 from ..sequence.shard import shard_sequence, unshard_sequence
 from .float64_truth import float64_inputs, float64_math, float64_weights
@@ -58,7 +59,7 @@ def check_parity(model, reference=None, **inputs):
                          "over its stages: check the model without pp_config")
     if len(state.prepare) > 1:
         raise ValueError("check_parity: the model has several PrepareContextParallel plans; give it one")
-    prepare, prepared_layer = state.prepare[0] if state.prepare else (None, None)
+    prepare, prepared_layer = (state.prepare[0][0], state.prepare[0][1]()) if state.prepare else (None, None)
     if prepare is not None and prepare.documents is not None:
         raise ValueError(
             f"check_parity: PrepareContextParallel(documents={prepare.documents!r}) confines attention to documents "
@@ -222,7 +223,7 @@ def _whole(name, got, want, split, tokens):
     (a float), a split tensor gathered in token order."""
     if got.numel() == 1 and want.numel() == 1:
         if split is not None:  # each sep rank's mean over its own tokens
-            return _token_mean(got, tokens, split.prepare._groups.sep)
+            return _token_mean(got, tokens, resolve_group(split.mesh))
         return float(got.astype("float64"))
     if tuple(got.shape) != tuple(want.shape):
         return _in_token_order(name, got, want, split)

@@ -25,41 +25,44 @@ import contextlib
 import functools
 import importlib
 
-_captures = []  # functions returning a context manager factory that re-establishes state as it is now, or None
-_call_wrappers = []  # wrapper(run) -> run()'s result or a replacement, around every whole recompute call
-_saving_wrappers = []  # wrapper(run, function, args, reentrant) around every recompute call
-_installed = []
+from .. import runtime
+
+_installed = []  # Paddle's recompute entry points are wrapped (once per process: they stay wrapped)
 
 
 def carry(capture):
     """Register `capture() -> (() -> context manager) | None`, called at every recompute call."""
-    if capture not in _captures:
-        _captures.append(capture)
+    captures = runtime.installed.recompute_captures
+    if capture not in captures:
+        captures.append(capture)
 
 
 def around_calls(wrapper):
     """Register `wrapper(run)`, called instead of each recompute call `run()` (once per wrapper)."""
-    if wrapper not in _call_wrappers:
-        _call_wrappers.append(wrapper)
+    wrappers = runtime.installed.recompute_wrappers
+    if wrapper not in wrappers:
+        wrappers.append(wrapper)
 
 
 def around_saving(wrapper):
     """Register `wrapper(run, function, args, reentrant)`, called instead of each recompute call `run()`."""
-    if wrapper not in _saving_wrappers:
-        _saving_wrappers.append(wrapper)
+    wrappers = runtime.installed.recompute_saving_wrappers
+    if wrapper not in wrappers:
+        wrappers.append(wrapper)
 
 
 def _through_wrappers(run, function, args, reentrant):
-    for wrapper in _saving_wrappers:
+    for wrapper in runtime.installed.recompute_saving_wrappers:
         run = functools.partial(wrapper, run, function, args, reentrant)
-    for wrapper in _call_wrappers:
+    for wrapper in runtime.installed.recompute_wrappers:
         run = functools.partial(wrapper, run)
     return run()
 
 
 def with_current_state(function):
     """`function`, run under the carried state as it is now (itself when nothing is carried)."""
-    restores = [restore for restore in (capture() for capture in _captures) if restore is not None]
+    captured = (capture() for capture in runtime.installed.recompute_captures)
+    restores = [restore for restore in captured if restore is not None]
     if not restores:
         return function
 

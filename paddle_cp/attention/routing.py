@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import weakref
 from dataclasses import dataclass
 
 from .. import runtime
@@ -27,13 +26,10 @@ from .lengths import agreed_seq_len
 from .validation import check_local_length
 
 
-# module -> the ContextParallel plan covering it (configuration, set when the plan is applied)
-_planned = weakref.WeakKeyDictionary()
-
 
 @dataclass
 class Frame:
-    plan: object  # the ContextParallel plan (its _layout, _groups, rotate)
+    plan: object  # the SepRun of the ContextParallel layer (its layout, groups, rotate)
     layer: object
     ran: bool = False
 
@@ -41,7 +37,7 @@ class Frame:
 def cover(plan, layer):
     """Route attention calls naming `layer` or any of its sublayers to `plan`."""
     for module in layer.sublayers(include_self=True):
-        _planned[module] = plan
+        runtime.installed.planned[module] = plan
 
 
 def paused():
@@ -116,7 +112,7 @@ def plan_for(module=None):
     """The plan a call should run under, or None for the original function."""
     if paused():
         return None
-    plan = _planned.get(module) if module is not None else None
+    plan = runtime.installed.planned.get(module) if module is not None else None
     if plan is None and runtime.state.running:
         plan = runtime.state.running[-1].plan
     return plan
@@ -126,11 +122,11 @@ def batch(plan):
     """The current batch's SequenceInfo (None when no PrepareContextParallel published one), checked
     against `plan`'s layout."""
     info = context.current()
-    if info is not None and (info.layout.backend, info.layout.ulysses) != (plan._layout.backend, plan._layout.ulysses):
+    if info is not None and (info.layout.backend, info.layout.ulysses) != (plan.layout.backend, plan.layout.ulysses):
         raise ValueError(
             f"inputs were split by PrepareContextParallel(backend={info.layout.backend!r}, ulysses_degree="
             f"{info.layout.ulysses}) but ContextParallel uses backend={plan.backend!r}, ulysses_degree="
-            f"{plan._layout.ulysses}: give both plans the same backend and ulysses_degree"
+            f"{plan.layout.ulysses}: give both plans the same backend and ulysses_degree"
         )
     return info
 
@@ -141,8 +137,8 @@ def sequence(plan, local_len):
     tiny all-gather); checked against the layout on every rank."""
     info = batch(plan)
     if info is None:
-        return plan._layout, agreed_seq_len(plan._layout, plan._groups.sep, local_len)
-    check_local_length(info.layout, info.seq_len, plan._groups.sep.index, local_len)
+        return plan.layout, agreed_seq_len(plan.layout, plan.groups.sep, local_len)
+    check_local_length(info.layout, info.seq_len, plan.groups.sep.index, local_len)
     return info.layout, info.seq_len
 
 
@@ -152,11 +148,11 @@ def attend(plan, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     (its layout, length, documents and padding, published by PrepareContextParallel). `padding`: whether the
     batch's padding keys are masked (the one-card call carried a mask built from it)."""
     info = batch(plan)
-    layout, seq_len, documents, valid = plan._layout, None, None, None
+    layout, seq_len, documents, valid = plan.layout, None, None, None
     if info is not None:  # the batch's layout: its split may follow its documents
         layout, seq_len, documents = info.layout, info.seq_len, info.documents
         valid = info.valid if padding else None
-    out = context_parallel_attention(layout, plan._groups, query, key, value, attn_mask, dropout_p,
+    out = context_parallel_attention(layout, plan.groups, query, key, value, attn_mask, dropout_p,
                                      is_causal, training, scale, seq_len, documents, plan.rotate,
                                      enable_gqa=enable_gqa, window=window, sinks=sinks, valid=valid)
     mark_ran()

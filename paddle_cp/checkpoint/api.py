@@ -9,11 +9,11 @@ import threading
 import paddle
 import paddle.distributed as dist
 
+from .. import runtime
 from . import commit, layout, restore, shards
 from .agree import count_failures, same_everywhere
 from .format import MODEL_DIR, OPTIMIZER_DIR, BoxReader, global_specs, merge_metadata, read_metadata, write_state
 
-_pending = []  # the async save whose files are still being written (at most one)
 
 
 def _check_common(path, model, optimizer):
@@ -100,8 +100,9 @@ class _Save:
 
 def wait_checkpoint():
     """Finish an async save (collective): returns once it is published, raises on every rank if it failed."""
-    while _pending:
-        _pending.pop().finish()
+    save, runtime.state.pending_save = runtime.state.pending_save, None
+    if save is not None:
+        save.finish()
 
 
 def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
@@ -119,7 +120,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
     # a copy as of this call: an async save publishes `extra` later, when the caller may have changed it
     save = _Save(path, json.loads(json.dumps(extra)), states, group, async_save)
     if async_save:
-        _pending.append(save)
+        runtime.state.pending_save = save
     else:
         save.finish()
 

@@ -120,11 +120,12 @@ def _all_to_all_rounds(mesh_group, chunks, tag, recv_shapes):
     n, me = mesh_group.size, mesh_group.index
     received = [None] * n
     received[me] = chunks[me]
-    for offset in range(1, n):
-        # Round `offset`: send to me+offset, receive from me-offset.
-        src = (me - offset) % n
-        shape = recv_shapes[src] if recv_shapes else None
-        received[src] = p2p.shift(mesh_group, chunks[(me + offset) % n], offset, tag, shape).wait()
+    with counters.one_collective(tag):
+        for offset in range(1, n):
+            # Round `offset`: send to me+offset, receive from me-offset.
+            src = (me - offset) % n
+            shape = recv_shapes[src] if recv_shapes else None
+            received[src] = p2p.shift(mesh_group, chunks[(me + offset) % n], offset, tag, shape).wait()
     return received
 
 
@@ -177,6 +178,8 @@ def _native_reduce_scatter(mesh_group, chunks, tag, sync_op):
 def _reduce_scatter_rounds(mesh_group, chunks, tag):
     n, me = mesh_group.size, mesh_group.index
     total = chunks[me].clone()
-    for offset in range(1, n):
-        total = total + p2p.shift(mesh_group, chunks[(me + offset) % n], offset, tag, chunks[me].shape).wait()
+    with counters.one_collective(tag):
+        for offset in range(1, n):
+            total = total + p2p.shift(mesh_group, chunks[(me + offset) % n], offset, tag,
+                                         chunks[me].shape).wait()
     return total

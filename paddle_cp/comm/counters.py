@@ -1,4 +1,6 @@
-"""Bytes each rank sends, by tag: what benchmarks compare with the analytic minimum."""
+"""Bytes each rank sends and collectives it issues (a point-to-point exchange counts as one), by tag: what
+benchmarks compare with the analytic minimum and count per step."""
+import contextlib
 import math
 
 from ..runtime import state
@@ -6,6 +8,19 @@ from ..runtime import state
 
 def record(tag, nbytes):
     state.bytes_sent[tag] += int(nbytes)
+    if not state.emulating_collective:
+        state.collectives_issued[tag] += 1
+
+
+@contextlib.contextmanager
+def one_collective(tag):
+    """The point-to-point rounds that emulate one collective on gloo count as the one collective NCCL issues."""
+    state.collectives_issued[tag] += 1
+    state.emulating_collective = True
+    try:
+        yield
+    finally:
+        state.emulating_collective = False
 
 
 def bytes_sent(tag=None):
@@ -13,8 +28,14 @@ def bytes_sent(tag=None):
     return state.bytes_sent[tag] if tag is not None else dict(state.bytes_sent)
 
 
+def collectives_issued(tag=None):
+    """Collectives this rank issued since the last reset: for one tag, or a dict of all."""
+    return state.collectives_issued[tag] if tag is not None else dict(state.collectives_issued)
+
+
 def reset():
     state.bytes_sent.clear()
+    state.collectives_issued.clear()
 
 
 def nbytes(tensor):

@@ -5,8 +5,9 @@ Each transfer is between the two ranks of a pair group (same coordinates on ever
 other mesh dim), so gloo's per-group message tags line up as long as both sides
 issue their sends and receives in the same order, which the schedule guarantees.
 A forward transfer first sends the output's skeleton (its nesting and each
-tensor's shape and dtype, pickled into a uint8 tensor): the receiver cannot know
-the shapes otherwise.
+tensor's shape and dtype, pickled into a uint8 tensor), unless the receiver knows
+it already (the pipeline keeps the skeletons of the batch layout it runs): reading
+it costs the receiver a host read, twice.
 """
 from __future__ import annotations
 
@@ -87,10 +88,11 @@ def recv_skeleton(pair):
     return pickle.loads(_recv(pair, [size], "uint8").numpy().tobytes())  # noqa: S301 - from our own peer
 
 
-def send_value(pair, value, tag="pp_activation"):
-    """Send a layer output: its skeleton, then its tensors."""
+def send_value(pair, value, tag="pp_activation", announce=True):
+    """Send a layer output: its skeleton (unless `announce` is False: the receiver knows it), then its tensors."""
     skel, tensors = skeleton(value)
-    send_skeleton(pair, skel)
+    if announce:
+        send_skeleton(pair, skel)
     for t in tensors:
         _send(pair, t.detach(), tag)
 
@@ -100,10 +102,11 @@ def float_tensors(value):
     return [t for t in skeleton(value)[1] if t.is_floating_point()]
 
 
-def recv_value(pair, requires_grad=False):
+def recv_value(pair, requires_grad=False, skel=None):
     """Receive what send_value sent: the same nesting, with fresh tensors; with `requires_grad` its
-    floating tensors are leaves that collect their gradient (the one to send back)."""
-    value = fill(recv_skeleton(pair), lambda spec: _recv(pair, spec.shape, spec.dtype))
+    floating tensors are leaves that collect their gradient (the one to send back). `skel`: the skeleton
+    when this side knows it (the sender did not announce it)."""
+    value = fill(recv_skeleton(pair) if skel is None else skel, lambda spec: _recv(pair, spec.shape, spec.dtype))
     for t in float_tensors(value) if requires_grad else ():
         t.stop_gradient = False
     return value

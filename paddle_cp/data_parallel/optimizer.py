@@ -151,7 +151,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         factor, runtime.state.pipeline_loss_scale = runtime.state.pipeline_loss_scale, None
         if self._loss_factor is not None:
             self._loss_factor.agree(1.0 if factor is None else factor)
-        if factor is None or factor == 1.0:
+        if factor is None:  # a device scalar otherwise: applied without reading it
             return
         for p in self._params:
             if p.grad is not None and p.grad._is_initialized():

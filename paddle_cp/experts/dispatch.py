@@ -3,8 +3,11 @@ all-to-all with uneven counts, the owner runs its experts on what arrived, the o
 the mirror all-to-all and are summed per token with the router's weights. No capacity, nothing dropped:
 the result is one card's `sum_j w[t, j] * expert_{i[t, j]}(x_t)`.
 
-Sizes of the exchanges come from the routing, so the indices are read on the host (one sync per block)
-and the per-expert counts of every position are all-gathered (a [P, E] int table) before the rows move.
+Sizes of the exchanges come from the routing: the per-expert counts of every position, counted and
+all-gathered on the device (a [P, E] int table), are the one host read per MoE layer, the one a dynamic
+all-to-all needs. The pairs' order by expert stays on the device; the order of the received rows by
+expert, derived from the table on the host, is copied in once (both ways in one tensor), right after
+that read has drained the queue.
 """
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ from ..comm import autograd as comm_autograd
 from ..comm import collectives
 
 
-def _counts_table(group, counts):
-    """[P, E]: pairs each position of the group routes to each expert (one all-gather of E ints)."""
-    gathered = collectives.all_gather(group, paddle.to_tensor(counts, dtype="int64"), tag="ep_counts")
-    return np.stack([g.numpy() for g in gathered])
+def _counts_table(group, flat, num_experts):
+    """[P, E] on the host: pairs each position of the group routes to each expert (counted on the device,
+    one all-gather of E ints, one read); this position's counts are row group.index."""
+    counts = paddle.put_along_axis(paddle.zeros([num_experts], "int64"), flat, paddle.ones_like(flat), 0,
+                                   reduce="add")                   # [E]
+    return paddle.stack(collectives.all_gather(group, counts, tag="ep_counts")).numpy()
 
 
 def _expert_major(table, start, stop):
@@ -38,23 +43,25 @@ def routed_output(hidden, indices, weights, group, layout, run_experts):
     by expert (`counts[i]` rows for its i-th expert) and returns (outputs [R, H], extra), `extra` a tensor
     to add to the result (a zero that ties idle experts into the graph) or None."""
     tokens, k = indices.shape
-    flat = indices.numpy().reshape(-1).astype("int64")
-    order = np.argsort(flat, kind="stable")                       # pairs by expert: each owner's rows contiguous
-    counts = np.bincount(flat, minlength=layout.num_experts)
-    table = _counts_table(group, counts)                          # [P, E]
+    flat = indices.reshape([-1]).astype("int64")                  # [T*k]
+    order = paddle.argsort(flat, stable=True)                     # pairs by expert: each owner's rows contiguous
+    table = _counts_table(group, flat, layout.num_experts)        # [P, E]
     start, stop = layout.range_of(group.index)
-    send = [int(counts[a:b].sum()) for a, b in layout.ranges]
+    send = [int(table[group.index, a:b].sum()) for a, b in layout.ranges]
     recv = [int(table[s, start:stop].sum()) for s in range(group.size)]
 
-    token_of_pair = paddle.to_tensor(order // k)                  # [T*k]
+    token_of_pair = order // k                                    # [T*k]
     rows = paddle.gather(hidden, token_of_pair)                   # [T*k, H], sorted by expert
     received = comm_autograd.all_to_all(rows, group, 0, 0, send, recv, tag="ep_dispatch")   # [R, H], by source
     by_expert, expert_counts = _expert_major(table, start, stop)
-    outputs, extra = run_experts(paddle.gather(received, paddle.to_tensor(by_expert)), expert_counts)
-    back = paddle.gather(outputs, paddle.to_tensor(np.argsort(by_expert)))                  # [R, H], by source
+    # [2R]: the received rows in expert order, then the inverse (back to source order)
+    both = paddle.to_tensor(np.concatenate([by_expert, np.argsort(by_expert)]).astype("int64"))
+    to_experts, to_sources = both[:len(by_expert)], both[len(by_expert):]
+    outputs, extra = run_experts(paddle.gather(received, to_experts), expert_counts)
+    back = paddle.gather(outputs, to_sources)                     # [R, H], by source
     returned = comm_autograd.all_to_all(back, group, 0, 0, recv, send, tag="ep_combine")    # [T*k, H]
 
-    pair_weights = paddle.gather(weights.reshape([-1]), paddle.to_tensor(order))            # [T*k]
+    pair_weights = paddle.gather(weights.reshape([-1]), order)    # [T*k]
     weighted = returned.astype(weights.dtype) * pair_weights.unsqueeze(-1)
     out = paddle.zeros([tokens, hidden.shape[-1]], weights.dtype).index_add(token_of_pair, 0, weighted)
     if extra is not None:

@@ -19,16 +19,13 @@ import paddle.nn.functional as F
 
 from paddle.autograd import PyLayer
 
+from .. import runtime
 from .dispatch import routed_output
 
-_CLASSES = {}
-
-
 def _expert_parallel_class(cls):
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,),
-                             {"forward": lambda self, *args, **kwargs: self._pcp_held_experts(self, *args, **kwargs)})
-    return _CLASSES[cls]
+    return runtime.installed.derived_class("expert_parallel", cls, lambda cls: type(
+        f"ExpertParallel{cls.__name__}", (cls,),
+        {"forward": lambda self, *args, **kwargs: self._pcp_held_experts(self, *args, **kwargs)}))
 
 
 class _ScaleGradient(PyLayer):

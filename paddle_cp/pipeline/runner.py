@@ -29,6 +29,7 @@ from paddle.autograd import PyLayer
 from .. import runtime
 from ..comm import collectives, stage_p2p
 from .immediate import run_immediate
+from .loss_factor import RELATIVE_TOLERANCE
 from .microbatch import split_micro_batches
 from .schedule import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, action_lists
 
@@ -58,24 +59,33 @@ def recompute_boundary(run):
     return run() if pipeline is None else pipeline.recompute_call(run)
 
 
-_unit_classes = {}
-
-
 def _unit_class(cls):
     """A subclass of `cls` whose calls go through the pipeline (hooks of skipped units do not run either)."""
-    if cls not in _unit_classes:
+    def make(cls):
         def __call__(self, *args, **kwargs):
             return self.__dict__["_pcp_pipeline"].call_unit(self, cls.__call__, args, kwargs)
-        _unit_classes[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
-    return _unit_classes[cls]
+        return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return runtime.installed.derived_class("pipeline_unit", cls, make)
+
+
+def _layout(value):
+    """The shapes, dtypes and nesting of a step's micro-batches (hashable): what decides the stage outputs'."""
+    if isinstance(value, paddle.Tensor):
+        return tuple(value.shape), str(value.dtype)
+    if isinstance(value, (tuple, list)):
+        return tuple(_layout(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((key, _layout(v)) for key, v in sorted(value.items()))
+    return repr(value)
 
 
 class _LossAfterBackward(PyLayer):
     """The loss a scheduled step returns: its backward has already run, inside the schedule, with a
     unit loss gradient. A scaled `loss.backward()` (a script's `(loss / k).backward()` accumulating k
     calls, a GradScaler's `scale(loss)`) records its factor, which the optimizer applies to the
-    accumulated gradients at its step (runtime.state.pipeline_loss_scale); the calls of one step
-    must agree on it, since their gradients are already summed."""
+    accumulated gradients at its step (runtime.state.pipeline_loss_scale, a device scalar: nothing is
+    read here); the calls of one step must agree on it, since their gradients are already summed: compared
+    on the device, the answer agreed at the optimizer step (pipeline/loss_factor.py)."""
 
     @staticmethod
     def forward(ctx, anchor, value):
@@ -83,14 +93,14 @@ class _LossAfterBackward(PyLayer):
 
     @staticmethod
     def backward(ctx, grad):
-        factor = float(grad.reshape([-1])[0])
-        pending = runtime.state.pipeline_loss_scale
-        if pending is not None and not math.isclose(factor, pending, rel_tol=1e-6):
-            raise ValueError(f"pipeline: this step's earlier model(...) losses were scaled by {pending}, this one "
-                             f"by {factor}; their gradients are already summed, so every call before one "
-                             "optimizer.step() must scale its loss by the same factor (or scale each "
-                             "micro-batch's loss in pp_config['loss_fn'], e.g. by pcp.loss_weight)")
-        runtime.state.pipeline_loss_scale = factor
+        state, factor = runtime.state, grad.reshape([])
+        pending = state.pipeline_loss_scale
+        if pending is None:  # the step's first call
+            state.pipeline_loss_scale, state.pipeline_loss_scales_differ = factor, None
+        else:
+            differ = (factor - pending).abs() > RELATIVE_TOLERANCE * paddle.maximum(factor.abs(), pending.abs())
+            earlier = state.pipeline_loss_scales_differ
+            state.pipeline_loss_scales_differ = differ if earlier is None else paddle.logical_or(earlier, differ)
         return paddle.zeros([], "float32")
 
 
@@ -108,6 +118,9 @@ class Pipeline:
         self._initial = (False, None)  # sequence_split, sequence_whole_shape
         self.timeline = []  # the last scheduled step's actions: (kind, virtual, micro, start, end), wall clock
         self._lists = {}
+        # (the batch layout of the last scheduled step, {(direction, virtual, micro): skeleton}): the
+        # activations' skeletons cross a stage boundary once per batch layout, not every micro-batch
+        self._skeletons = (None, {})
         for _, layer, _ in plan.units:
             layer._pcp_pipeline = self
             layer.__class__ = _unit_class(type(layer))
@@ -219,10 +232,15 @@ class Pipeline:
                                             backward=grad)[self.stage]
         inputs, outputs, losses, grads_in, grads_out = {}, {}, {}, {}, {}
         self.timeline = []
+        layout = (grad, _layout(micro))
+        if self._skeletons[0] != layout:
+            self._skeletons = (layout, {})
+        known = self._skeletons[1]
         for a in self._lists[key]:
             start, at = time.time(), (a.virtual, a.micro)
             if a.kind == RECV_F:
-                inputs[at] = stage_p2p.recv_value(self.peers[a.peer], requires_grad=grad)
+                inputs[at] = stage_p2p.recv_value(self.peers[a.peer], grad, known.get(("recv", at)))
+                known.setdefault(("recv", at), stage_p2p.skeleton(inputs[at])[0])
             elif a.kind == FORWARD:
                 args, kwargs, labels = micro[a.micro]
                 out = self.run_chunk(a.virtual, args, kwargs, inputs.get(at), (a.micro, m))
@@ -231,7 +249,8 @@ class Pipeline:
                 else:
                     outputs[at] = out
             elif a.kind == SEND_F:
-                stage_p2p.send_value(self.peers[a.peer], outputs[at] if grad else outputs.pop(at))
+                value = outputs[at] if grad else outputs.pop(at)
+                stage_p2p.send_value(self.peers[a.peer], value, announce=self._announce(known, at, value))
             elif a.kind == RECV_B:
                 specs = [stage_p2p.spec_of(t) for t in stage_p2p.float_tensors(outputs[at])]
                 grads_in[at] = stage_p2p.recv_tensors(self.peers[a.peer], specs)
@@ -244,6 +263,19 @@ class Pipeline:
                 stage_p2p.send_tensors(self.peers[a.peer], grads_out.pop(at))
             self.timeline.append((a.kind, a.virtual, a.micro, start, time.time()))
         return (self._mean_loss(losses, m),)
+
+    @staticmethod
+    def _announce(known, at, value):
+        """Whether the skeleton of `value` must be sent: the first time for this batch layout. The same layout
+        gives the same skeletons (shapes follow the batch's), which the receiver then assumes."""
+        skel = stage_p2p.skeleton(value)[0]
+        sent = known.setdefault(("send", at), skel)
+        if sent is skel:
+            return True
+        if sent != skel:
+            raise RuntimeError(f"pipeline: the output of virtual stage {at[0]} for micro-batch {at[1]} changed its "
+                               "shapes although the batch's did not; stage outputs must follow the batch's shapes")
+        return False
 
     def _backward(self, at, m, losses, outputs, grads_in):
         virtual, micro = at

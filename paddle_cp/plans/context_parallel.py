@@ -83,11 +83,22 @@ class _SepPlan(Plan):
         ulysses_size(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
 
     def _join_sep_group(self, layer, mesh, param_names):
+        """The SepRun this plan's hooks on `layer` run with (collective: makes the groups)."""
         self.check(layer, mesh, param_names)
-        sep = mesh_lib.dim_size(mesh, "sep")
-        self._layout = SequenceLayout(self.backend, sep, self.ulysses_degree)
-        self._groups = resolve_groups(self._layout, mesh)
         recompute.install()  # recomputed layers replay with this batch's layout and plans
+        return SepRun(self, mesh)
+
+
+class SepRun:
+    """What a context-parallel plan applied to one layer runs with: the plan's backend laid over the mesh's
+    `sep` slice and its process groups. Made by apply, held by the hooks on that layer; the plan object keeps
+    only its arguments, so one plan serves several models."""
+
+    def __init__(self, plan, mesh):
+        self.backend, self.ulysses_degree = plan.backend, plan.ulysses_degree
+        self.rotate = getattr(plan, "rotate", "ring")
+        self.layout = SequenceLayout(plan.backend, mesh_lib.dim_size(mesh, "sep"), plan.ulysses_degree)
+        self.groups = resolve_groups(self.layout, mesh)
 
 
 class PrepareContextParallel(_SepPlan):
@@ -124,20 +135,16 @@ class PrepareContextParallel(_SepPlan):
             raise TypeError(f"documents must be 'position_ids' or an input name, got {documents!r}")
         self.documents = documents
         self.layout = check_split(layout)
-        self._startend_seen = False  # a forward split a batch by attn_mask_startend_row_indices it was not told of
-        self._sharded = set()  # splits shard_sequence used since the last forward
 
     def check(self, layer, mesh, param_names=()):
         super().check(layer, mesh, param_names)
         _check_rope(layer)
 
     def apply(self, layer, mesh, param_names=()):
-        self._join_sep_group(layer, mesh, param_names)
-        self._check_batch = BatchCheck(mesh)
-        adapters.install()  # attention reached outside every ContextParallel layer then raises, not runs locally
-        self._signature = inspect.signature(layer.forward)
-        layer.register_forward_pre_hook(self._split_inputs, with_kwargs=True)
-        return layer.register_forward_post_hook(self._forget_batch, always_call=True)
+        run = _PreparedRun(self, self._join_sep_group(layer, mesh, param_names), mesh, layer)
+        adapters.install(layer)  # attention reached outside every ContextParallel layer then raises, not runs locally
+        layer.register_forward_pre_hook(run.split_inputs, with_kwargs=True)
+        return layer.register_forward_post_hook(run.forget_batch, always_call=True)
 
     def documents_of(self, position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
         """The batch's Documents as this plan reads them from these inputs (None: no documents)."""
@@ -164,7 +171,7 @@ class PrepareContextParallel(_SepPlan):
         """The layout shard_sequence splits a batch's tensors with, given the batch's document inputs.
         Row indices the plan was not told about decide a batch's split only at the model call: a call
         here without them, once a forward had them, would split labels unlike the inputs."""
-        if self.documents is None and attn_mask_startend_row_indices is None and self._startend_seen:
+        if self.documents is None and attn_mask_startend_row_indices is None and runtime.plan_notes(self).startend_seen:
             raise ValueError(
                 "this PrepareContextParallel's batches carry attn_mask_startend_row_indices, by whose documents each "
                 "batch is split: pass them to shard_sequence too (or build the plan with layout='chunks')")
@@ -172,14 +179,26 @@ class PrepareContextParallel(_SepPlan):
 
     def record_split(self, layout):
         """shard_sequence split a tensor of the coming batch in `layout`: checked at its forward."""
-        self._sharded.add(layout.split.name)
+        runtime.plan_notes(self).sharded.add(layout.split.name)
+
+
+class _PreparedRun:
+    """A PrepareContextParallel applied to one model layer: its hooks, and what they keep between forwards
+    (the batch check's answers, the positions of the last layout)."""
+
+    def __init__(self, plan, sep, mesh, layer):
+        self.plan, self.sep = plan, sep
+        self.check_batch = BatchCheck(mesh)
+        self.signature = inspect.signature(layer.forward)
+        self._positions = (None, None)  # ((seq_len, index), int64 positions on the device): made once per length
 
     def _check_sharded(self, layout):
         """The model's inputs and what shard_sequence split for this batch (labels) share one layout."""
-        sharded, self._sharded = self._sharded, set()
+        notes = runtime.plan_notes(self.plan)
+        sharded, notes.sharded = notes.sharded, set()
         by_name = runtime.state.split_by_backend_name
-        if self._groups.sep.ranks in by_name:
-            by_name.discard(self._groups.sep.ranks)
+        if self.sep.groups.sep.ranks in by_name:
+            by_name.discard(self.sep.groups.sep.ranks)
             if layout.split.name != "chunks":
                 raise ValueError(
                     f"shard_sequence split this batch's tensors by a backend name, in 2N chunks; the model's inputs "
@@ -192,53 +211,64 @@ class PrepareContextParallel(_SepPlan):
                 f"split in the {layout.split.name!r} layout (the batch's documents decide it): give shard_sequence the "
                 "document inputs the model gets (position_ids=, doc_ids=, attn_mask_startend_row_indices=)")
 
-    def _split_inputs(self, layer, args, kwargs):
+    def split_inputs(self, layer, args, kwargs):
         batch, seq_len = _sequence_length(args, kwargs)
         if seq_len is None or runtime.state.context_parallel_paused:
             return None
+        plan, signature = self.plan, self.signature
         named = {**{f"argument {i}": v for i, v in enumerate(args)}, **kwargs}
         kwargs = dict(kwargs)
-        extra = self.documents if self.documents != "position_ids" else None  # an input the layer does not take
-        bound = self._signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k != extra})
+        extra = plan.documents if plan.documents != "position_ids" else None  # an input the layer does not take
+        bound = signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k != extra})
         doc_ids = kwargs.pop(extra, None) if extra else None
-        refusal = None
+        refusal = documents = None
         try:  # checks that depend on this replica's batch: agreed over the ranks by the batch check
-            self._layout.check_length(seq_len, what="input sequence")
-            documents = self.documents_of(bound.arguments.get("position_ids"), doc_ids, bound.arguments.get(_STARTEND))
+            self.sep.layout.check_length(seq_len, what="input sequence")
+            documents = plan.documents_of(bound.arguments.get("position_ids"), doc_ids, bound.arguments.get(_STARTEND))
             if documents is not None and documents.seq_len != seq_len:
                 raise ValueError(f"the documents given cover {documents.seq_len} tokens, the input sequence {seq_len}: "
                                  "give position ids / document ids / row indices of the whole [batch, seq] input")
-            layout = self.batch_layout(self._layout, documents)
+            layout = plan.batch_layout(self.sep.layout, documents)
             self._check_sharded(layout)
         except ValueError as error:
             refusal = error
-        self._check_batch({name: v for name, v in named.items() if _of_batch(v, batch, seq_len)}, batch, seq_len,
-                          refusal)
-        self._startend_seen |= self.documents is None and layout.split.name == "documents"
+        self.check_batch({name: v for name, v in named.items() if _of_batch(v, batch, seq_len)}, batch, seq_len,
+                         refusal, read_now=documents is not None)
+        if plan.documents is None and layout.split.name == "documents":
+            runtime.plan_notes(plan).startend_seen = True
         valid = _padding(bound.arguments.get("attention_mask"), batch, seq_len)
         if _STARTEND in bound.arguments:
             bound.arguments[_STARTEND] = None  # the attention applies it, from `documents`
-        index = self._groups.sep.index
+        index = self.sep.groups.sep.index
 
         def split(value):
             dim = _split_dim(value, seq_len)
             return value if dim is None else layout.shard(value, dim, index)
 
         for name, value in bound.arguments.items():
-            kind = self._signature.parameters[name].kind
+            kind = signature.parameters[name].kind
             if kind is inspect.Parameter.VAR_KEYWORD:
                 bound.arguments[name] = {key: split(v) for key, v in value.items()}
             elif kind is inspect.Parameter.VAR_POSITIONAL:
                 bound.arguments[name] = tuple(split(v) for v in value)
             else:
                 bound.arguments[name] = split(value)
-        if "position_ids" in self._signature.parameters and bound.arguments.get("position_ids") is None:
-            positions = paddle.to_tensor(layout.positions(seq_len, index), dtype="int64")
+        if "position_ids" in signature.parameters and bound.arguments.get("position_ids") is None:
+            positions = self._positions_of(layout, seq_len, index, documents)
             bound.arguments["position_ids"] = positions.unsqueeze(0).expand([batch, positions.shape[0]])
         context.publish(context.SequenceInfo(layout, seq_len, documents, valid))
         return bound.args, bound.kwargs
 
-    def _forget_batch(self, layer, inputs, outputs):
+    def _positions_of(self, layout, seq_len, index, documents):
+        """Global positions of this rank's tokens on the device: copied in once per length (a batch's
+        documents decide its own)."""
+        if documents is not None:
+            return paddle.to_tensor(layout.positions(seq_len, index), dtype="int64")
+        if self._positions[0] != (seq_len, index):
+            self._positions = ((seq_len, index), paddle.to_tensor(layout.positions(seq_len, index), dtype="int64"))
+        return self._positions[1]
+
+    def forget_batch(self, layer, inputs, outputs):
         if not runtime.state.context_parallel_paused:
             context.retract()
 
@@ -262,16 +292,10 @@ class ContextParallel(_SepPlan):
         mixers.check(layer, SequenceLayout(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree))
 
     def apply(self, layer, mesh, param_names=()):
-        self._join_sep_group(layer, mesh, param_names)
-        mixers.route(layer, self)
-        layer.register_forward_pre_hook(self._enter)
-        return layer.register_forward_post_hook(self._leave, always_call=True)
-
-    def _enter(self, layer, inputs):
-        routing.enter(self, layer)
-
-    def _leave(self, layer, inputs, outputs):
-        routing.leave(layer)
+        run = self._join_sep_group(layer, mesh, param_names)
+        mixers.route(layer, run)
+        layer.register_forward_pre_hook(lambda layer, inputs: routing.enter(run, layer))
+        return layer.register_forward_post_hook(lambda layer, inputs, outputs: routing.leave(layer), always_call=True)
 
 
 class TokenWise(Plan):

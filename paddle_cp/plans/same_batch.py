@@ -9,10 +9,21 @@ depends on the replica's own batch, e.g. its length or documents), then stops ev
 instead of the others waiting for it in the gradient all-reduce. A forward without gradients
 (an evaluation some replicas may run alone) gathers over its replica only.
 
+When it is read: a forward whose inputs' names, shapes and dtypes (and group) are the ones
+this rank last saw agreed, with no refusal, does not wait for the answer: its gathered rows are
+copied to the host behind the step (comm/deferred.py) and read at the next forward, before
+anything else, so every rank raises the same error there, one forward after the batches
+differed, and no step waits for the device. A forward with a new layout (the first, a new
+shape, a new plan or group), a refused batch, or documents (read on the host anyway) reads its
+rows at once, before any other collective. A rank whose layout changed, or whose batch was
+refused, while a peer of its stage kept its last layout raises at once; that peer, already in
+the forward's collectives, is stopped by the collective watchdog (comm/watchdog.py), which names
+what it waited for.
+
 Cost: an exact integer fingerprint of each input it splits, on the device (comm/
-fingerprint.py); one all-gather of SLOTS + 5 int64 per rank; one host read of the gathered
-rows. A recomputed forward (Paddle's recompute around the whole model) replays the check
-without gathering again.
+fingerprint.py); one all-gather of SLOTS + 5 int64 per rank; a host read of the gathered rows a
+forward later (at once when the layout changed). A recomputed forward (Paddle's recompute
+around the whole model) replays the check without gathering again.
 """
 from __future__ import annotations
 
@@ -25,6 +36,7 @@ from .. import mesh as mesh_lib
 from .. import runtime
 from ..attention import recompute
 from ..comm import collectives
+from ..comm.deferred import DeferredRead
 from ..comm.fingerprint import fingerprint
 
 SLOTS = 4  # value fingerprints per rank: inputs in name order share slot i % SLOTS
@@ -32,17 +44,23 @@ TAG = "cp_batch_check"  # its bytes in paddle_cp.bytes_sent()
 
 
 class BatchCheck:
-    """The groups a PrepareContextParallel's inputs are compared over. Made at apply (collective)."""
+    """The groups a PrepareContextParallel's inputs are compared over, and what one model's forwards left
+    to read. Made at apply (collective); one per parallelized model."""
 
     def __init__(self, mesh):
         self.stage = mesh_lib.mesh_group(mesh, [d for d in mesh.dim_names if d != "pp"])
         self.replica_group = mesh_lib.mesh_group(mesh, [d for d in mesh.dim_names if d not in ("pp", "dp")])
         self.replica = mesh_lib.coordinates(mesh)[mesh.dim_names.index("dp")] if "dp" in mesh.dim_names else 0
+        self._agreed = None  # (group ranks, header) this rank passed at the last check every rank answered
+        self._header = (None, None)  # (header, its int64 tensor): made once per layout, not uploaded per forward
+        self._pending = None  # (DeferredRead of the last forward's rows, group ranks, input names)
 
-    def __call__(self, inputs, batch, seq_len, refusal=None):
+    def __call__(self, inputs, batch, seq_len, refusal=None, read_now=False):
         """Raise on every rank of the group if the ranks of a replica passed different `inputs` ({name:
         tensor}, the tensors to be split), or if a rank's batch was refused (`refusal`: its ValueError, raised
-        there; the others raise one naming its ranks). Collective: every rank of the group calls it."""
+        there; the others raise one naming its ranks). `read_now`: the batch's own values decide its layout
+        (documents), so the answer is read in this forward. Collective: every rank of the group calls it."""
+        self.settle()
         group = self.stage if paddle.is_grad_enabled() else self.replica_group
         memo = runtime.state.checked_batches[-1] if runtime.state.checked_batches else None
         if group.size == 1 or (memo is not None and memo.get(id(self))):  # alone, or a recompute replay
@@ -54,22 +72,48 @@ class BatchCheck:
         slots = [paddle.zeros([1], "int64") for _ in range(SLOTS)]
         for i, name in enumerate(names):
             slots[i % SLOTS] = slots[i % SLOTS] + fingerprint(inputs[name])
-        header = [self.replica, int(refusal is not None), zlib.crc32(layout.encode()), batch, seq_len]
-        mine = paddle.concat([paddle.to_tensor(header, dtype="int64"), *slots])
-        rows = paddle.stack(collectives.all_gather(group, mine, tag=TAG)).numpy().tolist()
+        header = (self.replica, int(refusal is not None), zlib.crc32(layout.encode()), batch, seq_len)
+        gathered = paddle.stack(collectives.all_gather(group, paddle.concat([self._header_tensor(header), *slots]),
+                                                       tag=TAG))
         if memo is not None:
             memo[id(self)] = True
-        replicas = {}
-        for rank, row in zip(group.ranks, rows):  # {replica: [(rank, row after replica and refusal)]}, mesh order
-            replicas.setdefault(row[0], []).append((rank, row[2:]))
-        for members in replicas.values():
-            _raise_unless_equal(members, names)
-        refused = [rank for rank, row in zip(group.ranks, rows) if row[1]]
-        if refusal is not None:
-            raise refusal
-        if refused:
-            raise ValueError(f"context parallel: ranks {refused} refused their batch (their error says why); this "
-                             "rank stops too, so that none waits for them in a collective")
+        if read_now or refusal is not None or self._agreed != (group.ranks, header):
+            self._agreed = None  # until every rank's answer is in: after an error the next forward reads at once
+            _raise_for(gathered.numpy().tolist(), group.ranks, names, refusal)
+            self._agreed = (group.ranks, header)
+        else:
+            self._pending = (DeferredRead(gathered), group.ranks, names)
+
+    def settle(self):
+        """Read the rows the last forward gathered without waiting for them: raise as it would have."""
+        if self._pending is not None:
+            (rows, ranks, names), self._pending = self._pending, None
+            try:
+                _raise_for(rows.result().tolist(), ranks, names)
+            except ValueError:
+                self._agreed = None
+                raise
+
+    def _header_tensor(self, header):
+        if self._header[0] != header:
+            self._header = (header, paddle.to_tensor(list(header), dtype="int64"))
+        return self._header[1]
+
+
+def _raise_for(rows, ranks, names, refusal=None):
+    """The verdict on the gathered `rows` (one per rank of `ranks`, mesh order), the same on every rank:
+    raise this rank's `refusal`, or an error naming the ranks that differ or refused."""
+    replicas = {}
+    for rank, row in zip(ranks, rows):  # {replica: [(rank, row after replica and refusal)]}, mesh order
+        replicas.setdefault(row[0], []).append((rank, row[2:]))
+    for members in replicas.values():
+        _raise_unless_equal(members, names)
+    refused = [rank for rank, row in zip(ranks, rows) if row[1]]
+    if refusal is not None:
+        raise refusal
+    if refused:
+        raise ValueError(f"context parallel: ranks {refused} refused their batch (their error says why); this "
+                         "rank stops too, so that none waits for them in a collective")
 
 
 def _raise_unless_equal(members, names):

@@ -33,6 +33,10 @@ For every sequence length and backend it runs forward+backward of attention on
   statistics, so it counts tensors only (not the Python heap or gloo buffers).
   `held_ratio` is the same for the bytes held between forward and backward,
   which attention_cost predicts (`held_predicted_ratio`).
+- host_reads_per_step, collectives_per_step: of one forward+backward, on the rank with the most
+  (tools/host_reads.py counts device values read on the host and copies in of host data: each stalls a
+  GPU's queue; a ring exchange counts as one collective, and so does an all-to-all or reduce-scatter that
+  gloo emulates with point-to-point rounds, as on NCCL). Printed in a second table.
 
 On a machine with fewer cores than ranks the ranks share cores: T_rank and the
 matmul rate are then both slowed, so kernel_util stays fair but efficiency
@@ -367,7 +371,19 @@ def _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs, split=None
                                lambda: clock.lap() or dist.barrier())
     dist.barrier()
     peak, held = _memory(paddle, attention, *shards)
-    return [seconds, sent, peak, held, clock.median(args.warmup)]
+    return [seconds, sent, peak, held, clock.median(args.warmup), *_step_counts(paddle, attention, shards)]
+
+
+def _step_counts(paddle, attention, shards):
+    """[host reads, collectives] of one forward+backward on this rank: what a GPU step would wait for
+    (tools/host_reads.py: reads and copies in of host data) and the collectives it would issue."""
+    from paddle_cp.comm import counters
+    from paddle_cp.tools import host_reads
+
+    counters.reset()
+    with host_reads.counting() as reads:
+        _fwd_bwd(paddle, attention, *shards)
+    return [reads.total(), sum(counters.collectives_issued().values())]
 
 
 def _functional_attention(pcp, mesh, args, backend, inputs, split):
@@ -510,7 +526,14 @@ def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=No
                                  / held_single),
         "peak_bytes_rank": max(r[2] for r in per_rank), "peak_bytes_single": single["peak"],
         "oversubscribed": n > (os.cpu_count() or 1),
+        **_per_step(per_rank),
     }
+
+
+def _per_step(per_rank):
+    """The most host reads and collectives any rank had in one forward+backward (_step_counts)."""
+    return {"host_reads_per_step": max(int(r[5]) for r in per_rank),
+            "collectives_per_step": max(int(r[6]) for r in per_rank)}
 
 
 def _config(args):
@@ -553,6 +576,16 @@ def table(result):
     return cpu + ("\n\n" + gpu_layouts.table(result["gpu_model"]) if documents else "")
 
 
+def step_counts_table(result):
+    """Per case: host reads and collectives of one forward+backward on the rank with the most."""
+    from paddle_cp.tools.text import ruled_table
+
+    head = f"{'backend':8} {'layout':9} {'seq':>6} {'N':>2} {'host reads/step':>16} {'collectives/step':>17}"
+    return ruled_table(head, [f"{c['backend']:8} {c['layout'] or '-':9} {c['seq']:>6} {c['nproc']:>2} "
+                              f"{c['host_reads_per_step']:>16} {c['collectives_per_step']:>17}"
+                              for c in result["cases"]])
+
+
 def plot(result, path):
     try:
         import matplotlib
@@ -577,7 +610,7 @@ def plot(result, path):
 def finish(result, args):
     from paddle_cp.tools.text import show  # here: the ranks run this file as a script
 
-    show(table(result), result, args.json)
+    show(table(result) + "\n\n" + step_counts_table(result), result, args.json)
     if args.plot:
         plot(result, args.plot)
 

@@ -131,3 +131,14 @@ def test_bench_packed_documents_old_beside_new(documents_four):
             assert math.isfinite(case["efficiency"]) and case["efficiency"] > 0
         # every rank still sends its k/v once per step: local lengths differ by a few tokens at most
         assert new["bytes_ratio"] == pytest.approx(1.0, abs=0.05), backend
+
+
+def test_bench_counts_collectives_and_host_reads_per_step(causal_two):
+    """One forward+backward on 2 ranks: the ring exchanges k/v N-1 times forward, k/v and dk/dv N-1 times each
+    backward; Ulysses makes four all-to-alls each way. Host reads are counted too (tools/host_reads.py; that
+    a training step has none is tests/multiproc/test_host_reads.py's)."""
+    cases = _cases(causal_two)
+    assert cases["p2p"]["collectives_per_step"] == 3 * (2 - 1)
+    assert cases["all2all"]["collectives_per_step"] == 8
+    for case in causal_two["cases"]:
+        assert isinstance(case["host_reads_per_step"], int) and case["host_reads_per_step"] >= 0

@@ -10,7 +10,8 @@ def test_paddleformers_calls_outside_a_plan_run_the_original():
     import paddleformers.nn.attention.interface as interface
     from paddle_cp.attention import adapters
 
-    adapters.install()
+    holder = paddle.nn.Layer()  # patched while it lives
+    adapters.install(holder)
     functions = interface.ALL_ATTENTION_FUNCTIONS
     assert "paddle_cp" in functions
     module = paddle.nn.Layer()
@@ -28,7 +29,8 @@ def test_startend_indices_reaching_a_routed_attention_are_refused():
     from paddle_cp import runtime
     from paddle_cp.attention import adapters, routing
 
-    adapters.install()
+    holder = paddle.nn.Layer()  # patched while it lives
+    adapters.install(holder)
     module = paddle.nn.Layer()
     q = paddle.randn([1, 2, 6, 8])
     routing.enter(object(), module)  # as if a ContextParallel layer's forward were running

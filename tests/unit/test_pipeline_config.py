@@ -88,19 +88,41 @@ def test_schedules_need_a_loss(pp_config):
 
 def test_scaling_the_returned_loss_is_recorded_for_the_optimizer():
     """model(...) ran every backward already, unscaled: a scaled returned loss (a script's loss / k, a
-    GradScaler) records its factor for the optimizer's step; the calls of one step must agree on it."""
+    GradScaler) records its factor for the optimizer's step, on the device (no host read); the calls of one
+    step must agree on it: a difference is flagged on the device, for the step's agreement
+    (LossFactorAgreement) to raise, one step later, on every rank."""
     from paddle_cp import runtime
     from paddle_cp.pipeline.runner import _LossAfterBackward
     anchor = paddle.zeros([], "float32")
     anchor.stop_gradient = False
     try:
         _LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)).backward()  # the plain loop
-        assert runtime.state.pipeline_loss_scale == 1.0
+        assert float(runtime.state.pipeline_loss_scale) == 1.0
         runtime.state.pipeline_loss_scale = None
         (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)) * 0.5).backward()
-        assert runtime.state.pipeline_loss_scale == 0.5
-        loss = _LossAfterBackward.apply(anchor, paddle.to_tensor(2.5))
-        with pytest.raises(OSError, match="ValueError: pipeline.*same factor"):  # Paddle wraps errors in backward
-            (loss * 0.25).backward()
+        assert float(runtime.state.pipeline_loss_scale) == 0.5 and runtime.state.pipeline_loss_scales_differ is None
+        (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)) * 0.5).backward()
+        assert not bool(runtime.state.pipeline_loss_scales_differ)
+        (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)) * 0.25).backward()
+        assert bool(runtime.state.pipeline_loss_scales_differ)
+    finally:
+        runtime.reset()
+
+
+def test_loss_factors_that_differed_within_a_step_raise_at_the_next_agreement():
+    """The step's flag and factor are gathered on the device; the next step's agreement reads them and raises."""
+    import paddle.distributed as dist
+
+    from paddle_cp import mesh as mesh_lib
+    from paddle_cp import runtime
+    from paddle_cp.pipeline import LossFactorAgreement
+    agreement = LossFactorAgreement(mesh_lib.MeshGroup((0,), 0, None), dist.ProcessMesh([0], dim_names=["pp"]))
+    try:
+        agreement.agree(paddle.to_tensor(0.5))
+        agreement.agree(1.0)  # the first step's factors agreed
+        runtime.state.pipeline_loss_scales_differ = paddle.to_tensor(True)
+        agreement.agree(paddle.to_tensor(0.5))  # this step's calls differed: known at the next agreement
+        with pytest.raises(ValueError, match=r"on ranks \[0\] the model\(...\) losses of one step were scaled"):
+            agreement.agree(1.0)
     finally:
         runtime.reset()

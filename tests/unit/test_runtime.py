@@ -31,3 +31,45 @@ def test_reset_forgets_batches_running_layers_and_attention_work():
     runtime.state.running.append(object())
     runtime.reset()
     assert context.current() is None and pcp.attention_work()["computed"] == 0 and not runtime.state.running
+
+
+def test_the_sdpa_patch_lasts_while_a_parallelized_layer_lives():
+    """adapters.install(layer): F.scaled_dot_product_attention is routed while some holder lives and is
+    Paddle's own again once the last is garbage-collected."""
+    import gc
+
+    import paddle
+    import paddle.nn.functional as F
+
+    from paddle_cp.attention import adapters
+
+    own = F.scaled_dot_product_attention
+    first, second = paddle.nn.Layer(), paddle.nn.Layer()
+    adapters.install(first)
+    adapters.install(second)
+    assert F.scaled_dot_product_attention is not own
+    del first
+    gc.collect()
+    assert F.scaled_dot_product_attention is not own  # `second` still needs it
+    del second
+    gc.collect()
+    assert F.scaled_dot_product_attention is own and not runtime.installed.patched("sdpa")
+
+
+def test_reset_keeps_process_groups_and_refuses_while_a_save_is_written():
+    """Process groups are made collectively once per process: reset keeps them (a later parallelize of the
+    same ranks reuses them); an async checkpoint save still writing must be waited for first."""
+    import pytest
+
+    runtime.installed.groups["probe"] = "group"
+    runtime.installed.derived_classes[("probe", int)] = bool
+    try:
+        runtime.reset()
+        assert runtime.installed.groups["probe"] == "group" and not runtime.installed.derived_classes
+        runtime.state.pending_save = object()
+        with pytest.raises(RuntimeError, match="wait_checkpoint"):
+            runtime.reset()
+    finally:
+        runtime.installed.groups.pop("probe")
+        runtime.state.pending_save = None
+        runtime.reset()

@@ -24,7 +24,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from paddle_cp import mesh as mesh_lib
+from paddle_cp import runtime
 from paddle_cp.comm import collectives, p2p
 
 EMULATION = "emulation"
@@ -46,7 +46,7 @@ def _same(a, b):
 def _owner(group, members, size):
     """This rank's MeshGroup whose Paddle group is `group` and holds `members` (first created wins,
     the same on every rank)."""
-    for mine in mesh_lib._groups.values():
+    for mine in runtime.installed.groups.values():
         same = mine.group is group or (mine.group is None and (group is None or group.id == 0))  # 0: default
         if same and mine.size == size and set(members) <= set(mine.ranks):
             return mine

@@ -1,8 +1,8 @@
 """Device-to-host reads during one context-parallel attention call (forward and backward).
 
-Every Tensor method that hands a value to the host is wrapped and counted while
-the call runs (nested reads count once), and so are the blocks (one ring step's
-query-key pairs, forward and backward) the call builds. Tile decisions for causal,
+Every Tensor method that hands a value to the host is counted while the call runs
+(paddle_cp/tools/host_reads.py; copies in, paddle.to_tensor of host data, apart), and so are the
+blocks (one ring step's query-key pairs, forward and backward) the call builds. Tile decisions for causal,
 full, windowed and document masks come from host-side positions: those calls read nothing;
 a dense mask may be read once per block.
 """
@@ -15,40 +15,27 @@ from report import run
 
 import paddle_cp as pcp
 from paddle_cp.attention.ring import RingMasks
+from paddle_cp.tools import host_reads
 
-HOST_READS = ("numpy", "item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 TILE = 512  # the blockwise kernel's tile: lengths above it give several tiles per block
 
 
 @contextlib.contextmanager
 def counting(counts):
-    originals = {name: getattr(paddle.Tensor, name) for name in HOST_READS}
-    originals["block"] = RingMasks.block
-    depth = [0]
-
-    def counted(name, original):
-        def read(*args, **kwargs):
-            counts[name] = counts.get(name, 0) + (depth[0] == 0)  # a read made by a read is one
-            depth[0] += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return read
+    """Host reads (paddle_cp.tools.host_reads) and blocks built while the block runs, into `counts`."""
+    original = RingMasks.block
 
     def block(*args, **kwargs):
         counts["blocks"] = counts.get("blocks", 0) + 1
-        return originals["block"](*args, **kwargs)
+        return original(*args, **kwargs)
 
-    for name in HOST_READS:
-        setattr(paddle.Tensor, name, counted("reads", originals[name]))
     RingMasks.block = block
     try:
-        yield
+        with host_reads.counting() as reads:
+            yield
     finally:
-        for name in HOST_READS:
-            setattr(paddle.Tensor, name, originals[name])
-        RingMasks.block = originals["block"]
+        RingMasks.block = original
+        counts["reads"], counts["uploads"] = reads.reads, reads.uploads
 
 
 def main(report):

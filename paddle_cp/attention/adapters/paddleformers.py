@@ -67,7 +67,7 @@ def _attend(plan, implementation, module, query, key, value, attention_mask=None
     scale = None if implementation == "flashmask" and sink is None else scaling
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     info = routing.batch(plan)
-    seq_len = info.seq_len if info is not None else query.shape[1] * plan._layout.world
+    seq_len = info.seq_len if info is not None else query.shape[1] * plan.layout.world
     documents = info.documents if info is not None else None
     causal, dense, padding = one_card_semantics(implementation, module, attention_mask, is_causal, seq_len,
                                                 documents)
@@ -101,19 +101,32 @@ def paddle_cp_attention(module, query, key, value, **kwargs):
     return _attend(plan, NAME, module, query, key, value, **kwargs)
 
 
+def _replace_each(interface, replacement):
+    """Set every entry of ALL_ATTENTION_FUNCTIONS for which `replacement(name, function)` is not None (in the
+    mapping that holds it: a model's local one, else the global one)."""
+    functions = interface.ALL_ATTENTION_FUNCTIONS
+    for implementation in list(functions):
+        new = replacement(implementation, functions[implementation])
+        if new is None:
+            continue
+        if implementation in functions._local_mapping:
+            functions[implementation] = new
+        else:
+            interface.AttentionInterface.register(implementation, new)
+
+
 def install():
     """Wrap every entry of ALL_ATTENTION_FUNCTIONS once, if PaddleFormers is imported."""
     interface = sys.modules.get(INTERFACE_MODULE)
     if interface is None:
         return
-    functions = interface.ALL_ATTENTION_FUNCTIONS
-    for implementation in list(functions):
-        original = functions[implementation]
-        if implementation == NAME or hasattr(original, "paddle_cp_original"):
-            continue
-        wrapped = _routed(implementation, original)
-        if implementation in functions._local_mapping:
-            functions[implementation] = wrapped
-        else:
-            interface.AttentionInterface.register(implementation, wrapped)
+    _replace_each(interface, lambda implementation, original: None if (
+        implementation == NAME or hasattr(original, "paddle_cp_original")) else _routed(implementation, original))
     interface.AttentionInterface.register(NAME, paddle_cp_attention)
+
+
+def uninstall():
+    """PaddleFormers' own functions back ("paddle_cp" stays registered: outside a plan it raises)."""
+    interface = sys.modules.get(INTERFACE_MODULE)
+    if interface is not None:
+        _replace_each(interface, lambda implementation, function: getattr(function, "paddle_cp_original", None))

@@ -1,7 +1,7 @@
 """`paddle.nn.functional.scaled_dot_product_attention`, routed while a ContextParallel layer runs.
 
-Installed once (first ContextParallel applied) and looked up at call time by
-models that call `F.scaled_dot_product_attention(...)`; calls made while no
+Installed while a layer a context-parallel plan was applied to lives (adapters.install) and looked up at
+call time by models that call `F.scaled_dot_product_attention(...)`; calls made while no
 ContextParallel layer runs go to Paddle's own function (an error while
 PrepareContextParallel has split the running batch).
 """
@@ -31,3 +31,11 @@ def install():
     if _original is None:
         _original = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = routed_sdpa
+
+
+def uninstall():
+    """Paddle's own function back (a script that replaced the routed one keeps its replacement)."""
+    global _original
+    if F.scaled_dot_product_attention is routed_sdpa:
+        F.scaled_dot_product_attention = _original
+    _original = None

@@ -28,7 +28,7 @@ class TokenMixer:
         """Raise ValueError naming the fix if `layer` cannot run in `layout` (a SequenceLayout); no collective."""
 
     def attach(self, layer, plan):
-        """Run `layer`'s mixing under `plan` (a ContextParallel with its _layout and _groups) from now on."""
+        """Run `layer`'s mixing under `plan` (a ContextParallel's SepRun: its layout and groups) from now on."""
         attached = self._attached.get(layer)
         if attached is plan:
             return

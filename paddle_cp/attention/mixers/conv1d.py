@@ -61,7 +61,7 @@ def sequence_geometry(layer):
 def windows_for(plan, local_len, before, after):
     """The RunWindows of this rank for the batch `plan` runs (its length agreed if no batch is published)."""
     layout, seq_len = routing.sequence(plan, local_len)
-    return run_windows(layout, seq_len, plan._groups.sep.index, before, after)
+    return run_windows(layout, seq_len, plan.groups.sep.index, before, after)
 
 
 class Conv1DOverSequence(TokenMixer):
@@ -84,7 +84,7 @@ class Conv1DOverSequence(TokenMixer):
                                  f"inputs, got {x.ndim}-D")
             windows = windows_for(plan, x.shape[axis], geometry.left, geometry.after)
             pending.append(windows)
-            return windows.widen(x, axis, plan._groups.sep)  # [b, C, s_local] -> [b, C, windows]
+            return windows.widen(x, axis, plan.groups.sep)  # [b, C, s_local] -> [b, C, windows]
 
         def before(layer, args, kwargs):
             if routing.paused():

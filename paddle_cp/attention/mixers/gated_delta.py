@@ -72,7 +72,7 @@ def gated_delta_across(plan, rule, q, k, v, g, beta):
     """Outputs [b, s_local, h, dv] of `rule` over the whole sequence for this rank's [b, s_local, ...] inputs.
 
     `rule(q, k, v, g, beta, initial_state=None)` -> (outputs, final state): the model's rule, bound."""
-    groups = plan._groups
+    groups = plan.groups
     layout, seq_len = routing.sequence(plan, q.shape[1])
     ring_index = groups.sep.index // layout.ulysses
     inputs = (q, k, v, g, beta)
@@ -121,7 +121,7 @@ def _routed_conv(original, plan):
         x = arguments.pop(first)
         reach = arguments["weight"].shape[-1] - 1
         windows = windows_for(plan, x.shape[2], reach, 0)
-        out = original(windows.widen(x, 2, plan._groups.sep), **arguments)  # [b, C, windows]
+        out = original(windows.widen(x, 2, plan.groups.sep), **arguments)  # [b, C, windows]
         routing.mark_ran()
         return windows.narrow(out, 2)  # [b, C, s_local]
 

@@ -5,23 +5,23 @@ Looked up in order, first claim wins; mixers registered by users go before the b
 """
 from __future__ import annotations
 
+from ... import runtime
 from .base import TokenMixer
-
-_mixers = []
 
 
 def register_mixer(mixer, first=True):
     """Add a TokenMixer instance (before the others unless `first=False`); returns it."""
     if not isinstance(mixer, TokenMixer):
         raise TypeError(f"register_mixer takes a paddle_cp TokenMixer instance, got {type(mixer).__name__}")
-    if mixer not in _mixers:
-        _mixers.insert(0 if first else len(_mixers), mixer)
+    mixers = runtime.installed.mixers
+    if mixer not in mixers:
+        mixers.insert(0 if first else len(mixers), mixer)
     return mixer
 
 
 def mixer_of(layer):
     """The mixer claiming `layer`, or None for a layer that mixes no tokens along the sequence."""
-    return next((mixer for mixer in _mixers if mixer.claims(layer)), None)
+    return next((mixer for mixer in runtime.installed.mixers if mixer.claims(layer)), None)
 
 
 def claimed_within(layer):

@@ -29,5 +29,5 @@ class SoftmaxAttention(TokenMixer):
         return any(predicate(type(layer)) for predicate in _ATTENTION_CLASSES)
 
     def _route(self, layer, plan):
-        adapters.install()
+        adapters.install(layer)
         routing.cover(plan, layer)
