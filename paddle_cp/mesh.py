@@ -234,10 +234,10 @@ def _new_group(ranks):
     members = tuple(sorted(ranks))
     if members == tuple(range(dist.get_world_size())):
         return None  # Paddle's default group: no new gloo rendezvous
-    groups = runtime.installed.groups
-    if ("ranks", members) not in groups:
-        groups["ranks", members] = _rendezvous(members)
-    return groups["ranks", members]
+    groups = runtime.installed.process_groups
+    if members not in groups:
+        groups[members] = _rendezvous(members)
+    return groups[members]
 
 
 def _rendezvous(ranks):
