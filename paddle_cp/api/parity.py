@@ -38,9 +38,10 @@ from .parallelize import parallelized_state
 IGNORED_LABEL = -100  # PaddleFormers' default `ignored_index`
 STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed documents: both forwards understand them
 TOLERANCE = 1e-5  # fp32 parity; a larger difference may be the model's own rounding: the float64 pass tells
-# As close to the truth as one card: within this factor of one card's distance (the spread of one card's own
-# fp32 evaluations on Qwen3-Next, docs/hybrid_models.md) or within TOLERANCE.
-TRUTH_FACTOR = 2
+# As close to the truth as one card: within this factor of one card's distance or within TOLERANCE. One card's
+# distance is one sample of the model's fp32 rounding noise and paddle_cp's another: on Qwen3-Next correct runs
+# measured up to 2.38x one card's on one CPU (1.43x on another), faults 16x and more (docs/hybrid_models.md).
+TRUTH_FACTOR = 3
 
 
 def check_parity(model, reference=None, **inputs):

@@ -9,15 +9,13 @@ single GDN layer, a Conv1D model and the refusals are checked too.
 import pytest
 from launcher import launch
 
+from paddle_cp.api.parity import TRUTH_FACTOR
+
 pytest.importorskip("paddleformers")
 
 TOL = 1e-5
-# One card's distance is the larger of two fp32 evaluations' (its rule chunked by 64 and by 8): each is one sample
-# of the model's rounding noise, and paddle_cp's is another. Measured (docs/hybrid_models.md): paddle_cp's distance
-# is at most 1.43x one card's on the CPU that set this bound, 2.38x on another (p2p at 9 tokens over 4 ranks,
-# gradients; 2.28x on N=2 packed parameters): the noise samples differ by CPU. The state carried between ranks in
-# bfloat16 (a state-passing fault) gives 16-530x, dropping the older runs' state 240-22000x: 3 keeps them apart.
-TRUTH_FACTOR = 3
+# One card's distance is the larger of two fp32 evaluations' (its rule chunked by 64 and by 8); the factor is
+# check_parity's own (paddle_cp/api/parity.py, with its measurements).
 # One card's own distance from the truth is at most 4.4e-3 (N=3 packed, losses after 3 steps): a cap, so that a
 # broken truth (another batch or start) cannot widen the bound until anything passes.
 ONE_CARD_CAP = 1e-2
