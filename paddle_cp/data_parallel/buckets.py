@@ -32,7 +32,8 @@ order. A bucket is reduced only in `step()` when it holds
 - a parameter no rank had a gradient for at the first step: which ranks have one is agreed then, in
   one all-reduce per group read on the host, and again every step for such a bucket only (one card
   gives such a parameter no gradient, so it must not get zeros). Otherwise a parameter missing here is
-  reduced as zeros, with no host read: that is one card's gradient, which `clear_grad()` zeroes;
+  reduced as zeros, with no host read: that is one card's gradient, which `clear_grad()` zeroes
+  (`clear_grad(set_to_zero=False)` leaves None instead: presence is agreed again at the next step);
 - or when an enabled GradScaler drives the optimizer (`shard_scaler` turns overlap off: the scaler's
   step reads and may change gradients between backward and step, as the scaler tests inject infs), or
   under a pipeline (the factor a script puts on a scheduled step's loss is known only after the
@@ -252,8 +253,12 @@ class GradientBuckets:
         self.grad_bytes.held = held  # now on the parameters (what the optimizer steps on)
         self._new_step()
 
-    def clear(self):
-        """Forget this step's gradients (a step skipped, clear_grad before step)."""
+    def clear(self, set_to_zero=True):
+        """Forget this step's gradients (a step skipped, clear_grad before step). Cleared to None (not zeros), a
+        gradient one card does not write next step stays None there and its parameter is not stepped: which
+        members have one is agreed again at the next step (no bucket reduced during that backward)."""
+        if not set_to_zero:
+            self.agreed = False
         self._finish_in_flight()
         self.grad_bytes.held = 0
         self._new_step()

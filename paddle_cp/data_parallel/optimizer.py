@@ -113,7 +113,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         that was skipped (a GradScaler that found inf)."""
         if self._sharding is not None:
             self._sharding.clear_stash()
-        self._buckets.clear()
+        self._buckets.clear(set_to_zero)
         self._reduced = False
         runtime.state.pipeline_loss_scale = None
         self._inner.clear_grad(set_to_zero)

@@ -101,6 +101,10 @@ class Trainer(PaddleFormersTrainer):
                              "first (Trainer.train does)")
         model, self.optimizer = pcp.parallelize(model, self.optimizer, self.args.paddle_cp_mesh,
                                                 self.paddle_cp_config)
+        if self.args.gradient_accumulation_steps > 1:
+            # the Trainer scales every `.grad` by 1/k between the last backward and the step: a bucket reduced
+            # during that backward has none to scale (data_parallel/buckets.py)
+            self.optimizer.keep_gradients_until_step()
         self._parallelized = True
         return model
 
