@@ -52,5 +52,5 @@ class SequenceTiled(Plan):
         layer.forward = tiled
         # sharding level 3 fetches the layer's weights once around the tiled call and once for its backward, not
         # per tile: the tile count follows this rank's rows, which differ between the ranks a fetch meets on
-        mark_fetch_unit(layer)
+        mark_fetch_unit(layer, runs_by_data=False)
         return None

@@ -78,3 +78,4 @@ def test_tiled_mlp_at_sharding_level_3_fetches_its_weights_once_per_pass_at_unev
             fetches = values[f"l3.{run}.fetches"]
             assert set(fetches) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}, fetches
             assert all(count == 3 * passes for count in fetches.values()), (run, fetches)
+            assert values[f"l3.{run}.mlp_reduced_in_backward"] is True

@@ -200,6 +200,9 @@ def level3(report):
         report.value(f"{name}.fetches", fetches)
         report.value(f"{name}.mlp_calls", len(calls))
         report.value(f"{name}.local_rows", int(local.numel()))
+        buckets = opt.gradient_buckets.buckets  # a fetch unit, but not one whose sublayers run by the data
+        report.value(f"{name}.mlp_reduced_in_backward", all(
+            bucket.early for p in mlp.parameters() for bucket in buckets if any(q is p for q in bucket.params)))
 
 
 def main(report):
