@@ -351,15 +351,19 @@ def _window(box):
 _FETCH_UNIT = "_pcp_fetch_unit"
 
 
-def mark_fetch_unit(layer):
+def mark_fetch_unit(layer, runs_by_data=True):
     """Sharding level 3 fetches the parameters of `layer` and all its sublayers together, around its forward and
     backward, not around each sublayer's: for sublayers that run or not, and in an order, depending on the
-    data (a rank's experts), where per-sublayer fetches (collectives) would not meet on every rank."""
-    object.__setattr__(layer, _FETCH_UNIT, True)
+    data (a rank's experts, `runs_by_data`), where per-sublayer fetches (collectives) would not meet on every
+    rank; or that run a number of times set by the rank's rows (a tiled MLP: runs_by_data=False, its gradients
+    still arrive at one point of backward on every rank, so buckets.py may reduce them during backward)."""
+    object.__setattr__(layer, _FETCH_UNIT, "by_data" if runs_by_data else "whole")
 
 
-def is_fetch_unit(layer):
-    return getattr(layer, _FETCH_UNIT, False)
+def is_fetch_unit(layer, runs_by_data=False):
+    """Whether `layer` is a fetch unit (with runs_by_data=True: one whose sublayers run by the data)."""
+    mark = getattr(layer, _FETCH_UNIT, None)
+    return mark == "by_data" if runs_by_data else mark is not None
 
 
 def record_of(param):

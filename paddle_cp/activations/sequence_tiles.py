@@ -51,11 +51,15 @@ def _rng_state(state):
 
 
 class _Tiled(PyLayer):
-    """`block(x)` over x's tokens in tiles; x: [..., hidden], the block's output [..., out]."""
+    """`block(x)` over x's tokens in tiles; x: [..., hidden], the block's output [..., out]. `weights`: the trained
+    tensors that `layer` (whose forward `block` runs) and its sublayers hold now; the backward replays with leaves
+    sharing them, so their gradients sum over the tiles and leave once, through whatever made them (at sharding
+    level 3 the fetched copies: one fetch per call and one per backward, however many tiles this rank cuts)."""
 
     @staticmethod
-    def forward(ctx, block, tokens, x):
+    def forward(ctx, block, tokens, layer, x, *weights):
         ctx.block, ctx.autocast, ctx.rng = block, _autocast_now(), []
+        ctx.slots, ctx.held = _held(layer)
         ctx.bounds = tile_bounds(math.prod(x.shape[:-1]), tokens)
         ctx.save_for_backward(x)
         return _forward_tiles(block, ctx.bounds, x, ctx.rng)
@@ -66,16 +70,47 @@ class _Tiled(PyLayer):
         rows = x.reshape([-1, x.shape[-1]])
         grad_rows = grad.reshape([-1, grad.shape[-1]])  # [tokens, out]
         dx = paddle.zeros(rows.shape, rows.dtype)
-        for (start, end), rng in zip(ctx.bounds, ctx.rng):
-            tile = rows[start:end].detach()
-            tile.stop_gradient = False
-            with paddle.enable_grad(), replaying(), _rng_state(rng), paddle.amp.auto_cast(**ctx.autocast):
-                y = _call(ctx.block, tile, x.ndim)
-            with paddle.amp.auto_cast(enable=False):
-                paddle.autograd.backward([y], [grad_rows[start:end].reshape(y.shape)])
-            if tile.grad is not None:
-                dx[start:end] = tile.grad
-        return dx.reshape(x.shape)
+        values = [value if value.stop_gradient else _leaf(value) for value in ctx.held]
+        with _holding(ctx.slots, values):
+            for (start, end), rng in zip(ctx.bounds, ctx.rng):
+                tile = rows[start:end].detach()
+                tile.stop_gradient = False
+                with paddle.enable_grad(), replaying(), _rng_state(rng), paddle.amp.auto_cast(**ctx.autocast):
+                    y = _call(ctx.block, tile, x.ndim)
+                with paddle.amp.auto_cast(enable=False):
+                    paddle.autograd.backward([y], [grad_rows[start:end].reshape(y.shape)])
+                if tile.grad is not None:
+                    dx[start:end] = tile.grad
+        trained = [value for value in values if not value.stop_gradient]
+        return (dx.reshape(x.shape), *[v.grad if v.grad is not None else paddle.zeros_like(v) for v in trained])
+
+
+def _leaf(value):
+    """A leaf sharing `value`'s memory, gathering its gradient over the tiles."""
+    leaf = value.detach()
+    leaf.stop_gradient = False
+    return leaf
+
+
+def _held(layer):
+    """([(sublayer, name)], [tensor]): what `layer` and its sublayers compute with now (at sharding level 3, inside
+    the layer's forward, the full copies its fetch unit put in place of the placeholders)."""
+    slots = [(holder, name) for holder in layer.sublayers(include_self=True)
+             for name, value in holder._parameters.items() if value is not None]
+    return slots, [holder._parameters[name] for holder, name in slots]
+
+
+@contextlib.contextmanager
+def _holding(slots, values):
+    """The sublayers compute with `values` in `slots`, then get back what they held."""
+    before = [holder._parameters[name] for holder, name in slots]
+    for (holder, name), value in zip(slots, values):
+        holder._parameters[name] = value
+    try:
+        yield
+    finally:
+        for (holder, name), value in zip(slots, before):
+            holder._parameters[name] = value
 
 
 def _forward_tiles(block, bounds, x, rng_states):
@@ -100,8 +135,9 @@ def _call(block, tile, ndim):
     return y
 
 
-def run_tiled(block, tokens, x):
-    """`block(x)` computed `tokens` rows at a time; a gradient flows to x and to the block's parameters."""
+def run_tiled(block, tokens, x, layer):
+    """`block(x)` computed `tokens` rows at a time, `block` computing with `layer`'s parameters; a gradient flows
+    to x and to them."""
     if not isinstance(x, paddle.Tensor) or x.ndim < 2:
         raise ValueError(f"SequenceTiled: the layer's input must be a [..., tokens, hidden] tensor, got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
@@ -110,4 +146,5 @@ def run_tiled(block, tokens, x):
     if x.stop_gradient:  # the block's own parameters still need the backward to run
         x = x.detach()
         x.stop_gradient = False
-    return _Tiled.apply(block, tokens, x)
+    _, held = _held(layer)
+    return _Tiled.apply(block, tokens, layer, x, *[value for value in held if not value.stop_gradient])

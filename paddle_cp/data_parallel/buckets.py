@@ -26,8 +26,8 @@ collectives (every rank makes the same backward calls: the script's).
 Every rank issues the buckets in one fixed order: first those that may be reduced during backward, in
 index order (one not ready holds back those after it), then those reduced only in `step()`, in index
 order. A bucket is reduced only in `step()` when it holds
-- a parameter of a fetch unit (experts: which run, on which ranks, depends on the routing, so the
-  point in backward where the bucket completes differs between ranks, and a blocking gloo
+- a parameter of a fetch unit whose sublayers run by the data (experts: which run, on which ranks,
+  depends on the routing, so the point in backward where the bucket completes differs between ranks, and a blocking gloo
   collective there could wait on a peer that waits in an attention exchange);
 - a parameter no rank had a gradient for at the first step: which ranks have one is agreed then, in
   one all-reduce per group read on the host, and again every step for such a bucket only (one card
@@ -82,7 +82,7 @@ def plan_buckets(model, params, size_mb):
     a fetch unit's (experts: which ones a rank holds, and their sizes, differ between ranks that reduce the
     other parameters together) in runs of their own, after the others. Only shapes and placements: the same
     on every rank that reduces a bucket."""
-    in_units = {id(p) for layer in model.sublayers(include_self=True) if is_fetch_unit(layer)
+    in_units = {id(p) for layer in model.sublayers(include_self=True) if is_fetch_unit(layer, runs_by_data=True)
                 for p in layer.parameters()}
     reduced_here = [p for p in params if reduced(p)]
     buckets = []

@@ -6,6 +6,7 @@ import functools
 from ..activations.sequence_tiles import run_tiled
 from ..attention.mixers.registry import claimed_within
 from ..experts.blocks import find_moe_block
+from ..params import mark_fetch_unit
 from .base import Plan, refuse_param_plan
 from .hook_args import first_input
 
@@ -44,9 +45,12 @@ class SequenceTiled(Plan):
         def tiled(*args, **kwargs):
             x = first_input(args, kwargs)
             if args:
-                return run_tiled(lambda tile: forward(tile, *args[1:], **kwargs), tokens, x)
+                return run_tiled(lambda tile: forward(tile, *args[1:], **kwargs), tokens, x, layer)
             name = next(key for key, value in kwargs.items() if value is x)
-            return run_tiled(lambda tile: forward(**{**kwargs, name: tile}), tokens, x)
+            return run_tiled(lambda tile: forward(**{**kwargs, name: tile}), tokens, x, layer)
 
         layer.forward = tiled
+        # sharding level 3 fetches the layer's weights once around the tiled call and once for its backward, not
+        # per tile: the tile count follows this rank's rows, which differ between the ranks a fetch meets on
+        mark_fetch_unit(layer, runs_by_data=False)
         return None

@@ -56,3 +56,26 @@ def test_tiled_and_offloaded_llama_under_pipeline_recompute_and_sharding_levels(
         assert values["pp2_sep2_recompute_reentrant_offload.offloaded"] > 0  # this stage's layers' inputs
         for level in (1, 2, 3):  # 4 layers x (hidden states, the eager build's float causal mask, cos, sin) x 3 steps
             assert values[f"dp2_sep2_l{level}.offloaded"] == 4 * 4 * 3, (level, values[f"dp2_sep2_l{level}.offloaded"])
+
+
+@needs_paddleformers
+def test_tiled_mlp_at_sharding_level_3_fetches_its_weights_once_per_pass_at_uneven_lengths():
+    """65 tokens over a ring of 2 leave the ranks 33 and 32 tokens (x2 sequences), so 17 and 16 tiles of 4: the
+    level-3 fetches (broadcasts over sep) must not follow the tiles, or the ranks' broadcasts fall out of step."""
+    reports = launch("long_sequence_parity.py", 2, "level3")
+    assert_close(reports)
+    rows = sorted(report["values"]["l3.plain.local_rows"] for report in reports)
+    assert rows == [64, 66], rows
+    for report in reports:
+        values = report["values"]
+        tiles = -(-values["l3.plain.local_rows"] // 4)
+        for run, passes in (("plain", 2), ("recompute", 3)):
+            assert {f"l3.{run}.{kind}" for kind in ("loss", "grad", "param")} <= set(report["max_abs"])
+            assert values[f"l3.{run}.grads_compared"] > 0
+            # per step (3) every pass over the MLP runs each tile: its forward and backward, and under recomputation
+            # the layer's first forward (no graph) too; each pass fetches the weights once
+            assert values[f"l3.{run}.mlp_calls"] == 3 * passes * tiles, (run, values[f"l3.{run}.mlp_calls"])
+            fetches = values[f"l3.{run}.fetches"]
+            assert set(fetches) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}, fetches
+            assert all(count == 3 * passes for count in fetches.values()), (run, fetches)
+            assert values[f"l3.{run}.mlp_reduced_in_backward"] is True

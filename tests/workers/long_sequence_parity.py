@@ -6,7 +6,9 @@ with PaddleFormers' full recomputation, tiled and offloaded, offloaded alone; un
 weighted by pcp.loss_weight), tiles shorter than a rank's tokens and a last tile shorter than the others. Bad
 settings are refused on every rank before any collective. argv[1] == "composed" (4 ranks): pp2 x sep2 with
 recomputation (reentrant, tiled and offloaded; non-reentrant, tiled), dp2 x sep2 at sharding levels 1, 2 and 3
-with recomputation, tiles and offload, compared through full_state_dict (pipeline.compare).
+with recomputation, tiles and offload, compared through full_state_dict (pipeline.compare). argv[1] == "level3"
+(2 ranks): a ring over sep sharded at level 3 (over sep) at a length that leaves the two ranks different numbers of
+tiles, without and with recomputation; each tiled MLP's weights fetched once per forward and once per backward.
 """
 import sys
 
@@ -18,6 +20,7 @@ from pipeline import compare, llama, llama_recompute, model_loss, pp_mesh
 from report import mean_over_ranks, run
 
 import paddle_cp as pcp
+from paddle_cp.data_parallel import parameter_fetch
 
 STEPS = 3
 TILE = 4  # tokens per tile: several tiles per rank, the last one shorter
@@ -141,9 +144,70 @@ def composed(report):
         report.value(f"{name}.offloaded", offload.store.counts["offloaded"])
 
 
+def counting_fetches(layer):
+    """{parameter name: level-3 fetches (broadcasts of its full value)} of `layer`'s parameters, counted while the
+    returned `restore` has not been called."""
+    names = {id(p): n for n, p in layer.named_parameters()}
+    counts = dict.fromkeys(names.values(), 0)
+    fetch = parameter_fetch.broadcast_full
+
+    def counted(param, *args, **kwargs):
+        if id(param) in names:
+            counts[names[id(param)]] += 1
+        return fetch(param, *args, **kwargs)
+
+    parameter_fetch.broadcast_full = counted
+    return counts, lambda: setattr(parameter_fetch, "broadcast_full", fetch)
+
+
+def level3(report):
+    mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["sep"])
+    ids, labels, _, _, _ = make_batch(65, None)  # 65 tokens over 4 ring chunks: 33 and 32 per rank, x2 sequences
+    model = build(False)
+    losses, grads, params = train(model, adamw(model), ids, lambda m, x: loss_of(m(input_ids=x, labels=labels)))
+    for recompute in (False, True):
+        name = f"l3.{'recompute' if recompute else 'plain'}"
+        model = build(recompute)
+        plans = plan("p2p", None)
+        model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plans},
+                                                                 "dp_config": {"sharding_level": 3}})
+        local = pcp.shard_sequence(labels, backend=plans[""], mesh=mesh)
+        weight = pcp.loss_weight(local.numel(), mesh)
+        mlp = model.model.layers[0].mlp
+        calls = []  # once per tile per forward or replay
+        mlp.gate_proj.register_forward_pre_hook(lambda layer, inputs: calls.append(1))
+        fetches, restore = counting_fetches(mlp)
+        got_losses, got_grads = [], 0
+        try:
+            for step in range(STEPS):
+                loss = loss_of(model(input_ids=ids, labels=local)) * weight
+                loss.backward()
+                opt.step()
+                if step == 0:  # the reduced gradients of the parameters this rank owns (level 3 frees the others')
+                    for n, p in model.named_parameters():
+                        if p.grad is not None and p.grad._is_initialized():
+                            report.diff(f"{name}.grad", p.grad.numpy(), grads[n])
+                            got_grads += 1
+                opt.clear_grad()
+                got_losses.append(loss)
+        finally:
+            restore()
+        report.diff(f"{name}.loss", mean_over_ranks(got_losses, mesh), [float(x) for x in losses])
+        state = pcp.full_state_dict(model)
+        for n, value in params.items():
+            report.diff(f"{name}.param", state[n], value)
+        report.value(f"{name}.grads_compared", got_grads)
+        report.value(f"{name}.fetches", fetches)
+        report.value(f"{name}.mlp_calls", len(calls))
+        report.value(f"{name}.local_rows", int(local.numel()))
+        buckets = opt.gradient_buckets.buckets  # a fetch unit, but not one whose sublayers run by the data
+        report.value(f"{name}.mlp_reduced_in_backward", all(
+            bucket.early for p in mlp.parameters() for bucket in buckets if any(q is p for q in bucket.params)))
+
+
 def main(report):
     dist.init_parallel_env()
-    {"sep": sep, "composed": composed}[sys.argv[1]](report)
+    {"sep": sep, "composed": composed, "level3": level3}[sys.argv[1]](report)
 
 
 run(main)
