@@ -13,12 +13,12 @@ def test_without_the_float64_pass_it_is_the_plain_dict():
     assert str(parity).endswith("equal to one card within 1e-05")
 
 
-def test_the_verdict_is_two_times_one_cards_distance_or_the_tolerance():
+def test_the_verdict_is_three_times_one_cards_distance_or_the_tolerance():
     def verdict(parallel, one_card):
         return Parity({"logits": 5e-5}, one_card={"logits": one_card}, parallel={"logits": parallel})
 
-    assert verdict(6e-5, 3e-5).as_close_as_one_card  # exactly 2x
-    assert not verdict(6.1e-5, 3e-5).as_close_as_one_card
+    assert verdict(9e-5, 3e-5).as_close_as_one_card  # exactly 3x
+    assert not verdict(9.1e-5, 3e-5).as_close_as_one_card
     assert verdict(9e-6, 1e-7).as_close_as_one_card  # within the tolerance whatever one card's distance
     assert not verdict(2e-5, 0.0).as_close_as_one_card and verdict(2e-5, 0.0).ratio == {"logits": float("inf")}
     parity = verdict(7.7e-3, 3.4e-5)
