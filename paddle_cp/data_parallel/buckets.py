@@ -154,6 +154,7 @@ class GradientBuckets:
                 _follow(param, self)
         self.overlap = True  # False once an enabled GradScaler drives the optimizer
         self.agreed = False  # which members have a gradient somewhere: agreed at the first step
+        self.recheck = False  # and at the next step after clear_grad(set_to_zero=False)
         self.grad_bytes = GradientBytes()
         # (bucket index, member gradients arrived so far, pass) of each bucket issued during backward, this step
         # (kept until the next step's first gradient arrives)
@@ -229,9 +230,11 @@ class GradientBuckets:
         late = self._late or (self._passes_learned is not None and self.passes > self._passes_learned)
         for position, bucket in enumerate(self._order):
             if position >= self._next:
-                if not self.agreed or bucket.dead:
+                if not self.agreed or bucket.dead or self.recheck:
                     self._agree(bucket)
                 self._reduce(bucket)
+            elif self.recheck:
+                self._agree(bucket)
             if late and bucket.overlaps:
                 self._reduce(bucket)  # what arrived after its first round (zeros on a rank where nothing did)
         self._next = len(self._order)
@@ -246,8 +249,8 @@ class GradientBuckets:
                 if value is not None and id(param) not in bucket.dead:  # else another rank owns it, or no rank used it
                     value = value.reshape(record_of(param).local_shape())
                     param._set_grad_ivar(value)
-        if not self.agreed:
-            self.agreed, self._order = True, self._fixed_order()
+        if not self.agreed or self.recheck:
+            self.agreed, self.recheck, self._order = True, False, self._fixed_order()
         self._passes_learned, self._last_pass = self.passes, dict(self._arrived_in)
         held = sum(math.prod(v.shape) * v.element_size() for b in self.buckets for v in b.values.values())
         self.grad_bytes.held = held  # now on the parameters (what the optimizer steps on)
@@ -256,9 +259,8 @@ class GradientBuckets:
     def clear(self, set_to_zero=True):
         """Forget this step's gradients (a step skipped, clear_grad before step). Cleared to None (not zeros), a
         gradient one card does not write next step stays None there and its parameter is not stepped: which
-        members have one is agreed again at the next step (no bucket reduced during that backward)."""
-        if not set_to_zero:
-            self.agreed = False
+        members have one is agreed again in the next step() (buckets still reduced during backward)."""
+        self.recheck = not set_to_zero
         self._finish_in_flight()
         self.grad_bytes.held = 0
         self._new_step()
@@ -321,7 +323,8 @@ class GradientBuckets:
     def _agree(self, bucket):
         """Which members have a gradient on some rank sharing them: one all-reduce per group of their
         reductions, read on the host (the first step; then every step for a bucket with such a member)."""
-        present = {id(p): int(has_gradient(self.gradients.gradient(p))) for p in bucket.params}
+        present = {id(p): int(id(p) in self._arrived_in or has_gradient(self.gradients.gradient(p)))
+                   for p in bucket.params}  # arrived: a bucket reduced during backward released it already
         for _, group, _, members in _steps(bucket.params):
             counts = paddle.to_tensor([present[id(p)] for p in members], dtype="int32")
             collectives.all_reduce(group, counts, tag="grad_presence")
