@@ -62,7 +62,7 @@ def reports(root):
 @pytest.mark.parametrize("run", RUNS)
 def test_training_matches_one_card(reports, run):
     for report in reports:
-        for kind in ("loss", "param") + (("logits",) if "pp" not in run else ())  # a pipeline returns losses:
+        for kind in ("loss", "param") + (("logits",) if "pp" not in run else ()):  # a pipeline returns losses
             assert report["max_abs"][f"{run}.{kind}"] <= TOL, (report["rank"], run, kind, report["max_abs"])
         assert report["values"][f"{run}.keys_match"], run
         losses = report["values"][f"{run}.losses"]
