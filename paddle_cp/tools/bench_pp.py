@@ -14,7 +14,7 @@ micro-batch count, reporting per case (median over `--steps` timed steps):
 - p2p_bytes: activation and gradient bytes each stage sent (`bytes_sent`) and
   `p2p_predicted`: per boundary crossed, m micro-batches of b/m x s x h x 4 bytes each
   way; summed over stages 2(pv-1) x m x (b/m) x s x h x 4. The skeleton messages
-  (shapes, a few dozen bytes each) are reported apart as `meta_bytes`.
+  (shapes, a few dozen bytes each, once per batch layout: none in a step after the warm-up) are reported apart as `meta_bytes`.
 - peak_mb: Paddle's host allocator peak during a step, per stage (parameters,
   optimizer state, activations in flight).
 """

@@ -33,9 +33,9 @@ def test_p2p_bytes_are_the_formula(result):
     for case in result["cases"]:
         assert case["p2p_bytes"] == case["p2p_predicted"], case
         assert sum(case["p2p_bytes"]) == case["p2p_total_formula"]
-        meta = case["meta_bytes"]  # shapes only, with each forward transfer: small, and none from the last stage
-        assert meta[0] > 0 and max(meta) < 1000 * case["m"] * case["v"]
-        assert (meta[-1] == 0) == (case["v"] == 1)
+        # shapes cross a stage boundary once per batch layout (pipeline/stage_p2p), not with every transfer:
+        # the measured step, after the warm-up's, sends none
+        assert case["meta_bytes"] == [0] * len(case["meta_bytes"]), case
 
 
 def test_bubbles_and_memory_are_reported(result):
