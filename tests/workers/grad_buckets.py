@@ -20,9 +20,9 @@ import sys
 import numpy as np
 import paddle
 import paddle.distributed as dist
-from optimizer_amp import PP_CONFIG, build
+from optimizer_amp import build, parallelized
 from report import run
-from tensor_parallel import CP_PLAN, WELL_CONDITIONED_EPSILON, paddle_plan
+from tensor_parallel import WELL_CONDITIONED_EPSILON
 
 import paddle_cp as pcp
 from paddle_cp.tools.allocator import allocated, peak, reset_peak
@@ -96,18 +96,9 @@ def one_card():
 
 
 def layout(report, name, dims, level, want):
-    world = dist.get_world_size()
-    mesh = dist.ProcessMesh(np.arange(world).reshape([d for _, d in dims]).tolist(), dim_names=[n for n, _ in dims])
-    model, optimizer, scheduler = build(WELL_CONDITIONED_EPSILON)
-    config = {"dp_config": {"sharding_level": level, "bucket_size_mb": BUCKET_MB}}
     sep = "sep" in dict(dims)
-    if "pp" in dict(dims):
-        config["pp_config"] = PP_CONFIG
-    if dict(dims).get("mp", 1) > 1:
-        config["mp_config"] = {"parallelize_plan": paddle_plan(model)}
-    if sep:
-        config["cp_config"] = {"parallelize_plan": CP_PLAN}
-    model, optimizer = pcp.parallelize(model, optimizer, mesh=mesh, config=config)
+    mesh, model, optimizer, scheduler = parallelized(dims, level, WELL_CONDITIONED_EPSILON, sep,
+                                                     bucket_size_mb=BUCKET_MB)
     buckets = optimizer.gradient_buckets
     data = batches()
     losses, issued, reads = [], [], {}
@@ -130,7 +121,7 @@ def layout(report, name, dims, level, want):
             optimizer.clear_grad()
             scheduler.step()
         dist.all_reduce(total)  # mp copies are equal: the world mean is the dp x sep mean
-        losses.append(float(total) / world)
+        losses.append(float(total) / dist.get_world_size())
     report.diff(f"{name}.loss", np.array(losses), want[0])
     state = pcp.full_state_dict(model)
     for key, value in want[1].items():

@@ -179,18 +179,25 @@ class ReductionCounter:
             patch.stop()
 
 
-def parallel(dims, level, epsilon, sep):
+def parallelized(dims, level, epsilon, sep, **dp_config):
+    """(mesh, model, optimizer, scheduler): build(epsilon)'s on a mesh of `dims` ((name, size) pairs) at sharding
+    `level`, Paddle's mp plan where mp > 1, the pipeline where pp is a dim, ring attention when `sep`."""
     world = dist.get_world_size()
     mesh = dist.ProcessMesh(np.arange(world).reshape([d for _, d in dims]).tolist(), dim_names=[n for n, _ in dims])
     model, optimizer, scheduler = build(epsilon)
-    config = {"dp_config": {"sharding_level": level}}
+    config = {"dp_config": {"sharding_level": level, **dp_config}}
     if "pp" in dict(dims):
         config["pp_config"] = PP_CONFIG
     if dict(dims).get("mp", 1) > 1:
         config["mp_config"] = {"parallelize_plan": paddle_plan(model)}
     if sep:
         config["cp_config"] = {"parallelize_plan": CP_PLAN}
-    model, wrapper = pcp.parallelize(model, optimizer, mesh=mesh, config=config)
+    model, optimizer = pcp.parallelize(model, optimizer, mesh=mesh, config=config)
+    return mesh, model, optimizer, scheduler
+
+
+def parallel(dims, level, epsilon, sep):
+    mesh, model, wrapper, scheduler = parallelized(dims, level, epsilon, sep)
     model, optimizer = paddle.amp.decorate(models=model, optimizers=wrapper, level="O2", dtype="bfloat16",
                                            master_grad=True)  # CPU: returned as given (GPU: see the docs)
     assert optimizer is wrapper
