@@ -17,7 +17,7 @@ import paddle.distributed as dist
 from batches import make_batch
 from llama_models import build_llama, loss_of
 from pipeline import compare, llama, llama_recompute, model_loss, pp_mesh
-from report import mean_over_ranks, run
+from report import mean_over_ranks, run, train_steps
 
 import paddle_cp as pcp
 from paddle_cp.data_parallel import parameter_fetch
@@ -37,16 +37,7 @@ def build(recompute):
 
 
 def train(model, opt, ids, loss_fn):
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = loss_fn(model, ids)
-        loss.backward()
-        opt.step()
-        if step == 0:
-            grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
-        opt.clear_grad()
-        losses.append(loss)
-    return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+    return train_steps(model, opt, [ids], loss_fn, STEPS)
 
 
 def plan(backend, degree, tile=TILE, offload=None):

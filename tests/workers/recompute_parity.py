@@ -18,7 +18,7 @@ import paddle.distributed as dist
 from batches import make_batch
 from llama_models import build_llama, loss_of
 from paddle.distributed.fleet.utils import recompute
-from report import mean_over_ranks, run
+from report import mean_over_ranks, run, train_steps
 
 import paddle_cp as pcp
 
@@ -86,16 +86,7 @@ def inputs(batch, packed):
 
 
 def train(model, opt, batches, loss_fn):
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = sum(loss_fn(model, batch) for batch in batches)  # every forward before the one backward
-        loss.backward()
-        opt.step()
-        if step == 0:
-            grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
-        opt.clear_grad()
-        losses.append(loss)
-    return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+    return train_steps(model, opt, batches, loss_fn, STEPS)  # every forward before the one backward
 
 
 def reference(seq, packed, accumulate):

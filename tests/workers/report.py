@@ -65,6 +65,21 @@ def mean_over_ranks(losses, mesh):
     return means
 
 
+def train_steps(model, opt, batches, loss_fn, steps):
+    """`steps` optimizer steps, each one backward of the summed losses of `batches` (every forward before it):
+    (losses, first-step gradients, final parameters), what Report.training compares."""
+    losses, grads = [], None
+    for step in range(steps):
+        loss = sum(loss_fn(model, batch) for batch in batches)
+        loss.backward()
+        opt.step()
+        if step == 0:
+            grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        opt.clear_grad()
+        losses.append(loss)
+    return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+
+
 def run(main):
     report = Report()
     try:
