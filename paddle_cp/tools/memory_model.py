@@ -9,6 +9,9 @@ path and paddle_cp hold it:
   (routed experts / ep); AdamW keeps two fp32 moments and, below fp32, an fp32 master copy. Sharding
   (issue 26) divides, over the layout's `shard_ranks` (dp x sep by default; experts over those / ep):
   optimizer state at levels 1-3, gradients after the step's reduction at levels 2-3, weights at level 3.
+  `offload_optimizer` (data_parallel/host_optimizer.py): the state and an fp32 copy of each stepped parameter
+  (its master) live in host memory (`host`), stepped there; the device holds, during the step, one parameter's
+  new value on its way back.
   paddle_cp gives each parameter one owner, so the busiest rank holds its share or the largest parameter,
   whichever is more (greedy owners, largest first: at most one parameter over that).
 - activations (per layer and micro-batch, t tokens per rank, SP region t/tp): two RMSNorms, each its input
@@ -95,12 +98,15 @@ def _state(model, layout, stage, elem):
         return owned + experts / expert_ranks if level >= at_level else dense + experts
 
     optimizer_bytes = MOMENTS_BYTES + (FP32 if elem < FP32 else 0)  # below fp32: an fp32 master copy
+    optimizer, host_optimizer = share(1) * optimizer_bytes, 0
+    if layout.offload_optimizer:  # the host steps an fp32 copy of every parameter, whatever its dtype
+        optimizer, host_optimizer = 0, share(1) * (MOMENTS_BYTES + FP32)
     whole = (dense + experts) * elem
     bucket = min(BUCKET_BYTES, whole)
     # levels 2-3: buckets are reduce-scattered as backward fills them (not under a pipeline: in its step)
     held = whole if level < 2 or layout.pp > 1 else min(whole, share(2) * elem + bucket)
-    return {"weights": share(3) * elem, "gradients": share(2) * elem, "optimizer": share(1) * optimizer_bytes,
-            "whole_gradients": whole, "held_gradients": held, "bucket": bucket}
+    return {"weights": share(3) * elem, "gradients": share(2) * elem, "optimizer": optimizer,
+            "host_optimizer": host_optimizer, "whole_gradients": whole, "held_gradients": held, "bucket": bucket}
 
 
 def layer_activations(model, layout, tokens, seq, batch, elem, moe, fused=False):
@@ -228,17 +234,18 @@ def stage_memory(model, layout, seq, batch, elem, stage, fused=False):
         during_layers = held + gradients
     else:
         during_layers = max(held, gradients)  # activations freed as gradients appear, layer by layer
+    returning = model.largest_param / layout.tp * elem if layout.offload_optimizer else 0  # a new value, back
     phases = {"loss_backward": base + held + logits_held + loss_backward,
               "layer_backward": base + during_layers + rebuilt + fetched,
-              "step": base + gradients + BUCKET_COPIES * state["bucket"]}
+              "step": base + gradients + max(BUCKET_COPIES * state["bucket"], returning)}
     return {"weights": state["weights"], "gradients": state["gradients"], "optimizer": state["optimizer"],
             "activations": held, "logits": logits_held, "phases": phases, "peak": max(phases.values()),
-            "stage": stage, "host": host}
+            "stage": stage, "host": host + state["host_optimizer"]}
 
 
 def memory(model, layout, seq, batch=1, elem=2, fused=False):
     """Per-rank bytes of the busier of the first and last pipeline stage (see the module docstring); `host`:
-    the offloaded bytes it keeps in host memory. `fused`: GPU kernels' activations (fused RMSNorm and RoPE)."""
+    the offloaded bytes it keeps in host memory (layer inputs and optimizer state). `fused`: GPU kernels' activations (fused RMSNorm and RoPE)."""
     stages = {0, layout.pp - 1}
     return max((stage_memory(model, layout, seq, batch, elem, s, fused) for s in stages), key=lambda m: m["peak"])
 

@@ -1,7 +1,7 @@
 """One candidate layout of a training run, and the cluster it runs on (pure, no Paddle).
 
 A layout's name lists its degrees and options as tokens, e.g. `dp2 ring4 uly1 tp8 pp2 m8 l3 full chunk4096
-tile4096 offload`;
+tile4096 offload host-optimizer`;
 `Layout.parse` reads such a name back (spaces or commas between tokens; omitted tokens take the defaults).
 """
 from __future__ import annotations
@@ -40,8 +40,9 @@ class Layout:
     sharding: dp_config's level, over `shard_dims`; recompute: "none", "full" (whole layers) or selective
     modules joined by "+" ("core_attn+mlp"); loss_chunk: tokens per chunk of a chunked lm_head + loss
     (0: the whole sequence at once); mlp_tile: tokens per tile of SequenceTiled MLPs (0: untiled); offload:
-    full recomputation's saved layer inputs kept in host memory (OffloadRecomputeInputs). Tensor
-    parallelism always runs with sequence parallelism.
+    full recomputation's saved layer inputs kept in host memory (OffloadRecomputeInputs); offload_optimizer:
+    the optimizer state (and fp32 master weights) in host memory, stepped there (dp_config
+    `offload_optimizer`). Tensor parallelism always runs with sequence parallelism.
     """
 
     dp: int = 1
@@ -58,6 +59,7 @@ class Layout:
     loss_chunk: int = 0
     mlp_tile: int = 0
     offload: bool = False
+    offload_optimizer: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "shard_dims", tuple(self.shard_dims))  # a list when read back from JSON
@@ -110,6 +112,8 @@ class Layout:
             tokens.append(f"tile{self.mlp_tile}")
         if self.offload:
             tokens.append("offload")
+        if self.offload_optimizer:
+            tokens.append("host-optimizer")
         return " ".join(tokens)
 
     @classmethod
@@ -131,9 +135,12 @@ class Layout:
                 values["recompute"] = token.removeprefix("sel:")
             elif token == "offload":
                 values["offload"] = True
+            elif token == "host-optimizer":
+                values["offload_optimizer"] = True
             else:
                 raise ValueError(f"layout {name!r}: cannot read {token!r}; tokens are dp<N> ring<N> uly<N> tp<N> pp<N> "
-                                 "m<N> vpp<N> ep<N> l<0-3>[@dp|@sep|@dp+sep] full sel:<modules> chunk<N> tile<N> offload")
+                                 "m<N> vpp<N> ep<N> l<0-3>[@dp|@sep|@dp+sep] full sel:<modules> chunk<N> tile<N> offload "
+                                 "host-optimizer")
         layout = cls(**values)
         if not set(layout.shard_dims) <= set(SHARD_DIMS):
             raise ValueError(f"layout {name!r}: sharding runs over 'dp', 'sep' or both, not {layout.shard_dims}")
