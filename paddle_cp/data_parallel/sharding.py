@@ -25,6 +25,7 @@ import warnings
 from .. import mesh as mesh_lib
 from ..comm import collectives
 from .buckets import bucket_size_mb
+from .host_optimizer import offload_requested
 from .optimizer import OwnGradients
 from .parameter_fetch import GatheredBytes, fetch_around
 from ..params import DATA_DIMS, Owned, Partial, is_fetch_unit, record_of, release_value
@@ -38,12 +39,13 @@ def check_level(dp_config):
     dp_config = dp_config or {}
     if not isinstance(dp_config, dict):
         raise TypeError(f"dp_config must be a dict like {{'sharding_level': 1}}, got {type(dp_config).__name__}")
-    unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim", "bucket_size_mb"}
+    unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim", "bucket_size_mb", "offload_optimizer"}
     if unknown:
         raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level', "
-                         "'sharding_mesh_dim' and 'bucket_size_mb'")
+                         "'sharding_mesh_dim', 'bucket_size_mb' and 'offload_optimizer'")
     sharding_dims(dp_config)
     bucket_size_mb(dp_config)
+    offload_requested(dp_config)
     level = dp_config.get("sharding_level", 0)
     if level not in LEVELS:
         raise ValueError(f"dp_config sharding_level must be one of {LEVELS}, got {level!r}")
