@@ -196,8 +196,8 @@ def parallelized(dims, level, epsilon, sep, **dp_config):
     return mesh, model, optimizer, scheduler
 
 
-def parallel(dims, level, epsilon, sep):
-    mesh, model, wrapper, scheduler = parallelized(dims, level, epsilon, sep)
+def parallel(dims, level, epsilon, sep, **dp_config):
+    mesh, model, wrapper, scheduler = parallelized(dims, level, epsilon, sep, **dp_config)
     model, optimizer = paddle.amp.decorate(models=model, optimizers=wrapper, level="O2", dtype="bfloat16",
                                            master_grad=True)  # CPU: returned as given (GPU: see the docs)
     assert optimizer is wrapper
@@ -215,8 +215,8 @@ def world_mean(value):
     return float(total) / dist.get_world_size()
 
 
-def train(report, name, dims, level=0, epsilon=WELL_CONDITIONED_EPSILON, sep=False):
-    mesh, model, optimizer, scheduler, shard = parallel(dims, level, epsilon, sep)
+def train(report, name, dims, level=0, epsilon=WELL_CONDITIONED_EPSILON, sep=False, **dp_config):
+    mesh, model, optimizer, scheduler, shard = parallel(dims, level, epsilon, sep, **dp_config)
     want_losses, want_grads, want_rates, want_state = reference(epsilon)
     rates = []
 
@@ -241,6 +241,7 @@ def train(report, name, dims, level=0, epsilon=WELL_CONDITIONED_EPSILON, sep=Fal
     if epsilon == DEFAULT_EPSILON:
         report.value(f"{name}.rounding_spread", rounding_spread(epsilon))
     report.value(f"{name}.state_dict_round_trip", state_dict_round_trip(model, optimizer, scheduler, shard))
+    return model, optimizer, scheduler, shard
 
 
 def state_dict_round_trip(model, optimizer, scheduler, shard):
@@ -306,11 +307,11 @@ def scaler_step(model, optimizer, scaler, shard, inject=True):
             "scale": float(scaler._scale.numpy()[0])}
 
 
-def scaled(report, name, dims, level, sep=False):
+def scaled(report, name, dims, level, sep=False, **dp_config):
     """GradScaler through pcp.shard_scaler: STEPS steps vs one card with the same scaler logic; then
     an inf on one rank: every rank skips, and the next finite step steps. Controls: agreement switched
     off (ranks then disagree), and a scaler without shard_scaler (a clear error)."""
-    mesh, model, optimizer, scheduler, shard = parallel(dims, level, WELL_CONDITIONED_EPSILON, sep)
+    mesh, model, optimizer, scheduler, shard = parallel(dims, level, WELL_CONDITIONED_EPSILON, sep, **dp_config)
     scaler = pcp.shard_scaler(cpu_scaler())
     want_losses, _, _, want_state = reference(WELL_CONDITIONED_EPSILON, scaled=True)
     losses = train_steps(model, optimizer, scheduler, micro_batches(), shard, scaler=scaler)
