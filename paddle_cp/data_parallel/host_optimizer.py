@@ -27,8 +27,10 @@ Where host memory is (`Transport`):
   zero-copy Paddle tensors (`paddle.utils.dlpack.from_dlpack`; the kernels write the arrays), so the allocator's
   peak shows what a GPU saves: state created by Paddle in the allocator is moved out right after creation.
 - `CpuPlaceHost` (GPU): plain CPUPlace tensors (Paddle's CPU allocator is not the GPU's); one D2H copy per
-  gradient (and per non-master parameter), one H2D copy per new value. Not run here: this project's tests
-  have no GPU (docs/long_sequences.md says what is verified where); its copies are counted like NumpyHost's.
+  gradient (and per non-master parameter), one H2D copy per new value, blocking, one parameter at a time (no
+  overlap with compute: the step runs after backward). Not run on a GPU: this project's tests have none, and
+  the lent GPU machines have no Paddle build (docs/long_sequences.md says what is verified where); on CPU the
+  tests run its code (CPU to CPU copies) and count its copies like NumpyHost's.
 """
 from __future__ import annotations
 
@@ -101,9 +103,11 @@ class NumpyHost:
         self.arrays = {ptr: array for ptr, array in self.arrays.items() if ptr in live}
 
     def write_back(self, param, host):
+        """The new value into the device parameter, cast to its dtype on the host first (fewer bytes to copy);
+        `copy_` copies into the parameter's own buffer, on its place."""
         self.counts["to_device"] += 1
         self.counts["to_device_bytes"] += _nbytes(param)
-        param.copy_(host if host.dtype == param.dtype else host.astype(param.dtype), False)
+        param.copy_(host if host.dtype == param.dtype else host.astype(param.dtype), True)
 
 
 class CpuPlaceHost(NumpyHost):
@@ -123,12 +127,6 @@ class CpuPlaceHost(NumpyHost):
         self.counts["to_host_bytes"] += _nbytes(tensor)
         host = tensor._copy_to(paddle.CPUPlace(), True)
         return host if host.dtype == paddle.float32 else host.astype("float32")  # on the host: inputs there
-
-    def write_back(self, param, host):
-        self.counts["to_device"] += 1
-        self.counts["to_device_bytes"] += _nbytes(param)
-        value = host if host.dtype == param.dtype else host.astype(param.dtype)  # cast on the host: fewer bytes
-        param.copy_(value._copy_to(param.place, True), True)
 
 
 def default_transport():

@@ -84,19 +84,20 @@ def test_checkpoints_move_between_offloaded_and_device_state(reports, run):
     assert all(r["values"]["checkpoint_device_to_host.all_state_on_host"] for r in reports)
 
 
-def test_bfloat16_parameters_step_an_fp32_master_on_the_host(reports):
+@pytest.mark.parametrize("run", ["bf16", "bf16_cpuplace"])
+def test_bfloat16_parameters_step_an_fp32_master_on_the_host(reports, run):
     """bfloat16 parameters, multi_precision AdamW: the host keeps an fp32 master (where checkpoints look for it) and
     steps it exactly as fp32 AdamW steps an fp32 copy on the same (bfloat16) gradients; the parameter is its
     bfloat16 rounding. Moved: the gradients (bf16) out each step, the parameter once to make the master, the new
-    bfloat16 value back (2 parameters, 3 steps)."""
+    bfloat16 value back (2 parameters, 3 steps). Also with the GPU's transport (CPUPlace tensors) run on CPU."""
     report = reports[0]
-    assert report["max_abs"]["bf16.master"] == 0.0 and report["max_abs"]["bf16.param"] == 0.0
-    assert report["max_abs"]["bf16.moments"] == 0.0
+    for part in ("master", "param", "moments"):
+        assert report["max_abs"][f"{run}.{part}"] == 0.0, (part, report["max_abs"][f"{run}.{part}"])
     values = report["values"]
-    assert values["bf16.dtypes"] == ["paddle.bfloat16"] and values["bf16.on_host"]
+    assert values[f"{run}.dtypes"] == ["paddle.bfloat16"] and values[f"{run}.on_host"]
     elements = 8 * 16 + 16
-    assert values["bf16.moved"] == {"to_host": 3 * 2 + 2, "to_host_bytes": 4 * 2 * elements,
-                                    "to_device": 3 * 2, "to_device_bytes": 3 * 2 * elements}, values["bf16.moved"]
+    assert values[f"{run}.moved"] == {"to_host": 3 * 2 + 2, "to_host_bytes": 4 * 2 * elements,
+                                      "to_device": 3 * 2, "to_device_bytes": 3 * 2 * elements}, values[f"{run}.moved"]
 
 
 def test_bad_settings_are_refused_on_every_rank(reports):

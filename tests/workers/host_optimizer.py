@@ -16,7 +16,7 @@ from tensor_parallel import WELL_CONDITIONED_EPSILON
 
 import paddle_cp as pcp
 from paddle_cp.checkpoint import layout
-from paddle_cp.data_parallel.host_optimizer import HostOptimizer
+from paddle_cp.data_parallel.host_optimizer import CpuPlaceHost, HostOptimizer, NumpyHost
 from paddle_cp.data_parallel.optimizer import optimizer_parameters
 
 DP2_SEP2 = [("dp", 2), ("sep", 2)]
@@ -77,10 +77,11 @@ def cross_checkpoint(report, save_offload, load_offload, save_level, load_level)
         report.value(f"{name}.all_state_on_host", all(host.transport.holds(t) for t in host.state_tensors()))
 
 
-def master_weights(report):
+def master_weights(report, name, transport):
     """bfloat16 parameters with multi_precision AdamW, stepped by HostOptimizer: the host keeps an fp32 master
     (registered where checkpoint/layout.py looks), steps it as fp32 AdamW steps an fp32 copy of the parameter on
-    the bfloat16 gradient, and writes back its bfloat16 rounding (CPU has no bfloat16 AdamW kernel to compare)."""
+    the bfloat16 gradient, and writes back its bfloat16 rounding (CPU has no bfloat16 AdamW kernel to compare).
+    `transport`: NumpyHost, or the GPU's CpuPlaceHost run on CPU (its copies are CPU to CPU here)."""
     rng = np.random.RandomState(5)
     values = [rng.randn(*shape).astype("float32") for shape in ((8, 16), (16,))]
     grads = [[rng.randn(*v.shape).astype("float32") for v in values] for _ in range(3)]
@@ -88,7 +89,7 @@ def master_weights(report):
     def params(dtype):
         made = []
         for i, value in enumerate(values):
-            p = paddle.create_parameter(list(value.shape), "float32", name=f"bf16_master_{dtype}_{i}")
+            p = paddle.create_parameter(list(value.shape), "float32", name=f"{name}_{dtype}_{i}")
             p.set_value(paddle.to_tensor(value).astype("bfloat16").astype("float32"))  # bfloat16 values
             made.append(p if dtype == "float32" else paddle.base.framework.EagerParamBase.from_tensor(
                 p.astype(dtype), name=p.name))
@@ -100,7 +101,7 @@ def master_weights(report):
 
     low, full = params("bfloat16"), params("float32")
     host, reference_opt = adamw(low, True), adamw(full, False)
-    stepper = HostOptimizer(host)
+    stepper = HostOptimizer(host, transport)
     for step_grads in grads:
         for p, q, g in zip(low, full, step_grads):
             g16 = paddle.to_tensor(g).astype("bfloat16")
@@ -110,14 +111,14 @@ def master_weights(report):
         reference_opt.step()
     for p, q in zip(low, full):
         master = layout.state_tensor(host, p, layout.MASTER_WEIGHT)
-        report.diff("bf16.master", master.numpy(), q.numpy())
-        report.diff("bf16.param", p.astype("float32").numpy(), q.astype("bfloat16").astype("float32").numpy())
+        report.diff(f"{name}.master", master.numpy(), q.numpy())
+        report.diff(f"{name}.param", p.astype("float32").numpy(), q.astype("bfloat16").astype("float32").numpy())
         for state in ("moment1", "moment2"):
-            report.diff("bf16.moments", layout.state_tensor(host, p, state).numpy(),
+            report.diff(f"{name}.moments", layout.state_tensor(host, p, state).numpy(),
                         reference_opt._accumulators[state][q.name].numpy())
-    report.value("bf16.dtypes", sorted({str(p.dtype) for p in low}))
-    report.value("bf16.on_host", all(stepper.transport.holds(t) for t in stepper.state_tensors()))
-    report.value("bf16.moved", stepper.transport.counts)
+    report.value(f"{name}.dtypes", sorted({str(p.dtype) for p in low}))
+    report.value(f"{name}.on_host", all(stepper.transport.holds(t) for t in stepper.state_tensors()))
+    report.value(f"{name}.moved", stepper.transport.counts)
 
 
 def bad_settings(report):
@@ -139,7 +140,8 @@ def bad_settings(report):
 def main(report):
     reference(WELL_CONDITIONED_EPSILON)
     bad_settings(report)
-    master_weights(report)
+    master_weights(report, "bf16", NumpyHost())
+    master_weights(report, "bf16_cpuplace", CpuPlaceHost())
     for level in (0, 1, 2, 3):
         offloaded(report, level)
     scaled(report, "offload_scaler_l2", DP2_SEP2, 2, sep=True, **OFFLOAD)
