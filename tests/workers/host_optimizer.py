@@ -1,7 +1,7 @@
 """dp_config offload_optimizer on PaddleFormers' Llama, dp2 x sep2 (ring): optimizer_amp's runs (two parameter
 groups with their own clip and decay, apply_decay_param_fun, a LinearWarmup schedule, a frozen parameter, 2
 accumulated micro-batches per step, a state_dict round trip) at sharding levels 0-3 with the state on the host,
-against one card without offload; what the host holds and what moved each step; pcp.shard_scaler's skip; a
+and pp2 x dp2 with the tied embedding on both stages, against one card without offload; what the host holds and what moved each step; pcp.shard_scaler's skip; a
 checkpoint saved with offload restored without it and the other way round; a bfloat16 parameter's fp32 master
 weight stepped on the host against fp32 AdamW; bad settings."""
 import os
@@ -144,6 +144,7 @@ def main(report):
     master_weights(report, "bf16_cpuplace", CpuPlaceHost())
     for level in (0, 1, 2, 3):
         offloaded(report, level)
+    train(report, "offload_pp2xdp2_tied", [("pp", 2), ("dp", 2)], **OFFLOAD)  # each stage steps its own
     scaled(report, "offload_scaler_l2", DP2_SEP2, 2, sep=True, **OFFLOAD)
     cross_checkpoint(report, True, False, 2, 1)
     cross_checkpoint(report, False, True, 3, 2)
