@@ -139,11 +139,14 @@ class HostOptimizer:
     def __init__(self, inner, transport=None):
         self.inner = inner
         self.transport = transport or default_transport()
-        groups = inner._param_groups
+
+    def groups(self):
+        """(parameters, the group's options or None) as Paddle's step reads them now (ParallelOptimizer.step has
+        set a group's ClipGradByGlobalNorm aside: it clipped over all shards already)."""
+        groups = self.inner._param_groups
         if groups and isinstance(groups[0], dict):
-            self.groups = [(group["params"], {k: v for k, v in group.items() if k != "params"}) for group in groups]
-        else:
-            self.groups = [(inner._parameter_list, None)]
+            return [(group["params"], {k: v for k, v in group.items() if k != "params"}) for group in groups]
+        return [(self.inner._parameter_list, None)]
 
     def step(self):
         """Paddle's `step` for the parameters with a gradient, each stepped on the host and written back."""
@@ -155,7 +158,7 @@ class HostOptimizer:
         if isinstance(found_inf, paddle.Tensor):
             inner._set_auxiliary_var("found_inf", False)
         with paddle.no_grad(), _dygraph_place_guard(paddle.CPUPlace()), _host_learning_rate(inner):
-            for index, (params, options) in enumerate(self.groups):
+            for index, (params, options) in enumerate(self.groups()):
                 for param in params:
                     if param.stop_gradient or param.grad is None or not param._is_initialized():
                         continue
@@ -171,7 +174,7 @@ class HostOptimizer:
         block = paddle.static.default_main_program().global_block()
         wanted = {id(p) for p in params}
         with paddle.no_grad(), _dygraph_place_guard(paddle.CPUPlace()):
-            for params_here, options in self.groups:
+            for params_here, options in self.groups():
                 for param in params_here:
                     if id(param) in wanted:
                         self.inner._create_accumulators(block, _pairs([self._host_parameter(param)], options))

@@ -52,6 +52,7 @@ def test_host_holds_the_state_of_the_parameters_the_rank_steps_and_each_step_mov
         moved = report["values"][f"offload_l{level}.moved_per_step"]
         assert moved == {"to_host": 2 * host["stepped"], "to_host_bytes": 2 * host["param_bytes"],
                          "to_device": host["stepped"], "to_device_bytes": host["param_bytes"]}, moved
+        assert report["values"][f"offload_l{level}.paddle_clips_per_step"] == 0  # not again per parameter
         shares.append(host["param_bytes"])
     whole = reports[0]["values"]["offload_l0.host"]["param_bytes"]
     if level == 0:

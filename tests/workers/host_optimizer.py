@@ -5,6 +5,7 @@ and pp2 x dp2 with the tied embedding on both stages, against one card without o
 checkpoint saved with offload restored without it and the other way round; a bfloat16 parameter's fp32 master
 weight stepped on the host against fp32 AdamW; bad settings."""
 import os
+from unittest import mock
 
 import numpy as np
 import paddle
@@ -38,8 +39,11 @@ def host_facts(report, name, model, optimizer, scheduler, shard):
         "host_bytes": host.host_bytes(), "param_bytes": sum(int(np.prod(p.shape)) * 4 for p in params),
         "device_state": sum(1 for t in host.state_tensors() if not host.transport.holds(t))})
     before = dict(host.transport.counts)
-    train_steps(model, optimizer, scheduler, list(micro_batches(1)), shard)
+    clip = paddle.nn.ClipGradByGlobalNorm._dygraph_clip
+    with mock.patch.object(paddle.nn.ClipGradByGlobalNorm, "_dygraph_clip", autospec=True, side_effect=clip) as clips:
+        train_steps(model, optimizer, scheduler, list(micro_batches(1)), shard)
     report.value(f"{name}.moved_per_step", {k: v - before[k] for k, v in host.transport.counts.items()})
+    report.value(f"{name}.paddle_clips_per_step", clips.call_count)  # clipped once, over all shards, on the device
 
 
 def offloaded(report, level):
