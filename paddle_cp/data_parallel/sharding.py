@@ -16,6 +16,7 @@ bytes); the ranks along the dims it leaves out (`rest`) still average the owner'
   and freed after each (parameter_fetch.py); a fetch unit (params.mark_fetch_unit: a MoE
   block's experts, which run on data-dependent rows) fetches its sublayers' together. Gradients computed on non-owners are
   stashed and reduce-scattered as at level 2.
+With dp_config `offload_optimizer` (host_optimizer.py) the owner's state is in host memory and stepped there.
 """
 from __future__ import annotations
 
