@@ -85,6 +85,18 @@ def test_checkpoints_move_between_offloaded_and_device_state(reports, run):
     assert all(r["values"]["checkpoint_device_to_host.all_state_on_host"] for r in reports)
 
 
+def test_fp32_master_weights_load_into_host_memory(reports):
+    """optimizer_amp's master-weight checkpoint (a float16 model cast as decorate O2 casts it, multi_precision AdamW,
+    dp2 x mp2 at level 2) saved without offload, loaded into a fresh optimizer with offload_optimizer: the host
+    creates each owned parameter's fp32 master and moments, and they hold the saved values exactly."""
+    run = "master_weights_to_host"
+    by_mp = {}
+    for report in reports:
+        assert report["max_abs"][f"{run}.state"] == 0.0 and report["values"][f"{run}.state_on_host"]
+        by_mp.setdefault(report["rank"] % 2, []).append(report["values"][f"{run}.master_weights_here"])
+    assert all(sum(counts) == 19 for counts in by_mp.values()), by_mp  # every trainable parameter's, once per mp rank
+
+
 @pytest.mark.parametrize("run", ["bf16", "bf16_cpuplace"])
 def test_bfloat16_parameters_step_an_fp32_master_on_the_host(reports, run):
     """bfloat16 parameters, multi_precision AdamW: the host keeps an fp32 master (where checkpoints look for it) and

@@ -2,16 +2,17 @@
 groups with their own clip and decay, apply_decay_param_fun, a LinearWarmup schedule, a frozen parameter, 2
 accumulated micro-batches per step, a state_dict round trip) at sharding levels 0-3 with the state on the host,
 and pp2 x dp2 with the tied embedding on both stages, against one card without offload; what the host holds and what moved each step; pcp.shard_scaler's skip; a
-checkpoint saved with offload restored without it and the other way round; a bfloat16 parameter's fp32 master
-weight stepped on the host against fp32 AdamW; bad settings."""
+checkpoint saved with offload restored without it and the other way round (and, on dp2 x mp2, fp32 master
+weights of a float16 model restored into host memory); a bfloat16 parameter's fp32 master weight stepped on the
+host against fp32 AdamW; bad settings."""
 import os
 from unittest import mock
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
-from optimizer_amp import (ACC, build, micro_batches, parallel, reference, scaled, train, train_steps,
-                           world_mean)
+from optimizer_amp import (ACC, build, master_weight_checkpoint, micro_batches, parallel, reference, scaled, train,
+                           train_steps, world_mean)
 from report import run
 from tensor_parallel import WELL_CONDITIONED_EPSILON
 
@@ -152,6 +153,7 @@ def main(report):
     scaled(report, "offload_scaler_l2", DP2_SEP2, 2, sep=True, **OFFLOAD)
     cross_checkpoint(report, True, False, 2, 1)
     cross_checkpoint(report, False, True, 3, 2)
+    master_weight_checkpoint(report, "master_weights_to_host", [("dp", 2), ("mp", 2)], 2, **OFFLOAD)
 
 
 if __name__ == "__main__":
