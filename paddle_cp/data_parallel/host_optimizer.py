@@ -185,13 +185,15 @@ class HostOptimizer:
         inner = self.inner
         inner._param_device_map[param.name] = "cpu"  # Paddle's _add_accumulator creates them on a CPUPlace
         keeps_master = getattr(inner, "_multi_precision", False) and param.dtype in LOW_PRECISION
-        if keeps_master and param.name in inner._master_weights:
-            return inner._master_weights[param.name]
-        host = self.transport.fp32_copy(param, keep=keeps_master)
-        if keeps_master:
-            inner._master_weights[param.name] = host
+        host = inner._master_weights.get(param.name) if keeps_master else None
+        if host is None:
+            host = self.transport.fp32_copy(param, keep=keeps_master)
+            if keeps_master:
+                inner._master_weights[param.name] = host
+        # also on a master set_state_dict gave (another name, stop_gradient): decay and lr_ratio are asked about
+        # the parameter's name, and Paddle steps only trainable parameters
         host.name = param.name
-        host.stop_gradient = False  # Paddle steps only trainable parameters
+        host.stop_gradient = False
         for attr in ("optimize_attr", "regularizer", "need_clip", "do_model_average"):
             if hasattr(param, attr):
                 setattr(host, attr, getattr(param, attr))

@@ -89,3 +89,39 @@ def test_optimizers_without_a_host_step_are_refused_with_the_fix():
         check_offloadable(paddle.optimizer.Lamb(parameters=params))
     with pytest.raises(ValueError, match="use_multi_tensor=False"):
         check_offloadable(paddle.optimizer.Adam(parameters=params, use_multi_tensor=True))
+
+
+def test_float16_master_weights_survive_a_state_dict_round_trip():
+    """float16 parameters, multi_precision AdamW, gradients given (no float16 matmul on CPU): after set_state_dict
+    (whose master weights are new tensors) the host steps the loaded masters and replays a step exactly."""
+    rng = np.random.RandomState(3)
+    params = [paddle.base.framework.EagerParamBase.from_tensor(
+        paddle.to_tensor(rng.randn(*shape).astype("float16")), name=f"fp16_round_trip_{i}")
+        for i, shape in enumerate(((4, 8), (8,)))]
+    optimizer = paddle.optimizer.AdamW(1e-2, parameters=params, multi_precision=True, epsilon=1e-3,
+                                       apply_decay_param_fun=lambda name: name.startswith("fp16_round_trip_0"))
+    stepper = HostOptimizer(optimizer)
+    grads = [[paddle.to_tensor(rng.randn(*p.shape).astype("float16")) for p in params] for _ in range(3)]
+
+    def step(index):
+        for p, g in zip(params, grads[index]):
+            p._set_grad_ivar(g)
+        stepper.step()
+        return [p.numpy().copy() for p in params]
+
+    step(0)
+    step(1)
+    values = [p.numpy().copy() for p in params]
+    saved = optimizer.state_dict()
+    saved = {k: ({n: t.numpy().copy() for n, t in v.items()} if k == "master_weights" else v.numpy().copy())
+             for k, v in saved.items()}
+    first = step(2)
+    assert all(not np.array_equal(a, b) for a, b in zip(first, values))
+    for p, value in zip(params, values):
+        p.set_value(value)
+    optimizer.set_state_dict({k: ({n: paddle.to_tensor(a) for n, a in v.items()} if k == "master_weights"
+                                  else paddle.to_tensor(v)) for k, v in saved.items()})
+    stepper.rehome()
+    assert all(stepper.transport.holds(t) for t in stepper.state_tensors())
+    for want, got in zip(first, step(2)):
+        np.testing.assert_array_equal(got, want)

@@ -1,10 +1,10 @@
 """dp_config offload_optimizer on PaddleFormers' Llama, dp2 x sep2 (ring): optimizer_amp's runs (two parameter
 groups with their own clip and decay, apply_decay_param_fun, a LinearWarmup schedule, a frozen parameter, 2
 accumulated micro-batches per step, a state_dict round trip) at sharding levels 0-3 with the state on the host,
-and pp2 x dp2 with the tied embedding on both stages, against one card without offload; what the host holds and what moved each step; pcp.shard_scaler's skip; a
-checkpoint saved with offload restored without it and the other way round (and, on dp2 x mp2, fp32 master
-weights of a float16 model restored into host memory); a bfloat16 parameter's fp32 master weight stepped on the
-host against fp32 AdamW; bad settings."""
+and pp2 x dp2 with the tied embedding on both stages, against one card without offload; what the host holds and
+what moved each step; pcp.shard_scaler's skip; a checkpoint saved with offload restored without it and the other
+way round (and, on dp2 x mp2, fp32 master weights of a float16 model restored into host memory); a bfloat16
+parameter's fp32 master weight stepped on the host against fp32 AdamW; bad settings."""
 import os
 from unittest import mock
 
