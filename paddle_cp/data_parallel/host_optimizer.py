@@ -56,10 +56,12 @@ def offload_requested(dp_config):
 def check_offloadable(optimizer):
     """ValueError naming the fix for an optimizer whose host step paddle_cp does not cover."""
     inner = getattr(optimizer, "inner", optimizer)
-    if not isinstance(inner, OFFLOADED_OPTIMIZERS):
+    covered = next((cls for cls in type(inner).__mro__ if cls in OFFLOADED_OPTIMIZERS), None)
+    if covered is None or type(inner)._append_optimize_op is not covered._append_optimize_op:
         names = ", ".join(cls.__name__ for cls in OFFLOADED_OPTIMIZERS)
-        raise ValueError(f"dp_config offload_optimizer steps {names} on the host, not {type(inner).__name__}: use "
-                         "one of those, or set offload_optimizer False")
+        replaced = "" if covered is None else f" (it replaces {covered.__name__}'s update, _append_optimize_op)"
+        raise ValueError(f"dp_config offload_optimizer steps {names} on the host with their own CPU kernels, not "
+                         f"{type(inner).__name__}{replaced}: use one of those, or set offload_optimizer False")
     if getattr(inner, "_use_multi_tensor", False):
         raise ValueError("dp_config offload_optimizer steps one parameter at a time on the host: build the optimizer "
                          "with use_multi_tensor=False, or set offload_optimizer False")

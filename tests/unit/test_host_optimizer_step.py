@@ -87,6 +87,14 @@ def test_optimizers_without_a_host_step_are_refused_with_the_fix():
     params = paddle.nn.Linear(2, 2).parameters()
     with pytest.raises(ValueError, match="not Lamb: use one of those, or set offload_optimizer False"):
         check_offloadable(paddle.optimizer.Lamb(parameters=params))
+
+    class OwnUpdate(paddle.optimizer.AdamW):  # as PaddleFormers' AdamWMini: its own update, unchecked on the host
+        def _append_optimize_op(self, block, param_and_grad):
+            return None
+
+    with pytest.raises(ValueError, match=r"not OwnUpdate \(it replaces AdamW's update"):
+        check_offloadable(OwnUpdate(parameters=params))
+    check_offloadable(type("Renamed", (paddle.optimizer.AdamW,), {})(parameters=params))  # same update: accepted
     with pytest.raises(ValueError, match="use_multi_tensor=False"):
         check_offloadable(paddle.optimizer.Adam(parameters=params, use_multi_tensor=True))
 
