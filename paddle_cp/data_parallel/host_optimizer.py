@@ -40,9 +40,10 @@ import numpy as np
 import paddle
 from paddle.base.framework import _dygraph_place_guard
 
+from ..checkpoint.layout import LOW_PRECISION
+
 OFFLOADED_OPTIMIZERS = (paddle.optimizer.Adam, paddle.optimizer.AdamW, paddle.optimizer.Momentum,
                         paddle.optimizer.SGD)
-LOW_PRECISION = (paddle.float16, paddle.bfloat16)
 
 
 def offload_requested(dp_config):
