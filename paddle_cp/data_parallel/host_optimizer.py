@@ -22,7 +22,7 @@ Each step, per parameter, one at a time: its gradient out (cast to fp32 on the h
 the new value back, cast to the parameter's dtype on the host first (half the bytes for bf16). The learning
 rate tensor the kernel reads is a CPU one during the host step (`_host_learning_rate`).
 
-Where host memory is (`Transport`):
+Where host memory is (the transport, one class per kind of machine):
 - `NumpyHost` (CPU, where host and device are one): numpy arrays outside Paddle's allocator, wrapped as
   zero-copy Paddle tensors (`paddle.utils.dlpack.from_dlpack`; the kernels write the arrays), so the allocator's
   peak shows what a GPU saves: state created by Paddle in the allocator is moved out right after creation.
