@@ -29,6 +29,7 @@ from ..comm import collectives
 from ..attention import recompute
 from ..pipeline import LossFactorAgreement, apply_pipeline, keep_own_parameters, plan_pipeline, recompute_boundary
 from ..data_parallel.buckets import bucket_size_mb, plan_buckets
+from ..data_parallel.host_optimizer import HostOptimizer, check_offloadable, offload_requested
 from ..data_parallel.optimizer import ParallelOptimizer, optimizer_parameters
 from ..params import complete_placements, is_lazy, record_of
 from .expert_config import expert_applications
@@ -121,6 +122,8 @@ def _validated_plan(model, config, mesh):
 def parallelize(model, optimizer=None, mesh=None, config=None):
     """Parallelize `model` (in place) and wrap `optimizer`; returns (model, optimizer).
     The same as `parallelize_model` then `parallelize_optimizer`."""
+    if optimizer is not None:
+        _check_optimizer(optimizer, config or {})  # before parallelize_model's collectives
     model = parallelize_model(model, mesh, config)
     if optimizer is not None:
         optimizer = parallelize_optimizer(optimizer, mesh, config)
@@ -206,9 +209,18 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
         differs = (f"sharding_level {level} differs from the {state.level}" if level != state.level else
                    f"sharding_mesh_dim {list(dims)} differs from the {list(state.dims)}")
         raise ValueError(f"dp_config {differs} parallelize_model got: pass both calls the same config")
+    _check_optimizer(optimizer, config)
     if not all(record_of(p).held_here() for p in optimizer_parameters(optimizer)):
         keep_own_parameters(optimizer)  # a pipeline: the optimizer keeps this stage's parameters
-    return ParallelOptimizer(optimizer, state.world, state.sharding, state.loss_factor, state.buckets)
+    host = HostOptimizer(optimizer) if offload_requested(config.get("dp_config")) else None
+    return ParallelOptimizer(optimizer, state.world, state.sharding, state.loss_factor, state.buckets, host)
+
+
+def _check_optimizer(optimizer, config):
+    """What dp_config asks of the optimizer (the same on every rank: raises before any collective)."""
+    check_level(config.get("dp_config"))
+    if offload_requested(config.get("dp_config")):
+        check_offloadable(optimizer)
 
 
 def parallelized_state(model):

@@ -38,7 +38,7 @@ def restore_model(model, reader):
 
 def restore_optimizer(model, optimizer, reader):
     """Create the optimizer's state where it is missing (a fresh optimizer: accumulators and, with
-    multi_precision, master weights) and fill it."""
+    multi_precision, master weights; in host memory under dp_config offload_optimizer) and fill it."""
     inner = layout.inner_optimizer(optimizer)
     saved = reader.metadata.state_dict_metadata
     first = layout.accumulator_names(optimizer)[0]
@@ -46,7 +46,10 @@ def restore_optimizer(model, optimizer, reader):
             if layout.steps_here(p) and optimizer_key(key, first) in saved]
     missing = [p for _, p in mine if any(layout.state_tensor(optimizer, p, n) is None
                                          for n in layout.state_names(optimizer, p))]
-    if missing:
+    host = getattr(optimizer, "host_optimizer", None)
+    if missing and host is not None:
+        host.create_state(missing)
+    elif missing:
         inner._create_accumulators(paddle.static.default_main_program().global_block(), missing)
     for key, param in mine:
         for name in layout.state_names(optimizer, param):

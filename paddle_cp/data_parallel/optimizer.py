@@ -11,7 +11,8 @@ each parameter's placements (`ParamRecord.reductions`, params.py). Frozen
 parameters (no gradient on any rank) are skipped.
 `ClipGradByGlobalNorm` clips by the norm over all shards, every gradient
 counted once (`ParamRecord.chosen_here`: each shard's piece on one of the ranks
-holding it).
+holding it). Under dp_config `offload_optimizer` the clipped gradients are stepped on the host
+(host_optimizer.py), the state held there.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
     backwards before one `step()` are reduced once, after the last, as one card sums them.
     """
 
-    def __init__(self, optimizer, world, sharding=None, loss_factor=None, buckets=((), frozenset())):
+    def __init__(self, optimizer, world, sharding=None, loss_factor=None, buckets=((), frozenset()), host=None):
         own = object.__setattr__
         own(self, "_inner", optimizer)
         own(self, "_world", world)  # the whole mesh: the gradient norm and found-inf are agreed over it
@@ -66,6 +67,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         own(self, "_loss_factor", loss_factor)  # a pipeline's: checks the factor on a returned loss
         own(self, "_params", optimizer_parameters(optimizer))
         own(self, "_reduced", False)  # this step's gradients are reduced already
+        own(self, "_host", host)  # a HostOptimizer (dp_config offload_optimizer) steps instead of the inner one
         mine = {id(p) for p in self._params}
         layout, step_only = buckets  # plan_buckets' over the model's parameters: keep the optimizer's
         layout = [kept for kept in ([p for p in bucket if id(p) in mine] for bucket in layout) if kept]
@@ -100,13 +102,26 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         try:
             for holder, key, _, _ in clips:
                 holder[key] = None  # clipped already, with the norm over all shards
-            self._inner.step()
+            (self._host or self._inner).step()
         finally:
             for holder, key, clip, _ in clips:
                 holder[key] = clip
             self._reduced = False
         if self._sharding is not None:
             self._sharding.sync_parameters()
+
+    @property
+    def host_optimizer(self):
+        """The HostOptimizer holding the state in host memory (dp_config offload_optimizer), or None."""
+        return self._host
+
+    def set_state_dict(self, state_dict):
+        """Paddle's; under offload_optimizer the loaded state is then moved to host memory."""
+        self._inner.set_state_dict(state_dict)
+        if self._host is not None:
+            self._host.rehome()
+
+    load_state_dict = set_state_dict
 
     def clear_grad(self, set_to_zero=True):
         """Also forgets gradients stashed for sharding level 3 and any reduction done for a step
@@ -217,7 +232,7 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
 
 
 _OWN_ATTRIBUTES = frozenset(vars(ParallelOptimizer)) | {
-    "_inner", "_world", "_sharding", "_loss_factor", "_params", "_reduced", "_buckets"}
+    "_inner", "_world", "_sharding", "_loss_factor", "_params", "_reduced", "_buckets", "_host"}
 
 
 class _AttrHolder:

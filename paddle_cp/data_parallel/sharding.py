@@ -16,6 +16,7 @@ bytes); the ranks along the dims it leaves out (`rest`) still average the owner'
   and freed after each (parameter_fetch.py); a fetch unit (params.mark_fetch_unit: a MoE
   block's experts, which run on data-dependent rows) fetches its sublayers' together. Gradients computed on non-owners are
   stashed and reduce-scattered as at level 2.
+With dp_config `offload_optimizer` (host_optimizer.py) the owner's state is in host memory and stepped there.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import warnings
 from .. import mesh as mesh_lib
 from ..comm import collectives
 from .buckets import bucket_size_mb
+from .host_optimizer import offload_requested
 from .optimizer import OwnGradients
 from .parameter_fetch import GatheredBytes, fetch_around
 from ..params import DATA_DIMS, Owned, Partial, is_fetch_unit, record_of, release_value
@@ -38,12 +40,13 @@ def check_level(dp_config):
     dp_config = dp_config or {}
     if not isinstance(dp_config, dict):
         raise TypeError(f"dp_config must be a dict like {{'sharding_level': 1}}, got {type(dp_config).__name__}")
-    unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim", "bucket_size_mb"}
+    unknown = set(dp_config) - {"sharding_level", "sharding_mesh_dim", "bucket_size_mb", "offload_optimizer"}
     if unknown:
         raise ValueError(f"dp_config has unknown keys {sorted(unknown)}: it takes only 'sharding_level', "
-                         "'sharding_mesh_dim' and 'bucket_size_mb'")
+                         "'sharding_mesh_dim', 'bucket_size_mb' and 'offload_optimizer'")
     sharding_dims(dp_config)
     bucket_size_mb(dp_config)
+    offload_requested(dp_config)
     level = dp_config.get("sharding_level", 0)
     if level not in LEVELS:
         raise ValueError(f"dp_config sharding_level must be one of {LEVELS}, got {level!r}")

@@ -7,8 +7,9 @@ ranks; one launch of that many CPU ranks trains pcp-memory's PaddleFormers Llama
 unfused RMSNorm) one step per layout and length, with the config pcp-plan writes for the layout
 (plan_config: the parallelize YAML and the PaddleFormers fields), and reports per rank, the largest over
 ranks, what pcp-memory reports (params, optimizer, activations, logits, peak; a pipeline runs its
-forward and backward inside one call, so it has a peak only) and, for `offload` layouts, the most bytes
-OffloadRecomputeInputs kept in host memory at once. The launching process puts the planner's
+forward and backward inside one call, so it has a peak only) and the host memory held: for `offload`
+layouts the most bytes OffloadRecomputeInputs kept there at once, for `host-optimizer` ones the optimizer state
+(dp_config offload_optimizer) after the step. The launching process puts the planner's
 estimate for the same layout (memory_model.memory, fp32) beside each figure and their ratio.
 """
 from __future__ import annotations
@@ -60,7 +61,10 @@ def measure(args, layout, seq):
     paddle.seed(0)
     model = build_llama(args, **model_config(layout))
     opt = paddle.optimizer.AdamW(learning_rate=1e-4, parameters=model.parameters())
-    mesh, config = pcp.load_config(parallelize_config(layout), world_size=dist.get_world_size())
+    config = parallelize_config(layout)
+    if layout.offload_optimizer:
+        config["dp_config"]["offload_optimizer"] = True
+    mesh, config = pcp.load_config(config, world_size=dist.get_world_size())
     model, opt = pcp.parallelize(model, opt, mesh, config)
     params = allocated() - start
     ids = paddle.randint(0, args.vocab, [layout.dp * layout.micro, seq + 1])
@@ -71,7 +75,9 @@ def measure(args, layout, seq):
     stores = [plan.store for section in config.values() if isinstance(section, dict)
               for plans in (section.get("parallelize_plan") or {}).values()
               for plan in (plans if isinstance(plans, list) else [plans]) if isinstance(plan, pcp.OffloadRecomputeInputs)]
-    return {**parts, "host": max((store.host_peak for store in stores), default=0)}
+    host_optimizer = getattr(opt, "host_optimizer", None)
+    held = host_optimizer.host_bytes() if host_optimizer is not None else 0
+    return {**parts, "host": max((store.host_peak for store in stores), default=0) + held}
 
 
 def run_ranks(args):

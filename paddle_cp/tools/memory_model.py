@@ -9,9 +9,9 @@ path and paddle_cp hold it:
   (routed experts / ep); AdamW keeps two fp32 moments and, below fp32, an fp32 master copy. Sharding
   (issue 26) divides, over the layout's `shard_ranks` (dp x sep by default; experts over those / ep):
   optimizer state at levels 1-3, gradients after the step's reduction at levels 2-3, weights at level 3.
-  `offload_optimizer` (data_parallel/host_optimizer.py): the state and an fp32 copy of each stepped parameter
-  (its master) live in host memory (`host`), stepped there; the device holds, during the step, one parameter's
-  new value on its way back.
+  `offload_optimizer` (data_parallel/host_optimizer.py): that state (moments, and below fp32 the master) lives in
+  host memory (`host`), stepped there (an fp32 parameter is stepped on a transient host copy); the device holds,
+  during the step, one parameter's new value on its way back.
   paddle_cp gives each parameter one owner, so the busiest rank holds its share or the largest parameter,
   whichever is more (greedy owners, largest first: at most one parameter over that).
 - activations (per layer and micro-batch, t tokens per rank, SP region t/tp): two RMSNorms, each its input
@@ -99,8 +99,8 @@ def _state(model, layout, stage, elem):
 
     optimizer_bytes = MOMENTS_BYTES + (FP32 if elem < FP32 else 0)  # below fp32: an fp32 master copy
     optimizer, host_optimizer = share(1) * optimizer_bytes, 0
-    if layout.offload_optimizer:  # the host steps an fp32 copy of every parameter, whatever its dtype
-        optimizer, host_optimizer = 0, share(1) * (MOMENTS_BYTES + FP32)
+    if layout.offload_optimizer:  # the same state, on the host (an fp32 parameter's copy there is transient)
+        optimizer, host_optimizer = 0, optimizer
     whole = (dense + experts) * elem
     bucket = min(BUCKET_BYTES, whole)
     # levels 2-3: buckets are reduce-scattered as backward fills them (not under a pipeline: in its step)

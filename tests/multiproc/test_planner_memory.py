@@ -88,3 +88,22 @@ def test_offload_removes_saved_layer_inputs_from_the_device_as_estimated(tmp_pat
              for name in ("ring2 full", "ring2 full offload")}
     estimated = phase["ring2 full"] - phase["ring2 full offload"]
     assert 1 / PEAK_FACTOR < estimated / measured < PEAK_FACTOR, (measured, estimated)
+
+
+@needs_paddleformers
+def test_host_optimizer_moves_the_optimizer_state_off_the_device_as_estimated(tmp_path):
+    """2 ring ranks, a model whose AdamW state outweighs its activations (hidden 256, 128 tokens): dp_config
+    offload_optimizer takes the state off the device (allocator: nothing left for it; the peak drops by it) and
+    the host holds it, replicated and at sharding level 3 (this rank's share), as estimated."""
+    model = ["--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "1024",
+             "--vocab", "4096"]
+    rows = _layouts(tmp_path, ("ring2", "ring2 host-optimizer", "ring2 l3", "ring2 l3 host-optimizer"), 128, model)
+    for before in ("ring2", "ring2 l3"):
+        after = rows[f"{before} host-optimizer"]
+        assert after["optimizer"] < 0.01 * rows[before]["optimizer"], after
+        assert after["host"] == pytest.approx(rows[before]["optimizer"], rel=0.01)
+        assert 1 / PEAK_FACTOR < after["ratio"]["host"] < PEAK_FACTOR, after
+        measured, estimated = _drop(rows, before, f"{before} host-optimizer")
+        assert measured > 0.9 * rows[before]["optimizer"], (before, measured)
+        assert 1 / PEAK_FACTOR < estimated / measured < PEAK_FACTOR, (before, measured, estimated)
+    assert rows["ring2 l3 host-optimizer"]["host"] < 0.55 * rows["ring2 host-optimizer"]["host"]  # a share

@@ -57,10 +57,16 @@ def test_composed_trainer_matches_one_card(run):
 
 
 def test_offload_and_tiles_from_training_arguments_train_like_one_card():
-    """offload_recompute_inputs and mlp_tile_tokens on dp2 x ring2 with PaddleFormers' full recompute: the same
-    losses and state as PaddleFormers' own Trainer on one card without them; without full recompute, refused."""
+    """offload_recompute_inputs and mlp_tile_tokens on dp2 x ring2 with PaddleFormers' full recompute, and
+    tensorwise_offload_optimizer (paddle_cp's host optimizer state, sharding stage 1; PaddleFormers' own
+    NotImplementedError under data parallel and its process-wide adamw_ patch do not apply): the same losses and
+    state as PaddleFormers' own Trainer on one card without them; offload without full recompute, refused."""
     reports = _reports("memory")
     check_parity(reports, "dp2_cp2_recompute_offload_tiled")
+    check_parity(reports, "dp2_cp2_sharding1_offload_optimizer")
+    for report in reports:  # tensorwise_offload_optimizer: paddle_cp's host state, not PaddleFormers' patch
+        offload = report["values"]["dp2_cp2_sharding1_offload_optimizer.offload"]
+        assert offload == {"host_state": True, "flag_reads": False, "adamw_is_paddles": True}, offload
     for report in reports:
         kind, message = report["errors"]["offload_without_recompute"]
         assert kind == "ValueError" and "recompute_granularity" in message and "'full'" in message

@@ -196,8 +196,8 @@ def parallelized(dims, level, epsilon, sep, **dp_config):
     return mesh, model, optimizer, scheduler
 
 
-def parallel(dims, level, epsilon, sep):
-    mesh, model, wrapper, scheduler = parallelized(dims, level, epsilon, sep)
+def parallel(dims, level, epsilon, sep, **dp_config):
+    mesh, model, wrapper, scheduler = parallelized(dims, level, epsilon, sep, **dp_config)
     model, optimizer = paddle.amp.decorate(models=model, optimizers=wrapper, level="O2", dtype="bfloat16",
                                            master_grad=True)  # CPU: returned as given (GPU: see the docs)
     assert optimizer is wrapper
@@ -215,8 +215,8 @@ def world_mean(value):
     return float(total) / dist.get_world_size()
 
 
-def train(report, name, dims, level=0, epsilon=WELL_CONDITIONED_EPSILON, sep=False):
-    mesh, model, optimizer, scheduler, shard = parallel(dims, level, epsilon, sep)
+def train(report, name, dims, level=0, epsilon=WELL_CONDITIONED_EPSILON, sep=False, **dp_config):
+    mesh, model, optimizer, scheduler, shard = parallel(dims, level, epsilon, sep, **dp_config)
     want_losses, want_grads, want_rates, want_state = reference(epsilon)
     rates = []
 
@@ -241,6 +241,7 @@ def train(report, name, dims, level=0, epsilon=WELL_CONDITIONED_EPSILON, sep=Fal
     if epsilon == DEFAULT_EPSILON:
         report.value(f"{name}.rounding_spread", rounding_spread(epsilon))
     report.value(f"{name}.state_dict_round_trip", state_dict_round_trip(model, optimizer, scheduler, shard))
+    return model, optimizer, scheduler, shard
 
 
 def state_dict_round_trip(model, optimizer, scheduler, shard):
@@ -306,11 +307,11 @@ def scaler_step(model, optimizer, scaler, shard, inject=True):
             "scale": float(scaler._scale.numpy()[0])}
 
 
-def scaled(report, name, dims, level, sep=False):
+def scaled(report, name, dims, level, sep=False, **dp_config):
     """GradScaler through pcp.shard_scaler: STEPS steps vs one card with the same scaler logic; then
     an inf on one rank: every rank skips, and the next finite step steps. Controls: agreement switched
     off (ranks then disagree), and a scaler without shard_scaler (a clear error)."""
-    mesh, model, optimizer, scheduler, shard = parallel(dims, level, WELL_CONDITIONED_EPSILON, sep)
+    mesh, model, optimizer, scheduler, shard = parallel(dims, level, WELL_CONDITIONED_EPSILON, sep, **dp_config)
     scaler = pcp.shard_scaler(cpu_scaler())
     want_losses, _, _, want_state = reference(WELL_CONDITIONED_EPSILON, scaled=True)
     losses = train_steps(model, optimizer, scheduler, micro_batches(), shard, scaler=scaler)
@@ -328,20 +329,20 @@ def scaled(report, name, dims, level, sep=False):
     optimizer.clear_grad()
 
 
-def master_weight_checkpoint(report, name, dims, level):
+def master_weight_checkpoint(report, name, dims, level, **load_dp_config):
     """Checkpoints carry fp32 master weights: the model cast as decorate(level="O2", dtype="float16") casts
     it on GPU (Paddle's amp_initialize), an AdamW with multi_precision, its state created as its first step
     creates it (no CPU kernel steps float16 AdamW) and filled with known single-card values; saved, then
-    loaded into a freshly built, parallelized and cast model and optimizer: every rank's master weights and
-    moments are its slices of the known values; the files hold `{param}.w_0` in float32 at the full shape."""
+    loaded into a freshly built, parallelized and cast model and optimizer (`load_dp_config` added to its
+    dp_config): every rank's master weights and moments are its slices of the known values; the files hold `{param}.w_0` in float32 at the full shape."""
     from paddle.amp.auto_cast import amp_initialize
 
     from paddle_cp.checkpoint import layout
     from paddle_cp.checkpoint.format import global_specs, read_metadata
     from paddle_cp.params import find_record
 
-    def build_cast():
-        _, model, optimizer, _, _ = parallel(dims, level, WELL_CONDITIONED_EPSILON, sep=False)
+    def build_cast(**dp_config):
+        _, model, optimizer, _, _ = parallel(dims, level, WELL_CONDITIONED_EPSILON, sep=False, **dp_config)
         amp_initialize(models=[model], dtype="float16", excluded_layers=None)
         optimizer._multi_precision = True  # what decorate's _set_multi_precision does, through the wrapper
         return model, optimizer
@@ -366,7 +367,7 @@ def master_weight_checkpoint(report, name, dims, level):
     path = os.path.join(os.environ["PCP_REPORT_DIR"], name)
     pcp.save_checkpoint(path, model, optimizer)
 
-    fresh_model, fresh = build_cast()
+    fresh_model, fresh = build_cast(**load_dp_config)  # `load_dp_config`: e.g. the state loaded into host memory
     pcp.load_checkpoint(path, fresh_model, fresh)
     masters = 0
     for key, state, param in states(fresh_model, fresh):
@@ -377,6 +378,9 @@ def master_weight_checkpoint(report, name, dims, level):
         masters += state == layout.MASTER_WEIGHT
         report.diff(f"{name}.state", tensor.numpy(), known(key, state, param))
     report.value(f"{name}.master_weights_here", masters)
+    if fresh.host_optimizer is not None:
+        host = fresh.host_optimizer
+        report.value(f"{name}.state_on_host", all(host.transport.holds(t) for t in host.state_tensors()))
     specs = global_specs(read_metadata(os.path.join(path, "optimizer_state")))
     report.value(f"{name}.saved_master_weights", sorted(
         (k, list(shape), dtype) for k, (shape, dtype) in specs.items() if k.endswith(".w_0")))

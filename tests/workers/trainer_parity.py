@@ -21,6 +21,8 @@ from report import run
 import paddle_cp as pcp
 from paddle_cp.api.float64_truth import float64_math, float64_model
 
+ADAMW = paddle._C_ops.adamw_  # Paddle's kernel (PaddleFormers' tensorwise offload would patch it process-wide)
+
 SAMPLES, SEQ, VOCAB = 16, 22, 128
 COMMON = dict(max_steps=3, learning_rate=1e-2, adam_epsilon=1e-3, weight_decay=0.1, max_grad_norm=1.0,
               logging_steps=1, seed=42, save_strategy="no", report_to="none", disable_tqdm=True,
@@ -123,6 +125,11 @@ def parallel_run(report, name, spec, root):
         losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)
     if spec.get("export"):
         trainer.save_model(os.path.join(directory, "export"))
+    if spec["parallel"].get("tensorwise_offload_optimizer"):
+        host = trainer.optimizer.host_optimizer
+        report.value(f"{name}.offload", {"host_state": host is not None and host.host_bytes() > 0,
+                                         "flag_reads": trainer.args.tensorwise_offload_optimizer,
+                                         "adamw_is_paddles": paddle._C_ops.adamw_ is ADAMW})
     return losses, pcp.full_state_dict(trainer.model)
 
 
@@ -234,6 +241,10 @@ RUNS = {
             parallel=dict(CP2, per_device_train_batch_size=2, offload_recompute_inputs=True, mlp_tile_tokens=3),
             global_batch=4, args=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
             model=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+        # tensorwise_offload_optimizer (the state on the host: dp_config offload_optimizer) with sharding stage 1
+        "dp2_cp2_sharding1_offload_optimizer": dict(
+            parallel=dict(CP2, per_device_train_batch_size=2, sharding="stage1", tensorwise_offload_optimizer=True),
+            global_batch=4),
     },
 }
 

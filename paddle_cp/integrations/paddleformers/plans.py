@@ -149,6 +149,13 @@ def with_memory_plans(config, model, offload_recompute_inputs, mlp_tile_tokens):
     return {**config, "cp_config": section}
 
 
+def with_offload_optimizer(config, offload_optimizer):
+    """`config` with its dp_config's `offload_optimizer` set when asked (the optimizer state on the host)."""
+    if not offload_optimizer:
+        return config
+    return {**config, "dp_config": {**(config.get("dp_config") or {}), "offload_optimizer": True}}
+
+
 def prepare_plan(config):
     """The config's PrepareContextParallel (how labels are split over sep), or None."""
     for section in ("cp_config", "mp_config"):

@@ -3,7 +3,8 @@
 PaddleFormers runs its own loop (data, accumulation, logging, saving); this
 subclass replaces only what fleet did:
 - `_wrap_model`: `paddle_cp.parallelize(model, optimizer, mesh, config)` with the
-  plans derived from the model (plans.py) or the user's paddle_cp config;
+  plans derived from the model (plans.py) or the user's paddle_cp config
+  (`tensorwise_offload_optimizer`: its dp_config's `offload_optimizer`);
 - `_get_train_sampler`: every data-parallel rank its part of one card's batch (data.py);
 - `compute_loss`: each rank's mean loss weighted by `paddle_cp.loss_weight`, so the
   averaged gradient and the logged world mean are one card's token mean;
@@ -30,7 +31,7 @@ import paddle_cp as pcp
 
 from .data import DataParallelBatchSampler
 from .loss import EmptyShare, PipelineLoss, local_tokens
-from .plans import parallelize_config, prepare_plan, with_memory_plans
+from .plans import parallelize_config, prepare_plan, with_memory_plans, with_offload_optimizer
 from .training_args import TrainingArguments
 
 IGNORED_LABEL = -100  # PaddleFormers' default `ignored_index`
@@ -67,6 +68,7 @@ class Trainer(PaddleFormersTrainer):
                                                            micro_batches=self._pipeline_micro_batches())
             self.paddle_cp_config = with_memory_plans(self.paddle_cp_config, model, args.offload_recompute_inputs,
                                                       args.mlp_tile_tokens)
+            self.paddle_cp_config = with_offload_optimizer(self.paddle_cp_config, args.paddle_cp_offload_optimizer)
         elif args.offload_recompute_inputs or args.mlp_tile_tokens:
             raise ValueError("offload_recompute_inputs and mlp_tile_tokens are applied by paddle_cp.parallelize, which "
                              "this Trainer runs only with a parallel layout (more than one rank)")

@@ -10,6 +10,8 @@ data_parallel_rank) answer from paddle_cp's mesh.
 After construction the fleet flags read as PaddleFormers' one-card values (-1,
 False, no sharding): scripts copy them into the model config, where they would
 build fleet's parallel layers. paddle_cp splits the one-card model instead.
+`tensorwise_offload_optimizer` becomes `paddle_cp_offload_optimizer` (dp_config
+offload_optimizer) and reads False, so PaddleFormers applies none of its own offload.
 """
 from __future__ import annotations
 
@@ -98,6 +100,11 @@ class TrainingArguments(PaddleFormersTrainingArguments):
             self.paddle_cp_mesh, self.paddle_cp_plan_config = self.paddle_cp_degrees.mesh(), None
         for name, neutral in FLEET_FLAGS.items():
             setattr(self, name, neutral)
+        # paddle_cp steps the optimizer state on the host itself (dp_config offload_optimizer, at any sharding
+        # level); PaddleFormers' own offload patches Paddle's adamw_ process-wide and refuses data parallel
+        self.paddle_cp_offload_optimizer = bool(self.tensorwise_offload_optimizer) and self.paddle_cp_degrees.parallel
+        if self.paddle_cp_offload_optimizer:
+            self.tensorwise_offload_optimizer = False
         if self.paddle_cp_degrees.parallel:
             _refuse_unsupported(self)
             if self.paddle_cp_degrees.sharding_level == 3 and self.gradient_accumulation_steps > 1:

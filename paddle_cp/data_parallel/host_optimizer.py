@@ -1,0 +1,251 @@
+"""dp_config `offload_optimizer`: the optimizer state in host memory, each parameter stepped there.
+
+ALST (ZeRO-3 + CPU Adam) and PaddleFormers' `tensorwise_offload_optimizer` keep the optimizer state off the GPU:
+AdamW's two fp32 moments and a bf16 model's fp32 master weights are 12 of the 14 bytes per parameter a GPU would
+hold. Here every parameter this rank steps (at sharding levels 1-3 only those it owns: the host holds this
+rank's share, which is what makes it scale) is stepped on the host by the inner optimizer's own code and CPU
+kernels: `_apply_optimize` over one (host parameter, host fp32 gradient) pair, so parameter groups (their
+learning rate, weight decay, betas), `apply_decay_param_fun`, `lr_ratio`, regularizers and per-parameter clips
+apply as in Paddle's `step`; Adam, AdamW, Momentum and SGD are covered (their CPU kernels take float32).
+`ParallelOptimizer.step` clips by the global norm over all shards on the device first, as without offload.
+
+What the host keeps, by the parameter's name N (so checkpoint/layout.py finds it unchanged):
+- a float16/bfloat16 parameter under `multi_precision`: its fp32 master weight, registered as
+  `inner._master_weights[N]`, named N (not Paddle's `N_fp32_master_*`: `apply_decay_param_fun` and `lr_ratio`
+  are then asked about N, as in Paddle's step, which passes them the parameter); the master is authoritative,
+  as Paddle's own is;
+- every other parameter: nothing of its own; the device parameter is authoritative (as in Paddle: a script or a
+  checkpoint may set it), so each step steps a transient fp32 copy of it;
+- the accumulators, created by Paddle's `_create_accumulators` for the host parameter, keyed N
+  (`_param_device_map[N] = "cpu"` places them on the CPU), then held in host memory.
+Each step, per parameter, one at a time: its gradient out (cast to fp32 on the host), the kernel on the host,
+the new value back, cast to the parameter's dtype on the host first (half the bytes for bf16). The learning
+rate tensor the kernel reads is a CPU one during the host step (`_host_learning_rate`).
+
+Where host memory is (the transport, one class per kind of machine):
+- `NumpyHost` (CPU, where host and device are one): numpy arrays outside Paddle's allocator, wrapped as
+  zero-copy Paddle tensors (`paddle.utils.dlpack.from_dlpack`; the kernels write the arrays), so the allocator's
+  peak shows what a GPU saves: state created by Paddle in the allocator is moved out right after creation.
+- `CpuPlaceHost` (GPU): plain CPUPlace tensors (Paddle's CPU allocator is not the GPU's); one D2H copy per
+  gradient (and per non-master parameter), one H2D copy per new value, blocking, one parameter at a time (no
+  overlap with compute: the step runs after backward). Not run on a GPU: this project's tests have none, and
+  the lent GPU machines have no Paddle build (docs/long_sequences.md says what is verified where); on CPU the
+  tests run its code (CPU to CPU copies) and count its copies like NumpyHost's.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import paddle
+from paddle.base.framework import _dygraph_place_guard
+
+from ..checkpoint.layout import LOW_PRECISION
+
+OFFLOADED_OPTIMIZERS = (paddle.optimizer.Adam, paddle.optimizer.AdamW, paddle.optimizer.Momentum,
+                        paddle.optimizer.SGD)
+
+
+def offload_requested(dp_config):
+    """dp_config's `offload_optimizer` (a bool, False when absent)."""
+    value = (dp_config or {}).get("offload_optimizer", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"dp_config offload_optimizer must be True or False, got {value!r}")
+    return value
+
+
+def check_offloadable(optimizer):
+    """ValueError naming the fix for an optimizer whose host step paddle_cp does not cover."""
+    inner = getattr(optimizer, "inner", optimizer)
+    covered = next((cls for cls in type(inner).__mro__ if cls in OFFLOADED_OPTIMIZERS), None)
+    if covered is None or type(inner)._append_optimize_op is not covered._append_optimize_op:
+        names = ", ".join(cls.__name__ for cls in OFFLOADED_OPTIMIZERS)
+        replaced = "" if covered is None else f" (it replaces {covered.__name__}'s update, _append_optimize_op)"
+        raise ValueError(f"dp_config offload_optimizer steps {names} on the host with their own CPU kernels, not "
+                         f"{type(inner).__name__}{replaced}: use one of those, or set offload_optimizer False")
+    if getattr(inner, "_use_multi_tensor", False):
+        raise ValueError("dp_config offload_optimizer steps one parameter at a time on the host: build the optimizer "
+                         "with use_multi_tensor=False, or set offload_optimizer False")
+
+
+def _nbytes(tensor):
+    return int(np.prod(tensor.shape)) * tensor.element_size()
+
+
+class NumpyHost:
+    """Host tensors over numpy arrays, outside Paddle's allocator (CPU). Counts the bytes a GPU would copy."""
+
+    def __init__(self):
+        self.arrays = {}  # data pointer -> the numpy array a host tensor is a view of
+        self.counts = {"to_host": 0, "to_host_bytes": 0, "to_device": 0, "to_device_bytes": 0}
+
+    def _wrap(self, array):
+        array = np.ascontiguousarray(array)
+        tensor = paddle.utils.dlpack.from_dlpack(array)
+        self.arrays[tensor.data_ptr()] = array
+        return tensor
+
+    def holds(self, tensor):
+        return tensor.data_ptr() in self.arrays
+
+    def hold(self, tensor):
+        """A host tensor with `tensor`'s value (moved out of the allocator once `tensor` is dropped)."""
+        return self._wrap(np.array(tensor.numpy(), copy=True))
+
+    def fp32_copy(self, tensor, keep=False):
+        """An fp32 host copy of a device tensor (its own dtype's bytes over the link); transient unless `keep`."""
+        self.counts["to_host"] += 1
+        self.counts["to_host_bytes"] += _nbytes(tensor)
+        fp32 = tensor if tensor.dtype == paddle.float32 else tensor.astype("float32")
+        array = np.array(fp32.numpy(), copy=True)
+        return self._wrap(array) if keep else paddle.utils.dlpack.from_dlpack(array)
+
+    def forget_all_but(self, tensors):
+        """Drop the arrays of host tensors the optimizer no longer holds (`set_state_dict` replaced them)."""
+        live = {t.data_ptr() for t in tensors}
+        self.arrays = {ptr: array for ptr, array in self.arrays.items() if ptr in live}
+
+    def write_back(self, param, host):
+        """The new value into the device parameter, cast to its dtype on the host first (fewer bytes to copy);
+        `copy_` copies into the parameter's own buffer, on its place."""
+        self.counts["to_device"] += 1
+        self.counts["to_device_bytes"] += _nbytes(param)
+        param.copy_(host if host.dtype == param.dtype else host.astype(param.dtype), True)
+
+
+class CpuPlaceHost(NumpyHost):
+    """CPUPlace tensors beside a GPU: gradients copied out, new values copied back, one copy each way."""
+
+    def holds(self, tensor):
+        return tensor.place.is_cpu_place()
+
+    def hold(self, tensor):
+        return tensor._copy_to(paddle.CPUPlace(), True)
+
+    def forget_all_but(self, tensors):
+        pass
+
+    def fp32_copy(self, tensor, keep=False):
+        self.counts["to_host"] += 1
+        self.counts["to_host_bytes"] += _nbytes(tensor)
+        host = tensor._copy_to(paddle.CPUPlace(), True)
+        return host if host.dtype == paddle.float32 else host.astype("float32")  # on the host: inputs there
+
+
+def default_transport():
+    return NumpyHost() if paddle.framework._current_expected_place().is_cpu_place() else CpuPlaceHost()
+
+
+class HostOptimizer:
+    """Steps `inner`'s parameters on the host; holds their optimizer state in host memory."""
+
+    def __init__(self, inner, transport=None):
+        self.inner = inner
+        self.transport = transport or default_transport()
+
+    def groups(self):
+        """(parameters, the group's options or None) as Paddle's step reads them now (ParallelOptimizer.step has
+        set a group's ClipGradByGlobalNorm aside: it clipped over all shards already)."""
+        groups = self.inner._param_groups
+        if groups and isinstance(groups[0], dict):
+            return [(group["params"], {k: v for k, v in group.items() if k != "params"}) for group in groups]
+        return [(self.inner._parameter_list, None)]
+
+    def step(self):
+        """Paddle's `step` for the parameters with a gradient, each stepped on the host and written back."""
+        inner = self.inner
+        found_inf = inner._get_auxiliary_var("found_inf")
+        if found_inf:  # a GradScaler found inf/nan: skip, as Paddle's step does (no copies)
+            inner._set_auxiliary_var("found_inf", True)
+            return
+        if isinstance(found_inf, paddle.Tensor):
+            inner._set_auxiliary_var("found_inf", False)
+        with paddle.no_grad(), _dygraph_place_guard(paddle.CPUPlace()), _host_learning_rate(inner):
+            for index, (params, options) in enumerate(self.groups()):
+                for param in params:
+                    if param.stop_gradient or param.grad is None or not param._is_initialized():
+                        continue
+                    target = self._host_parameter(param)
+                    grad = self.transport.fp32_copy(param.grad)
+                    inner._apply_optimize(loss=None, startup_program=None, param_group_idx=index,
+                                          params_grads=_pairs([(target, grad)], options))
+                    self.rehome(param.name)  # a first step's new accumulators
+                    self.transport.write_back(param, target)
+
+    def create_state(self, params):
+        """Create the host state of `params` without stepping (checkpoint restore into a fresh optimizer)."""
+        block = paddle.static.default_main_program().global_block()
+        wanted = {id(p) for p in params}
+        with paddle.no_grad(), _dygraph_place_guard(paddle.CPUPlace()):
+            for params_here, options in self.groups():
+                for param in params_here:
+                    if id(param) in wanted:
+                        self.inner._create_accumulators(block, _pairs([self._host_parameter(param)], options))
+                        self.rehome(param.name)
+
+    def _host_parameter(self, param):
+        """The fp32 host tensor the kernel steps for `param`: its master weight (kept) or a transient copy."""
+        inner = self.inner
+        inner._param_device_map[param.name] = "cpu"  # Paddle's _add_accumulator creates them on a CPUPlace
+        keeps_master = getattr(inner, "_multi_precision", False) and param.dtype in LOW_PRECISION
+        host = inner._master_weights.get(param.name) if keeps_master else None
+        if host is None:
+            host = self.transport.fp32_copy(param, keep=keeps_master)
+            if keeps_master:
+                inner._master_weights[param.name] = host
+        # also on a master set_state_dict gave (another name, stop_gradient): decay and lr_ratio are asked about
+        # the parameter's name, and Paddle steps only trainable parameters
+        host.name = param.name
+        host.stop_gradient = False
+        for attr in ("optimize_attr", "regularizer", "need_clip", "do_model_average"):
+            if hasattr(param, attr):
+                setattr(host, attr, getattr(param, attr))
+        return host
+
+    def rehome(self, name=None):
+        """Move the accumulators and master weight of the parameter named `name` (of every one when None) to
+        host memory where they are not (Paddle creates them in its allocator; `set_state_dict` replaces master
+        weights by the tensors it is given)."""
+        inner, transport = self.inner, self.transport
+        for by_key in [*inner._accumulators.values(), inner._master_weights]:
+            for key, tensor in by_key.items():
+                if (name is None or key == name) and not transport.holds(tensor):
+                    by_key[key] = _named(transport.hold(tensor), tensor)
+        if name is None:
+            transport.forget_all_but(self.state_tensors())
+
+    def state_tensors(self):
+        """Every host tensor of the optimizer state (accumulators, master weights)."""
+        inner = self.inner
+        return [t for by_param in inner._accumulators.values() for t in by_param.values()] + list(
+            inner._master_weights.values())
+
+    def host_bytes(self):
+        """Bytes of optimizer state in host memory now."""
+        return sum(_nbytes(t) for t in self.state_tensors() if self.transport.holds(t))
+
+
+def _named(host, tensor):
+    host.name = tensor.name  # Paddle's state_dict keys accumulators by their names
+    return host
+
+
+def _pairs(pairs, options):
+    """What Paddle's step passes `_apply_optimize` / `_create_accumulators`: a list, or a group's dict."""
+    return pairs if options is None else {"params": pairs, **options}
+
+
+@contextlib.contextmanager
+def _host_learning_rate(inner):
+    """The global learning rate as a CPU tensor while the host steps (the kernel runs where its inputs are;
+    Paddle made it on the device, and `set_lr` writes it there)."""
+    program = paddle.static.default_main_program()
+    rate = inner._learning_rate_map.get(program)
+    if rate is None or rate.place.is_cpu_place():
+        yield
+        return
+    inner._learning_rate_map[program] = rate._copy_to(paddle.CPUPlace(), True)
+    try:
+        yield
+    finally:
+        inner._learning_rate_map[program] = rate
