@@ -25,6 +25,7 @@ class Cluster:
     attention_flops: float = 0.0  # achievable FLOP/s of causal attention forward + backward (0: `flops`)
     pcie_bandwidth: float = 25e9  # bytes/s per device and direction between device and host memory
     host_memory: float = 2e12  # bytes of host memory per node for offloaded activations (DGX H100: 2 TB)
+    host_adamw_rate: float = 2e8  # parameters/s one device's share of its host steps with AdamW (fp32 state)
 
     @property
     def attention_rate(self):
