@@ -64,12 +64,13 @@ def parse_args(argv=None):
                         help="causal attention forward + backward TFLOP/s (H200: FlashAttention-2 287-328, "
                              "cuDNN 544-577)")
     parser.add_argument("--pcie-gbps", type=float, default=25.0,
-                        help="GB/s per device and direction to host memory (activation offload, host optimizer)")
+                        help="GB/s per device and direction to host memory (activation offload, host optimizer; "
+                             "one H100 alone, both directions at once: 43.6; 8 share a host's memory)")
     parser.add_argument("--host-memory-gb", type=float, default=2000.0,
                         help="host memory per node for offloaded activations and optimizer state (DGX H100/H200: 2 TB)")
-    parser.add_argument("--host-adamw-mparams", type=float, default=200.0,
+    parser.add_argument("--host-adamw-mparams", type=float, default=500.0,
                         help="millions of parameters per second one device's share of its host steps with AdamW "
-                             "(the host optimizer)")
+                             "(the host optimizer; Paddle's CPU AdamW, one thread: 560)")
     parser.add_argument("--kernels", choices=list(KERNELS), default="eager",
                         help="activations as PaddleFormers' eager ops hold them (what pcp-memory measures on CPU), "
                              "with the GPU's fused RMSNorm (fused-norm: PaddleFormers 1.2.0's Llama on GPU as built) "
