@@ -175,7 +175,7 @@ def main(argv=None):
         args.seq, estimates = planner.longest_sequence(model, cluster, args.granularity, **search)
         if not args.seq:
             sys.exit(f"pcp-plan: no layout of {args.devices} devices fits {args.granularity} tokens of {model}")
-        print(f"longest sequence that fits: {args.seq} tokens ({args.seq / 2 ** 20:.2f}M; multiples of "
+        print(f"longest sequence that fits: {args.seq} tokens ({args.seq / 1e6:.2f}M; multiples of "
               f"{args.granularity}), {args.kernels} kernels\n")
     else:
         estimates = planner.rank_layouts(model, cluster, args.seq, **search)
