@@ -2,7 +2,7 @@
 with sharding levels, recomputation and chunked loss, for a model and a cluster.
 
     pcp-plan --config config.json --seq 131072 --devices 64 --memory-gb 80
-    pcp-plan --config config.json --max-seq --devices 8 --memory-gb 80 --kernels fused-norm   # the longest that fits
+    pcp-plan --config config.json --max-seq --devices 8 --memory-gb 80   # the longest that fits
 
 Prints a table of candidates (best first: those that fit, fastest first), then for the best `--configs` layouts
 the published recipe each resembles and the config to run it: YAML for `paddle_cp.load_config` (the PaddleFormers
@@ -71,10 +71,10 @@ def parse_args(argv=None):
     parser.add_argument("--host-adamw-mparams", type=float, default=500.0,
                         help="millions of parameters per second one device's share of its host steps with AdamW "
                              "(the host optimizer; Paddle's CPU AdamW, one thread: 560)")
-    parser.add_argument("--kernels", choices=list(KERNELS), default="eager",
-                        help="activations as PaddleFormers' eager ops hold them (what pcp-memory measures on CPU), "
-                             "with the GPU's fused RMSNorm (fused-norm: PaddleFormers 1.2.0's Llama on GPU as built) "
-                             "or with fused RMSNorm and RoPE (fused: a rotary kernel that Llama does not call)")
+    parser.add_argument("--kernels", choices=list(KERNELS), default="fused-norm",
+                        help="activations with the GPU's fused RMSNorm and eager RoPE (fused-norm: PaddleFormers "
+                             "1.2.0's Llama on a GPU as built), as its eager ops hold them on CPU (eager: what "
+                             "pcp-memory measures) or with a fused RoPE too (fused: a kernel that Llama does not call)")
     parser.add_argument("--mlp-tile", type=int, default=planner.DEFAULT_MLP_TILE,
                         help="tokens per SequenceTiled MLP tile the search tries (0: never tile)")
     parser.add_argument("--no-offload", action="store_true", help="never keep recomputed layers' inputs on the host")
