@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 
+import paddle
+
 from ..activations.sequence_tiles import run_tiled
 from ..attention.mixers.registry import claimed_within
 from ..experts.blocks import find_moe_block
@@ -11,11 +13,16 @@ from .base import Plan, refuse_param_plan
 from .hook_args import first_input
 
 
+# a MoE block's dense part, by its attribute in PaddleFormers' families (DeepSeek-V3, GLM4-MoE; Qwen2-MoE)
+SHARED_EXPERTS = ("shared_experts", "shared_expert")
+
+
 class SequenceTiled(Plan):
     """`{"model.layers.*.mlp": SequenceTiled(tokens=8192)}`: the layer's forward runs `tokens` of this rank's
     tokens at a time and its backward replays one tile at a time (activations/sequence_tiles.py), so one tile's
-    intermediates are held instead of the sequence's. For layers that act on each token alone: an MLP, not a
-    block that mixes tokens (attention, convolutions) nor a MoE block (its routing statistics span the batch)."""
+    intermediates are held instead of the sequence's. For layers that act on each token alone: an MLP (a MoE
+    block's shared experts too), not a block that mixes tokens (attention, convolutions) nor a MoE block (its
+    routing statistics span the batch)."""
 
     must_match = True  # a key that names no layer is a mistake, not Paddle's silent no-op
 
@@ -33,8 +40,11 @@ class SequenceTiled(Plan):
                              f"{type(layer).__name__} mixes tokens along the sequence ({type(sub).__name__}: "
                              f"{mixer.name}): key its MLP, e.g. 'model.layers.*.mlp'")
         if find_moe_block(layer) is not None:
+            dense = [name for name in SHARED_EXPERTS if isinstance(getattr(layer, name, None), paddle.nn.Layer)]
+            fix = (f"key its shared experts, its dense part, instead (e.g. 'model.layers.*.mlp.{dense[0]}')" if dense
+                   else "leave it untiled")
             raise ValueError(f"SequenceTiled does not tile a MoE block ({type(layer).__name__}): its router's "
-                             "statistics span the whole batch; leave it untiled")
+                             f"statistics span the whole batch and its experts run on the rows routed to them; {fix}")
 
     def apply(self, layer, mesh, param_names=()):
         self.check(layer, mesh, param_names)

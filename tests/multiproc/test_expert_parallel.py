@@ -28,7 +28,9 @@ RUNS = ("qwen3_moe:dp2xsep2", "deepseek_v3:dp2xsep2", "gpt_oss:dp2xsep2",
         # sharding over the ranks holding the same experts (and over dp x sep for the rest)
         "qwen3_moe:sep4:level3", "gpt_oss:sep4:level3", "glm4_moe:sep4:level3", "deepseek_v3:sep4:level2",
         # meshes with dims of size 1, their configs given
-        "qwen3_moe:mp1xdp2xsep2:level1", "deepseek_v3:sep4xdp1xpp1")
+        "qwen3_moe:mp1xdp2xsep2:level1", "deepseek_v3:sep4xdp1xpp1",
+        # the MoE blocks' dense part (shared experts) under SequenceTiled
+        "deepseek_v3:dp2xsep2:tiled", "qwen2_moe:sep4:tiled:level3")
 
 
 # listed (DeepSeek-V3) and stacked (gpt-oss) experts. Not Qwen3-MoE: its save_pretrained writes the router in
@@ -67,6 +69,16 @@ def test_training_matches_one_card(reports, run):
         assert report["values"][f"{run}.keys_match"], run
         losses = report["values"][f"{run}.losses"]
         assert losses[-1] < losses[0], f"{run}: training should reduce the loss"
+
+
+def test_shared_experts_run_in_tiles(reports):
+    """SequenceTiled on the MoE blocks' dense part: every tile of the rank's rows runs forward once and is
+    replayed once in backward (the parity above: exact)."""
+    for report in reports:
+        for run in RUNS:
+            if "tiled" in run.split(":"):
+                values = report["values"]
+                assert values[f"{run}.tile_calls"] == values[f"{run}.expected_tile_calls"] > 4 * 3, (run, values)
 
 
 def test_aux_loss_is_one_cards(reports):
@@ -109,7 +121,9 @@ def test_bad_configs_fail_alike_on_every_rank_before_any_collective(reports):
                 "key_not_moe": "names no MoE block", "key_matches_nothing": "matches no sublayer",
                 "mp_in_group": "never 'mp'", "in_mp_config": "belongs in ep_config",
                 "aux_loss_without_ep": "output_router_logits=True under context parallelism",
-                "aux_loss_keyword_without_ep": "output_router_logits=True under context parallelism"}
+                "aux_loss_keyword_without_ep": "output_router_logits=True under context parallelism",
+                "tiled_moe_block": "key its shared experts, its dense part, instead (e.g. "
+                                   "'model.layers.*.mlp.shared_experts')"}
     for name, words in expected.items():
         kind, message = errors[0][f"bad.{name}"]
         assert kind == "ValueError" and words in message, (name, kind, message)

@@ -13,7 +13,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from paddle_cp.attention import tile_cost
+from paddle_cp.attention import packed_layout, tile_cost
 from paddle_cp.attention.balance import balanced_groups
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,16 +35,22 @@ def measuring_script():
     return script
 
 
+def layout_groups(script, row, pos, doc):
+    """The ring group of every position in the layout a measured row names."""
+    if row["layout"] == "documents":
+        return balanced_groups((pos + 1)[None], row["R"])
+    if row["layout"] == "mine":  # what paddle_cp chooses
+        return packed_layout.ring_groups(pos, doc, row["R"])
+    return script.groups_of(row["layout"], pos, doc, row["R"])
+
+
 def test_tiles_equal_the_h200_measurement_and_time_within_the_fit(measuring_script):
     rows = json.loads((SHARED / "h200-flex-tiles.json").read_text())
     errors = []
     assert len(rows) == 30
     for row in rows:
         pos, doc = measuring_script.packed_row(row["dist"], row["S"])
-        if row["layout"] == "documents":
-            groups = balanced_groups((pos + 1)[None], row["R"])
-        else:
-            groups = measuring_script.groups_of(row["layout"], pos, doc, row["R"])
+        groups = layout_groups(measuring_script, row, pos, doc)
         counts = tile_cost.tile_counts(groups, tile_cost.document_ends(pos, doc), row["R"])
         case = (row["dist"], row["S"], row["R"], row["layout"])
         assert counts.tokens.tolist() == row["tokens"], case
@@ -53,6 +59,26 @@ def test_tiles_equal_the_h200_measurement_and_time_within_the_fit(measuring_scri
         errors += (np.abs(counts.rank_ms() / np.array(row["rank_ms"]) - 1)).tolist()
     assert len(errors) == 252
     assert np.median(errors) < 0.03 and max(errors) < 0.12  # the fit: median 1.6%, worst 11%
+
+
+def test_tiles_equal_the_h100_measurement_of_the_chosen_layout(measuring_script):
+    """docs/measurements/h100_balance_gpu.json: an H100 ran 2N chunks, the whole-document reference and
+    paddle_cp's chosen layout (`mine`) on the same rows. The tiles it counted are the ones the model counts for
+    the layout packed_layout chooses today, and the H200 fit prices the H100's ranks about as well."""
+    rows = [r for r in json.loads((ROOT / "docs" / "measurements" / "h100_balance_gpu.json").read_text())
+            if "layout" in r]
+    assert len(rows) == 30 and {r["layout"] for r in rows} == {"chunks", "whole", "mine"}
+    ratios = []
+    for row in rows:
+        pos, doc = measuring_script.packed_row(row["dist"], row["S"])
+        counts = tile_cost.tile_counts(layout_groups(measuring_script, row, pos, doc),
+                                       tile_cost.document_ends(pos, doc), row["R"])
+        case = (row["dist"], row["S"], row["R"], row["layout"])
+        assert counts.tokens.tolist() == row["tokens"], case
+        assert counts.partial.tolist() == row["rank_partial"], case
+        assert counts.full.tolist() == row["rank_full"], case
+        ratios += (np.array(row["rank_ms"]) / counts.rank_ms()).tolist()
+    assert 1.0 < np.median(ratios) < 1.06 and min(ratios) > 0.9  # measured: median 1.03, 0.95-1.32
 
 
 def dense_tiles(groups, end, ring):

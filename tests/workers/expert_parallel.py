@@ -4,8 +4,8 @@ one expert no token reaches: one card runs it on a zero row, AdamW decays it) an
 experts, its aux loss in the training loss); Qwen2-MoE and GLM4-MoE (whose idle expert does not run); how much of the routed experts each rank holds; and the bad
 configs' errors, raised on every rank before any collective.
 
-argv: runs "family:layout[:recompute][:lazy][:levelN]" (levelN: dp_config sharding_level N, which shards
-the experts over the ranks holding the same ones), and "root=DIR": pretrained weights in and out, checkpoints
+argv: runs "family:layout[:recompute][:lazy][:levelN][:tiled]" (levelN: dp_config sharding_level N, which shards
+the experts over the ranks holding the same ones; tiled: the shared experts under SequenceTiled), and "root=DIR": pretrained weights in and out, checkpoints
 (weights_and_checkpoints). Expert counts do not divide the degrees: ranges are uneven.
 """
 import os
@@ -22,9 +22,11 @@ import paddle_cp as pcp
 from paddle_cp.experts.layout import ExpertLayout
 from paddle_cp.mesh import fold_groups
 from paddle_cp.params import record_of
+from paddle_cp.plans.sequence_tiled import SHARED_EXPERTS
 from paddle_cp.tools.io_phases import measure
 
 STEPS = 3
+TILE = 4  # rows per SequenceTiled tile of the shared experts ("tiled" runs)
 BATCH, SEQ = 4, 19
 AUX_COEF = 0.5  # large enough that an aux loss from the wrong statistics shows in every gradient
 IDLE_EXPERT = 4  # no token reaches it (keep_away_from_idle_expert)
@@ -190,7 +192,7 @@ def weighted_loss(model, weight):
 class Run:
     """A model of `family` parallelized on `layout`, with its optimizer and this rank's batch."""
 
-    def __init__(self, family, layout, recompute=False, lazy=False, level=0):
+    def __init__(self, family, layout, recompute=False, lazy=False, level=0, tiled=False):
         dims, self.backend, self.degree, sections = LAYOUTS[layout]
         world = dist.get_world_size()
         self.dims, self.mesh = dims, dist.ProcessMesh(np.arange(world).reshape([n for _, n in dims]).tolist(),
@@ -204,6 +206,9 @@ class Run:
             config["cp_config"] = {"parallelize_plan": {  # "": the model itself, its labels split too
                 "": pcp.PrepareContextParallel(self.backend),
                 "model.layers.*.self_attn": pcp.ContextParallel(self.backend)}}
+        if tiled:  # the MoE blocks' dense part (their shared experts) in tiles of TILE rows
+            config.setdefault("cp_config", {"parallelize_plan": {}})["parallelize_plan"][
+                f"model.layers.*.mlp.{shared_experts(model)}"] = pcp.SequenceTiled(tokens=TILE)
         self.weight = pcp.loss_weight(int(self.local(self.labels).numel()), self.mesh)
         if "pp_config" in config:  # each micro-batch's loss weighted before its backward, which runs in the schedule
             config["pp_config"] = {**config["pp_config"], "loss_fn": weighted_loss(model, self.weight)}
@@ -287,14 +292,31 @@ def check_bad_configs(report):
         "in_mp_config": (dp_sep, {"mp_config": {"parallelize_plan": plan}}),
         "aux_loss_without_ep": (dp_sep, {"cp_config": {"parallelize_plan": {
             "": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p")}}}),
+        "tiled_moe_block": (dp_sep, {"cp_config": {"parallelize_plan": {
+            "model.layers.1.mlp": pcp.SequenceTiled(tokens=TILE)}}}),
     }
+    special = {"aux_loss_without_ep": "gpt_oss", "tiled_moe_block": "deepseek_v3"}
     for name, (mesh, config, *experts) in cases.items():
-        model = build("gpt_oss") if name == "aux_loss_without_ep" else (
+        model = build(special[name]) if name in special else (
             build("qwen3_moe") if not experts else _qwen3_with_experts(experts[0]))
         report.expect_error(f"bad.{name}", lambda: pcp.parallelize(model, None, mesh, config))
     model, _ = pcp.parallelize(build("qwen3_moe"), None, dp_sep, cases["aux_loss_without_ep"][1])  # config: no aux loss
     report.expect_error("bad.aux_loss_keyword_without_ep", lambda: model(
         input_ids=paddle.randint(0, 10, [2, 9]), output_router_logits=True))
+
+
+def shared_experts(model):
+    """The attribute name of the model's MoE blocks' shared experts."""
+    block = next(layer for layer in model.sublayers() if hasattr(layer, "experts"))
+    return next(name for name in SHARED_EXPERTS if hasattr(block, name))
+
+
+def count_calls(layers):
+    """A list that grows by one per forward of any of `layers`."""
+    calls = []
+    for layer in layers:
+        layer.register_forward_post_hook(lambda *_: calls.append(1))
+    return calls
 
 
 def _qwen3_with_experts(count):
@@ -322,9 +344,17 @@ def main(report):
         lazy = "lazy" in options
         want_losses, (want_aux, want_logits), initial, want_state = references(family, lazy)
         level = next((int(o[len("level"):]) for o in options if o.startswith("level")), 0)
-        run_ = Run(family, layout, "recompute" in options, lazy, level)
+        run_ = Run(family, layout, "recompute" in options, lazy, level, "tiled" in options)
         report.value(f"{spec}.held", run_.held())
+        if "tiled" in options:  # each tile runs the shared experts' down projection once forward, once replayed
+            name = shared_experts(run_.model)
+            downs = [layer for key, layer in run_.model.named_sublayers() if key.endswith(f"mlp.{name}.down_proj")]
+            tile_calls = count_calls(downs)
+            report.value(f"{spec}.expected_tile_calls",
+                         STEPS * len(downs) * 2 * -(-int(run_.local(run_.labels).numel()) // TILE))
         losses, (aux, logits) = run_.train(STEPS)
+        if "tiled" in options:
+            report.value(f"{spec}.tile_calls", len(tile_calls))
         state = pcp.full_state_dict(run_.model)
         report.value(f"{spec}.losses", losses)
         report.diff(f"{spec}.loss", np.array(losses), np.array(want_losses))
