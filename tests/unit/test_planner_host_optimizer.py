@@ -35,6 +35,9 @@ def test_host_step_is_gradients_out_adamw_on_the_host_and_values_back():
     # unsharded, every rank steps every parameter; a faster host halves the AdamW part
     whole = step_time(MODEL, Layout(ring=8, offload_optimizer=True), CLUSTER, 1 << 20, 1, 2)["host_optimizer"]
     assert whole == pytest.approx(8 * expected)
+    # fp32: no master on the host, so the value goes out beside the gradient (4 + 4 bytes out, 4 back)
+    fp32 = step_time(MODEL, layout, CLUSTER, 1 << 20, 1, 4)["host_optimizer"]
+    assert fp32 == pytest.approx(3 * stepped * 4 / CLUSTER.pcie_bandwidth + stepped / CLUSTER.host_adamw_rate)
     fast = Cluster(**{**vars(CLUSTER), "host_adamw_rate": 2 * CLUSTER.host_adamw_rate})
     fast_time = step_time(MODEL, layout, fast, 1 << 20, 1, 2)["host_optimizer"]
     assert fast_time == pytest.approx(expected - stepped / CLUSTER.host_adamw_rate / 2)
