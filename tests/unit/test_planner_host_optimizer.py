@@ -91,6 +91,7 @@ def test_max_seq_for_paddleformers_llama_on_gpu_passes_alst_with_the_host_optimi
     seq, best = result["seq"], result["best"]
     assert seq >= 3_800_000 and seq % GRANULARITY == 0
     layout = Layout.parse(best["name"])
+    assert Layout(**best["layout"]) == layout and "host-optimizer" in best["name"]
     assert layout.offload_optimizer and layout.offload and layout.mlp_tile and layout.recompute == "full"
     # the answer is the planner's own breakdown: this layout fits at seq, not one step longer, and nothing does
     assert memory(MODEL, layout, seq, fused=GPU_NORM)["peak"] <= 80e9 < memory(MODEL, layout, seq + GRANULARITY,
@@ -108,8 +109,11 @@ def test_max_seq_for_paddleformers_llama_on_gpu_passes_alst_with_the_host_optimi
     path.write_text(chosen["yaml"])
     _, config = load_config(str(path), world_size=8)
     assert config["dp_config"]["offload_optimizer"] is True
-    # without the host optimizer the same search stops shorter; eager ops (CPU) shorter still
+    # without the host optimizer the same search stops shorter, and so it does with less host memory per node;
+    # eager ops (CPU) shorter still
     assert _max_seq(tmp_path, "--no-host-optimizer")["seq"] < seq
+    host_bound = _max_seq(tmp_path, "--host-memory-gb", "1300")
+    assert host_bound["seq"] < seq and host_bound["best"]["host_per_node"] <= 1300e9 < best["host_per_node"]
     eager = _max_seq(tmp_path, "--kernels", "eager")
     assert eager["seq"] < seq and not eager["plans"][0]["model_config"].get("fuse_rms_norm")
 
