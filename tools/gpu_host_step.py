@@ -5,7 +5,8 @@ tools/gpu_host_link.py measured pinned copies and one AdamW over all host thread
 its own share on the host at once, one thread each (Paddle's CPU AdamW kernel is single-threaded). This measures:
 - `pageable_copy`: device <-> pageable host memory, bf16, GB/s each way;
 - `host_step`: `ranks` processes at once, one thread each, each stepping its share as the host optimizer does:
-  the bf16 gradient cast to fp32, an unfused fp32 AdamW step, the new value cast to bf16; parameters/s per rank.
+  the bf16 gradient cast to fp32, an fp32 AdamW step (PyTorch's fused CPU kernel, or its unfused one), the new
+  value cast to bf16; parameters/s per rank. What 8 ranks on one host cost each other, not Paddle's rate.
 
 Run: python3 tools/gpu_host_step.py; one JSON line per measurement, all of them in $OUT/gpu_host_step.json.
 """
@@ -43,10 +44,10 @@ def pageable_copy(numel=2 ** 29, reps=3):
     say(kind="pageable_copy", bytes=numel * 2, **rates)
 
 
-def _step_worker(numel, steps, queue):
+def _step_worker(numel, steps, fused, queue):
     torch.set_num_threads(1)
     param = torch.nn.Parameter(torch.zeros(numel))
-    optimizer = torch.optim.AdamW([param], lr=1e-4, foreach=False)
+    optimizer = torch.optim.AdamW([param], lr=1e-4, **({"fused": True} if fused else {"foreach": False}))
     gradient = torch.randn(numel).to(torch.bfloat16)
 
     def step():
@@ -61,22 +62,23 @@ def _step_worker(numel, steps, queue):
     queue.put(numel * steps / (time.perf_counter() - start))
 
 
-def host_step(ranks, numel=2 ** 25, steps=3):
+def host_step(ranks, fused, numel=2 ** 25, steps=3):
     context = mp.get_context("spawn")
     queue = context.Queue()
-    workers = [context.Process(target=_step_worker, args=(numel, steps, queue)) for _ in range(ranks)]
+    workers = [context.Process(target=_step_worker, args=(numel, steps, fused, queue)) for _ in range(ranks)]
     for worker in workers:
         worker.start()
     rates = [queue.get(timeout=120) for _ in workers]
     for worker in workers:
         worker.join()
-    say(kind="host_step", ranks=ranks, threads_each=1, cpus=os.cpu_count(), numel=numel,
+    say(kind="host_step", fused=fused, ranks=ranks, threads_each=1, cpus=os.cpu_count(), numel=numel,
         params_per_second_per_rank_min=round(min(rates)), params_per_second_per_rank_mean=round(sum(rates) / ranks))
 
 
 if __name__ == "__main__":
     say(kind="device", name=torch.cuda.get_device_name(), torch=torch.__version__)
-    for measure, args in ((pageable_copy, ()), (host_step, (1,)), (host_step, (8,))):
+    for measure, args in ((pageable_copy, ()), *((host_step, (ranks, fused)) for fused in (False, True)
+                                                   for ranks in (1, 8))):
         try:
             measure(*args)
         except Exception as error:  # one failure must not cost the other measurements
