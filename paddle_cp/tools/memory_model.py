@@ -28,7 +28,8 @@ path and paddle_cp hold it:
   MLP_GRADIENT_TENSORS [t, intermediate] gradients); OffloadRecomputeInputs moves full recomputation's kept inputs
   to the host (`host`) and adds a layer's own and the next layer's (prefetched) to its backward. `fused`: GPU
   kernels' activations (fused RMSNorm: input and fp32 inverse rms; fused RoPE: no fp32 copies), from their op
-  contracts, not measured.
+  contracts, not measured: True for both, or the FUSED_KERNELS named (PaddleFormers 1.2.0's Llama calls the
+  fused RMSNorm on GPU unless its config sets fuse_rms_norm=False, and rotates q and k with eager fp32 ops).
 - logits: the [t, vocab/tp] fp32 logits at the end of the forward; the loss backward adds two more.
   Chunked (PaddleFormers' fused head + loss): nothing at the end of the forward, and its backward holds
   CHUNK_TEMPORARIES [chunk, vocab/tp] fp32 tensors and HEAD_WEIGHT_COPIES of the lm_head weight (fp32).
@@ -60,6 +61,7 @@ BUCKET_COPIES = 2  # a bucket's flat buffer and the pieces it is split back into
 # gate/up output, clamps, GLU), and routing bookkeeping (logits, weights, per-expert masks) per expert
 MOE_TENSORS_PER_EXPERT_WIDTH = 10
 MOE_ROUTER_BYTES_PER_EXPERT = 292
+FUSED_KERNELS = ("rms_norm", "rope")  # GPU kernels whose activations `fused` may count
 
 
 def stage_layers(model, pp, stage):
@@ -83,19 +85,30 @@ def stage_params(model, layout, stage):
     return dense, moe * model.expert_params / layout.ep
 
 
+def held_params(model, layout, stage, at_level):
+    """Parameter elements of a kind of state (sharded from sharding level `at_level` on) one rank of `stage`
+    holds: its owned share at that level or above, every parameter of the stage below it."""
+    dense, experts = stage_params(model, layout, stage)
+    if layout.sharding < at_level:
+        return dense + experts
+    # each parameter has one owner (largest first onto the least-loaded rank): the busiest rank holds at least
+    # the largest whole parameter (measured: the 2 MiB embedding beside 1.19 MiB shares on ring4 level 3)
+    owned = max(dense / layout.shard_ranks, min(dense, model.largest_param / layout.tp))
+    return owned + experts / max(1, layout.shard_ranks // layout.ep)
+
+
+def stepped_params(model, layout, stage):
+    """Parameter elements whose optimizer state one rank of `stage` holds and steps (sharded from level 1)."""
+    return held_params(model, layout, stage, 1)
+
+
 def _state(model, layout, stage, elem):
     """weights, gradients (held after the step's reduction), optimizer state, and the whole gradients."""
     dense, experts = stage_params(model, layout, stage)
-    dense_ranks = layout.shard_ranks
-    expert_ranks = max(1, dense_ranks // layout.ep)
     level = layout.sharding
 
-    # each parameter has one owner (largest first onto the least-loaded rank): the busiest rank holds at least
-    # the largest whole parameter (measured: the 2 MiB embedding beside 1.19 MiB shares on ring4 level 3)
-    owned = max(dense / dense_ranks, min(dense, model.largest_param / layout.tp))
-
-    def share(at_level):
-        return owned + experts / expert_ranks if level >= at_level else dense + experts
+    def share(at_level):  # optimizer state from level 1, gradients from 2, weights from 3
+        return held_params(model, layout, stage, at_level)
 
     optimizer_bytes = MOMENTS_BYTES + (FP32 if elem < FP32 else 0)  # below fp32: an fp32 master copy
     optimizer, host_optimizer = share(1) * optimizer_bytes, 0
@@ -109,6 +122,11 @@ def _state(model, layout, stage, elem):
             "host_optimizer": host_optimizer, "whole_gradients": whole, "held_gradients": held, "bucket": bucket}
 
 
+def fuses(fused, kernel):
+    """Whether `fused` (True: every GPU kernel; else a collection of FUSED_KERNELS) includes `kernel`."""
+    return fused is True or kernel in (fused or ())
+
+
 def layer_activations(model, layout, tokens, seq, batch, elem, moe, fused=False):
     """Bytes one decoder layer (a MoE layer if `moe`) holds for one micro-batch (`tokens` per rank, `batch`
     sequences of `seq`) without recomputation, by block, and what recomputation works with:
@@ -117,7 +135,7 @@ def layer_activations(model, layout, tokens, seq, batch, elem, moe, fused=False)
     tp, h, d = layout.tp, model.hidden, model.head_dim
     heads, kv_heads = model.heads // tp, model.kv_heads // tp
     norm = norm_bytes(model, layout, tokens, elem, fused)
-    rope = 0 if fused else tokens * (heads + kv_heads) * d * 2 * FP32  # q, k and their rotated halves, fp32
+    rope = 0 if fuses(fused, "rope") else tokens * (heads + kv_heads) * d * 2 * FP32  # q, k and their rotated halves, fp32
     block_input = tokens * h * elem
     copies = 1 if tp > 1 else 0
     attention = attention_held_bytes(layout.backend, batch, seq, heads, kv_heads, d, layout.cp, elem,
@@ -142,7 +160,7 @@ def norm_bytes(model, layout, tokens, elem, fused=False):
     projections read, or under tensor parallelism each column-split projection's own copy of it (q, k, v;
     gate, up). Fused (GPU): its input and an fp32 inverse rms per token, and the output."""
     h, tp = model.hidden, layout.tp
-    kept = h * elem + FP32 if fused else h * (FP32 + elem)
+    kept = h * elem + FP32 if fuses(fused, "rms_norm") else h * (FP32 + elem)
     return tokens / tp * kept + tokens * h * elem
 
 
@@ -245,7 +263,8 @@ def stage_memory(model, layout, seq, batch, elem, stage, fused=False):
 
 def memory(model, layout, seq, batch=1, elem=2, fused=False):
     """Per-rank bytes of the busier of the first and last pipeline stage (see the module docstring); `host`:
-    the offloaded bytes it keeps in host memory (layer inputs and optimizer state). `fused`: GPU kernels' activations (fused RMSNorm and RoPE)."""
+    the offloaded bytes it keeps in host memory (layer inputs and optimizer state). `fused`: GPU kernels' activations
+    (True: fused RMSNorm and RoPE; or the FUSED_KERNELS named)."""
     stages = {0, layout.pp - 1}
     return max((stage_memory(model, layout, seq, batch, elem, s, fused) for s in stages), key=lambda m: m["peak"])
 

@@ -2,7 +2,7 @@
 with sharding levels, recomputation and chunked loss, for a model and a cluster.
 
     pcp-plan --config config.json --seq 131072 --devices 64 --memory-gb 80
-    pcp-plan --config config.json --max-seq --devices 8 --memory-gb 80 --kernels fused   # the longest that fits
+    pcp-plan --config config.json --max-seq --devices 8 --memory-gb 80   # the longest that fits
 
 Prints a table of candidates (best first: those that fit, fastest first), then for the best `--configs` layouts
 the published recipe each resembles and the config to run it: YAML for `paddle_cp.load_config` (the PaddleFormers
@@ -22,12 +22,15 @@ import yaml
 from paddle_cp.tools import packing, planner
 from paddle_cp.tools.attention_cost import PackedRow
 from paddle_cp.tools.model_shape import ModelShape
-from paddle_cp.tools.plan_config import gpu_attention_fields, model_config, parallelize_config
+from paddle_cp.tools.plan_config import (gpu_attention_fields, kernel_fields, model_config, parallelize_config,
+                                         rotary_note, trainer_arguments)
 from paddle_cp.tools.plan_layout import Cluster, Layout
 from paddle_cp.tools.recipes import closest
 from paddle_cp.tools.text import ruled_table
 
 GB = 1e9
+# --kernels: the GPU kernels whose activations the memory model counts (memory_model.FUSED_KERNELS)
+KERNELS = {"eager": (), "fused-norm": ("rms_norm",), "fused": ("rms_norm", "rope")}
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate")
 
 
@@ -61,15 +64,23 @@ def parse_args(argv=None):
                         help="causal attention forward + backward TFLOP/s (H200: FlashAttention-2 287-328, "
                              "cuDNN 544-577)")
     parser.add_argument("--pcie-gbps", type=float, default=25.0,
-                        help="GB/s per device and direction to host memory (activation offload)")
+                        help="GB/s per device and direction to host memory (activation offload, host optimizer; "
+                             "one H100 alone, both directions at once: 43.6; 8 share a host's memory)")
     parser.add_argument("--host-memory-gb", type=float, default=2000.0,
-                        help="host memory per node for offloaded activations (DGX H100/H200: 2 TB)")
-    parser.add_argument("--kernels", choices=["eager", "fused"], default="eager",
-                        help="activations as PaddleFormers' eager ops hold them (what pcp-memory measures on CPU) or "
-                             "with GPU fused RMSNorm and RoPE")
+                        help="host memory per node for offloaded activations and optimizer state (DGX H100/H200: 2 TB)")
+    parser.add_argument("--host-adamw-mparams", type=float, default=150.0,
+                        help="millions of parameters per second one device's share of its host steps (the host "
+                             "optimizer: gradient cast to fp32, AdamW, value cast back; Paddle's CPU kernels, one "
+                             "thread each)")
+    parser.add_argument("--kernels", choices=list(KERNELS), default="fused-norm",
+                        help="activations with the GPU's fused RMSNorm and eager RoPE (fused-norm: PaddleFormers "
+                             "1.2.0's Llama on a GPU as built), as its eager ops hold them on CPU (eager: what "
+                             "pcp-memory measures) or with a fused RoPE too (fused: a kernel that Llama does not call)")
     parser.add_argument("--mlp-tile", type=int, default=planner.DEFAULT_MLP_TILE,
                         help="tokens per SequenceTiled MLP tile the search tries (0: never tile)")
     parser.add_argument("--no-offload", action="store_true", help="never keep recomputed layers' inputs on the host")
+    parser.add_argument("--no-host-optimizer", action="store_true",
+                        help="never step the optimizer on the host (dp_config offload_optimizer)")
     parser.add_argument("--intra-gbps", type=float, default=300.0, help="GB/s per device within a node")
     parser.add_argument("--inter-gbps", type=float, default=25.0, help="GB/s per device across nodes")
     parser.add_argument("--devices-per-node", type=int, default=8)
@@ -91,6 +102,8 @@ def parse_args(argv=None):
         parser.error("give --seq N, or --max-seq to find the longest sequence that fits")
     if args.granularity < 1 or args.mlp_tile < 0:
         parser.error("--granularity must be positive and --mlp-tile not negative")
+    if min(args.pcie_gbps, args.host_adamw_mparams) <= 0:
+        parser.error("--pcie-gbps and --host-adamw-mparams must be positive")
     return args
 
 
@@ -103,25 +116,30 @@ def model_shape(args):
 
 
 def table(estimates, top):
-    head = (f"{'layout':52} {'backend':8} {'mem GB':>8} {'host GB/node':>12} {'fits':>5} {'step s':>8} "
+    head = (f"{'layout':68} {'backend':8} {'mem GB':>8} {'host GB/node':>12} {'fits':>5} {'step s':>8} "
             f"{'tok/s':>10}  time split (s)")
     rows = []
     for e in estimates[:top]:
         split = " ".join(f"{k}={v:.3g}" for k, v in e["time"].items() if v)
-        rows.append(f"{e['name']:52} {e['backend']:8} {e['memory_total'] / GB:>8.1f} {e['host_per_node'] / GB:>12.0f} "
+        rows.append(f"{e['name']:68} {e['backend']:8} {e['memory_total'] / GB:>8.1f} {e['host_per_node'] / GB:>12.0f} "
                     f"{'yes' if e['fits'] else 'no':>5} {e['step_time']:>8.3f} {e['tokens_per_second']:>10.0f}  {split}")
     return ruled_table(head, rows)
 
 
-def plan_of(estimate, model, seq, model_prefix):
-    """What runs one estimated layout: the parallelize config (dict and YAML), the PaddleFormers fields, and the
-    published recipe it resembles."""
+def plan_of(estimate, model, seq, model_prefix, fused=()):
+    """What runs one estimated layout: the parallelize config (dict and YAML), the PaddleFormers config fields
+    and TrainingArguments (paddle_cp's Trainer), and the published recipe it resembles. `fused`: the GPU kernels
+    the estimate counts (KERNELS' values)."""
     layout = Layout(**estimate["layout"])
     config = parallelize_config(layout, model_prefix)
-    fields = {**model_config(layout), **gpu_attention_fields(layout)}
+    fields = {**model_config(layout), **gpu_attention_fields(layout), **kernel_fields(fused)}
+    arguments = trainer_arguments(layout)
+    sections = {"PaddleFormers config": fields, "PaddleFormers TrainingArguments": arguments}
     header = "".join(f"# {line}\n" for line in yaml.dump(
-        {"PaddleFormers config": fields}, Dumper=_Dumper, sort_keys=False).splitlines()) if fields else ""
-    return {"name": estimate["name"], "config": config, "model_config": fields,
+        {k: v for k, v in sections.items() if v}, Dumper=_Dumper, sort_keys=False).splitlines()) if fields or arguments else ""
+    note = rotary_note(fused)
+    header = (f"# NOTE: {note}\n" if note else "") + header
+    return {"name": estimate["name"], "config": config, "model_config": fields, "training_arguments": arguments,
             "yaml": header + yaml.dump(config, Dumper=_Dumper, sort_keys=False),
             "resembles": closest(model.params, layout, seq)}
 
@@ -143,9 +161,10 @@ def main(argv=None):
         sys.exit(f"pcp-plan: {error}")
     cluster = Cluster(args.devices, args.memory_gb * GB, args.tflops * 1e12, args.intra_gbps * GB,
                       args.inter_gbps * GB, args.devices_per_node, args.attention_tflops * 1e12,
-                      args.pcie_gbps * GB, args.host_memory_gb * GB)
+                      args.pcie_gbps * GB, args.host_memory_gb * GB, args.host_adamw_mparams * 1e6)
     search = dict(batch=args.batch, elem=args.dtype_bytes, causal=not args.no_causal, loss_chunk=args.loss_chunk,
-                  mlp_tile=args.mlp_tile, fused=args.kernels == "fused", offload=not args.no_offload)
+                  mlp_tile=args.mlp_tile, fused=KERNELS[args.kernels], offload=not args.no_offload,
+                  offload_optimizer=not args.no_host_optimizer)
     if args.documents:
         if args.max_seq:
             sys.exit("pcp-plan: --documents prices one row of --seq tokens: give --seq instead of --max-seq")
@@ -157,7 +176,7 @@ def main(argv=None):
         args.seq, estimates = planner.longest_sequence(model, cluster, args.granularity, **search)
         if not args.seq:
             sys.exit(f"pcp-plan: no layout of {args.devices} devices fits {args.granularity} tokens of {model}")
-        print(f"longest sequence that fits: {args.seq} tokens ({args.seq / 2 ** 20:.2f}M; multiples of "
+        print(f"longest sequence that fits: {args.seq} tokens ({args.seq / 1e6:.2f}M; multiples of "
               f"{args.granularity}), {args.kernels} kernels\n")
     else:
         estimates = planner.rank_layouts(model, cluster, args.seq, **search)
@@ -165,7 +184,7 @@ def main(argv=None):
         sys.exit(f"no layout of {args.devices} devices suits {model} at sequence {args.seq}")
     print(table(estimates, args.top))
     fitting = [e for e in estimates if e["fits"]][:args.configs]
-    plans = [plan_of(e, model, args.seq, args.model_prefix) for e in fitting]
+    plans = [plan_of(e, model, args.seq, args.model_prefix, KERNELS[args.kernels]) for e in fitting]
     if not plans:
         print("\nno layout fits in memory: add devices, shorten the sequence or lower the batch")
     for plan, estimate in zip(plans, fitting):

@@ -1,5 +1,6 @@
 """What runs a planned layout: paddle_cp.parallelize's config (YAML-able, for paddle_cp.load_config) and the
-PaddleFormers config fields it needs (recomputation, chunked loss, the attention kernel). Pure, no Paddle.
+PaddleFormers config fields it needs (recomputation, chunked loss, the attention kernel, fused kernels) and the
+TrainingArguments that turn its memory savers on. Pure, no Paddle.
 
 Plan keys are those of PaddleFormers' decoder models (`<prefix>.layers.<i>.self_attn.q_proj`, ...; see
 integrations/paddleformers/plans.py, which derives the same plans from a built model).
@@ -45,6 +46,8 @@ def parallelize_config(layout, model_prefix="model"):
 
 def _dp_config(layout):
     dp_config = {"sharding_level": layout.sharding}
+    if layout.offload_optimizer:
+        dp_config["offload_optimizer"] = True
     replica_dims = [d for d, size in (("dp", layout.dp), ("sep", layout.cp)) if size > 1]
     chosen = [d for d in replica_dims if d in layout.shard_dims]
     if layout.sharding and chosen != [d for d in replica_dims if d in SHARD_DIMS]:  # only when narrower
@@ -78,6 +81,33 @@ def model_config(layout):
         fields.update(recompute_granularity="selective", recompute_modules=list(layout.selective))
     if layout.loss_chunk:
         fields.update(use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=layout.loss_chunk)
+    return fields
+
+
+def kernel_fields(fused):
+    """PaddleFormers config fields that make its Llama call the fused GPU kernels the estimate counts (`fused`:
+    memory_model.FUSED_KERNELS' names): fuse_rms_norm (1.2.0's RMSNorm reads it, on by default; the CPU has
+    no such kernel). Its Llama has no field for a fused RoPE: `rotary_note` says so."""
+    return {"fuse_rms_norm": True} if "rms_norm" in fused else {}
+
+
+def rotary_note(fused):
+    """What a user must know when the estimate assumes a fused RoPE (None otherwise)."""
+    if "rope" not in fused:
+        return None
+    return ("the estimate assumes a fused rotary kernel: PaddleFormers 1.2.0's Llama has no config field for one "
+            "(its apply_rotary_pos_emb rotates q and k in fp32 with eager ops), so its peak is higher than this")
+
+
+def trainer_arguments(layout):
+    """paddle_cp's TrainingArguments (PaddleFormers' Trainer) that turn on the layout's memory savers."""
+    fields = {}
+    if layout.offload:
+        fields["offload_recompute_inputs"] = True
+    if layout.mlp_tile:
+        fields["mlp_tile_tokens"] = layout.mlp_tile
+    if layout.offload_optimizer:  # PaddleFormers' own flag, mapped onto dp_config offload_optimizer
+        fields["tensorwise_offload_optimizer"] = True
     return fields
 
 

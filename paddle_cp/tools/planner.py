@@ -5,10 +5,11 @@ A candidate is a pipeline x data x ring x Ulysses x tensor factorisation of the 
 within a node, with sequence parallelism), an interleaved pipeline or not, an expert-parallel degree (MoE
 models: dividing dp x sep), a sharding level over dp x sep, recomputation (none, full, or the selective
 modules the model's family reads), an unchunked or chunked loss, MLPs tiled over the sequence or not (dense
-models), full recomputation's layer inputs in host memory or not. Each gets memory_model.memory (bytes per
-rank, the busiest stage's peak; its host bytes per node within the cluster's host memory) and
-step_time.step_time; those that fit come first, fastest first, then the rest by memory. `longest_sequence`
-bisects for the longest sequence some layout fits (`pcp-plan --max-seq`).
+models), full recomputation's layer inputs in host memory or not, the optimizer stepped on the host or not.
+Each gets memory_model.memory (bytes per rank, the busiest stage's peak; its host bytes per node, layer inputs
+and optimizer state, within the cluster's host memory) and step_time.step_time; those that fit come first,
+fastest first, then the rest by memory. `longest_sequence` bisects for the longest sequence some layout fits
+(`pcp-plan --max-seq`).
 
 Not proposed: recomputation on a pipeline and a chunked loss with tensor parallelism (both run, but the
 estimates do not model them yet: the chunked loss under tp computes the whole head on every rank), an
@@ -49,16 +50,18 @@ def _vpp_options(model, pp, micro):
         stage_layers(model, pp, s) % v == 0 for s in range(pp)))]
 
 
-def _memory_options(model, recompute, tokens, mlp_tile, offload):
-    """(mlp_tile, offload) pairs: tiles where a rank has more tokens than a tile and no layer is MoE (SequenceTiled
-    refuses MoE blocks); host offload of full recomputation's inputs (if `offload`)."""
+def _memory_options(model, recompute, tokens, mlp_tile, offload, offload_optimizer):
+    """(mlp_tile, offload, offload_optimizer) triples: tiles where a rank has more tokens than a tile and no layer
+    is MoE (SequenceTiled refuses MoE blocks); host offload of full recomputation's inputs (if `offload`); the
+    optimizer stepped on the host (if `offload_optimizer`)."""
     tiles = [0] + ([mlp_tile] if mlp_tile and not model.moe_layers and tokens > mlp_tile else [])
     offloads = [False, True] if recompute == RECOMPUTE_FULL and offload else [False]
-    return list(itertools.product(tiles, offloads))
+    host_steps = [False, True] if offload_optimizer else [False]
+    return list(itertools.product(tiles, offloads, host_steps))
 
 
 def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHUNK, mlp_tile=DEFAULT_MLP_TILE,
-               offload=True):
+               offload=True, offload_optimizer=True):
     """Every layout of `devices` paddle_cp can run for `model` at `seq` tokens, `batch` sequences per replica
     (a pipeline takes one sequence per micro-batch: m = batch)."""
     for pp, tp, ulysses, ring in itertools.product(_divisors(devices), repeat=4):
@@ -76,9 +79,11 @@ def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHU
         for vpp, ep, level, recompute, chunk in itertools.product(
                 _vpp_options(model, pp, micro), experts, range(4) if replicas > 1 else [0],
                 recompute_options(model, pp), chunks):
-            for tile, host in _memory_options(model, recompute, batch * seq / cp / micro, mlp_tile, offload):
+            for tile, host, host_step in _memory_options(model, recompute, batch * seq / cp / micro, mlp_tile,
+                                                         offload, offload_optimizer):
                 yield Layout(dp=dp, ring=ring, ulysses=ulysses, tp=tp, pp=pp, micro=micro, vpp=vpp, ep=ep,
-                             sharding=level, recompute=recompute, loss_chunk=chunk, mlp_tile=tile, offload=host)
+                             sharding=level, recompute=recompute, loss_chunk=chunk, mlp_tile=tile, offload=host,
+                             offload_optimizer=host_step)
 
 
 def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=False, packed=None):
@@ -97,31 +102,37 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=Fa
     }
 
 
+# Memory savers in the order they are given up: the host optimizer first (a step on the host's cores, host memory
+# for the whole optimizer state), then tiled MLPs and offloaded activations.
+LAST_RESORTS = (("offload_optimizer",), ("mlp_tile", "offload"))
+
+
 def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
-                 mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, packed=None):
+                 mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, packed=None, offload_optimizer=True):
     """Estimates of every candidate, best first: layouts that fit, by throughput (then the least memory), then the
-    rest by memory. Layouts that tile MLPs or offload activations are kept only where no layout fits without
-    them: they buy length with an extra MLP forward, host memory and PCIe traffic (whose contention with the
-    rest of the step the model does not count)."""
+    rest by memory. Each group of LAST_RESORTS is kept only where no layout fits without it: tiles and offloaded
+    activations buy length with an extra MLP forward, host memory and PCIe traffic (whose contention with the
+    rest of the step the model does not count), the host optimizer with a slower step and more host memory."""
     found = [estimate(model, layout, cluster, seq, batch, elem, causal, fused, packed)
              for layout in candidates(model, cluster.devices, seq, cluster.devices_per_node, batch, loss_chunk,
-                                      mlp_tile, offload)]
-    if any(e["fits"] and not _saves_memory(e) for e in found):
-        found = [e for e in found if not _saves_memory(e)]
+                                      mlp_tile, offload, offload_optimizer)]
+    for features in LAST_RESORTS:
+        if any(e["fits"] and not _uses(e, features) for e in found):
+            found = [e for e in found if not _uses(e, features)]
     return sorted(found, key=lambda e: (not e["fits"], -e["tokens_per_second"] if e["fits"] else 0, e["memory_total"]))
 
 
-def _saves_memory(estimate):
-    return bool(estimate["layout"]["mlp_tile"] or estimate["layout"]["offload"])
+def _uses(estimate, features):
+    return any(estimate["layout"][feature] for feature in features)
 
 
 def longest_sequence(model, cluster, granularity, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
-                     mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True):
+                     mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, offload_optimizer=True):
     """(the longest multiple of `granularity` tokens some layout fits, its ranked estimates); (0, []) if none fits
     even `granularity` tokens. Bisection: memory grows with the sequence for every layout."""
     def fitting(units):
         ranked = rank_layouts(model, cluster, units * granularity, batch, elem, causal, loss_chunk, mlp_tile, fused,
-                              offload)
+                              offload, offload_optimizer=offload_optimizer)
         return ranked if ranked and ranked[0]["fits"] else None
 
     best = fitting(1)

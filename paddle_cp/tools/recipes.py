@@ -49,7 +49,8 @@ RECIPES = (
            131072, 8, 1, 1, 4, 2, "FSDP over dp_shard x cp", "full",
            "8 H100 (96 GB), 84.0 GiB; torch.compile + Float8; FSDP 1 x CP 8 reached 262144 tokens"),
     Recipe("DeepSpeed ALST, Llama-8B on one node", "arXiv 2506.13996 (Snowflake ArcticTraining / DeepSpeed)",
-           8.0e9, 3_700_000, 8, 1, 1, 8, 1, "ZeRO-3 over the Ulysses ranks", "full, offloaded to CPU",
+           8.0e9, 3_700_000, 8, 1, 1, 8, 1, "ZeRO-3 over the Ulysses ranks, optimizer states on the host",
+           "full, offloaded to CPU",
            "also 500K on 1 H100 and 15M on 32 H100 (Ulysses over all); tiled loss and MLP; per-run flags "
            "beyond these figures not verified"),
 )
