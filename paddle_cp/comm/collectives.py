@@ -172,7 +172,7 @@ def pads_uneven_chunks(sizes):
     """Whether one reduce-scatter of the chunks (numels `sizes`) padded to the largest moves no more bytes per
     rank than one reduce per non-empty chunk: (N-1) x largest against their sum (ring algorithms). Equal chunks
     always; owners of about equal shares too; a bucket one or two owners hold would move up to N-1 times its
-    bytes padded (a Llama-3-8B layer's weight is a 25 MiB bucket of its own: docs/context_parallel.md)."""
+    bytes padded (a Llama-3-8B layer's weight is a 25 MiB bucket of its own: docs/tensor_parallel.md)."""
     return (len(sizes) - 1) * max(sizes) <= sum(sizes)
 
 
