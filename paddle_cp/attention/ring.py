@@ -6,7 +6,8 @@ the balanced layout (layout.py) rank r holds chunks r and 2N-1-r, and against
 any other rank's block exactly half of its query-key tiles are visible; the
 kernel skips the rest. The same masks carry documents and dense masks.
 Partial results merge by log-sum-exp; queries that see nothing in a block
-contribute 0 with weight 0.
+contribute 0 with weight 0, and a block no query sees runs no kernel, forward
+or backward (`sees_nothing`).
 """
 from __future__ import annotations
 

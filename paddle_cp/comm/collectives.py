@@ -159,12 +159,14 @@ def reduce_scatter_async(mesh_group, chunks, tag="reduce_scatter"):
 
 
 class _Tasks:
-    def __init__(self, tasks):
+    def __init__(self, tasks, buffers=()):
         self._tasks = [t for t in tasks if t is not None]  # None: a synchronous stand-in (tests)
+        self._buffers = buffers  # inputs made here, kept until the collective has read them (its own stream)
 
     def wait(self):
         for task in self._tasks:
             task.wait()
+        self._buffers = ()
         return True
 
 
@@ -194,7 +196,7 @@ def _native_reduce_scatter(mesh_group, chunks, tag, sync_op):
             flat = paddle.concat(parts)  # [n * width]: position j's chunk at its group rank's slot
             out = paddle.empty([width], dtype)
             task = dist.stream.reduce_scatter(out, flat, group=mesh_group.group, sync_op=sync_op)
-            return out[: sizes[me]].reshape(chunks[me].shape), _Tasks([task])
+            return out[: sizes[me]].reshape(chunks[me].shape), _Tasks([task], buffers=(flat,))
         counters.record(tag, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
         tasks = [dist.reduce(c, dst=mesh_group.rank_at(j), group=mesh_group.group, sync_op=sync_op)
                  for j, c in enumerate(chunks) if sizes[j]]
