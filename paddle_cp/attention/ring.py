@@ -6,7 +6,8 @@ the balanced layout (layout.py) rank r holds chunks r and 2N-1-r, and against
 any other rank's block exactly half of its query-key tiles are visible; the
 kernel skips the rest. The same masks carry documents and dense masks.
 Partial results merge by log-sum-exp; queries that see nothing in a block
-contribute 0 with weight 0.
+contribute 0 with weight 0, and a block no query sees runs no kernel, forward
+or backward (`sees_nothing`).
 """
 from __future__ import annotations
 
@@ -73,36 +74,52 @@ class _Blocks:
         return p2p.unpack(flat, self.shapes(self.lengths[src]))
 
 
+def sees_nothing(mask):
+    """No query of the block sees any of its keys: its partial output weighs 0 and its gradients are 0, so
+    neither direction runs a kernel on it (a document kept whole on another rank, a window's far blocks)."""
+    return mask.extent().kind == "none"
+
+
 def ring_forward(q, k, v, group, masks, scale, rotate):
     blocks = _Blocks(k, v, masks.lengths())
     rotation = make_rotation(rotate, group, p2p.pack([k, v]), blocks.numels())
     out = lse = None
     for step in range(group.size):
         src = (group.index - step) % group.size
-        k_block, v_block = blocks.unpack(rotation.fetch(step), src)
+        flat = rotation.fetch(step)  # fetched even when skipped: the ring passes it on
         mask = masks.block(src)
-        if out is not None and mask.extent().kind == "none":  # no query here sees these keys
-            record_work(0, q.shape[1] * k_block.shape[1])
+        if sees_nothing(mask):
+            record_work(0, q.shape[1] * blocks.lengths[src])
             continue
+        k_block, v_block = blocks.unpack(flat, src)
         block_out, block_lse = select_kernel(q, v, mask).forward(q, k_block, v_block, mask, scale)
         out, lse = merge(out, lse, block_out, block_lse)
+    if out is None:  # no query here sees any key (a shard of padding): output 0, log-sum-exp -inf
+        b, sq, hq, _ = q.shape
+        out, lse = paddle.zeros([b, sq, hq, v.shape[3]], "float32"), paddle.full([b, hq, sq], float("-inf"), "float32")
     return out, lse
 
 
 def ring_backward(dout, q, k, v, out, lse, group, masks, scale, rotate):
+    """Gradients of q and of this member's k/v; the blocks the forward skipped (`sees_nothing`) run no kernel
+    here either: their zero gradients are left out of the sums (rotation.send_grads(step, None))."""
     blocks = _Blocks(k, v, masks.lengths())
     rotation = make_rotation(rotate, group, p2p.pack([k, v]), blocks.numels())
     dq = None
     for step in range(group.size):
         src = (group.index - step) % group.size
-        k_block, v_block = blocks.unpack(rotation.fetch(step), src)
+        flat = rotation.fetch(step)
         mask = masks.block(src)
+        if sees_nothing(mask):
+            rotation.send_grads(step, None)
+            continue
+        k_block, v_block = blocks.unpack(flat, src)
         dq_block, dk_block, dv_block = select_kernel(q, v, mask).backward(
             dout, q, k_block, v_block, out, lse, mask, scale)
         dq = dq_block if dq is None else dq + dq_block
         rotation.send_grads(step, p2p.pack([dk_block, dv_block]))
     dk, dv = blocks.unpack(rotation.own_grads(), group.index)
-    return dq, dk, dv
+    return (paddle.zeros(q.shape, "float32") if dq is None else dq), dk, dv
 
 
 def _sink_lse(sinks, lse):

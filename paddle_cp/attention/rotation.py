@@ -8,6 +8,8 @@ minimum (as k/v do). Memory: two blocks. `allgather` (PyTorch's set_rotate_metho
 "allgather"): one all-gather of all blocks up front, one reduce-scatter of the
 gradients at the end; fewer, larger messages, N blocks held. Same bytes.
 Blocks are packed flat; `numels[i]` is member i's packed size (lengths may differ).
+A block no query sees (ring.sees_nothing) has no gradient: `send_grads(step, None)` adds nothing to the
+sum passing through (zeros are made only where a message must still leave with no sum to carry).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import paddle
 from ..comm import collectives, p2p
 
 ROTATIONS = ("ring", "allgather")
+GRAD_DTYPE = paddle.float32  # the kernels' k/v gradients (attention/kernels), packed
 
 
 def check_rotation(rotate):
@@ -48,15 +51,19 @@ class RingRotation:
             self._own = dkv
             return
         if self._travelling is not None:
-            dkv = dkv + self._travelling.wait()
+            arrived = self._travelling.wait()
+            dkv = arrived if dkv is None else dkv + arrived
+        if dkv is None:  # nothing computed for this block yet, and the next member waits for its sum
+            dkv = paddle.zeros([self.numels[self._source(step)]], GRAD_DTYPE)
         shape = [self.numels[self._source(step + 1)]]
         self._travelling = p2p.shift(self.group, dkv, 1, tag="ring", recv_shape=shape)
 
     def own_grads(self):
         """This member's block's gradient: its own part plus the sum of every other member's."""
-        if self._travelling is None:  # a ring of one
-            return self._own
-        return self._own + self._travelling.wait()
+        others = None if self._travelling is None else self._travelling.wait()  # None: a ring of one
+        if self._own is None:
+            return others if others is not None else paddle.zeros([self.numels[self.group.index]], GRAD_DTYPE)
+        return self._own if others is None else self._own + others
 
 
 class AllGatherRotation:
@@ -75,9 +82,12 @@ class AllGatherRotation:
         return self._blocks[(self.group.index - step) % self.group.size]
 
     def send_grads(self, step, dkv):
-        self._grads[(self.group.index - step) % self.group.size] = self._padded(dkv)
+        self._grads[(self.group.index - step) % self.group.size] = None if dkv is None else self._padded(dkv)
 
     def own_grads(self):
+        if any(g is None for g in self._grads):  # blocks with no gradient: one zero buffer stands for all (only read)
+            zeros = paddle.zeros([self._width], GRAD_DTYPE)
+            self._grads = [zeros if g is None else g for g in self._grads]
         summed = collectives.reduce_scatter(self.group, self._grads, tag="ring")
         return summed[: self.numels[self.group.index]]
 

@@ -6,6 +6,7 @@ exchanges, which move exactly the bytes per rank the real operations move.
 """
 from __future__ import annotations
 
+import math
 import zlib
 
 import numpy as np
@@ -130,8 +131,10 @@ def _all_to_all_rounds(mesh_group, chunks, tag, recv_shapes):
 
 
 def reduce_scatter(mesh_group, chunks, tag="reduce_scatter"):
-    """Sum over ranks of chunks[me]: each position gets its own reduced chunk. Chunk j has one length on every
-    rank; lengths may differ between positions (then NCCL runs one reduce per position)."""
+    """Sum over ranks of chunks[me]: each position gets its own reduced chunk. Chunk j has one shape on every
+    rank; shapes may differ between positions, and a chunk may be empty (its position receives nothing). NCCL:
+    one collective where it moves no more bytes than reducing each chunk onto its position
+    (`_native_reduce_scatter`); gloo: N-1 ordered exchanges."""
     n = mesh_group.size
     if n == 1:
         return chunks[0]
@@ -139,7 +142,11 @@ def reduce_scatter(mesh_group, chunks, tag="reduce_scatter"):
     if p2p.uses_native_p2p(chunks[0]):
         out, task = _native_reduce_scatter(mesh_group, chunks, tag, sync_op=True)
         return out
-    return _reduce_scatter_rounds(mesh_group, chunks, tag)
+    me = mesh_group.index
+    # every gloo exchange moves something: an empty chunk travels as one zero
+    stand_ins = [c if math.prod(c.shape) else paddle.zeros([1], c.dtype) for c in chunks]
+    total = _reduce_scatter_rounds(mesh_group, stand_ins, tag)
+    return total if math.prod(chunks[me].shape) else chunks[me]
 
 
 def reduce_scatter_async(mesh_group, chunks, tag="reduce_scatter"):
@@ -152,26 +159,47 @@ def reduce_scatter_async(mesh_group, chunks, tag="reduce_scatter"):
 
 
 class _Tasks:
-    def __init__(self, tasks):
+    def __init__(self, tasks, buffers=()):
         self._tasks = [t for t in tasks if t is not None]  # None: a synchronous stand-in (tests)
+        self._buffers = buffers  # inputs made here, kept until the collective has read them (its own stream)
 
     def wait(self):
         for task in self._tasks:
             task.wait()
+        self._buffers = ()
         return True
 
 
+def pads_uneven_chunks(sizes):
+    """Whether one reduce-scatter of the chunks (numels `sizes`) padded to the largest moves no more bytes per
+    rank than one reduce per non-empty chunk: (N-1) x largest against their sum (ring algorithms). Equal chunks
+    always; owners of about equal shares too; a bucket one or two owners hold would move up to N-1 times its
+    bytes padded (a Llama-3-8B layer's weight is a 25 MiB bucket of its own: docs/tensor_parallel.md)."""
+    return (len(sizes) - 1) * max(sizes) <= sum(sizes)
+
+
 def _native_reduce_scatter(mesh_group, chunks, tag, sync_op):
-    me = mesh_group.index
-    counters.record(tag, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
+    """NCCL: one reduce_scatter of the chunks, each padded to the largest with zeros, in one flat buffer (one
+    kernel), or, where padding would move more bytes (`pads_uneven_chunks`), one reduce per non-empty chunk onto
+    its position (summed in place: the chunks are this call's own buffers)."""
+    me, n = mesh_group.index, mesh_group.size
+    sizes = [math.prod(c.shape) for c in chunks]
+    width, dtype = max(sizes), chunks[0].dtype
     with guard(tag, mesh_group.ranks):
-        if len({tuple(c.shape) for c in chunks}) == 1:
-            out = paddle.empty_like(chunks[me])
-            return out, _Tasks([dist.reduce_scatter(out, _in_group_order(_sorted_positions(mesh_group), chunks),
-                                                    group=mesh_group.group, sync_op=sync_op)])
-        # uneven: position j's chunk summed onto it (chunks are this call's own buffers: summed in place)
+        if pads_uneven_chunks(sizes):
+            counters.record(tag, (n - 1) * width * chunks[0].element_size())
+            pad = paddle.zeros([width - min(sizes)], dtype) if min(sizes) < width else None  # shared by every chunk
+            parts = []
+            for j in _in_group_order(_sorted_positions(mesh_group), list(range(n))):
+                parts += [chunks[j].reshape([-1])] if sizes[j] else []
+                parts += [pad[: width - sizes[j]]] if sizes[j] < width else []
+            flat = paddle.concat(parts)  # [n * width]: position j's chunk at its group rank's slot
+            out = paddle.empty([width], dtype)
+            task = dist.stream.reduce_scatter(out, flat, group=mesh_group.group, sync_op=sync_op)
+            return out[: sizes[me]].reshape(chunks[me].shape), _Tasks([task], buffers=(flat,))
+        counters.record(tag, sum(counters.nbytes(c) for j, c in enumerate(chunks) if j != me))
         tasks = [dist.reduce(c, dst=mesh_group.rank_at(j), group=mesh_group.group, sync_op=sync_op)
-                 for j, c in enumerate(chunks)]
+                 for j, c in enumerate(chunks) if sizes[j]]
     return chunks[me], _Tasks(tasks)
 
 

@@ -391,13 +391,14 @@ def _all_reduce(group, members, values, op):
 def _reduce_scatter(group, members, values, op):
     """Levels 2-3: each owner receives the average of its members' values over `group`: chunk r holds position
     r's members (one reduce-scatter per dtype; owners are balanced over the whole model, not per bucket, so the
-    chunks differ: reduced as they are, none padded). The full values are dropped at once; after it only this
-    position's members keep a value."""
+    chunks differ: on NCCL padded to the largest where that moves no more bytes, else one reduce per owner
+    present, collectives.reduce_scatter). The full values are dropped at once; after it only this position's
+    members keep a value."""
     n, finishing = group.size, []
     for dtype, same_dtype in _by_dtype(members, values).items():
         owners = [[p for p in same_dtype if _owner(p) == r] for r in range(n)]
-        # a position owning none of them gets one zero: every exchange moves something
-        chunks = [paddle.concat([values[id(p)].reshape([-1]) for p in b]) if b else paddle.zeros([1], dtype)
+        # a position owning none of them gets an empty chunk: nothing is reduced onto it
+        chunks = [paddle.concat([values[id(p)].reshape([-1]) for p in b]) if b else paddle.zeros([0], dtype)
                   for b in owners]
         for p in same_dtype:
             del values[id(p)]

@@ -33,9 +33,11 @@ class HostReads:
     uploads: int = 0  # paddle.to_tensor of host data
     deferred: int = 0  # values gathered a step earlier, read now
     sites: Counter = field(default_factory=Counter)  # "kind at file:line" -> calls
+    within: Counter = field(default_factory=Counter)  # path prefix -> calls made with a frame under it on the stack
 
     def as_dict(self):
-        return {"reads": self.reads, "uploads": self.uploads, "deferred": self.deferred, "sites": dict(self.sites)}
+        return {"reads": self.reads, "uploads": self.uploads, "deferred": self.deferred, "sites": dict(self.sites),
+                "within": dict(self.within)}
 
     def total(self):
         """What stalls a GPU step: reads and uploads (deferred reads do not wait for this step's work)."""
@@ -56,9 +58,22 @@ def _site():
     return "?"
 
 
+def _callers(prefixes):
+    """The `prefixes` (paths from the package's parent, e.g. "paddle_cp/data_parallel/") that a frame on the
+    stack lies under: a read made in comm/ or pipeline/ on behalf of data_parallel/ counts for it too."""
+    found, frame = set(), sys._getframe(2)
+    while frame is not None and len(found) < len(prefixes):
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(_PACKAGE):
+            found.update(p for p in prefixes if os.path.relpath(path, os.path.dirname(_PACKAGE)).startswith(p))
+        frame = frame.f_back
+    return found
+
+
 @contextlib.contextmanager
-def counting(counts=None):
-    """Count host reads while the block runs: `with counting() as counts: ...` (a HostReads)."""
+def counting(counts=None, within=()):
+    """Count host reads while the block runs: `with counting() as counts: ...` (a HostReads); `within`: path
+    prefixes whose calls on the stack are counted in `counts.within` as well."""
     counts = HostReads() if counts is None else counts
     depth = [0]  # reads made by a read (numpy inside tolist, ...) count once
 
@@ -67,6 +82,7 @@ def counting(counts=None):
             if depth[0] == 0 and counted(args):
                 setattr(counts, kind, getattr(counts, kind) + 1)
                 counts.sites[f"{kind} at {_site()}"] += 1
+                counts.within.update(_callers(within))
             depth[0] += 1
             try:
                 return original(*args, **kwargs)

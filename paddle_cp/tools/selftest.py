@@ -19,6 +19,11 @@ operator counter: calls, the share in the check's dtype, the flash ops' calls); 
 exchange (paddle_cp's p2p shift to the next rank) and of the all-to-all (paddle_cp's all_to_all), from a few
 timed exchanges of --exchange-mib per rank, with a check that every rank received what its peers sent. The
 table goes to stdout (--json: everything); the exit code is 1 when any check failed, on every rank.
+
+A failure on one rank only never leaves the others waiting out a collective timeout: building a dtype's case
+(no collectives) is agreed by one all-reduce, so every rank skips that dtype's checks alike and the table names
+the failed ranks; a check that raises inside its exchanges (a kernel failing on one device) ends the run at once
+on that rank, exit 1 with its error on stderr, and its peers' exchanges fail at once or the launcher stops them.
 """
 from __future__ import annotations
 
@@ -297,21 +302,54 @@ def run_ranks(args):
     mine = {"checks": [], "exchanges": exchange_bandwidth(group, int(mib * 2 ** 20), args.iters, synchronize)}
     for dtype in dtypes:
         try:
-            case = Case(args, dtype)
-        except Exception as error:  # noqa: BLE001 - every rank raises alike (same inputs): a failed row
-            mine["checks"].append({"dtype": dtype, "backend": "one device", "error": f"{type(error).__name__}: {error}"})
+            case, failure = Case(args, dtype), None
+        except Exception as error:  # noqa: BLE001 - reported in the table, agreed below
+            case, failure = None, f"{type(error).__name__}: {error}"
+        failed_on = failed_ranks(group, failure is not None)
+        if failed_on:  # every rank skips the dtype's checks alike: none issues their collectives
+            mine["checks"].append({"dtype": dtype, "backend": "one device", "failed_on": failed_on,
+                                   **({"error": failure} if failure else {})})
             continue
         for backend in backends:
             row = {"dtype": dtype, "backend": backend, "one_device": case.one_device, "tolerance": case.tolerance()}
             try:
                 row.update(check_backend(pcp, mesh, case, backend))
-            except Exception as error:  # noqa: BLE001 - as above
-                row["error"] = f"{type(error).__name__}: {error}"
+            except Exception as error:  # noqa: BLE001 - see end_run
+                end_run(row, error)
             mine["checks"].append(row)
     every = []
     dist.all_gather_object(every, mine)
     device = paddle.device.cuda.get_device_name() if on_gpu else "cpu"
     return summarise(args, every, device, dtypes, backends, mib)
+
+
+def failed_ranks(group, failed_here):
+    """The ranks on which a step failed, agreed by one all-reduce that every rank takes part in (failed or not),
+    so a failure on one rank stops the same checks everywhere instead of leaving its peers waiting in them."""
+    import paddle
+
+    from paddle_cp.comm import collectives
+
+    flags = paddle.zeros([group.size], "int32")
+    flags[group.index] = int(failed_here)
+    collectives.all_reduce(group, flags, tag="selftest_agree")
+    return [group.ranks[i] for i in flags.numpy().nonzero()[0]]
+
+
+def end_run(row, error):
+    """A check raised on this rank while its peers may be waiting in that check's exchanges for messages this
+    rank will not send (a kernel failing on one device, out of memory on one rank): no later collective would
+    line up, so this rank reports and exits 1 at once. Its peers' exchanges then fail at once (gloo: its
+    connections close) and they end the same way, or the launcher stops them (it stops every rank when one
+    fails): no rank waits out a collective timeout."""
+    import paddle.distributed as dist
+
+    sys.stdout.flush()
+    sys.stderr.write(f"pcp-selftest: rank {dist.get_rank()}: {row['backend']} attention in {row['dtype']} FAILED: "
+                     f"{type(error).__name__}: {error}\npcp-selftest: FAILED (rank {dist.get_rank()} ends the run, "
+                     "exit 1)\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def summarise(args, every, device, dtypes, backends, mib):
@@ -322,7 +360,7 @@ def summarise(args, every, device, dtypes, backends, mib):
         merged = {k: v for k, v in row.items() if k not in ("errors", "kernels", "ops")}
         errors = [r.get("error") for r in rows if r.get("error")]
         if errors:
-            merged["error"] = errors[0]
+            merged["error"] = f"on rank(s) {row['failed_on']}: {errors[0]}" if "failed_on" in row else errors[0]
         else:
             merged["errors"] = {t: max(r["errors"][t] for r in rows) for t in TENSORS}
             merged["kernels_per_rank"] = [r["kernels"] for r in rows]

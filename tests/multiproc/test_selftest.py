@@ -2,9 +2,12 @@
 path): it passes and prints its table (fp32 and the blockwise kernel: the CPU matmul takes no bf16). Inside a
 launch (one launch, tests/workers/selftest_in_launch.py): on the GPU path with emulated flash ops (bf16 checks,
 the flash and flashmask kernels), then with a fault planted, where every rank exits non-zero and the table names
-the failed checks. Real flash kernels, NCCL and GPU bandwidth run on a GPU only (docs/tools.md)."""
+the failed checks. A fault on one rank only (tests/workers/selftest_one_rank_fault.py, a launch each): every rank
+ends with exit 1 without waiting out a collective timeout. Real flash kernels, NCCL and GPU bandwidth run on a GPU
+only (docs/tools.md)."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ from launcher import launch_failing
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ("--nproc", "4", "--seq", "96", "--iters", "2")
+GLOO_TIMEOUT_S = 25  # gloo gives up after 30 s (PADDLE_API.md)
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +90,38 @@ def test_selftest_fails_on_a_fault_on_every_rank(in_launch):
     assert all(e["delivered"] for e in result["exchanges"].values())  # integers pass a bf16 transport
     log = logs["workerlog.0"]
     assert "FAILED" in log[log.find("pcp-selftest: 4 rank(s)"):], log[-3000:]
+
+
+def _no_rank_waited(logs):
+    """No rank waited out a timeout: neither the watchdog's ("waited") nor gloo's own 30 s, which paddle_cp's guard
+    reports as "failed after <seconds> s" (a collective failing because a peer exited fails within a second)."""
+    for name, log in logs.items():
+        assert "waited" not in log, (name, log[-3000:])
+        waits = [float(s) for s in re.findall(r"failed after (\d+\.\d) s", log)]
+        assert all(s < GLOO_TIMEOUT_S for s in waits), (name, waits, log[-3000:])
+
+
+def test_a_case_failing_on_one_rank_skips_its_checks_on_every_rank():
+    """Rank 1 cannot build the fp32 case (no collectives yet): the ranks agree on it in one all-reduce, every rank
+    skips the case's checks (none waits in their exchanges for rank 1), reports and exits 1."""
+    code, logs, written = launch_failing("selftest_one_rank_fault.py", 4, "case", *FLAGS, timeout=240)
+    assert code != 0 and [written.get(f"exit{r}") for r in range(4)] == [{"code": 1}] * 4, (code, written)
+    result = written["selftest"]
+    assert not result["passed"] and [c["backend"] for c in result["checks"]] == ["one device"], result["checks"]
+    assert result["checks"][0]["error"] == "on rank(s) [1]: RuntimeError: planted fault: the case cannot be built " \
+                                           "on rank 1", result["checks"][0]
+    assert "FAILED" in logs["workerlog.0"]
+    assert not any("paddle_cp: rank" in log for log in logs.values())  # no collective failed: none was left waiting
+    _no_rank_waited(logs)
+
+
+def test_a_kernel_failing_on_one_rank_mid_exchange_ends_the_run_at_once():
+    """Rank 1's kernel raises in the ring check while its peers wait in that check's exchanges: rank 1 reports
+    and exits 1 at once, and the others end with it (their exchanges fail, or the launcher stops them); no rank
+    waits out a collective timeout (the watchdog's report) and the launch completes within the harness's limit."""
+    code, logs, written = launch_failing("selftest_one_rank_fault.py", 4, "kernel", *FLAGS, timeout=240)
+    assert code != 0 and "selftest" not in written, (code, written)
+    log = logs["workerlog.1"]
+    assert "p2p attention in float32 FAILED: RuntimeError: planted fault: the kernel failed on rank 1" in log, log[-3000:]
+    assert "FAILED (rank 1 ends the run, exit 1)" in log
+    _no_rank_waited(logs)

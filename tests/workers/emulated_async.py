@@ -3,7 +3,7 @@
 `install()` makes paddle_cp take its NCCL branches on CPU tensors
 (comm.p2p.uses_native_p2p -> True): ring exchanges post one isend and one
 irecv through `dist.batch_isend_irecv` and `wait()` later; Ulysses and the
-allgather rotation call `dist.alltoall` and `dist.reduce_scatter`.
+allgather rotation call `dist.alltoall` and `dist.stream.reduce_scatter` (one flat input).
 
 The emulated batch returns at once and completes the exchange at the first
 `wait()` of either task, through paddle_cp's ordered gloo exchange
@@ -119,13 +119,17 @@ def alltoall(out_tensor_list, in_tensor_list, group=None, sync_op=True):
         paddle.assign(got, output=out_tensor_list[g])
 
 
-def reduce_scatter(tensor, tensor_list, op=dist.ReduceOp.SUM, group=None, sync_op=True):
-    if op != dist.ReduceOp.SUM:
-        raise NotImplementedError("the emulation covers SUM")
+def reduce_scatter(out_tensor, in_tensor, op=dist.ReduceOp.SUM, group=None, sync_op=True, use_calc_stream=False):
+    """`dist.stream.reduce_scatter` with one flat input (the form paddle_cp calls): slot g of `in_tensor`
+    (Paddle's group-rank order) is group rank g's chunk."""
+    if op != dist.ReduceOp.SUM or not paddle.is_tensor(in_tensor):
+        raise NotImplementedError("the emulation covers SUM over one flat input tensor")
     mine, at = _mesh_order(group)
-    paddle.assign(collectives._reduce_scatter_rounds(mine, [tensor_list[g] for g in at], EMULATION), output=tensor)
+    slots = paddle.split(in_tensor.reshape([len(at), -1]), len(at))  # [n, width] -> n x [1, width]
+    chunks = [slots[g].reshape(out_tensor.shape) for g in at]
+    paddle.assign(collectives._reduce_scatter_rounds(mine, chunks, EMULATION), output=out_tensor)
 
 
 def install():
-    dist.batch_isend_irecv, dist.alltoall, dist.reduce_scatter = batch_isend_irecv, alltoall, reduce_scatter
+    dist.batch_isend_irecv, dist.alltoall, dist.stream.reduce_scatter = batch_isend_irecv, alltoall, reduce_scatter
     p2p.uses_native_p2p = lambda tensor: True

@@ -5,8 +5,9 @@ levels 0, 2, 3; sep2 x dp2 (ring attention, whose backward exchanges blocks betw
 reductions) at levels 1 and 2; pp2 x dp2 with the tied embedding. Each trains STEPS steps of ACC
 micro-batches against one card. Recorded per layout: the buckets issued during backward in steps 3-5
 (with the backward position, the member gradients arrived so far, at which each was issued, against the
-step's total), the host reads made from paddle_cp/data_parallel in steps 3-5 (every Tensor method that
-hands a value to the host, and paddle.to_tensor), the most gradient bytes held (buckets.GradientBytes)
+step's total), the host reads made from paddle_cp/data_parallel in steps 3-5 (tools/host_reads.py's `counting`, a
+frame there on the stack: Tensor values read on the host, paddle.to_tensor, deferred reads), the most gradient bytes
+held (buckets.GradientBytes)
 and the bytes of this rank's full gradients.
 
 Then an MLP on dp4 (gradients dominate its memory): the host allocator's peak over backward and the
@@ -25,52 +26,23 @@ from report import run
 from tensor_parallel import WELL_CONDITIONED_EPSILON
 
 import paddle_cp as pcp
+from paddle_cp.tools import host_reads
 from paddle_cp.tools.allocator import allocated, peak, reset_peak
 
 BUCKET_MB = 0.02
 BATCH, SEQ, ACC, STEPS = 4, 16, 2, 5
 COUNTED = (2, 3, 4)  # steps 3-5
-HOST_READS = ("numpy", "item", "tolist", "__float__", "__bool__", "__int__", "__index__")
 DATA_PARALLEL = "paddle_cp/data_parallel/"
 
 
-@contextlib.contextmanager
-def host_reads(counts):
-    """Count host reads made from paddle_cp/data_parallel (a frame there on the stack) into counts["data_parallel"],
-    all others into counts["elsewhere"]; a read made inside a read counts once."""
-    originals = {name: getattr(paddle.Tensor, name) for name in HOST_READS}
-    originals["to_tensor"] = paddle.to_tensor
-    depth = [0]
-
-    def where():
-        frame = sys._getframe(2)
-        while frame is not None:
-            if DATA_PARALLEL in frame.f_code.co_filename:
-                return "data_parallel"
-            frame = frame.f_back
-        return "elsewhere"
-
-    def counted(original):
-        def read(*args, **kwargs):
-            if depth[0] == 0:
-                key = where()
-                counts[key] = counts.get(key, 0) + 1
-            depth[0] += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return read
-
-    for name in HOST_READS:
-        setattr(paddle.Tensor, name, counted(originals[name]))
-    paddle.to_tensor = counted(originals["to_tensor"])
-    try:
-        yield
-    finally:
-        for name in HOST_READS:
-            setattr(paddle.Tensor, name, originals[name])
-        paddle.to_tensor = originals["to_tensor"]
+def data_parallel_reads(counts):
+    """{"data_parallel": host reads, uploads and deferred reads made with paddle_cp/data_parallel on the stack
+    (counting's `within`: a read in comm/ or pipeline/ made for it counts), of which "at_data_parallel" at sites
+    there, "elsewhere": all others} of a HostReads (tools/host_reads.py; a read made inside a read counts once)."""
+    made = counts.reads + counts.uploads + counts.deferred
+    ours = counts.within[DATA_PARALLEL]
+    at_sites = sum(calls for site, calls in counts.sites.items() if f" at {DATA_PARALLEL}" in site)
+    return {"data_parallel": ours, "at_data_parallel": at_sites, "elsewhere": made - ours}
 
 
 def batches():
@@ -101,12 +73,12 @@ def layout(report, name, dims, level, want):
                                                      bucket_size_mb=BUCKET_MB)
     buckets = optimizer.gradient_buckets
     data = batches()
-    losses, issued, reads = [], [], {}
+    losses, issued, reads = [], [], host_reads.HostReads()
     for step in range(STEPS):
         if step == COUNTED[0]:
             buckets.grad_bytes.reset_peak()
         total = paddle.zeros([])
-        with host_reads(reads) if step in COUNTED else contextlib.nullcontext():
+        with host_reads.counting(reads, within=(DATA_PARALLEL,)) if step in COUNTED else contextlib.nullcontext():
             for ids, labels in data[step * ACC:(step + 1) * ACC]:
                 ids, labels = pcp.shard_batch((ids, labels), mesh=mesh)
                 if sep:
@@ -129,7 +101,7 @@ def layout(report, name, dims, level, want):
     report.value(f"{name}.buckets", len(buckets.buckets))
     report.value(f"{name}.early_buckets", sum(b.overlaps for b in buckets.buckets))
     report.value(f"{name}.issued", issued)
-    report.value(f"{name}.host_reads", reads)
+    report.value(f"{name}.host_reads", data_parallel_reads(reads))
     report.value(f"{name}.grad_peak", buckets.grad_bytes.peak)
     report.value(f"{name}.grad_full", sum(bucket_bytes(b.params) for b in buckets.buckets))
     report.value(f"{name}.largest_bucket", max(bucket_bytes(b.params) for b in buckets.buckets))
