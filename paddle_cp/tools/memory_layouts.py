@@ -62,8 +62,6 @@ def measure(args, layout, seq):
     model = build_llama(args, **model_config(layout))
     opt = paddle.optimizer.AdamW(learning_rate=1e-4, parameters=model.parameters())
     config = parallelize_config(layout)
-    if layout.offload_optimizer:
-        config["dp_config"]["offload_optimizer"] = True
     mesh, config = pcp.load_config(config, world_size=dist.get_world_size())
     model, opt = pcp.parallelize(model, opt, mesh, config)
     params = allocated() - start
