@@ -7,6 +7,8 @@ just its own slices.
 """
 from __future__ import annotations
 
+import contextlib
+
 import paddle
 
 from ..params import store_local_value
@@ -51,13 +53,17 @@ def restore_optimizer(model, optimizer, reader):
         host.create_state(missing)
     elif missing:
         inner._create_accumulators(paddle.static.default_main_program().global_block(), missing)
-    for key, param in mine:
-        for name in layout.state_names(optimizer, param):
-            state_key = optimizer_key(key, name)
-            if name == layout.MASTER_WEIGHT and state_key not in saved:
-                continue  # saved without master weights: keep the copy of the parameter just created
-            if name in layout.SCALAR_ACCUMULATORS:
-                value = reader.full(state_key)
-            else:
-                value = layout.local_value(param, lambda offset, shape: reader.region(state_key, offset, shape))
-            layout.state_tensor(optimizer, param, name).set_value(value)
+    # set_value from numpy writes on the current place: under offload, host memory (not the device's)
+    with host.on_host() if host is not None else contextlib.nullcontext():
+        for key, param in mine:
+            for name in layout.state_names(optimizer, param):
+                state_key = optimizer_key(key, name)
+                if name == layout.MASTER_WEIGHT and state_key not in saved:
+                    continue  # saved without master weights: keep the copy of the parameter just created
+                if name in layout.SCALAR_ACCUMULATORS:
+                    value = reader.full(state_key)
+                else:
+                    value = layout.local_value(param, lambda offset, shape: reader.region(state_key, offset, shape))
+                layout.state_tensor(optimizer, param, name).set_value(value)
+    if host is not None:
+        host.rehome()

@@ -5,15 +5,15 @@ AdamW's two fp32 moments and a bf16 model's fp32 master weights are 12 of the 14
 hold. Here every parameter this rank steps (at sharding levels 1-3 only those it owns: the host holds this
 rank's share, which is what makes it scale) is stepped on the host by the inner optimizer's own code and CPU
 kernels: `_apply_optimize` over one (host parameter, host fp32 gradient) pair, so parameter groups (their
-learning rate, weight decay, betas), `apply_decay_param_fun`, `lr_ratio`, regularizers and per-parameter clips
-apply as in Paddle's `step`; Adam, AdamW, Momentum and SGD are covered (their CPU kernels take float32).
+learning rate, weight decay, betas), `apply_decay_param_fun`, regularizers and per-parameter clips
+apply as in Paddle's `step`; Adam, AdamW, Momentum and SGD are covered (their CPU kernels take float32; AdamW's
+`lr_ratio`, which the CPU kernel applies to the decay alone, is refused).
 `ParallelOptimizer.step` clips by the global norm over all shards on the device first, as without offload.
 
 What the host keeps, by the parameter's name N (so checkpoint/layout.py finds it unchanged):
 - a float16/bfloat16 parameter under `multi_precision`: its fp32 master weight, registered as
-  `inner._master_weights[N]`, named N (not Paddle's `N_fp32_master_*`: `apply_decay_param_fun` and `lr_ratio`
-  are then asked about N, as in Paddle's step, which passes them the parameter); the master is authoritative,
-  as Paddle's own is;
+  `inner._master_weights[N]`, named N (not Paddle's `N_fp32_master_*`: `apply_decay_param_fun` is then asked about N, as in Paddle's
+  step, which passes it the parameter); the master is authoritative, as Paddle's own is;
 - every other parameter: nothing of its own; the device parameter is authoritative (as in Paddle: a script or a
   checkpoint may set it), so each step steps a transient fp32 copy of it;
 - the accumulators, created by Paddle's `_create_accumulators` for the host parameter, keyed N
@@ -41,6 +41,7 @@ import paddle
 from paddle.base.framework import _dygraph_place_guard
 
 from ..checkpoint.layout import LOW_PRECISION
+from .optimizer import optimizer_parameters
 
 OFFLOADED_OPTIMIZERS = (paddle.optimizer.Adam, paddle.optimizer.AdamW, paddle.optimizer.Momentum,
                         paddle.optimizer.SGD)
@@ -66,6 +67,17 @@ def check_offloadable(optimizer):
     if getattr(inner, "_use_multi_tensor", False):
         raise ValueError("dp_config offload_optimizer steps one parameter at a time on the host: build the optimizer "
                          "with use_multi_tensor=False, or set offload_optimizer False")
+    if getattr(inner, "_lr_ratio", None) is not None:  # the CPU adamw kernel scales only the decay by it
+        raise ValueError("dp_config offload_optimizer steps AdamW with Paddle's CPU kernel, which does not apply "
+                         "lr_ratio to the update (Paddle refuses lr_ratio on CPU): drop lr_ratio (give parameter "
+                         "groups their own learning rate instead), or set offload_optimizer False")
+    low_precision = [p.name for p in optimizer_parameters(inner) if p.dtype in LOW_PRECISION]
+    if isinstance(inner, paddle.optimizer.Momentum) and low_precision and not getattr(inner, "_multi_precision", False):
+        raise ValueError(f"dp_config offload_optimizer steps an fp32 copy of each parameter on the host, so Momentum's "
+                         f"velocity of the float16/bfloat16 parameters {low_precision[:3]} would be fp32 there and "
+                         "theirs on a device: build Momentum with multi_precision=True, or set offload_optimizer "
+                         "False")
+
 
 
 def _nbytes(tensor):
@@ -155,15 +167,17 @@ class HostOptimizer:
         """Paddle's `step` for the parameters with a gradient, each stepped on the host and written back."""
         inner = self.inner
         found_inf = inner._get_auxiliary_var("found_inf")
-        if found_inf:  # a GradScaler found inf/nan: skip, as Paddle's step does (no copies)
-            inner._set_auxiliary_var("found_inf", True)
+        if found_inf:  # a GradScaler found inf/nan: skip the update, as Paddle's step does, which still creates the
+            inner._set_auxiliary_var("found_inf", True)  # state (a checkpoint then holds it, zeros as one card's)
+            self.create_state([p for p in self._stepped() if p.name not in inner._already_create_accumulator])
             return
         if isinstance(found_inf, paddle.Tensor):
             inner._set_auxiliary_var("found_inf", False)
-        with paddle.no_grad(), _dygraph_place_guard(paddle.CPUPlace()), _host_learning_rate(inner):
+        stepped = {id(p) for p in self._stepped()}
+        with paddle.no_grad(), self.on_host(), _host_learning_rate(inner):
             for index, (params, options) in enumerate(self.groups()):
                 for param in params:
-                    if param.stop_gradient or param.grad is None or not param._is_initialized():
+                    if id(param) not in stepped:
                         continue
                     target = self._host_parameter(param)
                     grad = self.transport.fp32_copy(param.grad)
@@ -172,11 +186,21 @@ class HostOptimizer:
                     self.rehome(param.name)  # a first step's new accumulators
                     self.transport.write_back(param, target)
 
+    def _stepped(self):
+        """The parameters this step updates: trainable, with a gradient, held here."""
+        return [p for params, _ in self.groups() for p in params
+                if not p.stop_gradient and p.grad is not None and p._is_initialized()]
+
+    @staticmethod
+    def on_host():
+        """Tensors made (or filled from numpy: `set_value`) inside are made in host memory."""
+        return _dygraph_place_guard(paddle.CPUPlace())
+
     def create_state(self, params):
         """Create the host state of `params` without stepping (checkpoint restore into a fresh optimizer)."""
         block = paddle.static.default_main_program().global_block()
         wanted = {id(p) for p in params}
-        with paddle.no_grad(), _dygraph_place_guard(paddle.CPUPlace()):
+        with paddle.no_grad(), self.on_host():
             for params_here, options in self.groups():
                 for param in params_here:
                     if id(param) in wanted:
@@ -193,7 +217,7 @@ class HostOptimizer:
             host = self.transport.fp32_copy(param, keep=keeps_master)
             if keeps_master:
                 inner._master_weights[param.name] = host
-        # also on a master set_state_dict gave (another name, stop_gradient): decay and lr_ratio are asked about
+        # also on a master set_state_dict gave (another name, stop_gradient): decay is asked about
         # the parameter's name, and Paddle steps only trainable parameters
         host.name = param.name
         host.stop_gradient = False

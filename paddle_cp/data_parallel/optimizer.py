@@ -117,6 +117,12 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
 
     def set_state_dict(self, state_dict):
         """Paddle's; under offload_optimizer the loaded state is then moved to host memory."""
+        if self._host is not None and any("_fp32_master_" in str(key) for key in state_dict):
+            # offloaded masters are named as their parameters: these accumulators' names would never be asked for
+            raise ValueError("this optimizer state_dict keys accumulators by Paddle's fp32 master weight names (saved "
+                             "without dp_config offload_optimizer); an offloaded optimizer names them by the "
+                             "parameters: move state between the two settings with pcp.save_checkpoint and "
+                             "pcp.load_checkpoint")
         self._inner.set_state_dict(state_dict)
         if self._host is not None:
             self._host.rehome()

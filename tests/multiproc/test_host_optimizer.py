@@ -81,6 +81,7 @@ def test_checkpoints_move_between_offloaded_and_device_state(reports, run):
         errors = _errors(report, run)
         assert errors[f"{run}.loaded"] == 0.0
         assert errors[f"{run}.loss"] < TOLERANCE and errors[f"{run}.param"] < TOLERANCE, errors
+    assert all(r["values"]["checkpoint_device_to_host.loaded_on_host"] for r in reports)
     assert all(r["values"]["checkpoint_device_to_host.all_state_on_host"] for r in reports)
 
 

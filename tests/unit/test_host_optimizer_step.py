@@ -133,3 +133,61 @@ def test_float16_master_weights_survive_a_state_dict_round_trip():
     assert all(stepper.transport.holds(t) for t in stepper.state_tensors())
     for want, got in zip(first, step(2)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_skipped_step_creates_the_state_as_paddles_does_and_updates_nothing():
+    """A GradScaler's found inf: Paddle's step skips the update but creates the state (a checkpoint then holds
+    it, zeros); the host step too, without copying anything back."""
+    states = {}
+    for host in (False, True):
+        paddle.seed(1)
+        model = paddle.nn.Linear(4, 2)
+        optimizer = paddle.optimizer.AdamW(1e-2, parameters=model.parameters(), epsilon=1e-3)
+        stepper = HostOptimizer(optimizer) if host else optimizer
+        before = [p.numpy().copy() for p in model.parameters()]
+        model(paddle.ones([3, 4])).sum().backward()
+        optimizer._set_auxiliary_var("found_inf", paddle.to_tensor(True))
+        stepper.step()
+        for want, p in zip(before, model.parameters()):
+            np.testing.assert_array_equal(p.numpy(), want)
+        layer = model.weight.name.split(".")[0]  # the two models' parameters differ by their layer's name
+        states[host] = {k.replace(layer, "linear"): v.numpy() for k, v in optimizer.state_dict().items()
+                        if isinstance(v, paddle.Tensor)}
+        if host:
+            assert stepper.transport.counts["to_device"] == 0
+            assert stepper.state_tensors() and all(stepper.transport.holds(t) for t in stepper.state_tensors())
+    assert sorted(states[True]) == sorted(states[False]) and len(states[True]) == 8  # 2 params x 4 accumulators
+    for key, value in states[False].items():
+        np.testing.assert_array_equal(states[True][key], value)
+
+
+def test_settings_the_host_step_would_compute_otherwise_are_refused_with_the_fix():
+    params = paddle.nn.Linear(2, 2).parameters()
+    adamw = paddle.optimizer.AdamW(parameters=params)
+    adamw._lr_ratio = lambda p: 0.5  # what a GPU build accepts (Paddle refuses lr_ratio on CPU builds)
+    with pytest.raises(ValueError, match="does not apply lr_ratio to the update"):
+        check_offloadable(adamw)
+    low = [paddle.base.framework.EagerParamBase.from_tensor(p.astype("bfloat16"), name=p.name + "_bf16")
+           for p in params]
+    with pytest.raises(ValueError, match="build Momentum with multi_precision=True"):
+        check_offloadable(paddle.optimizer.Momentum(parameters=low))
+    check_offloadable(paddle.optimizer.Momentum(parameters=low, multi_precision=True))
+    check_offloadable(paddle.optimizer.AdamW(parameters=low))  # Adam's state of a bf16 parameter is fp32 anyway
+
+
+def test_a_paddle_state_dict_keyed_by_master_names_is_refused_by_an_offloaded_optimizer():
+    """Saved without offload, a multi_precision optimizer's accumulators are keyed by Paddle's fp32 master names,
+    which an offloaded optimizer never asks for (its masters are named as their parameters): refused, naming the
+    checkpoint functions that move state between the settings."""
+    from paddle_cp.data_parallel.optimizer import ParallelOptimizer
+
+    param = paddle.base.framework.EagerParamBase.from_tensor(paddle.ones([2, 2]).astype("bfloat16"), name="w_bf16")
+    device = paddle.optimizer.AdamW(parameters=[param], multi_precision=True)
+    master = device._create_master_weight(param)
+    device._add_accumulator("moment1", master)
+    saved = device.state_dict()
+    assert any("_fp32_master_" in key for key in saved)
+    inner = paddle.optimizer.AdamW(parameters=[param], multi_precision=True)
+    offloaded = ParallelOptimizer(inner, world=None, host=HostOptimizer(inner))
+    with pytest.raises(ValueError, match="pcp.save_checkpoint and pcp.load_checkpoint"):
+        offloaded.set_state_dict(saved)

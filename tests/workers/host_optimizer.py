@@ -66,6 +66,10 @@ def cross_checkpoint(report, save_offload, load_offload, save_level, load_level)
     loading = parallel(DP2_SEP2, load_level, WELL_CONDITIONED_EPSILON, True, **({} if not load_offload else OFFLOAD))
     _, fresh_model, fresh, fresh_scheduler, fresh_shard = loading
     pcp.load_checkpoint(path, fresh_model, fresh)
+    if load_offload:  # before any step: the loaded state is in host memory, none of it on the device
+        host = fresh.host_optimizer
+        report.value(f"{name}.loaded_on_host", bool(host.state_tensors()) and all(
+            host.transport.holds(t) for t in host.state_tensors()))
     for _ in range(3):
         fresh_scheduler.step()  # the script's schedule, resumed
     loaded = pcp.full_state_dict(fresh_model)
