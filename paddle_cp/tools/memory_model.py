@@ -11,7 +11,7 @@ path and paddle_cp hold it:
   optimizer state at levels 1-3, gradients after the step's reduction at levels 2-3, weights at level 3.
   `offload_optimizer` (data_parallel/host_optimizer.py): that state (moments, and below fp32 the master) lives in
   host memory (`host`), stepped there (an fp32 parameter is stepped on a transient host copy); the device holds,
-  during the step, one parameter's new value on its way back.
+  during the step, one parameter's new value on its way back (fp32, and its cast to the parameter's dtype).
   paddle_cp gives each parameter one owner, so the busiest rank holds its share or the largest parameter,
   whichever is more (greedy owners, largest first: at most one parameter over that).
 - activations (per layer and micro-batch, t tokens per rank, SP region t/tp): two RMSNorms, each its input
@@ -252,7 +252,10 @@ def stage_memory(model, layout, seq, batch, elem, stage, fused=False):
         during_layers = held + gradients
     else:
         during_layers = max(held, gradients)  # activations freed as gradients appear, layer by layer
-    returning = model.largest_param / layout.tp * elem if layout.offload_optimizer else 0  # a new value, back
+    # the host optimizer's new fp32 value back on the device, and its cast to the parameter's dtype there
+    returning = 0
+    if layout.offload_optimizer:
+        returning = model.largest_param / layout.tp * (FP32 + (elem if elem < FP32 else 0))
     phases = {"loss_backward": base + held + logits_held + loss_backward,
               "layer_backward": base + during_layers + rebuilt + fetched,
               "step": base + gradients + max(BUCKET_COPIES * state["bucket"], returning)}

@@ -68,10 +68,9 @@ def parse_args(argv=None):
                              "one H100 alone, both directions at once: 43.6; 8 share a host's memory)")
     parser.add_argument("--host-memory-gb", type=float, default=2000.0,
                         help="host memory per node for offloaded activations and optimizer state (DGX H100/H200: 2 TB)")
-    parser.add_argument("--host-adamw-mparams", type=float, default=150.0,
+    parser.add_argument("--host-adamw-mparams", type=float, default=560.0,
                         help="millions of parameters per second one device's share of its host steps (the host "
-                             "optimizer: gradient cast to fp32, AdamW, value cast back; Paddle's CPU kernels, one "
-                             "thread each)")
+                             "optimizer: Paddle's CPU AdamW kernel, one thread)")
     parser.add_argument("--kernels", choices=list(KERNELS), default="fused-norm",
                         help="activations with the GPU's fused RMSNorm and eager RoPE (fused-norm: PaddleFormers "
                              "1.2.0's Llama on a GPU as built), as its eager ops hold them on CPU (eager: what "

@@ -25,10 +25,10 @@ class Cluster:
     attention_flops: float = 0.0  # achievable FLOP/s of causal attention forward + backward (0: `flops`)
     pcie_bandwidth: float = 25e9  # bytes/s per device and direction between device and host memory
     host_memory: float = 2e12  # bytes of host memory per node for offloaded activations (DGX H100: 2 TB)
-    # parameters/s one device's share of its host steps (dp_config offload_optimizer): a bf16 gradient cast to fp32,
-    # AdamW, the new value cast to bf16, with Paddle's CPU kernels on one thread (5.7e8, 5.6e8 and 3.1e8/s
-    # measured: 1.5e8/s in turn); 8 ranks at once on one host lose 0-11% (docs/long_sequences.md)
-    host_adamw_rate: float = 1.5e8
+    # parameters/s one device's share of its host steps (dp_config offload_optimizer): Paddle's CPU AdamW kernel on
+    # one thread, its default (5.6e8/s measured; the casts run on the device); 8 ranks at once on one host lose
+    # 0-11% (docs/long_sequences.md)
+    host_adamw_rate: float = 5.6e8
 
     @property
     def attention_rate(self):

@@ -25,8 +25,8 @@ hidden behind attention compute, the rest not overlapped. What each term counts:
   owners' broadcast of new values, 2 a reduce-scatter then the broadcast, 3 a reduce-scatter and every
   parameter fetched from its owner for the forward and again for the backward (and the recomputed forward).
 - host_optimizer: the step on the host (dp_config offload_optimizer): the stepped share's gradients to the
-  host (fp32 parameters their values too) and new values back at the PCIe rate, the host's AdamW at
-  `host_adamw_rate`, not overlapped.
+  host (fp32 parameters their values too) and new values back, fp32 (cast on the device), at the PCIe rate,
+  the host's AdamW at `host_adamw_rate`, not overlapped.
 """
 from __future__ import annotations
 
@@ -100,14 +100,14 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None
 
 def host_optimizer_seconds(model, layout, cluster, elem):
     """A step on the host (dp_config offload_optimizer), after the gradients' reduction: the rank's stepped
-    share of gradients out (`elem` bytes each; an fp32 parameter, which keeps no master on the host, its value
-    too), the host's AdamW over it, the new values back (`elem` bytes), one after the other and behind nothing
-    (backward is over; the next forward needs the values)."""
+    share of gradients out (cast to fp32 on the device; an fp32 parameter, which keeps no master on the host,
+    its value too), the host's AdamW over it, the new fp32 values back (cast on the device), one after the other
+    and behind nothing (backward is over; the next forward needs the values)."""
     if not layout.offload_optimizer:
         return 0.0
     params = stepped_params(model, layout, 0)
     copies = 3 if elem >= FP32 else 2
-    return copies * params * elem / cluster.pcie_bandwidth + params / cluster.host_adamw_rate
+    return copies * params * FP32 / cluster.pcie_bandwidth + params / cluster.host_adamw_rate
 
 
 def _offload_exposed(model, layout, cluster, tokens, elem, layer_seconds):

@@ -101,16 +101,17 @@ def test_fp32_master_weights_load_into_host_memory(reports):
 def test_bfloat16_parameters_step_an_fp32_master_on_the_host(reports, run):
     """bfloat16 parameters, multi_precision AdamW: the host keeps an fp32 master (where checkpoints look for it) and
     steps it exactly as fp32 AdamW steps an fp32 copy on the same (bfloat16) gradients; the parameter is its
-    bfloat16 rounding. Moved: the gradients (bf16) out each step, the parameter once to make the master, the new
-    bfloat16 value back (2 parameters, 3 steps). Also with the GPU's transport (CPUPlace tensors) run on CPU."""
+    bfloat16 rounding. Moved, cast to fp32 on the device first: the gradients out each step, the parameter once to
+    make the master; the new fp32 value back, cast on the device (2 parameters, 3 steps). Also with the GPU's
+    transport (CPUPlace tensors) run on CPU."""
     report = reports[0]
     for part in ("master", "param", "moments"):
         assert report["max_abs"][f"{run}.{part}"] == 0.0, (part, report["max_abs"][f"{run}.{part}"])
     values = report["values"]
     assert values[f"{run}.dtypes"] == ["paddle.bfloat16"] and values[f"{run}.on_host"]
     elements = 8 * 16 + 16
-    assert values[f"{run}.moved"] == {"to_host": 3 * 2 + 2, "to_host_bytes": 4 * 2 * elements,
-                                      "to_device": 3 * 2, "to_device_bytes": 3 * 2 * elements}, values[f"{run}.moved"]
+    assert values[f"{run}.moved"] == {"to_host": 3 * 2 + 2, "to_host_bytes": (3 + 1) * 4 * elements,
+                                      "to_device": 3 * 2, "to_device_bytes": 3 * 4 * elements}, values[f"{run}.moved"]
 
 
 def test_bad_settings_are_refused_on_every_rank(reports):
