@@ -49,6 +49,7 @@ from paddle.base import core
 
 from ..comm import collectives
 from ..params import SHARDING, Owned, is_fetch_unit, record_of
+from .held_bytes import HeldBytes
 
 DEFAULT_BUCKET_MB = 25  # Paddle DataParallel's comm_buffer_size
 MB = 1 << 20
@@ -111,21 +112,6 @@ def gradient_dtype(param):
     return param.dtype
 
 
-class GradientBytes:
-    """Bytes of gradients this rank holds (unreduced, and reduced ones kept for `step()`), and the most held
-    at once since `reset_peak()`: counted from shapes at each arrival and reduction."""
-
-    def __init__(self):
-        self.held = self.peak = 0
-
-    def add(self, nbytes):
-        self.held += nbytes
-        self.peak = max(self.peak, self.held)
-
-    def reset_peak(self):
-        self.peak = self.held
-
-
 class _Bucket:
     def __init__(self, index, params, early):
         self.index, self.params, self.early = index, params, early  # early: no member only step() may reduce
@@ -155,7 +141,7 @@ class GradientBuckets:
         self.overlap = True  # False once an enabled GradScaler drives the optimizer
         self.agreed = False  # which members have a gradient somewhere: agreed at the first step
         self.recheck = False  # and at the next step after clear_grad(set_to_zero=False)
-        self.grad_bytes = GradientBytes()
+        self.grad_bytes = HeldBytes()  # gradients unreduced, and reduced ones kept for `step()`
         # (bucket index, member gradients arrived so far, pass) of each bucket issued during backward, this step
         # (kept until the next step's first gradient arrives)
         self.issue_log = []

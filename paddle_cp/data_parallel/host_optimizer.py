@@ -83,7 +83,6 @@ def check_offloadable(optimizer):
                          "False")
 
 
-
 def _nbytes(tensor):
     return int(np.prod(tensor.shape)) * tensor.element_size()
 
@@ -109,11 +108,14 @@ class NumpyHost:
         return self._wrap(np.array(tensor.numpy(), copy=True))
 
     def fp32_copy(self, tensor, keep=False):
-        """An fp32 host copy of a device tensor, cast before the link (fp32 bytes over it); transient unless
+        """An fp32 host copy of a device tensor, cast on the device (fp32 bytes over the link); transient unless
         `keep`."""
         fp32 = tensor if tensor.dtype == paddle.float32 else tensor.astype("float32")
         self.counts["to_host"] += 1
         self.counts["to_host_bytes"] += _nbytes(fp32)
+        return self._to_host(fp32, keep)
+
+    def _to_host(self, fp32, keep):
         array = np.array(fp32.numpy(), copy=True)
         return self._wrap(array) if keep else paddle.utils.dlpack.from_dlpack(array)
 
@@ -127,7 +129,12 @@ class NumpyHost:
         parameter's own buffer, on its place)."""
         self.counts["to_device"] += 1
         self.counts["to_device_bytes"] += _nbytes(host)
-        param.copy_(host if host.dtype == param.dtype else host.astype(param.dtype), True)
+        value = self._to_device(host, param.place)
+        param.copy_(value if value.dtype == param.dtype else value.astype(param.dtype), True)
+
+    @staticmethod
+    def _to_device(host, place):
+        return host  # host and device are one here
 
 
 class CpuPlaceHost(NumpyHost):
@@ -142,17 +149,12 @@ class CpuPlaceHost(NumpyHost):
     def forget_all_but(self, tensors):
         pass
 
-    def fp32_copy(self, tensor, keep=False):
-        fp32 = tensor if tensor.dtype == paddle.float32 else tensor.astype("float32")  # on the device: input there
-        self.counts["to_host"] += 1
-        self.counts["to_host_bytes"] += _nbytes(fp32)
+    def _to_host(self, fp32, keep):
         return fp32._copy_to(paddle.CPUPlace(), True)
 
-    def write_back(self, param, host):
-        self.counts["to_device"] += 1
-        self.counts["to_device_bytes"] += _nbytes(host)
-        value = host._copy_to(param.place, True)
-        param.copy_(value if value.dtype == param.dtype else value.astype(param.dtype), True)  # cast on the device
+    @staticmethod
+    def _to_device(host, place):
+        return host._copy_to(place, True)
 
 
 def default_transport():

@@ -22,17 +22,6 @@ from ..comm import collectives
 from ..params import Owned, record_of, share_record
 
 
-class GatheredBytes:
-    """Bytes of fetched full copies held by this rank now, and the most held at once."""
-
-    def __init__(self):
-        self.held = self.peak = 0
-
-    def add(self, nbytes):
-        self.held += nbytes
-        self.peak = max(self.peak, self.held)
-
-
 def full_nbytes(param):
     return math.prod(record_of(param).local_shape()) * param.element_size()
 

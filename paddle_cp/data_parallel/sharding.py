@@ -26,9 +26,10 @@ import warnings
 from .. import mesh as mesh_lib
 from ..comm import collectives
 from .buckets import bucket_size_mb
+from .held_bytes import HeldBytes
 from .host_optimizer import offload_requested
 from .optimizer import OwnGradients
-from .parameter_fetch import GatheredBytes, fetch_around
+from .parameter_fetch import fetch_around
 from ..params import DATA_DIMS, Owned, Partial, is_fetch_unit, record_of, release_value
 
 LEVELS = (0, 1, 2, 3)
@@ -140,7 +141,7 @@ class Sharding:
                     record_of(param).replace(replicas, Owned(replicas.group, shard_group, rest, owner, level))
         self.sharded = [p for p in self.params if owned(p) is not None]
         self._stash = {}  # level 3: gradients of parameters this rank does not own
-        self.gathered = GatheredBytes()  # level 3: full copies fetched for use
+        self.gathered = HeldBytes()  # level 3: full copies fetched for use
 
     @staticmethod
     def owns(param):

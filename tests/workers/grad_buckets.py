@@ -7,7 +7,7 @@ micro-batches against one card. Recorded per layout: the buckets issued during b
 (with the backward position, the member gradients arrived so far, at which each was issued, against the
 step's total), the host reads made from paddle_cp/data_parallel in steps 3-5 (tools/host_reads.py's `counting`, a
 frame there on the stack: Tensor values read on the host, paddle.to_tensor, deferred reads), the most gradient bytes
-held (buckets.GradientBytes)
+held (the buckets' grad_bytes, a held_bytes.HeldBytes)
 and the bytes of this rank's full gradients.
 
 Then an MLP on dp4 (gradients dominate its memory): the host allocator's peak over backward and the
