@@ -7,6 +7,7 @@ integrations/paddleformers/plans.py, which derives the same plans from a built m
 """
 from __future__ import annotations
 
+from .memory_model import fuses
 from .plan_layout import RECOMPUTE_FULL, SHARD_DIMS
 
 
@@ -88,12 +89,12 @@ def kernel_fields(fused):
     """PaddleFormers config fields that make its Llama call the fused GPU kernels the estimate counts (`fused`:
     memory_model.FUSED_KERNELS' names): fuse_rms_norm (1.2.0's RMSNorm reads it, on by default; the CPU has
     no such kernel). Its Llama has no field for a fused RoPE: `rotary_note` says so."""
-    return {"fuse_rms_norm": True} if "rms_norm" in fused else {}
+    return {"fuse_rms_norm": True} if fuses(fused, "rms_norm") else {}
 
 
 def rotary_note(fused):
     """What a user must know when the estimate assumes a fused RoPE (None otherwise)."""
-    if "rope" not in fused:
+    if not fuses(fused, "rope"):
         return None
     return ("the estimate assumes a fused rotary kernel: PaddleFormers 1.2.0's Llama has no config field for one "
             "(its apply_rotary_pos_emb rotates q and k in fp32 with eager ops), so its peak is higher than this")
