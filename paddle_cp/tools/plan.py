@@ -1,7 +1,7 @@
 """Plan a training run: pipeline x data x context (ring / Ulysses / hybrid) x tensor x expert parallel layouts,
 with sharding levels, recomputation and chunked loss, for a model and a cluster.
 
-    pcp-plan --config config.json --seq 131072 --devices 64 --memory-gb 80
+    pcp-plan --config config.json --seq 128K --devices 64 --memory-gb 80
     pcp-plan --config config.json --max-seq --devices 8 --memory-gb 80   # the longest that fits
 
 Prints a table of candidates (best first: those that fit, fastest first), then for the best `--configs` layouts
@@ -24,11 +24,45 @@ from paddle_cp.tools.attention_cost import PackedRow
 from paddle_cp.tools.model_shape import ModelShape
 from paddle_cp.tools.plan_config import (gpu_attention_fields, kernel_fields, model_config, parallelize_config,
                                          rotary_note, trainer_arguments)
-from paddle_cp.tools.plan_layout import Cluster, Layout
+from paddle_cp.tools.plan_layout import DEFAULT_RESERVE, Cluster, Layout
 from paddle_cp.tools.recipes import closest
 from paddle_cp.tools.text import ruled_table
+from paddle_cp.tools.units import UNITS_HELP, format_tokens, tokens
 
 GB = 1e9
+DEFAULT_RESERVE_GB = DEFAULT_RESERVE / GB
+LEGEND = f"""\
+lengths (--seq, --granularity, --loss-chunk, --mlp-tile): a count or a count with K or M ({UNITS_HELP}).
+
+the table:
+  layout        degrees, outermost first, then options:
+                  dp<N> data-parallel replicas    ring<N> ring (p2p) context-parallel ranks
+                  uly<N> Ulysses (all2all) ranks  tp<N> tensor-parallel ranks (with sequence parallel)
+                  pp<N> pipeline stages           m<N> micro-batches per step   vpp<N> chunks per pipeline rank
+                  ep<N> expert-parallel degree
+                  l1/l2/l3 dp_config sharding_level over dp x sep (1: optimizer state, 2: + gradients,
+                    3: + parameters; @dp or @sep: over that dim only); absent: level 0
+                  full: whole layers recomputed; sel:<modules>: those modules recomputed
+                  chunk<N>: lm_head and loss in chunks of N tokens   tile<N>: MLPs in tiles of N tokens
+                  offload: recomputed layers' inputs in host memory (OffloadRecomputeInputs)
+                  host-optimizer: optimizer state in host memory, stepped there (offload_optimizer)
+  backend       p2p (ring), all2all (Ulysses), hybrid (both), none (no context parallelism)
+  mem GB        the busiest rank's modelled peak, GB (10^9 bytes)
+  host GB/node  offloaded layer inputs and optimizer state in each node's host memory
+  fits          yes: mem GB within --memory-gb less --reserve-gb, and host GB/node within --host-memory-gb
+  step s, tok/s the modelled GPU step time and tokens per second (all replicas)
+  time split    compute, tensor_parallel, ulysses, ring_exposed (ring traffic not hidden behind attention),
+                pipeline_p2p, expert_all_to_all, gradients, host_offload_exposed, host_optimizer (s)
+"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The legend as written, and each option's default where it has one."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
 # --kernels: the GPU kernels whose activations the memory model counts (memory_model.FUSED_KERNELS)
 KERNELS = {"eager": (), "fused-norm": ("rms_norm",), "fused": ("rms_norm", "rope")}
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate")
@@ -47,17 +81,21 @@ _Dumper.add_representer(list, lambda dumper, value: dumper.represent_sequence(
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=LEGEND,
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--config", help="PaddleFormers / Hugging Face config.json (instead of the shape flags)")
     for flag in SHAPE_FLAGS:
-        parser.add_argument("--" + flag.replace("_", "-"), type=int)
-    parser.add_argument("--seq", type=int, help="sequence length")
+        parser.add_argument("--" + flag.replace("_", "-"), type=int, help="the model's shape, without --config")
+    parser.add_argument("--seq", type=tokens, help="sequence length in tokens (128K = 131072)")
     parser.add_argument("--max-seq", action="store_true",
                         help="find the longest sequence some layout fits (a multiple of --granularity) and plan it")
-    parser.add_argument("--granularity", type=int, default=65536, help="--max-seq's step in tokens")
+    parser.add_argument("--granularity", type=tokens, default=65536, help="--max-seq's step in tokens")
     parser.add_argument("--batch", type=int, default=1, help="sequences per data-parallel replica per step")
-    parser.add_argument("--devices", type=int, required=True)
-    parser.add_argument("--memory-gb", type=float, default=80.0, help="memory per device")
+    parser.add_argument("--devices", type=int, required=True, help="GPUs in all")
+    parser.add_argument("--memory-gb", type=float, default=80.0, help="memory per device, GB (10^9 bytes)")
+    parser.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB,
+                        help="memory per device no layout may plan for: the CUDA context and libraries' workspaces "
+                             "(~1 GB), NCCL's buffers (~1 GB), the allocator's fragmentation (~3 GB)")
     parser.add_argument("--tflops", type=float, default=700.0,
                         help="achievable bf16 GEMM TFLOP/s per device (H200 at Llama-8B shapes: 695-772)")
     parser.add_argument("--attention-tflops", type=float, default=300.0,
@@ -75,21 +113,21 @@ def parse_args(argv=None):
                         help="activations with the GPU's fused RMSNorm and eager RoPE (fused-norm: PaddleFormers "
                              "1.2.0's Llama on a GPU as built), as its eager ops hold them on CPU (eager: what "
                              "pcp-memory measures) or with a fused RoPE too (fused: a kernel that Llama does not call)")
-    parser.add_argument("--mlp-tile", type=int, default=planner.DEFAULT_MLP_TILE,
+    parser.add_argument("--mlp-tile", type=tokens, default=planner.DEFAULT_MLP_TILE,
                         help="tokens per SequenceTiled MLP tile the search tries (0: never tile)")
     parser.add_argument("--no-offload", action="store_true", help="never keep recomputed layers' inputs on the host")
     parser.add_argument("--no-host-optimizer", action="store_true",
                         help="never step the optimizer on the host (dp_config offload_optimizer)")
     parser.add_argument("--intra-gbps", type=float, default=300.0, help="GB/s per device within a node")
     parser.add_argument("--inter-gbps", type=float, default=25.0, help="GB/s per device across nodes")
-    parser.add_argument("--devices-per-node", type=int, default=8)
+    parser.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="2 for bf16/fp16 training, 4 for fp32")
-    parser.add_argument("--no-causal", action="store_true")
+    parser.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
     parser.add_argument("--documents", metavar="LENGTHS",
                         help="the sequences pack documents of these lengths (pcp-bench's names or a file): attention "
                              "priced by the GPU tile model in the layout paddle_cp chooses")
     parser.add_argument("--model-prefix", default="model", help="name of the decoder in the model (for plan keys)")
-    parser.add_argument("--loss-chunk", type=int, default=planner.DEFAULT_LOSS_CHUNK,
+    parser.add_argument("--loss-chunk", type=tokens, default=planner.DEFAULT_LOSS_CHUNK,
                         help="tokens per chunk of the chunked loss the search tries")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--configs", type=int, default=1, help="how many of the best fitting layouts to print as YAML")
@@ -103,6 +141,8 @@ def parse_args(argv=None):
         parser.error("--granularity must be positive and --mlp-tile not negative")
     if min(args.pcie_gbps, args.host_adamw_mparams) <= 0:
         parser.error("--pcie-gbps and --host-adamw-mparams must be positive")
+    if not 0 <= args.reserve_gb < args.memory_gb:
+        parser.error("--reserve-gb must be at least 0 and below --memory-gb")
     return args
 
 
@@ -160,7 +200,8 @@ def main(argv=None):
         sys.exit(f"pcp-plan: {error}")
     cluster = Cluster(args.devices, args.memory_gb * GB, args.tflops * 1e12, args.intra_gbps * GB,
                       args.inter_gbps * GB, args.devices_per_node, args.attention_tflops * 1e12,
-                      args.pcie_gbps * GB, args.host_memory_gb * GB, args.host_adamw_mparams * 1e6)
+                      args.pcie_gbps * GB, args.host_memory_gb * GB, args.host_adamw_mparams * 1e6,
+                      args.reserve_gb * GB)
     search = dict(batch=args.batch, elem=args.dtype_bytes, causal=not args.no_causal, loss_chunk=args.loss_chunk,
                   mlp_tile=args.mlp_tile, fused=KERNELS[args.kernels], offload=not args.no_offload,
                   offload_optimizer=not args.no_host_optimizer)
@@ -175,17 +216,20 @@ def main(argv=None):
         args.seq, estimates = planner.longest_sequence(model, cluster, args.granularity, **search)
         if not args.seq:
             sys.exit(f"pcp-plan: no layout of {args.devices} devices fits {args.granularity} tokens of {model}")
-        print(f"longest sequence that fits: {args.seq} tokens ({args.seq / 1e6:.2f}M; multiples of "
-              f"{args.granularity}), {args.kernels} kernels\n")
+        print(f"longest sequence that fits: {args.seq} tokens ({format_tokens(args.seq)}; multiples of "
+              f"{format_tokens(args.granularity)}; {UNITS_HELP}), {args.kernels} kernels, "
+              f"{args.memory_gb - args.reserve_gb:g} of {args.memory_gb:g} GB per device\n")
     else:
         estimates = planner.rank_layouts(model, cluster, args.seq, **search)
     if not estimates:
         sys.exit(f"no layout of {args.devices} devices suits {model} at sequence {args.seq}")
     print(table(estimates, args.top))
-    fitting = [e for e in estimates if e["fits"]][:args.configs]
+    fitting = [e for e in estimates if e["fits"]]
+    if not fitting:
+        print(f"\nno layout fits in {args.memory_gb - args.reserve_gb:g} GB per device (--memory-gb less "
+              "--reserve-gb): add devices, shorten the sequence or lower the batch")
+    fitting = fitting[:args.configs]
     plans = [plan_of(e, model, args.seq, args.model_prefix, KERNELS[args.kernels]) for e in fitting]
-    if not plans:
-        print("\nno layout fits in memory: add devices, shorten the sequence or lower the batch")
     for plan, estimate in zip(plans, fitting):
         print("\n" + describe(plan, estimate), end="")
     if args.json:

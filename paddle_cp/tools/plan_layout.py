@@ -12,6 +12,9 @@ from dataclasses import dataclass
 RECOMPUTE_FULL = "full"
 NO_RECOMPUTE = "none"
 SHARD_DIMS = ("dp", "sep")  # sharding's default: every rank holding a replica (issue 26)
+# Bytes per device no fit may use: the CUDA context and libraries' workspaces (~1 GB), NCCL's buffers (~1 GB) and
+# the caching allocator's fragmentation (~3 GB of 80), none of which the memory model counts.
+DEFAULT_RESERVE = 5e9
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,12 @@ class Cluster:
     # one thread, its default (5.6e8/s measured; the casts run on the device); 8 ranks at once on one host lose
     # 0-11% (docs/long_sequences.md)
     host_adamw_rate: float = 5.6e8
+    reserve: float = DEFAULT_RESERVE  # bytes per device left free (DEFAULT_RESERVE says what for)
+
+    @property
+    def usable_memory(self):
+        """Bytes per device a layout may plan for: the memory less the reserve."""
+        return self.memory - self.reserve
 
     @property
     def attention_rate(self):

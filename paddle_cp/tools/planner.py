@@ -7,9 +7,9 @@ models: dividing dp x sep), a sharding level over dp x sep, recomputation (none,
 modules the model's family reads), an unchunked or chunked loss, MLPs tiled over the sequence or not (dense
 models), full recomputation's layer inputs in host memory or not, the optimizer stepped on the host or not.
 Each gets memory_model.memory (bytes per rank, the busiest stage's peak; its host bytes per node, layer inputs
-and optimizer state, within the cluster's host memory) and step_time.step_time; those that fit come first,
-fastest first, then the rest by memory. `longest_sequence` bisects for the longest sequence some layout fits
-(`pcp-plan --max-seq`).
+and optimizer state, within the cluster's host memory) and step_time.step_time; those that fit (the peak within
+the device's memory less the cluster's reserve) come first, fastest first, then the rest by memory.
+`longest_sequence` bisects for the longest sequence some layout fits (`pcp-plan --max-seq`).
 
 Not proposed: recomputation on a pipeline and a chunked loss with tensor parallelism (both run, but the
 estimates do not model them yet: the chunked loss under tp computes the whole head on every rank), an
@@ -96,7 +96,7 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=Fa
     return {
         "layout": asdict(layout), "name": layout.name, "backend": layout.backend,
         "memory": mem, "memory_total": mem["peak"], "host_per_node": host_per_node,
-        "fits": mem["peak"] <= cluster.memory and host_per_node <= cluster.host_memory,
+        "fits": mem["peak"] <= cluster.usable_memory and host_per_node <= cluster.host_memory,
         "time": time, "step_time": total_time,
         "tokens_per_second": layout.dp * batch * seq / total_time,
     }

@@ -1,0 +1,81 @@
+"""pcp-plan in the user's units: lengths with K/M suffixes, --help with defaults and a legend of the table's
+labels, the "no layout fits" line only when none does, and a memory reserve every fit leaves free."""
+import argparse
+import json
+
+import pytest
+
+from paddle_cp.tools import plan, planner
+from paddle_cp.tools.model_shape import ModelShape
+from paddle_cp.tools.plan_layout import DEFAULT_RESERVE, Cluster
+from paddle_cp.tools.units import format_tokens, tokens
+
+QWEN25_7B = ["--layers", "28", "--hidden", "3584", "--heads", "28", "--kv-heads", "4", "--intermediate", "18944",
+             "--vocab", "152064"]
+
+
+@pytest.mark.parametrize("text, count", [("131072", 131072), ("128K", 131072), ("128k", 131072), ("4M", 4 << 20),
+                                         ("1.5M", 1572864), ("64K", 65536), ("0", 0)])
+def test_lengths_read_with_k_and_m_suffixes(text, count):
+    assert tokens(text) == count
+
+
+@pytest.mark.parametrize("text", ["128KB", "1.3K", "-4K", "K", "12G", ""])
+def test_lengths_that_are_not_whole_token_counts_are_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="K = 1024"):
+        tokens(text)
+
+
+def test_lengths_print_in_the_same_units():
+    assert [format_tokens(n) for n in (512, 131072, 4063232, 4 << 20)] == ["512", "128K", "3.88M", "4M"]
+
+
+def test_every_length_flag_takes_suffixes():
+    args = plan.parse_args([*QWEN25_7B, "--seq", "128K", "--devices", "8", "--loss-chunk", "8K", "--mlp-tile", "2K"])
+    assert (args.seq, args.loss_chunk, args.mlp_tile) == (131072, 8192, 2048)
+    args = plan.parse_args([*QWEN25_7B, "--max-seq", "--granularity", "32K", "--devices", "8"])
+    assert args.granularity == 32768 and args.reserve_gb == DEFAULT_RESERVE / 1e9
+
+
+def test_help_prints_defaults_and_a_legend(capsys):
+    with pytest.raises(SystemExit):
+        plan.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for shown in ("--reserve-gb", "(default: 80.0)", "(default: 5.0)", "(default: 65536)", "K = 1024, M = 1024^2",
+                  "l1/l2/l3", "uly<N>", "ring<N>", "chunk<N>", "tile<N>", "offload:", "host-optimizer:", "ring_exposed",
+                  "fits"):
+        assert shown in text, shown
+
+
+def test_no_fit_message_only_when_nothing_fits(capsys):
+    plan.main([*QWEN25_7B, "--seq", "128K", "--devices", "8", "--configs", "0"])
+    out = capsys.readouterr().out
+    assert " yes " in out and "no layout fits" not in out and "resembles" not in out
+    plan.main([*QWEN25_7B, "--seq", "64M", "--devices", "8", "--no-offload", "--no-host-optimizer"])
+    assert "no layout fits in 75 GB per device" in capsys.readouterr().out
+
+
+def test_max_seq_of_qwen25_7b_keeps_the_reserve_free(tmp_path, capsys):
+    """Without a reserve this shape's longest sequence fills 80.0 of 80 GB; every fit now leaves the reserve."""
+    out = tmp_path / "plan.json"
+    plan.main([*QWEN25_7B, "--max-seq", "--devices", "8", "--memory-gb", "80", "--json", str(out)])
+    assert "75 of 80 GB per device" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    fits = [e for e in result["estimates"] if e["fits"]]
+    assert fits and max(e["memory_total"] for e in fits) <= 80e9 - DEFAULT_RESERVE
+    assert result["cluster"]["reserve"] == DEFAULT_RESERVE
+    unreserved = tmp_path / "unreserved.json"
+    plan.main([*QWEN25_7B, "--max-seq", "--devices", "8", "--memory-gb", "80", "--reserve-gb", "0", "--json",
+               str(unreserved)])
+    longest = json.loads(unreserved.read_text())
+    assert longest["seq"] > result["seq"] and longest["best"]["memory_total"] > 80e9 - DEFAULT_RESERVE
+
+
+@pytest.mark.parametrize("reserve", [0.0, DEFAULT_RESERVE, 12e9])
+def test_no_fit_uses_more_than_memory_less_the_reserve(reserve):
+    model = ModelShape(layers=28, hidden=3584, heads=28, kv_heads=4, vocab=152064, intermediate=18944)
+    cluster = Cluster(8, 80e9, 700e12, 300e9, 25e9, 8, 300e12, reserve=reserve)
+    seq, ranked = planner.longest_sequence(model, cluster, 65536)
+    fits = [e for e in ranked if e["fits"]]
+    assert seq and fits and all(e["memory_total"] <= 80e9 - reserve for e in fits)
+    assert any(e["memory_total"] > 80e9 - reserve for e in planner.rank_layouts(model, cluster, seq + 65536))
