@@ -40,6 +40,7 @@ from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
 from ..plans.context_parallel import PrepareContextParallel
 from ..plans.sequence_parallel import is_sequence_plan, split_at_blocks, watch_partial_gradients
+from ..plans.sharded_inputs import require_sharded_inputs
 from ..data_parallel.sharding import Sharding, check_level, shard_parameters, sharding_dims
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config", "ep_config")
@@ -175,6 +176,8 @@ def parallelize_model(model, mesh=None, config=None):
         recompute.install()  # recompute calls around stage boundaries ask the running stage
         recompute.around_calls(recompute_boundary)
         loss_factor = LossFactorAgreement(world, mesh, experts_span_dp=bool(experts))
+    else:
+        require_sharded_inputs(model, mesh, applications)  # ContextParallel without PrepareContextParallel
     for param in model.parameters():
         complete_placements(param, mesh)
     dims = sharding_dims(config.get("dp_config"))

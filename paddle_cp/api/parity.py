@@ -12,6 +12,11 @@ token counts, as the loss rule weighs it: labelled tokens when `labels` is given
 tokens. Returned: {output name: largest absolute difference} over all ranks, the same
 dict on every rank. Labels of a model whose PrepareContextParallel sits on an inner
 layer (which does not split them) are split here, as the training script would.
+A plan with `documents=` finds each batch's documents in inputs the model's own code
+does not read as documents (restarting position ids, a document-id input): the
+reference gets them as PaddleFormers' causal attn_mask_startend_row_indices
+[b, 1, s, 1], built here from the plan's reading of the same inputs (a document-id
+input taken out).
 
 A difference above 1e-5 may be the model's own fp32 rounding (Qwen3-Next's Gated DeltaNet:
 one card differs from itself by 2e-5 when its rule merely chunks otherwise) or a fault. Then
@@ -24,6 +29,8 @@ rate, and no flash kernel takes it: the model's attention must have a float64 pa
 weights held in float64 meanwhile (2x their fp32 bytes).
 """
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 import paddle
@@ -61,12 +68,8 @@ def check_parity(model, reference=None, **inputs):
     if len(state.prepare) > 1:
         raise ValueError("check_parity: the model has several PrepareContextParallel plans; give it one")
     prepare, prepared_layer = (state.prepare[0][0], state.prepare[0][1]()) if state.prepare else (None, None)
-    if prepare is not None and prepare.documents is not None:
-        raise ValueError(
-            f"check_parity: PrepareContextParallel(documents={prepare.documents!r}) confines attention to documents "
-            "the model's own forward does not know of, so there is no one-card forward to compare with; pass the "
-            f"documents as PaddleFormers' {STARTEND} instead, which both forwards understand")
     split = _BatchSplit(prepare, state.mesh, inputs) if prepare is not None else None
+    whole_inputs = split.one_card_inputs(model, inputs) if split is not None else inputs
     parallel_inputs, labels = dict(inputs), inputs.get("labels")
     local_labels = labels
     if split is not None and labels is not None:
@@ -75,7 +78,7 @@ def check_parity(model, reference=None, **inputs):
             parallel_inputs["labels"] = local_labels
     tokens = _local_tokens(model, inputs, local_labels, split)  # split before the forward, as a script would
     parallel = _outputs(model, parallel_inputs, "labels" in inputs)
-    one_card = _outputs(model, inputs, "labels" in inputs, paused=True)
+    one_card = _outputs(model, whole_inputs, "labels" in inputs, paused=True)
     if list(parallel) != list(one_card):
         raise ValueError(f"check_parity: the model returned outputs {list(parallel)} split and {list(one_card)} "
                          "whole: it must return the same structure both ways")
@@ -83,7 +86,7 @@ def check_parity(model, reference=None, **inputs):
     differences = _largest_over_ranks(state, [_distance(parallel[n], one_card[n]) for n in one_card])
     if reference != "float64" and max(differences, default=0.0) <= TOLERANCE:  # the same choice on every rank
         return Parity(zip(one_card, differences))
-    wide_inputs = float64_inputs(inputs)  # before float64_math: these casts are the float32 operators it refuses
+    wide_inputs = float64_inputs(whole_inputs)  # before float64_math: these casts are the float32 operators it refuses
     with float64_weights(model), float64_math():
         truth = _outputs(model, wide_inputs, "labels" in inputs, paused=True)
     distances = _largest_over_ranks(state, [_distance(x[n], truth[n]) for x in (one_card, parallel) for n in one_card])
@@ -153,11 +156,34 @@ def _largest_over_ranks(state, values):
 
 
 class _BatchSplit:
-    """This batch's split by the model's PrepareContextParallel (its row indices, if any, decide the layout)."""
+    """This batch's split by the model's PrepareContextParallel (its documents, if any, decide the layout)."""
 
     def __init__(self, prepare, mesh, inputs):
         self.prepare, self.mesh = prepare, mesh
-        self.documents = {STARTEND: inputs.get(STARTEND)}
+        if prepare.documents == "position_ids":
+            self.documents = {"position_ids": inputs.get("position_ids")}
+        elif prepare.documents is not None:
+            self.documents = {"doc_ids": inputs.get(prepare.documents)}
+        else:
+            self.documents = {STARTEND: inputs.get(STARTEND)}
+
+    def one_card_inputs(self, model, inputs):
+        """The reference forward's inputs: a documents plan's documents as PaddleFormers' causal row indices
+        [b, 1, s, 1] (key j seen by rows j <= i < end of its document: the shape its models' one-card mask code
+        reads), the plan's document-id input taken out; other plans' inputs as they are."""
+        if self.prepare.documents is None:
+            return inputs
+        parameters = inspect.signature(model.forward).parameters
+        if STARTEND not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            raise ValueError(
+                f"check_parity: PrepareContextParallel(documents={self.prepare.documents!r}) confines attention to "
+                f"documents, which the one-card forward is given as PaddleFormers' {STARTEND}; "
+                f"{type(model).__name__}.forward takes no {STARTEND}: check it with a plan without documents=")
+        documents = self.prepare.documents_of(**self.documents)
+        whole = {name: value for name, value in inputs.items() if name != self.prepare.documents
+                 or name == "position_ids"}
+        whole[STARTEND] = paddle.to_tensor(documents.end[:, None, :, None], dtype="int32")  # [b, 1, s, 1]
+        return whole
 
     def shard(self, x):
         return shard_sequence(x, backend=self.prepare, mesh=self.mesh, **self.documents)

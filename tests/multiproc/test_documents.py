@@ -1,11 +1,11 @@
-"""Packed documents split by the documents layout, trained like one card (tests/workers/documents_parity.py,
-one launch of 4 ranks)."""
+"""Packed documents split by the documents layout, trained like one card; check_parity on documents plans;
+ContextParallel on inputs the script shards (tests/workers/documents_parity.py, one launch of 4 ranks)."""
 import pytest
 from launcher import launch_once
 
 from test_context_parallel import assert_close
 
-RUNS = ("p2p", "all2all", "hybrid", "p2p.rows", "p2p.recompute", "pp2_sep2.p2p")
+RUNS = ("p2p", "all2all", "hybrid", "p2p.rows", "p2p.recompute", "pp2_sep2.p2p", "script_sharded")
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +49,25 @@ def test_labels_split_unlike_the_inputs_raise_on_every_rank(reports):
         assert errors[name][0] == "ValueError" and text in errors[name][1], (name, errors[name])
     for report in reports[1:]:
         assert report["errors"] == errors
+
+
+def test_check_parity_on_documents_plans_within_1e_5(reports):
+    """The one-card forward given the plan's documents: every output of Llama and Gemma3 within 1e-5."""
+    for report in reports:
+        for family in ("llama", "gemma3"):
+            parity = report["values"][f"check_parity.{family}"]
+            assert {"loss", "1"} <= set(parity) and max(parity.values()) <= 1e-5, (family, parity)
+            assert parity == reports[0]["values"][f"check_parity.{family}"]  # the same dict on every rank
+    error = reports[0]["errors"]["check_parity.no_position_ids"]
+    assert error[0] == "ValueError" and "finds each batch's documents in its position_ids" in error[1], error
+
+
+def test_forgotten_top_layer_is_refused_on_every_rank(reports):
+    """ContextParallel alone, every rank passing the whole batch: refused, naming both fixes (the script's own
+    shards then train like one card: 'script_sharded' in RUNS)."""
+    for report in reports:
+        kind, message = report["errors"]["forgotten_top_layer"]
+        assert kind == "ValueError", message
+        for fix in ("every rank of the sep group passed the same batch", "pcp.PrepareContextParallel(backend)",
+                    "pcp.shard_sequence(input_ids", "model.layers.0.self_attn and 1 more"):
+            assert fix in message, (fix, message)

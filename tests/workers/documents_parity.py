@@ -7,13 +7,17 @@ than 2N included). Runs at N = 4: p2p, all2all and hybrid (U = 2) with documents
 row indices; p2p with PaddleFormers' full recompute; two pipeline stages of two ring ranks with two micro-batches
 (each micro-batch attends with its own rows' documents). Labels are split with shard_sequence given the batch's
 document inputs, except under the pipeline, whose plan on the root splits them. Also: the errors of a label split
-that cannot follow the inputs', raised on every rank.
+that cannot follow the inputs', raised on every rank; check_parity on documents="position_ids" plans (Llama and
+Gemma3: the one-card forward given the same documents as row indices); ContextParallel without
+PrepareContextParallel: the same full batch on every rank refused, inputs the script shards itself trained like one
+card.
 """
 import functools
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from paddleformers_models import build as build_family
 from real_model_parity import adamw
 from report import run
 
@@ -177,6 +181,58 @@ def errors(report, mesh):
             labels, backend=prepare, mesh=mesh, attn_mask_startend_row_indices=ends).shape)
 
 
+def parity_of_documents_plans(report, mesh):
+    """check_parity on a documents plan: every output against one card given the same documents (row indices it
+    builds from the position ids); Gemma3's one-card mask code reads them as [b, 1, s, 1]."""
+    ids, labels, positions, _ = next(batches())
+    for family in ("llama", "gemma3"):
+        paddle.seed(2024)
+        model = build_family(family)
+        plan = {"": pcp.PrepareContextParallel("p2p", documents="position_ids"),
+                "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
+        pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan}})
+        report.value(f"check_parity.{family}", dict(pcp.check_parity(model, input_ids=ids, labels=labels,
+                                                                     position_ids=positions)))
+    report.expect_error("check_parity.no_position_ids", lambda: pcp.check_parity(model, input_ids=ids, labels=labels))
+
+
+def script_sharded(report, mesh):
+    """ContextParallel alone (no PrepareContextParallel): the same whole batch on every rank is refused at the first
+    forward; the script's own shards (shard_sequence, global position ids) train like one card. 64 tokens: 8 per
+    2N chunk."""
+    rng = np.random.RandomState(9)
+    steps = [rng.randint(0, VOCAB, [BATCH, 65]) for _ in range(STEPS)]
+    model = llama()
+    opt = adamw(model)
+    want = [[], None]
+    for tokens in steps:
+        loss = model(input_ids=paddle.to_tensor(tokens[:, :-1]), labels=paddle.to_tensor(tokens[:, 1:]))[0]
+        loss.backward()
+        want[1] = want[1] or {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        opt.step()
+        opt.clear_grad()
+        want[0].append(float(loss))
+    want.append({n: p.numpy() for n, p in model.named_parameters()})
+    model = llama()
+    plan = {"model.layers.*.self_attn": pcp.ContextParallel("p2p")}
+    model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
+    whole = paddle.to_tensor(steps[0])
+    report.expect_error("forgotten_top_layer", lambda: model(input_ids=whole[:, :-1], labels=whole[:, 1:]))
+    positions = pcp.sequence_positions(64, backend="p2p", mesh=mesh).unsqueeze(0).expand([BATCH, -1])
+    losses, grads = [], None
+    for tokens in steps:
+        ids, labels = (pcp.shard_sequence(paddle.to_tensor(x), backend="p2p", mesh=mesh)
+                       for x in (tokens[:, :-1], tokens[:, 1:]))
+        loss = model(input_ids=ids, labels=labels, position_ids=positions)[0]
+        loss.backward()
+        opt.step()  # averages the gradients over sep
+        grads = grads or {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        opt.clear_grad()
+        losses.append(float(loss))
+    report.training("script_sharded", (sep_mean(losses, mesh), grads,
+                                       {n: p.numpy() for n, p in model.named_parameters()}), want)
+
+
 def main(report):
     mesh = dist.ProcessMesh(list(range(4)), dim_names=["sep"])
     sequence_parallel(report, mesh, "p2p", "p2p")
@@ -187,6 +243,8 @@ def main(report):
                       recompute_num_layers=1)
     pipeline(report)
     errors(report, mesh)
+    parity_of_documents_plans(report, mesh)
+    script_sharded(report, mesh)  # last: its tensors split by a backend name would meet the documents plans above
 
 
 run(main)

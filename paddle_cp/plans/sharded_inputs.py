@@ -1,0 +1,75 @@
+"""A plan with ContextParallel layers and no PrepareContextParallel leaves the sequence to the script: it
+passes each rank its shard (`shard_sequence`, with the global `position_ids`). Ranks that pass the same full
+batch instead (the top layer's plan forgotten) would each attend with their whole copy as if it were their
+shard and train silently wrong. So the model's first forward compares its inputs over the `sep` group and
+refuses the same full batch on every rank, before any of the forward's collectives.
+
+Inputs are the same batch when every `[b, ...]` tensor the model gets has the same shape and values on every
+sep rank; shards differ in values (their tokens, their positions) or in length. Cost: an exact integer
+fingerprint of each input (comm/fingerprint.py), one all-gather of 2 int64 per rank and a host read, in the
+first forward only (a replay of it in backward, and later forwards, skip it).
+"""
+from __future__ import annotations
+
+import zlib
+
+import paddle
+
+from .. import mesh as mesh_lib
+from .. import runtime
+from ..comm import collectives
+from ..comm.fingerprint import fingerprint
+from .context_parallel import ContextParallel, PrepareContextParallel
+
+TAG = "cp_sharded_inputs"  # its bytes in paddle_cp.bytes_sent()
+
+
+class ShardedInputsCheck:
+    """The forward pre-hook of a model whose ContextParallel layers get inputs the script sharded. Made at
+    parallelize (collective: the sep groups)."""
+
+    def __init__(self, mesh, layers):
+        self.group = mesh_lib.mesh_group(mesh, ["sep"])
+        self.layers = layers  # the names of the ContextParallel layers, for the error
+        self.confirmed = False  # a forward has found the inputs sharded: later forwards are not checked
+
+    def __call__(self, layer, args, kwargs):
+        if self.confirmed or self.group.size == 1 or runtime.state.context_parallel_paused:
+            return None
+        named = {**{f"argument {i}": v for i, v in enumerate(args)}, **kwargs}
+        inputs = {name: value for name, value in sorted(named.items())
+                  if isinstance(value, paddle.Tensor) and value.ndim >= 2}
+        if not inputs:
+            self.confirmed = True
+            return None
+        shapes = repr([(name, list(value.shape), str(value.dtype)) for name, value in inputs.items()])
+        values = paddle.zeros([1], "int64")
+        for position, value in enumerate(inputs.values()):
+            values = values + (position + 1) * fingerprint(value)
+        row = paddle.concat([paddle.to_tensor([zlib.crc32(shapes.encode())], dtype="int64"), values])
+        rows = [tuple(r.numpy().tolist()) for r in collectives.all_gather(self.group, row, tag=TAG)]
+        if len(set(rows)) == 1:
+            given = ", ".join(f"{name} {list(value.shape)}" for name, value in inputs.items())
+            raise ValueError(
+                f"ContextParallel ({self.layers}) gets no inputs split by "
+                f"PrepareContextParallel, and every rank of the sep group passed the same batch ({given}): each "
+                "rank would attend with its whole copy as if it were its own shard, and train silently wrong. Add "
+                "PrepareContextParallel for the top layer to the plan ({'': pcp.PrepareContextParallel(backend), "
+                "...}: it splits the model's inputs and labels), or pass each rank its shard: "
+                "pcp.shard_sequence(input_ids, backend=...) and labels alike, with position_ids="
+                "pcp.sequence_positions(seq_len, backend=...)")
+        self.confirmed = True
+        return None
+
+
+def require_sharded_inputs(model, mesh, applications):
+    """Refuse, at `model`'s first forward, the same full batch on every sep rank when the plan has ContextParallel
+    layers but nothing splits their inputs (no PrepareContextParallel). Collective (makes the sep groups)."""
+    if any(isinstance(plan, PrepareContextParallel) for plan, _, _ in applications):
+        return
+    names = {id(layer): name or "the model" for name, layer in model.named_sublayers(include_self=True)}
+    layers = [names.get(id(layer), type(layer).__name__) for plan, layer, _ in applications
+              if isinstance(plan, ContextParallel)]
+    if layers:
+        more = f" and {len(layers) - 1} more" if len(layers) > 1 else ""
+        model.register_forward_pre_hook(ShardedInputsCheck(mesh, layers[0] + more), with_kwargs=True)
