@@ -61,8 +61,10 @@ def find_dim(mesh, name):
 def require_dim(mesh, name, purpose):
     found = find_dim(mesh, name)
     if found is None:
+        others = [f"'{alias}'" for alias in _ALIASES.get(name, ()) if alias != name]
+        also = f" ({' or '.join(others)} is accepted too)" if others else ""
         raise ValueError(
-            f"{purpose} needs a mesh dim named '{name}'; this mesh has dims {list(mesh.dim_names)}. "
+            f"{purpose} needs a mesh dim named '{name}'{also}; this mesh has dims {list(mesh.dim_names)}. "
             f"Build it as dist.ProcessMesh(..., dim_names=[..., '{name}'])"
         )
     return found

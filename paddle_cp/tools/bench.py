@@ -40,7 +40,9 @@ For every sequence length and backend it runs forward+backward of attention on
 
 On a machine with fewer cores than ranks the ranks share cores: T_rank and the
 matmul rate are then both slowed, so kernel_util stays fair but efficiency
-cannot reach 1 (the JSON records `oversubscribed`).
+cannot reach 1 (the JSON records `oversubscribed`). On a machine other jobs load,
+efficiency means little: T_single and T_rank are timed at different moments, under
+whatever load each met; balance, bytes_ratio and mem_ratio are counts, not timings.
 
 Packed documents (`--documents stdlib|lognormal|FILE`, tools/packing.py): each
 case is a batch of `--batch` rows of packed documents (`--doc-batch` picks which
@@ -79,15 +81,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # holds the paddle_cp package: the ranks import it from here
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 TABLE = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
+EFFICIENCY_NOTE = ("efficiency compares T_single and T_rank, timed at different moments: on a machine other jobs load "
+                   "it means little (kernel_util's two rates are timed together; balance, bytes_ratio, mem_ratio are "
+                   "counts)")
 DOCUMENT_TABLE = ("balance", "time_imbalance", "efficiency", "efficiency_same_kernel", "bytes_ratio")
 DOCUMENT_LAYOUTS = ("chunks", "documents")  # old beside new
 MATMUL_BLOCK = 512  # BlockwiseKernel's default block: the matmul the kernel really does
 
 
 def parse_args(argv=None):
+    from paddle_cp.tools.units import tokens  # here: the ranks run this file as a script
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="context-parallel ranks (CPU processes)")
-    parser.add_argument("--seq", type=int, nargs="+", default=[2048], help="sequence lengths")
+    parser.add_argument("--seq", type=tokens, nargs="+", default=[2048], help="sequence lengths (4K = 4096)")
     parser.add_argument("--backend", nargs="+", choices=["p2p", "all2all", "hybrid"], default=["p2p", "all2all"])
     parser.add_argument("--ulysses-degree", type=int, default=2, help="Ulysses group size of the hybrid backend")
     parser.add_argument("--causal", action="store_true", help="causal attention (default: full)")
@@ -146,8 +153,18 @@ def _degree(args, backend):
     return args.ulysses_degree if backend == "hybrid" else None
 
 
+PROGRESS = "[pcp-"  # how every tool's progress line starts, on either side of a launch
+
+
 def progress(message):
-    print(f"[bench_cp] {message}", file=sys.stderr, flush=True)
+    """A progress line, under the name of the tool running (the script a launched rank runs is the tool's)."""
+    print(f"{PROGRESS}{_tool_name()}] {message}", file=sys.stderr, flush=True)
+
+
+def _tool_name():
+    """'bench', 'selftest', 'bench-pp', 'memory-layouts': the running script, as its pcp-* command is spelt."""
+    stem = Path(sys.argv[0]).stem
+    return stem.removeprefix("pcp-") if stem.startswith("pcp-") else stem.replace("_", "-")
 
 
 # ---- the launcher side ------------------------------------------------------------
@@ -167,7 +184,7 @@ def write_every_ranks_rows(result_file, rows):
 
 def launch(args, argv, script=__file__):
     """Run `script` (this one by default) on args.nproc ranks; return rank 0's measurements."""
-    with tempfile.TemporaryDirectory(prefix="bench_cp_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pcp_launch_") as tmp:
         result, log_dir = Path(tmp) / "result.json", Path(tmp) / "log"
         env = dict(os.environ, **{name: "1" for name in THREAD_VARS})
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -182,7 +199,7 @@ def launch(args, argv, script=__file__):
             launcher_output = out.read()
         if proc.returncode != 0 or not result.exists():
             logs = "".join(f"\n----- {log.name}\n{log.read_text()[-3000:]}" for log in sorted(log_dir.glob("workerlog.*")))
-            sys.exit(f"bench_cp: launch failed (exit {proc.returncode}){logs}\n{launcher_output[-2000:]}")
+            sys.exit(f"pcp-{_tool_name()}: launch failed (exit {proc.returncode}){logs}\n{launcher_output[-2000:]}")
         return json.loads(result.read_text())
 
 
@@ -194,7 +211,7 @@ def _follow(proc, log):
         text = log.read_text(errors="replace") if log.exists() else ""
         complete = text[:text.rfind("\n") + 1]
         for line in complete[seen:].splitlines():
-            if line.startswith("[bench_cp]"):
+            if line.startswith(PROGRESS):
                 print(line, file=sys.stderr, flush=True)
         seen = len(complete)
         if not running:
@@ -610,7 +627,8 @@ def plot(result, path):
 def finish(result, args):
     from paddle_cp.tools.text import show  # here: the ranks run this file as a script
 
-    show(table(result) + "\n\n" + step_counts_table(result), result, args.json)
+    note = "\n" + EFFICIENCY_NOTE if result["cases"] else ""
+    show(table(result) + note + "\n\n" + step_counts_table(result), result, args.json)
     if args.plot:
         plot(result, args.plot)
 

@@ -44,9 +44,11 @@ RULE = "paddle_chunk_gated_delta_rule"
 
 
 def parse_args(argv=None):
+    from paddle_cp.tools.units import tokens  # here: the ranks run this file as a script
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="context-parallel ranks, one launch each")
-    parser.add_argument("--seq", type=int, nargs="+", default=[2048], help="sequence lengths")
+    parser.add_argument("--seq", type=tokens, nargs="+", default=[2048], help="sequence lengths (4K = 4096)")
     parser.add_argument("--backend", nargs="+", choices=["p2p", "all2all"], default=["p2p", "all2all"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=256)

@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from paddle_cp.tools.units import tokens
+
 TILE = 512  # the blockwise kernel's default tile
 
 
@@ -108,7 +110,7 @@ def table(results):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=8, help="ring ranks (p2p) to plan for")
-    parser.add_argument("--seq", type=int, nargs="+", default=[131072])
+    parser.add_argument("--seq", type=tokens, nargs="+", default=[131072], help="sequence lengths (128K = 131072)")
     parser.add_argument("--documents", default="lognormal", metavar="LENGTHS",
                         help="stdlib, lognormal or a file of lengths (tools/packing.py)")
     parser.add_argument("--doc-batch", type=int, default=1, help="which row of the packed stream")

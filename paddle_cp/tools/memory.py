@@ -41,6 +41,7 @@ from paddle_cp.tools.bench import launch, progress
 from paddle_cp.tools.plan_config import model_config
 from paddle_cp.tools.plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
 from paddle_cp.tools.text import ruled_table, show
+from paddle_cp.tools.units import tokens
 
 VARIANTS = {"plain": {}, "recompute": {"recompute": True}, "chunked": {"chunked": True},
             "recompute+chunked": {"recompute": True, "chunked": True}}
@@ -51,14 +52,14 @@ MIB = 2 ** 20
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4], help="context-parallel ranks")
-    parser.add_argument("--seq", type=int, nargs="+", default=[1024], help="global lengths to break down")
+    parser.add_argument("--seq", type=tokens, nargs="+", default=[1024], help="global lengths to break down (1K = 1024)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--budget-mib", type=float, help="per-rank budget: find the longest length that fits")
     parser.add_argument("--fit-variants", nargs="+", choices=list(VARIANTS), default=["plain", "recompute+chunked"])
-    parser.add_argument("--granularity", type=int, default=64, help="bisection step in tokens")
+    parser.add_argument("--granularity", type=tokens, default=64, help="bisection step in tokens")
     parser.add_argument("--single", action="store_true", help="also one process without paddle_cp")
     parser.add_argument("--backend", choices=["p2p", "all2all"], default="p2p")
-    parser.add_argument("--chunk", type=int, default=256, help="tokens per lm_head+loss chunk (chunked)")
+    parser.add_argument("--chunk", type=tokens, default=256, help="tokens per lm_head+loss chunk (chunked)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)

@@ -20,7 +20,7 @@ def _bench(tmp_path_factory, *flags):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "[bench_cp] seq" in proc.stderr  # progress is shown while it runs
+    assert "[pcp-bench] seq" in proc.stderr  # progress is shown while it runs
     return json.loads(out.read_text())
 
 

@@ -77,7 +77,8 @@ BAD_CALLS = [
     BadCall("plan_given_as_string", lambda: pcp.parallelize(
         Net(), mesh=_dp_mesh(), config=_cp_plan({"head": "ContextParallel"})), TypeError, "paddle_cp plan"),
     BadCall("mesh_without_sep", lambda: pcp.parallelize(
-        Net(), mesh=_dp_mesh(), config=_cp_plan({"head": pcp.ContextParallel()})), ValueError, "dim_names"),
+        Net(), mesh=_dp_mesh(), config=_cp_plan({"head": pcp.ContextParallel()})), ValueError,
+        r"a mesh dim named 'sep' \('cp' is accepted too\)"),
     BadCall("same_plan_in_mp_and_cp", lambda: pcp.parallelize(
         Net(), mesh=_dp_mesh(), config={**_mp_plan({"head": pcp.ContextParallel()}),
                                         **_cp_plan({"head": pcp.ContextParallel()})}), ValueError, "given in both"),

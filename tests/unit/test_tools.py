@@ -2,6 +2,7 @@
 import importlib
 import json
 import math
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -197,3 +198,17 @@ def test_bench_documents_model_only_prices_the_layouts_side_by_side(tmp_path, ca
             assert all(1 <= r["kernel_calls_per_pass"] <= r["ring"] and r["planning_ms"] > 0 for r in by.values())
     with pytest.raises(SystemExit):
         bench.main(["--model-only", "--nproc", "4"])
+
+
+@pytest.mark.parametrize("program, name", [("/venv/bin/pcp-selftest", "pcp-selftest"),
+                                           ("/repo/paddle_cp/tools/selftest.py", "pcp-selftest"),
+                                           ("/repo/paddle_cp/tools/bench.py", "pcp-bench"),
+                                           ("/repo/paddle_cp/tools/bench_pp.py", "pcp-bench-pp")])
+def test_progress_lines_carry_the_tools_name(monkeypatch, capsys, program, name):
+    monkeypatch.setattr(sys, "argv", [program])
+    bench.progress("seq 2048")
+    assert capsys.readouterr().err == f"[{name}] seq 2048\n"
+
+
+def test_bench_lengths_take_k_suffixes():
+    assert bench.parse_args(["--seq", "2K", "4096"]).seq == [2048, 4096]
