@@ -148,10 +148,12 @@ def attend(plan, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     (its layout, length, documents and padding, published by PrepareContextParallel). `padding`: whether the
     batch's padding keys are masked (the one-card call carried a mask built from it)."""
     info = batch(plan)
-    layout, seq_len, documents, valid = plan.layout, None, None, None
+    documents = valid = None
     if info is not None:  # the batch's layout: its split may follow its documents
         layout, seq_len, documents = info.layout, info.seq_len, info.documents
         valid = info.valid if padding else None
+    else:  # shards the script split: their length agreed by the ranks, which may hold a token more or less
+        layout, seq_len = sequence(plan, query.shape[1])
     out = context_parallel_attention(layout, plan.groups, query, key, value, attn_mask, dropout_p,
                                      is_causal, training, scale, seq_len, documents, plan.rotate,
                                      enable_gqa=enable_gqa, window=window, sinks=sinks, valid=valid)

@@ -198,10 +198,10 @@ def parity_of_documents_plans(report, mesh):
 
 def script_sharded(report, mesh):
     """ContextParallel alone (no PrepareContextParallel): the same whole batch on every rank is refused at the first
-    forward; the script's own shards (shard_sequence, global position ids) train like one card. 64 tokens: 8 per
-    2N chunk."""
+    forward; the script's own shards (shard_sequence, global position ids, uneven: 61 tokens over 8 chunks), their
+    losses weighted by their token counts, train like one card."""
     rng = np.random.RandomState(9)
-    steps = [rng.randint(0, VOCAB, [BATCH, 65]) for _ in range(STEPS)]
+    steps = [rng.randint(0, VOCAB, [BATCH, SEQ + 1]) for _ in range(STEPS)]
     model = llama()
     opt = adamw(model)
     want = [[], None]
@@ -218,12 +218,12 @@ def script_sharded(report, mesh):
     model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
     whole = paddle.to_tensor(steps[0])
     report.expect_error("forgotten_top_layer", lambda: model(input_ids=whole[:, :-1], labels=whole[:, 1:]))
-    positions = pcp.sequence_positions(64, backend="p2p", mesh=mesh).unsqueeze(0).expand([BATCH, -1])
+    positions = pcp.sequence_positions(SEQ, backend="p2p", mesh=mesh).unsqueeze(0).expand([BATCH, -1])
     losses, grads = [], None
     for tokens in steps:
         ids, labels = (pcp.shard_sequence(paddle.to_tensor(x), backend="p2p", mesh=mesh)
                        for x in (tokens[:, :-1], tokens[:, 1:]))
-        loss = model(input_ids=ids, labels=labels, position_ids=positions)[0]
+        loss = model(input_ids=ids, labels=labels, position_ids=positions)[0] * pcp.loss_weight(labels.numel(), mesh)
         loss.backward()
         opt.step()  # averages the gradients over sep
         grads = grads or {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
