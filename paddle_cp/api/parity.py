@@ -180,8 +180,8 @@ class _BatchSplit:
                 f"documents, which the one-card forward is given as PaddleFormers' {STARTEND}; "
                 f"{type(model).__name__}.forward takes no {STARTEND}: check it with a plan without documents=")
         documents = self.prepare.documents_of(**self.documents)
-        whole = {name: value for name, value in inputs.items() if name != self.prepare.documents
-                 or name == "position_ids"}
+        extra = "doc_ids" in self.documents and self.prepare.documents  # an input only the plan reads
+        whole = {name: value for name, value in inputs.items() if name != extra}
         whole[STARTEND] = paddle.to_tensor(documents.end[:, None, :, None], dtype="int32")  # [b, 1, s, 1]
         return whole
 

@@ -52,7 +52,8 @@ MIB = 2 ** 20
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4], help="context-parallel ranks")
-    parser.add_argument("--seq", type=tokens, nargs="+", default=[1024], help="global lengths to break down (1K = 1024)")
+    parser.add_argument("--seq", type=tokens, nargs="+", default=[1024],
+                        help="global lengths to break down (1K = 1024)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--budget-mib", type=float, help="per-rank budget: find the longest length that fits")
     parser.add_argument("--fit-variants", nargs="+", choices=list(VARIANTS), default=["plain", "recompute+chunked"])

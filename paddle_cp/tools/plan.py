@@ -63,6 +63,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         if action.default in (None, False):
             return action.help
         return super()._get_help_string(action)
+
+
 # --kernels: the GPU kernels whose activations the memory model counts (memory_model.FUSED_KERNELS)
 KERNELS = {"eager": (), "fused-norm": ("rms_norm",), "fused": ("rms_norm", "rope")}
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate")

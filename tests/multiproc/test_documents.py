@@ -54,7 +54,7 @@ def test_labels_split_unlike_the_inputs_raise_on_every_rank(reports):
 def test_check_parity_on_documents_plans_within_1e_5(reports):
     """The one-card forward given the plan's documents: every output of Llama and Gemma3 within 1e-5."""
     for report in reports:
-        for family in ("llama", "gemma3"):
+        for family in ("llama", "gemma3", "llama.doc_ids"):
             parity = report["values"][f"check_parity.{family}"]
             assert {"loss", "1"} <= set(parity) and max(parity.values()) <= 1e-5, (family, parity)
             assert parity == reports[0]["values"][f"check_parity.{family}"]  # the same dict on every rank

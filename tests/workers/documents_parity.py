@@ -194,6 +194,15 @@ def parity_of_documents_plans(report, mesh):
         report.value(f"check_parity.{family}", dict(pcp.check_parity(model, input_ids=ids, labels=labels,
                                                                      position_ids=positions)))
     report.expect_error("check_parity.no_position_ids", lambda: pcp.check_parity(model, input_ids=ids, labels=labels))
+    # documents from an input only the plan reads: the one-card forward gets them as row indices instead
+    paddle.seed(2024)
+    model = build_family("llama")
+    plan = {"": pcp.PrepareContextParallel("p2p", documents="doc_ids"),
+            "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
+    pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan}})
+    doc_ids = paddle.to_tensor(np.cumsum(positions.numpy() == 0, axis=1))  # [b, s]: a new id where positions restart
+    report.value("check_parity.llama.doc_ids", dict(pcp.check_parity(model, input_ids=ids, labels=labels,
+                                                                     doc_ids=doc_ids)))
 
 
 def script_sharded(report, mesh):
