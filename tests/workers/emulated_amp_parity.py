@@ -23,7 +23,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from report import run
-from tensor_parallel import full_gradients, llama, sequence_parallel_plan
+from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+from tensor_parallel import _tiny_config, full_gradients, llama, sequence_parallel_plan
 
 import paddle_cp as pcp
 from paddle_cp.checkpoint.format import MODEL_DIR, OPTIMIZER_DIR, BoxReader, read_metadata
@@ -33,13 +34,16 @@ from paddle_cp.mesh import mesh_group
 
 BATCH, SEQ, ACC, STEPS = 4, 16, 2, 2
 LR, EPSILON = 1e-3, 1e-3
+BUCKET_MB = 0.05  # the tiny Llama's 82240 gradients in several buckets
 
 
-def cp_plan(backend, degree=None, tile=None):
+def cp_plan(backend, degree=None, tile=None, offload=False):
     plan = {"model": pcp.PrepareContextParallel(backend, degree),
             "model.layers.*.self_attn": pcp.ContextParallel(backend, degree)}
     if tile:
         plan["model.layers.*.mlp"] = pcp.SequenceTiled(tokens=tile)
+    if offload:
+        plan["model.layers.*"] = pcp.OffloadRecomputeInputs()
     return plan
 
 
@@ -54,7 +58,10 @@ RUNS = {
     "sep4_ring_after": ([("sep", 4)], 0, False, None, cp_plan("p2p"), {}),
     "dp2xsep2_ulysses_before": ([("dp", 2), ("sep", 2)], 0, True, None, cp_plan("all2all"), {}),
     "sep4_hybrid_tiles_l2_after": ([("sep", 4)], 2, False, None, cp_plan("hybrid", 2, tile=2), {}),
+    # recomputed layers (replayed under the forward's autocast) whose inputs wait in host memory
+    "sep4_ring_recompute_offload_before": ([("sep", 4)], 0, True, None, cp_plan("p2p", offload=True), {}),
 }
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def batches():
@@ -63,11 +70,12 @@ def batches():
             for _ in range(STEPS * ACC)]
 
 
-def build(amp, master_grad=True):
-    """(model, optimizer): the seed's Llama and an AdamW; `amp` decorates O2 bf16 here (before parallelize)."""
+def build(amp, master_grad=True, recompute=False):
+    """(model, optimizer): the seed's Llama (the same weights recomputed or not) and an AdamW; `amp` decorates
+    O2 bf16 here (before parallelize)."""
     emulated_amp.reset()
     paddle.seed(2024)
-    model = llama()
+    model = llama() if not recompute else LlamaForCausalLM(LlamaConfig(**_tiny_config(), **RECOMPUTE))
     optimizer = paddle.optimizer.AdamW(learning_rate=LR, epsilon=EPSILON, weight_decay=0.01,
                                        parameters=model.parameters(), multi_precision=amp)
     if amp:
@@ -155,7 +163,8 @@ def parallel_run(name, dims, level, before, mp_plan, cp, dp_config, master_grad=
                  keep=False):
     world = dist.get_world_size()
     mesh = dist.ProcessMesh(np.arange(world).reshape([d for _, d in dims]).tolist(), dim_names=[n for n, _ in dims])
-    model, optimizer = build(before, master_grad)
+    offloads = cp is not None and any(isinstance(p, pcp.OffloadRecomputeInputs) for p in cp.values())
+    model, optimizer = build(before, master_grad, recompute=offloads)
     config = {"dp_config": {"sharding_level": level, **dp_config}}
     if mp_plan is not None:
         config["mp_config"] = {"parallelize_plan": mp_plan()}
@@ -193,23 +202,28 @@ def local_gradients_then_mean(model, optimizer):
     dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
     elements = sum(int(np.prod(p.shape)) for p in model.parameters() if p.grad is not None)
     counters.reset()
-    return mean, dtypes, elements
+    return mean, dtypes, elements, len(optimizer.gradient_buckets.buckets)
 
 
 def master_gradient_check(report, name, master_grad, planted=False):
-    """dp4, level 0: each reduced gradient against the float64 mean of the ranks' local gradients; bytes per
-    element of the reduction (a ring all-reduce sends 2(n-1)/n of its buffer)."""
+    """dp4, level 0, decorate after parallelize, small buckets: each reduced gradient against the float64 mean
+    of the ranks' local gradients; bytes per element of the reduction (a ring all-reduce sends 2(n-1)/n of its
+    buffer); how many buckets before and after the first step."""
     patch = mock.patch.object(buckets_module, "gradient_dtype", lambda p: p.dtype) if planted else None
     if patch:
         patch.start()
     try:
-        (losses, grads, params, extra), model, *_ = parallel_run(
-            name, [("dp", 4)], 0, False, None, None, {}, master_grad=master_grad,
+        (losses, grads, params, extra), model, optimizer, *_ = parallel_run(
+            name, [("dp", 4)], 0, False, None, None, {"bucket_size_mb": BUCKET_MB}, master_grad=master_grad,
             first_step=local_gradients_then_mean, keep=True)
     finally:
         if patch:
             patch.stop()
-    mean, local_dtypes, elements = extra
+    mean, local_dtypes, elements, first_buckets = extra
+    # cut at parallelize by fp32 sizes; after the first step by the reduced gradients' dtypes
+    report.value(f"{name}.buckets", {"first_step": first_buckets, "after": len(optimizer.gradient_buckets.buckets),
+                                     "planned_now": len(buckets_module.plan_buckets(
+                                         model, list(model.parameters()), BUCKET_MB)[0])})
     sent = counters.bytes_sent("grad_all_reduce")
     report.value(f"{name}.reduction_calls", counters.collectives_issued("grad_all_reduce"))
     worst = max(float(np.abs(grads[k] - mean[k]).max() / np.abs(mean[k]).max()) for k in mean)
