@@ -40,8 +40,8 @@ def test_within_twice_one_cards_own_distance_from_fp32(reports, run):
 
 
 def test_master_gradients_reduce_in_fp32(reports):
-    """dp4: each reduced gradient is the fp32 mean of the ranks' fp32 local gradients (1e-6 relative); the
-    reduction moves 4 bytes an element. Without master gradients it moves 2 and costs precision; a planted
+    """dp4 at levels 0 and 3: each reduced gradient is the fp32 mean of the ranks' fp32 local gradients (1e-6
+    relative); the reduction moves 4 bytes an element. Without master gradients it moves 2 and costs precision; a planted
     bf16 reduction of master gradients fails the check."""
     for report in reports:
         values = report["values"]
@@ -53,6 +53,13 @@ def test_master_gradients_reduce_in_fp32(reports):
         assert values["no_master.reduced_vs_fp32_mean"] > 1e-3
         assert values["planted.reduced_vs_fp32_mean"] > 1e-3  # the check fails on a bf16 reduction
         # buckets cut at parallelize by fp32 sizes (decorate after it), cut again by the reduced gradients' dtype
+        # level 3: reduce-scattered onto owners (each holds the reduced gradients it owns), non-owners' stashed
+        # gradients accumulated and sent in fp32
+        assert values["master_l3.reduced_vs_fp32_mean"] <= 1e-6 and values["master_l3.reduced_here"] > 0
+        assert values["master_l3.local_grad_dtypes"] == ["paddle.float32"]
+        assert values["no_master_l3.reduced_vs_fp32_mean"] > 1e-3
+        assert abs(values["master_l3.bytes_per_element"] - 4) < 0.01  # gloo sends an empty chunk as one zero
+        assert abs(values["no_master_l3.bytes_per_element"] - 2) < 0.01
         master, bf16 = values["master.buckets"], values["no_master.buckets"]
         assert master["first_step"] == master["after"] == master["planned_now"] == bf16["first_step"]
         assert bf16["after"] == bf16["planned_now"] < bf16["first_step"]

@@ -30,6 +30,8 @@ import paddle_cp as pcp
 from paddle_cp.checkpoint.format import MODEL_DIR, OPTIMIZER_DIR, BoxReader, read_metadata
 from paddle_cp.comm import collectives, counters
 from paddle_cp.data_parallel import buckets as buckets_module
+from paddle_cp.data_parallel.buckets import has_gradient
+from paddle_cp.data_parallel.optimizer import OwnGradients
 from paddle_cp.mesh import mesh_group
 
 BATCH, SEQ, ACC, STEPS = 4, 16, 2, 2
@@ -179,10 +181,10 @@ def parallel_run(name, dims, level, before, mp_plan, cp, dp_config, master_grad=
         return ids, (pcp.shard_sequence(labels, backend=cp["model"], mesh=mesh) if cp else labels)
 
     def at_first_step():
-        extra = first_step(model, optimizer) if first_step is not None else None
+        finish = first_step(model, optimizer) if first_step is not None else None  # before the reduction
         optimizer.reduce_gradients()
         grads = {n: fp32(paddle.to_tensor(g)) for n, g in full_gradients(model).items()} if level == 0 else {}
-        return (grads, extra) if first_step is not None else grads
+        return (grads, finish()) if first_step is not None else grads
 
     losses, grads = train(model, optimizer, True, shard, at_first_step)
     grads, extra = grads if first_step is not None else (grads, None)
@@ -191,45 +193,57 @@ def parallel_run(name, dims, level, before, mp_plan, cp, dp_config, master_grad=
 
 
 def local_gradients_then_mean(model, optimizer):
-    """Before the step's reduction: this rank's fp32 local gradients, their float64 mean over the ranks, and a
-    byte counter started for the reduction."""
-    local = {n: p.grad.astype("float32") for n, p in model.named_parameters() if p.grad is not None}
+    """Before the step's reduction (dp only): this rank's local gradients (a level-3 non-owner's in its
+    stash), their float64 mean over the ranks, byte counters started; returns what, after the reduction,
+    gives (mean, local dtypes, elements, buckets, {name: this rank's reduced gradient, where it has one})."""
+    gradients = optimizer._sharding or OwnGradients
+    local = {n: gradients.gradient(p) for n, p in model.named_parameters() if not p.stop_gradient}
     mean = {}
     for n, g in local.items():
         gathered = []
-        dist.all_gather(gathered, g)
+        dist.all_gather(gathered, g.astype("float32"))
         mean[n] = np.mean([x.numpy().astype(np.float64) for x in gathered], axis=0)
-    dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
-    elements = sum(int(np.prod(p.shape)) for p in model.parameters() if p.grad is not None)
+    dtypes = sorted({str(g.dtype) for g in local.values()})
+    elements = sum(int(np.prod(g.shape)) for g in local.values())
+    buckets = len(optimizer.gradient_buckets.buckets)
     counters.reset()
-    return mean, dtypes, elements, len(optimizer.gradient_buckets.buckets)
+
+    def after_reduction():
+        reduced = {n: fp32(p.grad) for n, p in model.named_parameters() if has_gradient(p.grad)}
+        return mean, dtypes, elements, buckets, reduced
+    return after_reduction
 
 
-def master_gradient_check(report, name, master_grad, planted=False):
-    """dp4, level 0, decorate after parallelize, small buckets: each reduced gradient against the float64 mean
-    of the ranks' local gradients; bytes per element of the reduction (a ring all-reduce sends 2(n-1)/n of its
-    buffer); how many buckets before and after the first step."""
+def master_gradient_check(report, name, master_grad, planted=False, level=0):
+    """dp4, decorate after parallelize, small buckets: each reduced gradient (level 0: every rank's; level 3:
+    the owner's, reduce-scattered, non-owners' stashed) against the float64 mean of the ranks' local
+    gradients; bytes per element of the reduction (a ring all-reduce sends 2(n-1)/n of its buffer); how many
+    buckets before and after the first step."""
     patch = mock.patch.object(buckets_module, "gradient_dtype", lambda p: p.dtype) if planted else None
     if patch:
         patch.start()
     try:
         (losses, grads, params, extra), model, optimizer, *_ = parallel_run(
-            name, [("dp", 4)], 0, False, None, None, {"bucket_size_mb": BUCKET_MB}, master_grad=master_grad,
+            name, [("dp", 4)], level, False, None, None, {"bucket_size_mb": BUCKET_MB}, master_grad=master_grad,
             first_step=local_gradients_then_mean, keep=True)
     finally:
         if patch:
             patch.stop()
-    mean, local_dtypes, elements, first_buckets = extra
+    mean, local_dtypes, elements, first_buckets, reduced = extra
+    report.value(f"{name}.reduced_here", len(reduced))
     # cut at parallelize by fp32 sizes; after the first step by the reduced gradients' dtypes
     report.value(f"{name}.buckets", {"first_step": first_buckets, "after": len(optimizer.gradient_buckets.buckets),
                                      "planned_now": len(buckets_module.plan_buckets(
                                          model, list(model.parameters()), BUCKET_MB)[0])})
-    sent = counters.bytes_sent("grad_all_reduce")
-    report.value(f"{name}.reduction_calls", counters.collectives_issued("grad_all_reduce"))
-    worst = max(float(np.abs(grads[k] - mean[k]).max() / np.abs(mean[k]).max()) for k in mean)
+    # a ring all-reduce sends 2(n-1)/n of its buffer, a reduce-scatter (n-1)/n (on gloo an empty chunk travels
+    # as one zero: a few bytes more), n = 4
+    tag, share = ("grad_all_reduce", 2 * 3 / 4) if level == 0 else ("grad_reduce_scatter", 3 / 4)
+    sent = counters.bytes_sent(tag)
+    report.value(f"{name}.reduction_calls", counters.collectives_issued(tag))
+    worst = max(float(np.abs(reduced[k] - mean[k]).max() / np.abs(mean[k]).max()) for k in reduced)
     report.value(f"{name}.reduced_vs_fp32_mean", worst)
     report.value(f"{name}.local_grad_dtypes", local_dtypes)
-    report.value(f"{name}.bytes_per_element", sent / (elements * 2 * 3 / 4) / STEPS)  # a ring's 2(n-1)/n, n = 4
+    report.value(f"{name}.bytes_per_element", sent / (elements * share) / STEPS)
     return losses, grads, params
 
 
@@ -344,8 +358,10 @@ def main(report):
         report.value(f"{name}.distance", distances(result, truth))
         report.value(f"{name}.weights_vs_bf16_card",
                      _relative(result[2], card[2], {k: truth[2][k] - truth[3][k] for k in truth[2]}))
-    for name, master, planted in (("master", True, False), ("no_master", False, False), ("planted", True, True)):
-        result = master_gradient_check(report, name, master, planted)
+    for name, master, planted, level in (("master", True, False, 0), ("no_master", False, False, 0),
+                                         ("planted", True, True, 0), ("master_l3", True, False, 3),
+                                         ("no_master_l3", False, False, 3)):
+        result = master_gradient_check(report, name, master, planted, level)
         report.value(f"{name}.distance", distances(result, truth))
     checkpoint_resume(report, truth)
     fp32_checkpoint_into_o2(report)
