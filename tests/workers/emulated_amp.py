@@ -10,7 +10,6 @@ Entry points (stable; other tests and workers import them):
 - `decorate(...)`, `auto_cast(...)`: what install puts in place of Paddle's (same signatures).
 - `reset()`: forgets Paddle's global AMP state (`use_master_grad`, the decorated parameters), so one
   process can run several decorated models one after the other.
-- `ROUNDING`: the relative size of one rounding of each low dtype (2^-8 bf16, 2^-11 fp16).
 
 Written from Paddle 3.3.1's python sources (paddle/amp/auto_cast.py, amp_lists.py, optimizer/adamw.py)
 and what this CPU wheel does (measured); every fact carries its source:
@@ -63,6 +62,9 @@ and what this CPU wheel does (measured); every fact carries its source:
   rounded to its dtype: emulated by Paddle's own float32 kernel on the master weight, then the parameter
   assigned the rounded master. Without a master weight the parameter, moments and gradient are taken to
   float32 for the update and rounded back.
+- Op names: the lists hold some ops by their legacy names (`softmax_with_cross_entropy`, `reduce_sum`,
+  `lookup_table_v2`), which no eager op carries: here `cross_entropy_with_softmax`, `sum` and `embedding`
+  are off the lists (at O1 they follow promotion). How Paddle's C++ tracer names them is GPU-side knowledge.
 - Not emulated: autocast of ops outside COMPUTE_OPS (memory ops keep their dtype, as autocast leaves
   them), `use_promote=False`, `save_dtype`, `FLAGS_enable_tensor_fusion` (main_grad) mode, fp16 overflow
   beyond what the rounded values show, cuBLAS/cuDNN algorithm choices and speed.
@@ -74,16 +76,14 @@ import sys
 
 import paddle
 from paddle import _C_ops
-from paddle.amp import amp_lists
 from paddle.base import core
 
 FP32 = paddle.float32
 LOW = (paddle.float16, paddle.bfloat16)
 FLOATING = (FP32,) + LOW
-ROUNDING = {paddle.bfloat16: 2.0 ** -8, paddle.float16: 2.0 ** -11}
 _AMP = sys.modules["paddle.amp.auto_cast"]  # the module (paddle.amp.auto_cast the name is the function)
 
-# The `_C_ops` compute ops models and paddle_cp call (memory ops have CPU half kernels and keep their dtype).
+# The `_C_ops` compute ops models and paddle_cp call.
 COMPUTE_OPS = (
     "matmul", "linear", "bmm", "einsum", "embedding", "softmax", "log_softmax", "cross_entropy_with_softmax",
     "silu", "gelu", "swiglu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "pow", "square",
@@ -109,7 +109,7 @@ AMP_DTYPES = {"bfloat16": paddle.bfloat16, "float16": paddle.float16}
 
 
 class _Autocast:
-    """The innermost emulated auto_cast: (amp dtype, white list, black list), or None outside."""
+    """The innermost emulated auto_cast: (amp dtype, white list, black list, level), or None outside."""
     current = None
 
 
@@ -201,13 +201,13 @@ def _adam_on_master(kernel):
 class _MasterGradients:
     """fp32 accumulation of a decorated low-precision parameter's gradients over backwards."""
     held = {}  # id(param) -> its fp32 gradient taken away before Paddle accumulated the next one
-    followed = set()  # ids of parameters with the gradient hook
+    FOLLOWED = "_emulated_master_gradient"  # set on a parameter given the hooks (ids are reused after GC)
 
     @classmethod
     def follow(cls, param):
-        if id(param) in cls.followed or param.dtype not in LOW or param.stop_gradient:
+        if getattr(param, cls.FOLLOWED, False) or param.dtype not in LOW or param.stop_gradient:
             return
-        cls.followed.add(id(param))
+        setattr(param, cls.FOLLOWED, True)
 
         def take_fp32(grad, param=param):
             current = param.grad
