@@ -129,3 +129,12 @@ def test_multi_precision_adamw_steps_the_master_and_rounds_the_parameter():
     for p, q in zip(reference.parameters(), layer.parameters()):
         np.testing.assert_allclose(opt._master_weights[q.name].numpy(), p.numpy(), rtol=1e-6)
         np.testing.assert_array_equal(q.astype("float32").numpy(), rounded(p).numpy())
+
+
+def test_in_place_ops_write_their_input():
+    x = paddle.zeros([4, 2]).astype(BF16)
+    updates = paddle.to_tensor([[1.0, 2.0], [3.0, 4.0]]).astype(BF16)
+    assert paddle.scatter_(x, paddle.to_tensor([1, 3]), updates, overwrite=True) is x
+    np.testing.assert_array_equal(x.astype("float32").numpy(), [[0, 0], [1, 2], [0, 0], [3, 4]])
+    x.add_(paddle.ones([4, 2]).astype(BF16))
+    assert x.dtype == BF16 and float(x.astype("float32").sum()) == 18.0

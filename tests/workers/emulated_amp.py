@@ -3,7 +3,7 @@ AdamW), emulated on CPU for tests, so that real float16/bfloat16 tensors go thro
 
 Entry points (stable; other tests and workers import them):
 - `install(set_attr=setattr)`: patches `paddle.amp.decorate` / `amp_decorate`, `paddle.amp.auto_cast` /
-  `amp_guard`, the `_C_ops` ops listed in COMPUTE_OPS and MEMORY_OPS, the Tensor arithmetic operators,
+  `amp_guard`, the `_C_ops` ops listed in COMPUTE_OPS, MEMORY_OPS and IN_PLACE_OPS, the Tensor arithmetic operators,
   `_C_ops.adamw_` / `_C_ops.adam_`, `Tensor._register_backward_hook` (master gradients settle first) and
   `paddle.framework._dygraph_tracer` / `paddle.base.framework._dygraph_tracer` (the autocast state as Python
   reads it); idempotent. `set_attr`: pytest's monkeypatch.setattr to undo it.
@@ -96,8 +96,10 @@ MEMORY_OPS = (
     "concat", "split", "split_with_num", "slice", "strided_slice", "transpose", "reshape", "expand",
     "expand_as", "tile", "stack", "unsqueeze", "squeeze", "gather", "gather_nd", "index_select", "flatten",
     "pad", "roll", "repeat_interleave", "take_along_axis", "put_along_axis", "tril", "triu", "unbind",
-    "flip", "index_put", "masked_select",
+    "flip", "index_put", "masked_select", "scatter",
 )
+# In-place ops (no CPU half kernel) emulated by their out-of-place twin, the first input then assigned.
+IN_PLACE_OPS = ("scatter_", "add_", "subtract_", "multiply_", "scale_")
 # Tensor operators (C methods that reach the kernels without `_C_ops`) and the op each is matched as.
 OPERATORS = {
     "__add__": "add", "__radd__": "add", "__sub__": "subtract", "__rsub__": "subtract", "__mul__": "multiply",
@@ -167,6 +169,21 @@ def _emulated(name, fn):
     def op(*args, **kwargs):
         return _run(name, fn, args, kwargs)
     op.__wrapped__ = fn
+    return op
+
+
+def _emulated_in_place(name):
+    out_of_place, in_place = getattr(_C_ops, name[:-1]), getattr(_C_ops, name)
+
+    def op(x, *args, **kwargs):
+        if x.dtype not in LOW:
+            return in_place(x, *args, **kwargs)
+        if not x.stop_gradient:
+            raise NotImplementedError(f"the AMP emulation's {name} covers tensors without gradient")
+        with paddle.no_grad():
+            paddle.assign(out_of_place(x, *args, **kwargs), output=x)  # out_of_place: an emulated op
+        return x
+    op.__wrapped__ = in_place
     return op
 
 
@@ -350,6 +367,8 @@ def install(set_attr=setattr):
         return
     for name in COMPUTE_OPS + MEMORY_OPS:
         set_attr(_C_ops, name, _emulated(name, getattr(_C_ops, name)))
+    for name in IN_PLACE_OPS:
+        set_attr(_C_ops, name, _emulated_in_place(name))
     for dunder, name in OPERATORS.items():
         original = getattr(paddle.Tensor, dunder)
         set_attr(paddle.Tensor, dunder, _emulated(name, original))
