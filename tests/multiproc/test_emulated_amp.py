@@ -95,6 +95,17 @@ def test_gloo_float16_all_reduce_is_summed_in_fp32(reports):
         assert values["gloo.bytes"] == {"probe_float16": 9, "probe_bfloat16": 9}
 
 
+def test_float16_gradients_reduce_through_gloo(reports):
+    """fp16 O2 without master gradients: dp4's buckets all-reduce float16 on gloo, widened by the comm layer (a
+    plain gloo float16 all-reduce would give inf); the reduced gradient is the fp32 mean within fp16 rounding."""
+    for report in reports:
+        values = report["values"]
+        assert values["fp16_no_master.local_grad_dtypes"] == ["paddle.float16"]
+        assert values["fp16_no_master.reduced_vs_fp32_mean"] < 1e-2
+        assert values["fp16_no_master.bytes_per_element"] == 2.0
+        assert values["fp16_no_master.widened"]["grad_all_reduce"] == values["fp16_no_master.reduction_calls"] > 0
+
+
 def test_mix_precision_layer_main_grad_is_refused(reports):
     for report in reports:
         kind, message = report["errors"]["main_grad"]

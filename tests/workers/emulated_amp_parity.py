@@ -72,7 +72,7 @@ def batches():
             for _ in range(STEPS * ACC)]
 
 
-def build(amp, master_grad=True, recompute=False):
+def build(amp, master_grad=True, recompute=False, dtype="bfloat16"):
     """(model, optimizer): the seed's Llama (the same weights recomputed or not) and an AdamW; `amp` decorates
     O2 bf16 here (before parallelize)."""
     emulated_amp.reset()
@@ -81,12 +81,12 @@ def build(amp, master_grad=True, recompute=False):
     optimizer = paddle.optimizer.AdamW(learning_rate=LR, epsilon=EPSILON, weight_decay=0.01,
                                        parameters=model.parameters(), multi_precision=amp)
     if amp:
-        model, optimizer = decorate(model, optimizer, master_grad)
+        model, optimizer = decorate(model, optimizer, master_grad, dtype)
     return model, optimizer
 
 
-def decorate(model, optimizer, master_grad=True):
-    return paddle.amp.decorate(models=model, optimizers=optimizer, level="O2", dtype="bfloat16",
+def decorate(model, optimizer, master_grad=True, dtype="bfloat16"):
+    return paddle.amp.decorate(models=model, optimizers=optimizer, level="O2", dtype=dtype,
                                master_grad=master_grad)
 
 
@@ -94,7 +94,7 @@ def fp32(tensor):
     return tensor.astype("float32").numpy() if tensor.dtype != paddle.float32 else tensor.numpy()
 
 
-def train(model, optimizer, amp, shard=None, at_first_step=None, steps=STEPS, data=None):
+def train(model, optimizer, amp, shard=None, at_first_step=None, steps=STEPS, data=None, dtype="bfloat16"):
     """(each step's loss, the first step's gradients {name: fp32}, {name: fp32 parameter}) after `steps`."""
     losses, grads = [], {}
     for step in range(steps):
@@ -102,7 +102,7 @@ def train(model, optimizer, amp, shard=None, at_first_step=None, steps=STEPS, da
         for ids, labels in (data or batches())[step * ACC:(step + 1) * ACC]:
             if shard is not None:
                 ids, labels = shard(ids, labels)
-            with paddle.amp.auto_cast(enable=amp, level="O2", dtype="bfloat16"):
+            with paddle.amp.auto_cast(enable=amp, level="O2", dtype=dtype):
                 loss = model(input_ids=ids, labels=labels)[0] / ACC
             loss.backward()
             total += float(loss.astype("float32"))
@@ -162,11 +162,11 @@ def world_mean(value):
 
 
 def parallel_run(name, dims, level, before, mp_plan, cp, dp_config, master_grad=True, first_step=None,
-                 keep=False):
+                 keep=False, dtype="bfloat16"):
     world = dist.get_world_size()
     mesh = dist.ProcessMesh(np.arange(world).reshape([d for _, d in dims]).tolist(), dim_names=[n for n, _ in dims])
     offloads = cp is not None and any(isinstance(p, pcp.OffloadRecomputeInputs) for p in cp.values())
-    model, optimizer = build(before, master_grad, recompute=offloads)
+    model, optimizer = build(before, master_grad, recompute=offloads, dtype=dtype)
     config = {"dp_config": {"sharding_level": level, **dp_config}}
     if mp_plan is not None:
         config["mp_config"] = {"parallelize_plan": mp_plan()}
@@ -174,7 +174,7 @@ def parallel_run(name, dims, level, before, mp_plan, cp, dp_config, master_grad=
         config["cp_config"] = {"parallelize_plan": cp}
     model, optimizer = pcp.parallelize(model, optimizer, mesh=mesh, config=config)
     if not before:
-        model, optimizer = decorate(model, optimizer, master_grad)
+        model, optimizer = decorate(model, optimizer, master_grad, dtype)
 
     def shard(ids, labels):
         ids, labels = pcp.shard_batch((ids, labels), mesh=mesh)
@@ -186,7 +186,7 @@ def parallel_run(name, dims, level, before, mp_plan, cp, dp_config, master_grad=
         grads = {n: fp32(paddle.to_tensor(g)) for n, g in full_gradients(model).items()} if level == 0 else {}
         return (grads, finish()) if first_step is not None else grads
 
-    losses, grads = train(model, optimizer, True, shard, at_first_step)
+    losses, grads = train(model, optimizer, True, shard, at_first_step, dtype=dtype)
     grads, extra = grads if first_step is not None else (grads, None)
     result = ([world_mean(x) for x in losses], grads, master_weights(name, model, optimizer), extra)
     return (result, model, optimizer, mesh, shard) if keep else result
@@ -214,7 +214,7 @@ def local_gradients_then_mean(model, optimizer):
     return after_reduction
 
 
-def master_gradient_check(report, name, master_grad, planted=False, level=0):
+def master_gradient_check(report, name, master_grad, planted=False, level=0, dtype="bfloat16"):
     """dp4, decorate after parallelize, small buckets: each reduced gradient (level 0: every rank's; level 3:
     the owner's, reduce-scattered, non-owners' stashed) against the float64 mean of the ranks' local
     gradients; bytes per element of the reduction (a ring all-reduce sends 2(n-1)/n of its buffer); how many
@@ -225,7 +225,7 @@ def master_gradient_check(report, name, master_grad, planted=False, level=0):
     try:
         (losses, grads, params, extra), model, optimizer, *_ = parallel_run(
             name, [("dp", 4)], level, False, None, None, {"bucket_size_mb": BUCKET_MB}, master_grad=master_grad,
-            first_step=local_gradients_then_mean, keep=True)
+            first_step=local_gradients_then_mean, keep=True, dtype=dtype)
     finally:
         if patch:
             patch.stop()
@@ -363,6 +363,10 @@ def main(report):
                                          ("no_master_l3", False, False, 3)):
         result = master_gradient_check(report, name, master, planted, level)
         report.value(f"{name}.distance", distances(result, truth))
+    # float16 without master gradients: the buckets all-reduce float16 on gloo (widened by the comm layer)
+    counters.reset()
+    master_gradient_check(report, "fp16_no_master", False, dtype="float16")
+    report.value("fp16_no_master.widened", counters.widened_float16())
     checkpoint_resume(report, truth)
     fp32_checkpoint_into_o2(report)
     gloo_float16(report)
