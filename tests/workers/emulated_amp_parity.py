@@ -352,6 +352,7 @@ def main(report):
     card = one_card(True)
     own = distances(card, truth)
     report.value("one_card", own)
+    report.value("fp32_losses", truth[0].tolist())
     report.value("one_card.dtypes", sorted({str(v.dtype) for v in card[1].values()}))
     for name, (dims, level, before, mp_plan, cp, dp_config) in RUNS.items():
         result = parallel_run(name, dims, level, before, mp_plan, cp, dp_config)
