@@ -7,9 +7,6 @@ from launcher import launch_once
 RUNS = ["dp4_l0_after", "dp2xmp2_sp_l1_before", "dp2xmp2_l2_after", "dp4_l3_before", "dp4_l3_after",
         "dp4_l2_host_optimizer", "sep4_ring_after", "dp2xsep2_ulysses_before", "sep4_hybrid_tiles_l2_after",
         "sep4_ring_recompute_offload_before"]
-# The losses are bfloat16 values (the cross entropy runs in bf16 under O2): their yardstick is at least half a
-# bf16 ulp of a step's loss (2^-9 relative).
-HALF_ULP = 2 ** -9
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +20,7 @@ def reports():
 
 def _yardstick(report):
     own = dict(report["values"]["one_card"])
-    own["loss"] = max(own["loss"], HALF_ULP * max(report["values"]["fp32_losses"]))
+    own["loss"] = max(own["loss"], report["values"]["loss_half_ulp"])  # the losses are bf16 values
     return own
 
 

@@ -10,6 +10,7 @@ Entry points (stable; other tests and workers import them):
 - `decorate(...)`, `auto_cast(...)`: what install puts in place of Paddle's (same signatures).
 - `reset()`: forgets Paddle's global AMP state (`use_master_grad`, the decorated parameters), so one
   process can run several decorated models one after the other.
+- `ROUNDING`: the relative size of one ulp of each low dtype (2^-8 bf16, 2^-11 fp16).
 
 Written from Paddle 3.3.1's python sources (paddle/amp/auto_cast.py, amp_lists.py, optimizer/adamw.py)
 and what this CPU wheel does (measured); every fact carries its source:
@@ -81,6 +82,7 @@ from paddle.base import core
 FP32 = paddle.float32
 LOW = (paddle.float16, paddle.bfloat16)
 FLOATING = (FP32,) + LOW
+ROUNDING = {paddle.bfloat16: 2.0 ** -8, paddle.float16: 2.0 ** -11}  # one ulp relative: the spacing at 1
 _AMP = sys.modules["paddle.amp.auto_cast"]  # the module (paddle.amp.auto_cast the name is the function)
 
 # The `_C_ops` compute ops models and paddle_cp call.
