@@ -43,7 +43,9 @@ and what this CPU wheel does (measured); every fact carries its source:
   which casts each float16/bfloat16 `.grad` to float32 at the end of backward; reused as is (it works on
   CPU, measured). The next backward's low-precision gradient then meets an fp32 `.grad`: this CPU build's
   GradNodeAccumulation raises there (measured: "type of data we are trying to retrieve (bfloat16) does not
-  match ... (float32)"). The emulation accumulates it in float32, as Paddle's own main-grad hook does
+  match ... (float32)"). On GPU Paddle accumulates it (its test/amp/test_amp_master_grad.py,
+  test_adam_master_grad: two backwards per step under master_grad, float32 gradients, Adam stepping).
+  The emulation accumulates it in float32, as Paddle's main-grad hook does
   (`_update_main_grad_hook`: `main_grad.add_(cast(tmp_grad, float32))`): a gradient hook takes the fp32
   `.grad` away before Paddle accumulates, and before any hook that runs after accumulation
   (`_register_backward_hook`, what paddle_cp's buckets use) the parameter's `.grad` becomes
