@@ -33,16 +33,23 @@ def aborted(returncode, output):
 
 
 def retrying_an_abort(run, name, fresh=()):
-    """`run()` (-> (returncode, output, anything)), once more if a rank aborted, with a warning; the folders in
-    `fresh` are emptied before the second run."""
+    """`run()` (-> (returncode, output, anything)), once more if a rank aborted, with a warning that quotes what
+    the aborted rank printed (the launch shows its log's tail); the folders in `fresh` are emptied before the
+    second run."""
     result = run()
     if aborted(*result[:2]):
-        warnings.warn(f"a rank of {name} aborted (SIGABRT); launched once more")
+        warnings.warn(f"a rank of {name} aborted (SIGABRT); launched once more{_abort_report(result[1])}")
         for folder in fresh:
             shutil.rmtree(folder, ignore_errors=True)
             os.makedirs(folder)
         result = run()
     return result
+
+
+def _abort_report(output):
+    """The stacks the aborted rank printed (Python's faulthandler, Paddle's signal summary), if it printed any."""
+    found = [output.find(mark) for mark in ("Fatal Python error", "C++ Traceback", "SIGABRT") if mark in output]
+    return f":\n{output[min(found):][:3000]}" if found else ""
 
 
 def command(nproc, script, argv, log_dir):

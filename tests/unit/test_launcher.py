@@ -15,7 +15,8 @@ with open(runs, "a") as f:
 tries = open(runs).read().count("run")
 {body}
 """
-PADDLE_LAUNCH_ABORT = 'print("Container rank 1 status failed cmd [...] code -6 log log/workerlog.1"); sys.exit(250)'
+PADDLE_LAUNCH_ABORT = ('print("Container rank 1 status failed cmd [...] code -6 log log/workerlog.1\\n"'
+                       '"[SignalInfo: *** SIGABRT (@0x5ea) received by PID 1514 ***]"); sys.exit(250)')
 
 
 def _run(tmp_path, body, **kwargs):
@@ -29,9 +30,11 @@ def test_a_run_that_lost_a_rank_to_sigabrt_runs_once_more_in_fresh_folders(tmp_p
     fresh = tmp_path / "output"
     fresh.mkdir()
     (fresh / "partial").write_text("left by the aborted run")
-    with pytest.warns(UserWarning, match=r"aborted \(SIGABRT\); launched once more"):
+    with pytest.warns(UserWarning, match=r"aborted \(SIGABRT\); launched once more") as caught:
         proc, tries = _run(tmp_path, f"if tries == 1: {abort}\nprint('done')", fresh=[fresh])
     assert proc.returncode == 0 and proc.stdout.strip() == "done" and tries == 2, proc
+    if abort == PADDLE_LAUNCH_ABORT:  # the warning quotes what the aborted rank printed
+        assert str(caught[0].message).endswith(":\nSIGABRT (@0x5ea) received by PID 1514 ***]\n"), caught[0].message
     assert fresh.is_dir() and not any(fresh.iterdir())
 
 
