@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 RECOMPUTE_FULL = "full"
 NO_RECOMPUTE = "none"
-SHARD_DIMS = ("dp", "sep")  # sharding's default: every rank holding a replica
+SHARD_DIMS = ("dp", "sep")  # sharding's default: every rank holding a replica (issue 26)
 
 
 @dataclass(frozen=True)
