@@ -21,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]  # holds the paddle_cp package: the r
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 PROGRESS = "[bench_cp]"
 
-# Paddle 3.3.1 on CPU sometimes aborts a rank (SIGABRT, no Python error; seen about once in a hundred launches
-# of the test suite) whatever the script: such a run goes once more. A crash of the script itself aborts again,
-# and a failure of any other kind is reported at once. The launch prints "... code -6" for the aborted rank.
+# Paddle 3.3.1 on CPU sometimes aborts a rank (SIGABRT, no Python error, at start-up or in the teardown of a rank
+# whose work was done; about once in a hundred launches of the test suite) whatever the script: such a run goes
+# once more. A crash of the script itself aborts again, and a failure of any other kind is reported at once. The
+# launch prints "... code -6" for the aborted rank.
 ABORTED = "code -6"
 
 
