@@ -1,21 +1,22 @@
 """Everything paddle_cp keeps per process, and the one `reset()` that clears it.
 
 `state` (RuntimeState): what hooks and collectives record while models run (the batch running, counters,
-pending deferred facts). `installed` (Installed): what paddle_cp puts into the process for the models
-parallelized in it: process groups, the modules each ContextParallel covers, token mixers, recompute
-carriers, classes derived from the models' layer classes, patches of Paddle's and PaddleFormers'
-functions. A run's own state (a plan applied to one model: its groups, batch check, positions) lives in
+the collectives in flight, pending deferred facts). `installed` (Installed): what paddle_cp puts into the
+process for the models parallelized in it: process groups, the modules each ContextParallel covers, token
+mixers, MoE block kinds, fused-weight rules, recompute carriers, classes derived from the models' layer
+classes, patches of Paddle's and PaddleFormers' functions, the collective timeout and its watchdog thread. A run's own state (a plan applied to one model: its groups, batch check, positions) lives in
 the hooks `parallelize` registered on that model, not here and not on the plan objects.
 
 `reset()` (a test, or a new training run in the same process) forgets every record and derived class.
 It keeps what it cannot or need not remake: process groups (made collectively, by every rank in one
 order; Paddle cannot destroy a gloo group without its peers, and a later parallelize of the same ranks
-reuses them); mixers and recompute carriers (registered once, at import or by the user); the plans of
-modules (weak: they go with their models); patches (held by live models, undone when the last is
-released). An async checkpoint save still writing makes it raise (wait_checkpoint() first).
+reuses them); mixers, block kinds, fused-weight rules and recompute carriers (registered once, at import or
+by the user); the plans of modules (weak: they go with their models); patches (held by live models, undone
+when the last is released, or by unpatch_paddle); the timeout set_timeout gave and the watchdog thread. An async checkpoint save still writing makes it raise (wait_checkpoint() first).
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ class RuntimeState:
     # PrepareContextParallel plan -> PlanNotes: what its batches showed, for shard_sequence given that plan
     plan_notes: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     pending_save: object = None  # the async checkpoint save whose files are still being written
+    # bytes this process read from and wrote to checkpoint and pretrained-weight files (checkpoint/io_bytes.py)
+    io_bytes: dict = field(default_factory=lambda: {"read": 0, "written": 0})
+    # comm/watchdog.py: token -> (started, op, (group ranks, peers or None), completion event or None) of each
+    # collective in flight
+    collectives_in_flight: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +88,13 @@ class Installed:
         self.recompute_saving_wrappers = []  # attention/recompute.py: told each call's function and inputs
         self.derived_classes = {}  # (purpose, layer class) -> its subclass (experts, pipeline units)
         self._patches = {}  # name -> (ids of the live holders, undo)
+        self.paddle_patches = []  # api/paddle_compat.py: (module, name, Paddle's function) of each attribute replaced
+        self.sdpa_original = None  # attention/adapters/sdpa.py: Paddle's SDPA while the routed one replaces it
+        self.fused_weight_rules = []  # api/plan_annotation.py: factories model -> parts, registered by model libraries
+        self.block_kinds = []  # experts/blocks.py: BlockKind, in registration order
+        self.collective_timeout = None  # comm/watchdog.py: seconds set by set_timeout, else None
+        self.watchdog = None  # comm/watchdog.py: its thread, once started
+        self.collective_tokens = itertools.count()  # comm/watchdog.py: keys of the collectives in flight
 
     def derived_class(self, purpose, cls, make):
         """The subclass `make(cls)` for `purpose`, made once per class."""

@@ -1,48 +1,58 @@
-"""Run scripts under `paddle.distributed.launch` on CPU ranks and collect what they report."""
+"""Run scripts under `paddle.distributed.launch` on CPU ranks and collect what they report, through the one
+launcher (paddle_cp/tools/launcher.py): a launch whose rank aborts (SIGABRT) runs once more. Every launch of the
+suite goes through here, the tools that launch ranks themselves too (`run_tool`)."""
 from __future__ import annotations
 
 import functools
 import json
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
-import warnings
 from pathlib import Path
+
+from paddle_cp.tools import launcher as ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 EXAMPLES = ROOT / "examples"
 
 
-def _run(script, nproc, args, tmp, timeout):
-    env = dict(os.environ)
+def env_for_ranks(**extra):
+    """The environment of a launch (or of a tool that launches ranks): this checkout's paddle_cp, the workers and
+    the examples importable, one thread per rank, CPU ranks."""
+    env = dict(os.environ, **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKERS), str(EXAMPLES), env.get("PYTHONPATH", "")])
-    env["PCP_REPORT_DIR"] = tmp
     env.setdefault("OMP_NUM_THREADS", "1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-           "--log_dir", os.path.join(tmp, "log"), str(script), *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def _run(script, nproc, args, tmp, timeout):
+    cmd = ranks.command(nproc, script, args, os.path.join(tmp, "log"))
+    proc = subprocess.run(cmd, env=env_for_ranks(PCP_REPORT_DIR=tmp), capture_output=True, text=True,
+                          timeout=timeout)
     logs = {log.name: log.read_text() for log in sorted(Path(tmp, "log").glob("workerlog.*"))}
     return proc, logs
 
 
-# Paddle 3.3.1 on CPU sometimes aborts a rank (SIGABRT, no Python error; seen about once in a hundred launches
-# of a suite, mostly at start-up around its TCPStore) whatever the script: such a launch runs once more. A crash
-# of the script itself aborts again, and a failure of any other kind is reported at once.
-ABORTED = "code -6"
-
-
 def _run_retrying_an_abort(script, nproc, args, tmp, timeout):
-    proc, logs = _run(script, nproc, args, tmp, timeout)
-    if proc.returncode != 0 and ABORTED in proc.stdout + proc.stderr:
-        warnings.warn(f"a rank of {Path(script).name} on {nproc} ranks aborted (SIGABRT); launched once more")
-        shutil.rmtree(tmp)
-        os.makedirs(tmp)
+    def run():
         proc, logs = _run(script, nproc, args, tmp, timeout)
-    return proc, logs
+        return proc.returncode, proc.stdout + proc.stderr, (proc, logs)
+
+    return ranks.retrying_an_abort(run, f"{Path(script).name} on {nproc} ranks", fresh=[tmp])[2]
+
+
+def run_tool(cmd, timeout=600, fresh=(), cwd=None, **env):
+    """`subprocess.run(cmd)` for a command that launches ranks itself (pcp-bench, pcp-memory, pcp-train, ...),
+    with the launcher's handling of an aborted rank; `fresh`: folders emptied before a second run; `env`:
+    variables added to the ranks' environment."""
+    def run():
+        proc = subprocess.run(list(map(str, cmd)), env=env_for_ranks(**env), capture_output=True, text=True,
+                              timeout=timeout, cwd=cwd)
+        return proc.returncode, proc.stdout + proc.stderr, proc
+
+    return ranks.retrying_an_abort(run, " ".join(map(str, cmd[1:3])), fresh=fresh)[2]
 
 
 def _failure(script, nproc, proc, logs):
@@ -97,8 +107,11 @@ def launch_failing(worker, nproc, *args, timeout=600):
     import time
 
     with tempfile.TemporaryDirectory(prefix="pcp_launch_") as tmp:
-        started = time.time()
-        proc, logs = _run(WORKERS / worker, nproc, args, tmp, timeout)
-        ended = time.time()
+        def run():
+            started = time.time()
+            proc, logs = _run(WORKERS / worker, nproc, args, tmp, timeout)
+            return proc.returncode, proc.stdout + proc.stderr, (proc, logs, started, time.time())
+
+        proc, logs, started, ended = ranks.retrying_an_abort(run, f"{worker} on {nproc} ranks", fresh=[tmp])[2]
         written = {p.stem: json.loads(p.read_text()) for p in Path(tmp).glob("*.json")}
         return proc.returncode, logs, {"launched_at": started, "ended_at": ended, **written}

@@ -31,6 +31,7 @@ import numpy as np
 import paddle
 
 from ..attention import recompute
+from ..comm.counters import nbytes
 from .replay import in_replay, replaying
 
 
@@ -126,8 +127,7 @@ class HostCheckpoints:
             host, pending = self.transport.copy_out(tensor)
             if pending is not None:
                 self.copying_out.append(pending)
-            nbytes = int(np.prod(tensor.shape)) * tensor.element_size()  # from the shape: no device read
-            saved = _Saved(host, nbytes, tensor.stop_gradient, call)
+            saved = _Saved(host, nbytes(tensor), tensor.stop_gradient, call)
             call.append(saved)
             self.host_bytes += saved.nbytes
             self.host_peak = max(self.host_peak, self.host_bytes)

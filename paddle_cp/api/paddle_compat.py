@@ -14,6 +14,7 @@ import paddle.distributed.auto_parallel.api as paddle_api
 import paddle.distributed.auto_parallel.intermediate.parallelize as paddle_parallelize
 
 from ..data_parallel.scaler import shard_scaler
+from ..runtime import installed
 from ..sequence.batches import shard_dataloader
 from .parallelize import parallelize, parallelize_model, parallelize_optimizer
 
@@ -26,7 +27,6 @@ _REPLACEMENTS = {
     "shard_dataloader": (paddle_api.shard_dataloader, shard_dataloader),
     "shard_scaler": (paddle_api.shard_scaler, shard_scaler),
 }
-_patched = []  # (module, name, Paddle's function) for every attribute replaced
 
 
 def patch_paddle():
@@ -40,11 +40,11 @@ def patch_paddle():
         for name, (original, replacement) in _REPLACEMENTS.items():
             if namespace.get(name) is original:
                 namespace[name] = replacement
-                _patched.append((module, name, original))
+                installed.paddle_patches.append((module, name, original))
 
 
 def unpatch_paddle():
     """Give back Paddle's own functions everywhere `patch_paddle` replaced them."""
-    while _patched:
-        module, name, original = _patched.pop()
+    while installed.paddle_patches:
+        module, name, original = installed.paddle_patches.pop()
         module.__dict__[name] = original

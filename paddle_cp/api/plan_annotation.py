@@ -21,6 +21,7 @@ from ..attention.mixers import SoftmaxAttention, mixer_of
 from ..params import record_of
 from ..plans.column_info import ColumnInfo, set_column_info
 from ..plans.tensor_parallel import ColWiseParallel, RowWiseParallel
+from ..runtime import installed
 from .plan_keys import plan_key
 from .parameter_plans import check_parameter_plans
 
@@ -50,9 +51,6 @@ def _parent(name):
     return name.rpartition(".")[0]
 
 
-_FUSED_WEIGHT_RULES = []  # factories: model -> parts(name, layer, parent), registered by model libraries
-
-
 def register_fused_weights(factory):
     """How a model library's fused projections split: `factory(model)` returns `parts(name, layer, parent)`, the
     column sizes of the fused weight of ColWise layer `name` (q | k | v, gate | up), each split on its own, or
@@ -60,8 +58,8 @@ def register_fused_weights(factory):
     paddle_cp/integrations/paddleformers/models.py."""
     if not callable(factory):
         raise TypeError(f"register_fused_weights takes a factory model -> parts(name, layer, parent), got {factory!r}")
-    if factory not in _FUSED_WEIGHT_RULES:
-        _FUSED_WEIGHT_RULES.append(factory)
+    if factory not in installed.fused_weight_rules:
+        installed.fused_weight_rules.append(factory)
 
 
 def _fused_parts(name, layer, parent, rules):
@@ -96,7 +94,7 @@ def annotate_plan(model, matched, mesh):
                    if any(isinstance(p, RowWiseParallel) and p.is_input_parallel for p in plans)}
     size = mesh_lib.dim_size(mesh, "mp")
     annotation, split_parents = PlanAnnotation(partial_gradients=partial_gradients), []
-    rules = [factory(model) for factory in _FUSED_WEIGHT_RULES]
+    rules = [factory(model) for factory in installed.fused_weight_rules]
     for name, layer, plans, _ in matched:
         weight = getattr(layer, "weight", None)
         if not any(isinstance(p, ColWiseParallel) for p in plans) or not isinstance(weight, paddle.Tensor):

@@ -12,7 +12,7 @@ split the same way, so each ring step is balanced too.
 What equal pieces cannot hand out goes to the groups as whole runs, largest work first: a segment's
 middle when its length is not a multiple of 2R, and segments shorter than 2R tokens (short
 documents stay on one rank). Each run is fewer than 2R tokens, so groups end within a few tokens
-and a small fraction of the work of their targets. On the rows shared/gpu measured, these groups' tiles are
+and a small fraction of the work of their targets. On the rows an H200 measured, these groups' tiles are
 what the H200 counted (tests/unit/test_tile_cost.py).
 """
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The layout of a packed batch: of a few candidate layouts, the one whose slowest rank a GPU would
 finish first, by the tile model (tile_cost.py), under a memory bound (no ring group above 1.05 x S/R
 tokens; S/R + 2R on rows of under 40R tokens per group). Numpy only:
-`ring_groups(position_in_document, document_id, R)` is the function shared/gpu/balance_gpu.py prices on a GPU (`--layout mine=paddle_cp/attention/packed_layout.py:ring_groups`).
+`ring_groups(position_in_document, document_id, R)` is the function a GPU measurement of layouts can price
+(`--layout mine=paddle_cp/attention/packed_layout.py:ring_groups`).
 
 Why candidates: on a flash kernel a rank pays for tiles, and cutting a short document into 2R pieces
-turns its tiles partial and multiplies them (shared/gpu/README.md), while a long document kept whole
-leaves its rank the slowest. Which wins depends on the batch's lengths, so each batch prices:
+turns its tiles partial and multiplies them (on an H200, short documents so cut ran 1.3-2.8x slower than
+2R chunks), while a long document kept whole leaves its rank the slowest. Which wins depends on the batch's lengths, so each batch prices:
 - `chunks`: 2R equal chunks, group r holding r and 2R-1-r (Paddle's layout; any batch);
 - `pairs`: equal query-key pairs per group (balance.py; every document in 2R pieces);
 - `whole`, `cut>L`, `uncut`: documents longer than L (`whole`: 2R tiles; `uncut`: none) cut into 2R tile-aligned pieces,

@@ -5,7 +5,7 @@ every group's key block once. A flash kernel with per-tile masks (Paddle's flash
 PyTorch's flex_attention) visits the (query tile, key tile) pairs of each step: an empty one (no
 query sees any key) is skipped, a full one (every query sees every key) needs no mask, a partial one
 costs about 1.5x a full one. Each step's keys are padded to a multiple of 128, so no tile straddles
-two steps (the measurement in shared/gpu/README.md did the same).
+two steps (the H200 measurement the model is fitted to did the same).
 
 Counted exactly: key j is seen by the queries at global positions j <= i < end[j] (causal, inside its
 document), which among a rank's sorted positions are one range of rows [lo_j, hi_j), where lo_j and
@@ -14,7 +14,7 @@ the lo's grow with the key, so its non-empty query tiles are the union of each k
 tiles, counted with a running maximum; the tile is full for query tile t when every key's rows cover
 all 128 of t's rows.
 
-Priced with the H200 fit of shared/gpu/h200-flex-tiles.json (flex_attention forward + backward of one
+Priced with a fit to an H200's timings (flex_attention forward + backward of one
 layer, bf16, 32 query / 8 key-value heads, head dim 128; median error 1.6% over 252 rank timings):
     ms = 0.00354 x partial tiles + 0.00236 x full tiles + 1.59 per rank.
 A rank of a hybrid group computes 1/U of the heads of its group's tiles; the fixed cost stays whole.

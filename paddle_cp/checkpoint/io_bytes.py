@@ -2,18 +2,18 @@
 `pcp-memory` and the tests report per rank (the data asked for, not the file system's pages)."""
 from __future__ import annotations
 
-_counts = {"read": 0, "written": 0}
+from ..runtime import state
 
 
 def count(kind, nbytes):
-    _counts[kind] += int(nbytes)
+    state.io_bytes[kind] += int(nbytes)
 
 
 def io_bytes():
-    """{"read": bytes, "written": bytes} since the last reset_io_bytes()."""
-    return dict(_counts)
+    """{"read": bytes, "written": bytes} since the last reset_io_bytes() (or runtime.reset())."""
+    return dict(state.io_bytes)
 
 
 def reset_io_bytes():
-    for kind in _counts:
-        _counts[kind] = 0
+    for kind in state.io_bytes:
+        state.io_bytes[kind] = 0

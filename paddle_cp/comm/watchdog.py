@@ -10,7 +10,6 @@ stream and the in-flight entry stays until the event has passed.
 from __future__ import annotations
 
 import faulthandler
-import itertools
 import math
 import os
 import sys
@@ -20,13 +19,11 @@ from contextlib import contextmanager
 
 import paddle
 
+from ..runtime import installed, state
+
 DEFAULT_TIMEOUT = 1800.0  # fits slow first steps (compilation, data loading) yet never waits forever
 ENV_VAR = "PCP_TIMEOUT"
 _POLL = 0.2
-
-_state = {"timeout": None, "thread": None}
-_in_flight = {}  # token -> (started, op, (group ranks, peers or None), completion event or None)
-_tokens = itertools.count()
 
 
 def _checked(seconds, source):
@@ -38,13 +35,13 @@ def _checked(seconds, source):
 
 def set_timeout(seconds):
     """Bound every paddle_cp collective on this rank to `seconds` (call it on every rank)."""
-    _state["timeout"] = _checked(seconds, "set_timeout(seconds)")
+    installed.collective_timeout = _checked(seconds, "set_timeout(seconds)")
 
 
 def get_timeout():
     """The timeout in seconds: set_timeout's, else the PCP_TIMEOUT environment variable, else the default."""
-    if _state["timeout"] is not None:
-        return _state["timeout"]
+    if installed.collective_timeout is not None:
+        return installed.collective_timeout
     raw = os.environ.get(ENV_VAR)
     if raw is None:
         return DEFAULT_TIMEOUT
@@ -60,8 +57,8 @@ def guard(op, ranks, peers=None):
     """Mark a collective `op` over the group of global `ranks` as in flight while the block runs;
     `peers`: the ranks it waits for (default: the others in the group)."""
     _ensure_thread()
-    token = next(_tokens)
-    _in_flight[token] = entry = (time.monotonic(), op, (tuple(ranks), peers), None)
+    token = next(installed.collective_tokens)
+    state.collectives_in_flight[token] = entry = (time.monotonic(), op, (tuple(ranks), peers), None)
     try:
         yield
     except Exception:
@@ -72,9 +69,9 @@ def guard(op, ranks, peers=None):
     finally:
         event = _completion_event()
         if event is None:
-            _in_flight.pop(token, None)
+            state.collectives_in_flight.pop(token, None)
         else:
-            _in_flight[token] = (*entry[:3], event)
+            state.collectives_in_flight[token] = (*entry[:3], event)
 
 
 @contextmanager
@@ -103,20 +100,20 @@ def _completion_event():
 
 
 def _ensure_thread():
-    if _state["thread"] is None:
+    if installed.watchdog is None:
         get_timeout()  # a bad PCP_TIMEOUT raises here, on every rank, before the first collective
-        thread = threading.Thread(target=_watch, name="paddle_cp-watchdog", daemon=True)
-        _state["thread"] = thread
-        thread.start()
+        installed.watchdog = threading.Thread(target=_watch, name="paddle_cp-watchdog", daemon=True)
+        installed.watchdog.start()
 
 
 def _watch():
     while True:
         time.sleep(_POLL)
         limit, now = get_timeout(), time.monotonic()
-        for key, (started, op, group, event) in list(_in_flight.items()):
+        in_flight = state.collectives_in_flight
+        for key, (started, op, group, event) in list(in_flight.items()):
             if event is not None and event.query():
-                _in_flight.pop(key, None)
+                in_flight.pop(key, None)
             elif now - started > limit:
                 _give_up(op, group, now - started, limit)
 

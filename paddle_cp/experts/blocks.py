@@ -15,6 +15,8 @@ from typing import Optional
 
 import paddle
 
+from ..runtime import installed
+
 
 @dataclass(frozen=True)
 class BlockKind:
@@ -24,15 +26,12 @@ class BlockKind:
     dense_weights: bool         # the experts call takes weights [T, E] (gpt-oss), else [T, k]
 
 
-_KINDS = []  # BlockKind, in registration order
-
-
 def register_block_kind(kind):
     """Recognize MoE blocks of `kind` (a BlockKind) from now on."""
     if not isinstance(kind, BlockKind):
         raise TypeError(f"register_block_kind takes a BlockKind, got {type(kind).__name__}")
-    if kind not in _KINDS:
-        _KINDS.append(kind)
+    if kind not in installed.block_kinds:
+        installed.block_kinds.append(kind)
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class MoEBlock:
 
 def _kind_of(layer):
     names = {cls.__name__ for cls in type(layer).__mro__}
-    return next((kind for kind in _KINDS if names & set(kind.classes)), None)
+    return next((kind for kind in installed.block_kinds if names & set(kind.classes)), None)
 
 
 def find_moe_block(layer) -> Optional[MoEBlock]:
@@ -75,7 +74,7 @@ def find_moe_block(layer) -> Optional[MoEBlock]:
 
 def known_blocks():
     """The class names recognized, for error messages."""
-    return [name for kind in _KINDS for name in kind.classes]
+    return [name for kind in installed.block_kinds for name in kind.classes]
 
 
 def check_block(name, block):

@@ -72,14 +72,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # holds the paddle_cp package: the ranks import it from here
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# absolute: the ranks run this file as a script
+from paddle_cp.tools.launcher import THREAD_VARS, gather, launch, median_time, progress
+
 TABLE = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
 EFFICIENCY_NOTE = ("efficiency compares T_single and T_rank, timed at different moments: on a machine other jobs load "
                    "it means little (kernel_util's two rates are timed together; balance, bytes_ratio, mem_ratio are "
@@ -153,72 +152,6 @@ def _degree(args, backend):
     return args.ulysses_degree if backend == "hybrid" else None
 
 
-PROGRESS = "[pcp-"  # how every tool's progress line starts, on either side of a launch
-
-
-def progress(message):
-    """A progress line, under the name of the tool running (the script a launched rank runs is the tool's)."""
-    print(f"{PROGRESS}{_tool_name()}] {message}", file=sys.stderr, flush=True)
-
-
-def _tool_name():
-    """'bench', 'selftest', 'bench-pp', 'memory-layouts': the running script, as its pcp-* command is spelt."""
-    stem = Path(sys.argv[0]).stem
-    return stem.removeprefix("pcp-") if stem.startswith("pcp-") else stem.replace("_", "-")
-
-
-# ---- the launcher side ------------------------------------------------------------
-
-def write_every_ranks_rows(result_file, rows):
-    """A rank's side of `launch` for a tool whose every rank reports: its rows beside the result file, then
-    rank 0 writes all of them, in rank order, as the result."""
-    import paddle.distributed as dist
-
-    Path(f"{result_file}.{dist.get_rank()}").write_text(json.dumps(rows))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        merged = [row for rank in range(dist.get_world_size())
-                  for row in json.loads(Path(f"{result_file}.{rank}").read_text())]
-        Path(result_file).write_text(json.dumps(merged))
-
-
-def launch(args, argv, script=__file__):
-    """Run `script` (this one by default) on args.nproc ranks; return rank 0's measurements."""
-    with tempfile.TemporaryDirectory(prefix="pcp_launch_") as tmp:
-        result, log_dir = Path(tmp) / "result.json", Path(tmp) / "log"
-        env = dict(os.environ, **{name: "1" for name in THREAD_VARS})
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(args.nproc),
-               "--log_dir", str(log_dir), str(Path(script).resolve()), *argv, "--result-file", str(result)]
-        progress(f"launching {args.nproc} CPU ranks")
-        with open(Path(tmp) / "launch.out", "w+") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-            _follow(proc, log_dir / "workerlog.0")
-            out.seek(0)
-            launcher_output = out.read()
-        if proc.returncode != 0 or not result.exists():
-            logs = "".join(f"\n----- {log.name}\n{log.read_text()[-3000:]}" for log in sorted(log_dir.glob("workerlog.*")))
-            sys.exit(f"pcp-{_tool_name()}: launch failed (exit {proc.returncode}){logs}\n{launcher_output[-2000:]}")
-        return json.loads(result.read_text())
-
-
-def _follow(proc, log):
-    """Echo rank 0's progress lines until the launch ends."""
-    seen = 0
-    while True:
-        running = proc.poll() is None
-        text = log.read_text(errors="replace") if log.exists() else ""
-        complete = text[:text.rfind("\n") + 1]
-        for line in complete[seen:].splitlines():
-            if line.startswith(PROGRESS):
-                print(line, file=sys.stderr, flush=True)
-        seen = len(complete)
-        if not running:
-            return
-        time.sleep(0.5)
-
-
 # ---- the rank side ----------------------------------------------------------------
 
 def run_ranks(args):
@@ -236,7 +169,7 @@ def run_ranks(args):
     pcp.shard_sequence(paddle.zeros([1, 2 * world]), mesh=mesh)  # create the sep groups before timing
 
     progress("timing the fp32 matmul on every rank")
-    rates = _gather(dist, [_matmul_rate(paddle, args)])
+    rates = gather([_matmul_rate(paddle, args)])
     runs = []
     for seq in args.seq:
         inputs = _inputs(paddle, args, seq)
@@ -244,7 +177,7 @@ def run_ranks(args):
             for split in _layouts(args):
                 progress(f"seq {seq}: {backend}{' ' + split if split else ''} on {world} ranks")
                 measured = _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs, split)
-                runs.append([seq, backend, split, _gather(dist, measured)])
+                runs.append([seq, backend, split, gather(measured)])
     return {"rates": rates, "runs": runs} if rank == 0 else None
 
 
@@ -285,31 +218,11 @@ def summarise_all(args, single, measured):
     return result
 
 
-def _gather(dist, values):
-    """Every rank's list of floats, as a list of lists (float64 keeps byte counts exact)."""
-    import paddle
-
-    gathered = []
-    dist.all_gather(gathered, paddle.to_tensor(values, dtype="float64"))
-    return [g.numpy().tolist() for g in gathered]
-
-
-def _median_time(step, iters, warmup, before=lambda: None):
-    times = []
-    for i in range(warmup + iters):
-        before()
-        start = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _matmul_rate(paddle, args):
     a = paddle.randn([args.batch * args.heads, MATMUL_BLOCK, args.head_dim])
     b = paddle.randn([args.batch * args.heads, args.head_dim, MATMUL_BLOCK])
     flops = 2 * a.shape[0] * MATMUL_BLOCK * MATMUL_BLOCK * args.head_dim
-    seconds = _median_time(lambda: paddle.matmul(a, b), iters=20, warmup=3)
+    seconds = median_time(lambda: paddle.matmul(a, b), iters=20, warmup=3)
     return flops / seconds
 
 
@@ -368,8 +281,8 @@ def _single(paddle, args, inputs):
         return local_attention(q, k, v, args.causal, args.head_dim ** -0.5, mask=mask)
 
     q, k, v, dout = inputs
-    t_sdpa = _median_time(lambda: _fwd_bwd(paddle, sdpa, *inputs), args.iters, args.warmup)
-    t_blockwise = _median_time(lambda: _fwd_bwd(paddle, blockwise, *inputs), args.iters, args.warmup)
+    t_sdpa = median_time(lambda: _fwd_bwd(paddle, sdpa, *inputs), args.iters, args.warmup)
+    t_blockwise = median_time(lambda: _fwd_bwd(paddle, blockwise, *inputs), args.iters, args.warmup)
     peak, held = _memory(paddle, blockwise, *inputs)
     return {"t_sdpa": t_sdpa, "t_blockwise": t_blockwise, "peak": peak, "held": held}
 
@@ -384,7 +297,7 @@ def _context_parallel(paddle, dist, pcp, mesh, args, backend, inputs, split=None
     sent = sum(pcp.bytes_sent().values())
     clock = _KernelClock()
     with clock:
-        seconds = _median_time(lambda: _fwd_bwd(paddle, attention, *shards), args.iters, args.warmup,
+        seconds = median_time(lambda: _fwd_bwd(paddle, attention, *shards), args.iters, args.warmup,
                                lambda: clock.lap() or dist.barrier())
     dist.barrier()
     peak, held = _memory(paddle, attention, *shards)
@@ -657,7 +570,7 @@ def main(argv=None):
     if "PADDLE_TRAINER_ID" not in os.environ:
         os.environ.update({name: "1" for name in THREAD_VARS})  # one thread, like each rank (before paddle loads)
         single = measure_single(args)
-        finish(summarise_all(args, single, launch(args, argv)), args)
+        finish(summarise_all(args, single, launch(args, argv, script=__file__)), args)
         return
     measured = run_ranks(args)
     if measured is None:

@@ -36,7 +36,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by the launch: import the package from its root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from paddle_cp.tools import bench  # noqa: E402
+from paddle_cp.tools.launcher import THREAD_VARS, gather, launch, median_time, progress  # noqa: E402
 
 TABLE = ("efficiency", "bytes_per_rank", "bytes_min", "bytes_ratio")
 RULE_MODULE = "paddleformers.transformers.qwen3_next.modeling"
@@ -158,9 +158,9 @@ def measure_single(args):
     layer = gated_delta_layer(args)
     times = {}
     for seq in args.seq:
-        bench.progress(f"seq {seq}: one process")
+        progress(f"seq {seq}: one process")
         x, dout = _inputs(paddle, args, seq)
-        times[seq] = bench._median_time(lambda: _fwd_bwd(paddle, layer, x, dout), args.iters, args.warmup)
+        times[seq] = median_time(lambda: _fwd_bwd(paddle, layer, x, dout), args.iters, args.warmup)
     return times
 
 
@@ -183,18 +183,18 @@ def run_ranks(args):
         plan = {"": prepare, "gdn": pcp.ContextParallel(backend)}
         pcp.parallelize(layer, None, mesh, {"cp_config": {"parallelize_plan": plan}})
         for seq in args.seq:
-            bench.progress(f"seq {seq}: {backend} on {world} ranks")
+            progress(f"seq {seq}: {backend} on {world} ranks")
             x, dout = _inputs(paddle, args, seq)
             dout = pcp.shard_sequence(dout, backend=prepare, mesh=mesh)
             pcp.reset_counters()
             _fwd_bwd(paddle, layer, x, dout)
             sent = pcp.bytes_sent()
             sent.pop(same_batch.TAG, None)  # PrepareContextParallel's inputs check, not the layer's mixing
-            seconds = bench._median_time(lambda: _fwd_bwd(paddle, layer, x, dout), args.iters, args.warmup,
+            seconds = median_time(lambda: _fwd_bwd(paddle, layer, x, dout), args.iters, args.warmup,
                                          dist.barrier)
             tags = ("state_passing", "ulysses", "sequence_halo")
             measured = [seconds, sum(sent.values()), *(sent.get(tag, 0) for tag in tags)]
-            runs.append([seq, backend, bench._gather(dist, measured)])
+            runs.append([seq, backend, gather(measured)])
     return {"runs": runs} if dist.get_rank() == 0 else None
 
 
@@ -251,11 +251,11 @@ def main(argv=None):
         if measured is not None:
             Path(args.result_file).write_text(json.dumps(measured))
         return
-    os.environ.update({name: "1" for name in bench.THREAD_VARS})  # one thread, like each rank
+    os.environ.update({name: "1" for name in THREAD_VARS})  # one thread, like each rank
     single = measure_single(args)
     cases = []
     for world in args.nproc:  # the ranks read their world size from the launch
-        measured = bench.launch(argparse.Namespace(nproc=world), argv, script=__file__)
+        measured = launch(argparse.Namespace(nproc=world), argv, script=__file__)
         cases += [summarise(args, world, seq, backend, single[seq], per_rank)
                   for seq, backend, per_rank in measured["runs"]]
     result = {"config": {k: getattr(args, k) for k in ("batch", "hidden", "heads", "head_dim", "kernel", "iters")},

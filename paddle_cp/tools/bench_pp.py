@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from paddle_cp.tools.bench import launch, progress  # absolute: the ranks run this file as a script
+from paddle_cp.tools.launcher import launch, progress  # absolute: the ranks run this file as a script
 from paddle_cp.tools.text import show
 
 SCHEDULES = ("FThenB", "1F1B", "VPP")

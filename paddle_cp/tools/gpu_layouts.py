@@ -1,7 +1,7 @@
 """A packed batch's layouts priced for a GPU by the tile model (attention/tile_cost.py): the one
 paddle_cp chooses (attention/packed_layout.py) beside 2R chunks and the whole-document layout.
 Model figures, no GPU runs: predicted ms of the slowest rank (forward + backward of one attention
-layer on an H200, the fit of shared/gpu/h200-flex-tiles.json), its tiles, tokens per rank, kernel calls
+layer on an H200, tile_cost's fit), its tiles, tokens per rank, kernel calls
 and the host time the choice takes.
 
 Kernel calls: one per ring step whose key block holds a tile the rank's queries see, per direction

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import time
 
+from paddle_cp.comm.counters import nbytes
+
 MIB = 2 ** 20
 
 
@@ -24,7 +26,7 @@ def share_bytes(model, optimizer=None):
 
         tensors += [t for per_param in inner_optimizer(optimizer)._accumulators.values() for t in per_param.values()]
     unique = {id(t): t for t in tensors}  # a tied weight once
-    return sum(math.prod(t.shape) * t.element_size() for t in unique.values() if t._is_initialized())
+    return sum(nbytes(t) for t in unique.values() if t._is_initialized())
 
 
 def largest_parameter_bytes(model):

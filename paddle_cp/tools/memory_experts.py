@@ -22,7 +22,7 @@ import os
 import sys
 
 from paddle_cp.tools.allocator import allocated, peak, reset_peak
-from paddle_cp.tools.bench import launch, progress, write_every_ranks_rows
+from paddle_cp.tools.launcher import launch, progress, write_every_ranks_rows
 from paddle_cp.tools.text import ruled_table, show
 
 CONFIGS = ("ep", "ep+level3", "level3", "replicated")

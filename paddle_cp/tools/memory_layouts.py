@@ -82,7 +82,7 @@ def run_ranks(args):
     import paddle
     import paddle.distributed as dist
 
-    from paddle_cp.tools.bench import progress
+    from paddle_cp.tools.launcher import progress
     from paddle_cp.tools.memory import max_over_ranks
 
     paddle.set_device("cpu")
@@ -111,7 +111,7 @@ def with_estimates(args, rows):
 
 
 def collect(args, argv):
-    from paddle_cp.tools.bench import launch
+    from paddle_cp.tools.launcher import launch
 
     rows = launch(argparse.Namespace(nproc=layouts(args)[0].devices), argv, script=_memory_script())
     return {"config": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},

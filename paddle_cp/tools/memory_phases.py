@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 
-from paddle_cp.tools.bench import launch, write_every_ranks_rows
+from paddle_cp.tools.launcher import launch, write_every_ranks_rows
 from paddle_cp.tools.io_phases import MIB, bound
 from paddle_cp.tools.text import ruled_table, show
 

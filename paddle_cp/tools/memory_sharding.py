@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from paddle_cp.tools.bench import launch, progress
+from paddle_cp.tools.launcher import launch, progress
 from paddle_cp.tools.io_phases import MIB
 from paddle_cp.tools.text import ruled_table, show
 

@@ -77,8 +77,3 @@ def rank_work(layout, position_ids):
     seq_len = per_position.shape[0]
     return [float(per_position[layout.group_positions(seq_len, index // layout.ulysses)].sum()) / layout.ulysses
             for index in range(layout.world)]
-
-
-def imbalance(work):
-    """Slowest rank over the mean (1.0: balanced)."""
-    return max(work) / (sum(work) / len(work))

@@ -49,7 +49,7 @@ class Layout:
     """Degrees, outermost first: pipeline, data, ring, Ulysses, tensor (tensor innermost: fastest links).
 
     micro: micro-batches per step (the pipeline's accumulate_steps); vpp: model chunks per pipeline rank
-    (interleaved 1F1B); ep: expert-parallel degree, folded onto the dp x sep ranks (issue 25's ep_config);
+    (interleaved 1F1B); ep: expert-parallel degree, folded onto the dp x sep ranks (ep_config);
     sharding: dp_config's level, over `shard_dims`; recompute: "none", "full" (whole layers) or selective
     modules joined by "+" ("core_attn+mlp"); loss_chunk: tokens per chunk of a chunked lm_head + loss
     (0: the whole sequence at once); mlp_tile: tokens per tile of SequenceTiled MLPs (0: untiled); offload:

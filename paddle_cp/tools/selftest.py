@@ -439,7 +439,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" not in os.environ:  # start the ranks (bench's launcher: one per GPU when there are)
-        from paddle_cp.tools.bench import launch
+        from paddle_cp.tools.launcher import launch
 
         result = launch(args, argv, script=__file__)
     else:

@@ -1,24 +1,20 @@
 """pcp-bench (paddle_cp/tools/bench.py) run for real on CPU ranks, and the planner checked against what it measures."""
 import json
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from launcher import run_tool
 
 from paddle_cp.tools import attention_cost
 
-ROOT = Path(__file__).resolve().parents[2]
 METRICS = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
 
 
 def _bench(tmp_path_factory, *flags):
     out = tmp_path_factory.mktemp("bench") / "out.json"
     cmd = [sys.executable, "-m", "paddle_cp.tools.bench", "--iters", "1", "--warmup", "1", "--json", str(out), *flags]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_tool(cmd, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[pcp-bench] seq" in proc.stderr  # progress is shown while it runs
     return json.loads(out.read_text())

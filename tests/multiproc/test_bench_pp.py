@@ -1,14 +1,10 @@
 """pcp-bench-pp (paddle_cp/tools/bench_pp.py) run for real on 2 CPU ranks: stage-to-stage bytes are
 exactly the formula's, bubbles are fractions next to their formula, every stage reports its memory."""
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from launcher import run_tool
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +12,7 @@ def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_pp") / "out.json"
     cmd = [sys.executable, "-m", "paddle_cp.tools.bench_pp", "--nproc", "2", "--micro", "2", "4", "--steps", "1",
            "--layers", "4", "--hidden", "32", "--seq", "8", "--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = run_tool(cmd, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text())
 

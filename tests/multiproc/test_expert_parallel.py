@@ -4,22 +4,18 @@ experts, a pipeline, recomputation and LazyGuard; each rank holds only its range
 bad configs fail alike on every rank before any collective. One launch of 4 ranks.
 """
 import json
-import os
 import struct
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from launcher import WORKERS, launch_once
+from launcher import WORKERS, launch_once, run_tool
 
 from paddle_cp.tools.io_phases import bound
 
 pytest.importorskip("paddleformers")
 
 TOL = 1e-5
-ROOT = Path(__file__).resolve().parents[2]
 RUNS = ("qwen3_moe:dp2xsep2", "deepseek_v3:dp2xsep2", "gpt_oss:dp2xsep2",
         "qwen3_moe:sep4", "deepseek_v3:sep4", "gpt_oss:sep4",
         "qwen3_moe:dp4", "deepseek_v3:dp4", "gpt_oss:dp4",
@@ -172,8 +168,7 @@ def test_pcp_memory_experts_sets_expert_parallel_beside_level_3(tmp_path):
     out = tmp_path / "experts.json"
     cmd = [sys.executable, "-m", "paddle_cp.tools.memory", "--experts", "--dims", "dp=2", "sep=2", "--hidden", "64",
            "--expert-intermediate", "64", "--layers", "1", "--seq", "32", "--vocab", "256", "--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = run_tool(cmd, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())["summary"]
     ep, level3, replicated = summary["ep"], summary["level3"], summary["replicated"]

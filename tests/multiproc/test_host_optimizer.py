@@ -1,4 +1,4 @@
-"""dp_config offload_optimizer (issue 35 part 3): the optimizer state on the host, each stepped parameter stepped
+"""dp_config offload_optimizer: the optimizer state on the host, each stepped parameter stepped
 there by Paddle's own optimizer code, on PaddleFormers' Llama, dp2 x sep2 (ring), one 4-rank launch
 (tests/workers/host_optimizer.py) against one card without offload."""
 import pytest

@@ -4,12 +4,11 @@ fleet.utils.recompute around each attention, reentrant and not) and PaddleFormer
 and the memory benchmark run small."""
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launcher import launch
+from launcher import launch, run_tool
 from test_context_parallel import assert_close
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
@@ -56,7 +55,7 @@ def test_memory_benchmark_splits_activations_and_fits_longer_sequences(tmp_path)
     cmd = [sys.executable, str(TOOLS / "bench_memory.py"), "--nproc", "1", "2", "--seq", "128", "--variants", "plain",
            "recompute+chunked", "--fit-variants", "plain", "--budget-mib", "3", "--granularity", "32", *small_model,
            "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = run_tool(cmd, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     cases = {(c["nproc"], c["variant"]): c for c in result["cases"]}
@@ -109,7 +108,7 @@ def test_memory_sharding_reports_a_quarter_per_rank_over_dp_x_sep(tmp_path):
     cmd = [sys.executable, str(TOOLS / "bench_memory.py"), "--sharding", "--meshes", "dp2xsep2", "--levels", "3",
            "--seq", "64", "--hidden", "64", "--layers", "4", "--intermediate", "128", "--vocab", "256",
            "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = run_tool(cmd, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cases = {(c["sharded_over"], c["level"]): c for c in json.loads(out.read_text())["cases"]}
     assert set(cases) == {("-", 0), ("dp x sep", 3), ("dp", 3)}

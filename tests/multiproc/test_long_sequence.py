@@ -1,17 +1,24 @@
 """SequenceTiled MLPs and OffloadRecomputeInputs on PaddleFormers' Llama train like one card with neither (3 AdamW
 steps, fp32, 1e-5 on losses, first-step gradients and parameters; full_state_dict under pipelines and sharding), on
 ring, Ulysses and hybrid, without and with recomputation, under a pipeline and at sharding levels 1-3; bad settings
-fail on every rank."""
+fail on every rank. One launch per world size: 2 ranks for the backends and the level-3 case, 4 for the backends
+and the composed layouts."""
 import pytest
-from launcher import launch
+from launcher import launch_once
 from test_context_parallel import assert_close
 from test_long_context import needs_paddleformers
+
+GROUPS = {2: ("sep", "level3"), 4: ("sep", "composed")}  # the worker's groups, by world size
+
+
+def _reports(world):
+    return launch_once("long_sequence_parity.py", world, *GROUPS[world])
 
 
 @needs_paddleformers
 @pytest.mark.parametrize("world", [2, 4])
 def test_tiled_and_offloaded_llama_trains_like_one_card_on_every_backend(world):
-    reports = launch("long_sequence_parity.py", world, "sep")
+    reports = _reports(world)
     assert_close(reports)
     runs = reports[0]["values"]["runs"]
     assert {run.split(".")[0] for run in runs} == ({"p2p", "all2all", "hybrid"} if world == 4 else {"p2p", "all2all"})
@@ -24,7 +31,7 @@ def test_tiled_and_offloaded_llama_trains_like_one_card_on_every_backend(world):
             # per step (3), the first MLP's forward runs every tile and its backward replays each; under full
             # recomputation the layer's first forward records no graph, so the MLP runs once, whole
             recompute = ".recompute" in run
-            calls = 2 if run.endswith("offload_only") else (3 if ".recompute" in run else 2) * tiles
+            calls = 2 if run.endswith("offload_only") else (3 if recompute else 2) * tiles
             assert values[f"{run}.mlp_calls"] == 3 * calls, (run, values[f"{run}.mlp_calls"])
             if ".offload" in run:  # 2 layers x (hidden states, cos, sin) per step, each back once; none left
                 moved = values[f"{run}.offload"]
@@ -44,7 +51,7 @@ def test_tiled_and_offloaded_llama_trains_like_one_card_on_every_backend(world):
 
 @needs_paddleformers
 def test_tiled_and_offloaded_llama_under_pipeline_recompute_and_sharding_levels():
-    reports = launch("long_sequence_parity.py", 4, "composed")
+    reports = _reports(4)
     assert_close(reports)
     keys = set(reports[0]["max_abs"])
     for name in ("pp2_sep2_recompute_reentrant_offload", "pp2_sep2_recompute_plain", "dp2_sep2_l1", "dp2_sep2_l2",
@@ -62,7 +69,7 @@ def test_tiled_and_offloaded_llama_under_pipeline_recompute_and_sharding_levels(
 def test_tiled_mlp_at_sharding_level_3_fetches_its_weights_once_per_pass_at_uneven_lengths():
     """65 tokens over a ring of 2 leave the ranks 33 and 32 tokens (x2 sequences), so 17 and 16 tiles of 4: the
     level-3 fetches (broadcasts over sep) must not follow the tiles, or the ranks' broadcasts fall out of step."""
-    reports = launch("long_sequence_parity.py", 2, "level3")
+    reports = _reports(2)
     assert_close(reports)
     rows = sorted(report["values"]["l3.plain.local_rows"] for report in reports)
     assert rows == [64, 66], rows

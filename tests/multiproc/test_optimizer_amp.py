@@ -1,4 +1,4 @@
-"""The optimizer and AMP calls Paddle's parallel-API scripts make (issue 18 items 6-7), on a
+"""The optimizer and AMP calls Paddle's parallel-API scripts make, on a
 PaddleFormers Llama, vs one card: one 4-rank launch (tests/workers/optimizer_amp.py)."""
 import pytest
 from launcher import launch_once

@@ -26,13 +26,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from launcher import EXAMPLES, ROOT, WORKERS, launch_logged
+from launcher import EXAMPLES, ROOT, WORKERS, launch_logged, run_tool
 
 TOLERANCE = 1e-5
 STEPS = 4
@@ -127,8 +126,8 @@ def results():
 
 def run_all(tmp):
     """{logged: {run: {step: loss}}, weights: {run: {name: array}}, work: each rank's records,
-    refusals: each rank's errors, refused_wrote: {name: whether its output_dir exists}, timings}."""
-    timings = {}
+    refusals: each rank's errors, refused_wrote: {name: whether its output_dir exists}, spawned: pcp-train's own
+    launch ({"world_size": what rank 0 logged, "logs": its workerlog files})}."""
     build = f"import sft_cli_inputs; sft_cli_inputs.build({str(tmp)!r}, samples=24, answer_bytes=40)"
     subprocess.run([sys.executable, "-c", build], env=_env(tmp / "unused"), check=True, capture_output=True)
     config = tmp / "sft.yaml"
@@ -138,38 +137,35 @@ def run_all(tmp):
     def argv(name, overrides):
         return [str(config), f"output_dir={tmp / name}", *overrides]
 
-    started = time.time()
     reference = subprocess.run(
         [sys.executable, str(WORKERS / "sft_cli_reference.py"),
          json.dumps({name: argv(name, overrides) for name, overrides in REFERENCES.items()})],
         env=_env(tmp / "unused"), capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stderr[-4000:]
     logged = runs_in_log(reference.stderr)
-    timings["reference"] = time.time() - started
 
     # pcp-train as a user starts it: its own launch, CPU ranks = the parallel sizes' product (2)
-    started = time.time()
-    spawned = subprocess.run([sys.executable, "-m", "paddle_cp.train", *argv("ring2", ["context_parallel_size=2",
-                                                                                        "save_steps=2"])],
-                             env=_env(tmp / "ring2_log"), capture_output=True, text=True, timeout=600, cwd=tmp)
+    spawned = run_tool([sys.executable, "-m", "paddle_cp.train", *argv("ring2", ["context_parallel_size=2",
+                                                                                 "save_steps=2"])],
+                       timeout=600, fresh=[tmp / "ring2", tmp / "ring2_log"], cwd=tmp, OMP_NUM_THREADS="1",
+                       PADDLEFORMERS_DIST_LOG=str(tmp / "ring2_log"))
     worker_log = (tmp / "ring2_log" / "workerlog.0").read_text() if (tmp / "ring2_log").exists() else ""
     assert spawned.returncode == 0, spawned.stdout[-3000:] + spawned.stderr[-3000:] + worker_log[-4000:]
     logged["ring2"] = runs_in_log("PCP_RUN ring2\n" + worker_log)["ring2"]
-    assert "world_size: 2" in worker_log and (tmp / "ring2_log" / "workerlog.1").exists()  # its own 2 ranks
-    timings["pcp-train ring2 (2 ranks)"] = time.time() - started
+    world_size = re.search(r"\bworld_size: (\d+)", worker_log)
+    own_launch = {"world_size": world_size and int(world_size.group(1)),
+                  "logs": sorted(p.name for p in (tmp / "ring2_log").glob("workerlog.*"))}
 
     # resume: a fresh output_dir holding the step-2 checkpoint, found by run_sft as it finds its own
     shutil.copytree(tmp / "ring2" / "checkpoint-2", tmp / "resume_ring2_ulysses2" / "checkpoint-2")
     spec = {"runs": {name: argv(name, overrides) for name, (overrides, _, _) in LAUNCH_RUNS.items()},
             "refused": {name: argv(f"refused_{name}", overrides) for name, overrides in REFUSED.items()}}
-    started = time.time()
     reports, logs = launch_logged("sft_cli_runs.py", 4, json.dumps(spec))
-    timings["4-rank launch"] = time.time() - started
     for report in reports:
         assert "crash" not in report["values"], report["values"]["crash"]
     logged.update(runs_in_log(logs["workerlog.0"]))
     refusals = [report["errors"] for report in reports]
-    return dict(logged=logged, timings=timings, refusals=refusals, work=[r["values"] for r in reports],
+    return dict(logged=logged, spawned=own_launch, refusals=refusals, work=[r["values"] for r in reports],
                 refused_wrote={name: (tmp / f"refused_{name}").exists() for name in REFUSED},
                 weights={name: saved_weights(tmp / name) for name in [*REFERENCES, "ring2", *LAUNCH_RUNS]})
 
@@ -226,5 +222,6 @@ def test_refused_on_every_rank_before_training(results, name):
     assert not results["refused_wrote"][name]  # nothing trained, nothing written
 
 
-def test_timings(results):
-    print({name: round(seconds, 1) for name, seconds in results["timings"].items()})
+def test_pcp_train_starts_its_own_launch_on_the_parallel_sizes_product(results):
+    """`python -m paddle_cp.train` outside a launch starts one: CPU ranks = the parallel sizes' product (2)."""
+    assert results["spawned"] == {"world_size": 2, "logs": ["workerlog.0", "workerlog.1"]}, results["spawned"]

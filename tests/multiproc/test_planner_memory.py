@@ -5,11 +5,11 @@ beside ring attention, run with the config pcp-plan writes. Then the long-sequen
 ranks with a model where it shows: SequenceTiled MLPs (what they take off the peak) and OffloadRecomputeInputs (what
 leaves the device, what the host holds)."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launcher import run_tool
 from test_long_context import PEAK_FACTOR, needs_paddleformers
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
@@ -20,7 +20,7 @@ def _layouts(tmp_path, layouts, seq, model):
     out = tmp_path / "layouts.json"
     cmd = [sys.executable, str(TOOLS / "bench_memory.py"), "--layouts", *layouts, "--seq", str(seq), *model,
            "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = run_tool(cmd, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {row["layout"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == set(layouts)

@@ -6,16 +6,12 @@ the failed checks. A fault on one rank only (tests/workers/selftest_one_rank_fau
 ends with exit 1 without waiting out a collective timeout. Real flash kernels, NCCL and GPU bandwidth run on a GPU
 only (docs/tools.md)."""
 import json
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from launcher import launch_failing
+from launcher import launch_failing, run_tool
 
-ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ("--nproc", "4", "--seq", "96", "--iters", "2")
 GLOO_TIMEOUT_S = 25  # gloo gives up after 30 s (PADDLE_API.md)
 
@@ -24,8 +20,7 @@ GLOO_TIMEOUT_S = 25  # gloo gives up after 30 s (PADDLE_API.md)
 def passed(tmp_path_factory):
     out = tmp_path_factory.mktemp("selftest") / "out.json"
     cmd = [sys.executable, "-m", "paddle_cp.tools.selftest", *FLAGS, "--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_tool(cmd, timeout=300)
     return proc, json.loads(out.read_text()) if out.exists() else None
 
 

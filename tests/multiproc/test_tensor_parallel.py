@@ -1,27 +1,30 @@
 """Tensor, sequence, context and data parallel (sharding 0-3) on PaddleFormers models (and a small
 model for the remaining plan variants) vs one card.
 
-Two 4-rank launches (tests/workers/tensor_parallel.py), each training several
-meshes/configs; the single-card reference is computed in the same worker.
+One 4-rank launch (tests/workers/tensor_parallel.py) trains every mesh/config of both groups, hybrid
+meshes then sharding levels; the single-card reference is computed in the same worker.
 """
 import pytest
-from launcher import launch
+from launcher import launch_once
 
 from paddle_cp.api.parity import TRUTH_FACTOR
 
 TOLERANCE = 1e-5
 
 
+def _both_groups():
+    pytest.importorskip("paddleformers")
+    return launch_once("tensor_parallel.py", 4, "hybrid", "sharding")
+
+
 @pytest.fixture(scope="module")
 def hybrid():
-    pytest.importorskip("paddleformers")
-    return launch("tensor_parallel.py", 4, "hybrid")
+    return _both_groups()
 
 
 @pytest.fixture(scope="module")
 def sharding():
-    pytest.importorskip("paddleformers")
-    return launch("tensor_parallel.py", 4, "sharding")
+    return _both_groups()
 
 
 def _check_parity(reports, run):

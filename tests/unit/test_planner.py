@@ -1,4 +1,4 @@
-"""pcp-plan on real sizes: the three cases of issue 26 fit, with configs that load; sharding over dp x sep,
+"""pcp-plan on real sizes: the three large cases (70B at 128K and 8B at 1M on 64 GPUs, 8B at 128K on 8) fit, with configs that load; sharding over dp x sep,
 recomputation, chunked loss, experts and layout names, each against its arithmetic."""
 import json
 import math

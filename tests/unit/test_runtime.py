@@ -73,3 +73,23 @@ def test_reset_keeps_process_groups_and_refuses_while_a_save_is_written():
         runtime.installed.groups.pop("probe")
         runtime.state.pending_save = None
         runtime.reset()
+
+
+def test_reset_forgets_io_bytes_and_keeps_registrations_and_the_timeout():
+    """Checkpoint I/O bytes are records (reset forgets them); the MoE block kinds and fused-weight rules model
+    libraries registered, and the collective timeout the script set, stay."""
+    from paddle_cp.checkpoint.io_bytes import count, io_bytes
+    from paddle_cp.comm import watchdog
+    from paddle_cp.experts.blocks import known_blocks
+
+    blocks, rules = known_blocks(), list(runtime.installed.fused_weight_rules)
+    previous = runtime.installed.collective_timeout
+    try:
+        count("read", 12)
+        pcp.set_timeout(7)
+        assert io_bytes() == {"read": 12, "written": 0}
+        runtime.reset()
+        assert io_bytes() == {"read": 0, "written": 0} and watchdog.get_timeout() == 7.0
+        assert known_blocks() == blocks and runtime.installed.fused_weight_rules == rules
+    finally:
+        runtime.installed.collective_timeout = previous

@@ -13,7 +13,7 @@ import paddle.distributed as dist
 
 from launcher import ROOT
 from paddle_cp import mesh as mesh_lib
-from paddle_cp.comm import watchdog
+from paddle_cp import runtime
 
 
 def _free_ports(n):
@@ -73,7 +73,7 @@ def test_group_creation_runs_under_the_watchdog(monkeypatch):
 
     def record(op):
         def call(*args, **kwargs):
-            seen.append((op, [entry[1:3] for entry in watchdog._in_flight.values()]))
+            seen.append((op, [entry[1:3] for entry in runtime.state.collectives_in_flight.values()]))
         return call
 
     monkeypatch.setattr(dist, "get_world_size", lambda: 4)
@@ -82,4 +82,4 @@ def test_group_creation_runs_under_the_watchdog(monkeypatch):
     mesh_lib._new_group((0, 1))
     assert seen == [("new_group", [("new_group", ((0, 1), None))]),
                     ("barrier", [("new_group_barrier", ((0, 1, 2, 3), None))])]
-    assert not watchdog._in_flight
+    assert not runtime.state.collectives_in_flight

@@ -9,6 +9,7 @@ import pytest
 from launcher import ROOT
 
 import paddle_cp as pcp
+from paddle_cp import runtime
 from paddle_cp.comm import watchdog
 
 
@@ -22,7 +23,7 @@ def test_timeout_environment_variable_is_checked(monkeypatch, value):
 def test_timeout_from_environment_or_set_timeout(monkeypatch):
     from paddle_cp.comm import watchdog
 
-    monkeypatch.setitem(watchdog._state, "timeout", None)
+    monkeypatch.setattr(runtime.installed, "collective_timeout", None)
     monkeypatch.delenv("PCP_TIMEOUT", raising=False)
     assert pcp.get_timeout() == watchdog.DEFAULT_TIMEOUT
     monkeypatch.setenv("PCP_TIMEOUT", "12.5")
@@ -33,8 +34,8 @@ def test_timeout_from_environment_or_set_timeout(monkeypatch):
 
 def test_guard_leaves_nothing_in_flight():
     with watchdog.guard("unit_op", (0, 1)):
-        assert len(watchdog._in_flight) == 1
-    assert not watchdog._in_flight
+        assert len(runtime.state.collectives_in_flight) == 1
+    assert not runtime.state.collectives_in_flight
 
 
 def test_an_operation_past_the_timeout_ends_the_process_naming_it():
@@ -63,4 +64,4 @@ def test_a_collective_the_backend_fails_is_named_and_the_error_kept(capsys):
     err = capsys.readouterr().err
     assert re.search(r"paddle_cp: rank 0 failed after \d+\.\d s in collective 'pp_recv' over group \[0, 2\] "
                      r"waiting for ranks \[2\]", err), err
-    assert not watchdog._in_flight
+    assert not runtime.state.collectives_in_flight

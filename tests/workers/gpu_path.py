@@ -7,7 +7,6 @@ through the blockwise kernel on the same inputs, both also against fp32 SDPA, wi
 overlap and misuse checks of the async emulation; `bf16` measures the error of a bf16 ring
 (flash path) against fp32 attention for the error-vs-N table.
 """
-import faulthandler
 import sys
 
 import emulated_async
@@ -281,5 +280,4 @@ def main(report):
         measure_bf16(report, mesh)
 
 
-faulthandler.enable()  # a crash in Paddle's C++ shows where it happened in the worker log
 run(main)

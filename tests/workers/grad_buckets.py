@@ -226,23 +226,28 @@ def allocator_peak(report, level):
     report.value(f"alloc_l{level}.grads", sum(p.numel().item() * 4 for p in model.parameters() if not p.stop_gradient))
 
 
+def llama_group(report):
+    want = one_card()
+    layout(report, "dp2xmp2_l0", [("dp", 2), ("mp", 2)], 0, want)
+    layout(report, "dp2xmp2_l2", [("dp", 2), ("mp", 2)], 2, want)
+    layout(report, "dp2xmp2_l3", [("dp", 2), ("mp", 2)], 3, want)
+    layout(report, "sep2xdp2_l1", [("dp", 2), ("sep", 2)], 1, want)
+    layout(report, "sep2xdp2_l2", [("dp", 2), ("sep", 2)], 2, want)
+    layout(report, "pp2xdp2_l0", [("pp", 2), ("dp", 2)], 0, want)
+
+
+def mlp_group(report):
+    allocator_peak(report, 1)
+    allocator_peak(report, 2)
+    mlp_case(report, "passes_change_l0", [1, 1, 2, 1, 3], 0)
+    mlp_case(report, "passes_change_l2", [1, 1, 2, 1, 3], 2)
+    mlp_case(report, "branch_l0", [1, 1, 1, 1, 1], 0, branch=True)
+    mlp_case(report, "branch_l2", [1, 1, 1, 1, 1], 2, branch=True)
+
+
 def main(report):
-    group = sys.argv[1]
-    if group == "llama":
-        want = one_card()
-        layout(report, "dp2xmp2_l0", [("dp", 2), ("mp", 2)], 0, want)
-        layout(report, "dp2xmp2_l2", [("dp", 2), ("mp", 2)], 2, want)
-        layout(report, "dp2xmp2_l3", [("dp", 2), ("mp", 2)], 3, want)
-        layout(report, "sep2xdp2_l1", [("dp", 2), ("sep", 2)], 1, want)
-        layout(report, "sep2xdp2_l2", [("dp", 2), ("sep", 2)], 2, want)
-        layout(report, "pp2xdp2_l0", [("pp", 2), ("dp", 2)], 0, want)
-    else:
-        allocator_peak(report, 1)
-        allocator_peak(report, 2)
-        mlp_case(report, "passes_change_l0", [1, 1, 2, 1, 3], 0)
-        mlp_case(report, "passes_change_l2", [1, 1, 2, 1, 3], 2)
-        mlp_case(report, "branch_l0", [1, 1, 1, 1, 1], 0, branch=True)
-        mlp_case(report, "branch_l2", [1, 1, 1, 1, 1], 2, branch=True)
+    for group in sys.argv[1:]:
+        {"llama": llama_group, "mlp": mlp_group}[group](report)
 
 
 if __name__ == "__main__":

@@ -114,10 +114,12 @@ def train_counting(group, dims, config):
 
 
 def main(report):
-    for name, (dims, config) in layouts()[sys.argv[1]].items():
-        losses, counts = train_counting(sys.argv[1], dims, config)
-        report.value(f"{name}.losses", losses)
-        report.value(f"{name}.counts", counts.as_dict())
+    for group in sys.argv[1:]:  # each a group of layouts()
+        report.value(f"{group}.layouts", sorted(layouts()[group]))
+        for name, (dims, config) in layouts()[group].items():
+            losses, counts = train_counting(group, dims, config)
+            report.value(f"{name}.losses", losses)
+            report.value(f"{name}.counts", counts.as_dict())
 
 
 run(main)

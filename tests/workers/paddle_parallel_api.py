@@ -486,12 +486,13 @@ for _world in WORLDS:
 
 def main(report):
     dist.init_parallel_env()
-    for name, settings in RUNS[sys.argv[1]]:
+    groups = sys.argv[1:]
+    for name, settings in (run for group in groups for run in RUNS[group]):
         try:
             compare(report, name, settings)
         except Exception as exc:  # noqa: BLE001 - one failing config must not hide the others
             report.data["errors"][name] = [type(exc).__name__, str(exc)[:2000], traceback.format_exc()[-3000:]]
-    for seed in SEEDS[sys.argv[1]]:
+    for seed in (seed for group in groups for seed in SEEDS[group]):
         seed(report)
 
 

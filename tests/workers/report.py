@@ -1,4 +1,5 @@
 """What a worker rank records: named measurements, written as JSON for the pytest side to judge."""
+import faulthandler
 import json
 import os
 import traceback
@@ -82,6 +83,9 @@ def train_steps(model, opt, batches, loss_fn, steps):
 
 def run(main):
     report = Report()
+    # after Paddle's own handler (installed when it is imported): a fatal signal, an abort at exit included, prints
+    # every thread's Python stack in the rank's log, then Paddle's summary
+    faulthandler.enable(all_threads=True)
     try:
         main(report)
     except Exception:  # noqa: BLE001 - surface the traceback in the report

@@ -398,9 +398,10 @@ def planted_fault(backend):
 
 
 def main(report):
-    for spec in RUNS[sys.argv[1]]:
+    groups = sys.argv[1:]
+    for spec in (spec for group in groups for spec in RUNS[group]):
         train(report, **spec)
-    if sys.argv[1] == "hybrid":
+    if "hybrid" in groups:
         parity_checks(report)
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import paddle.nn.functional as F
 
+from ...runtime import installed
 from .. import routing
-
-_original = None
 
 
 def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True, backend=None,
@@ -19,7 +18,7 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     plan = routing.plan_for()
     if plan is None:
         routing.refuse_unrouted("paddle.nn.functional.scaled_dot_product_attention")
-        return _original(query, key, value, attn_mask, dropout_p, is_causal, training, backend, scale, enable_gqa,
+        return installed.sdpa_original(query, key, value, attn_mask, dropout_p, is_causal, training, backend, scale, enable_gqa,
                          name)
     # a call with no mask attends padding keys too, as Paddle's SDPA does on one card
     return routing.attend(plan, query, key, value, attn_mask, dropout_p, is_causal, training, scale, enable_gqa,
@@ -27,15 +26,13 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
 
 
 def install():
-    global _original
-    if _original is None:
-        _original = F.scaled_dot_product_attention
+    if installed.sdpa_original is None:
+        installed.sdpa_original = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = routed_sdpa
 
 
 def uninstall():
     """Paddle's own function back (a script that replaced the routed one keeps its replacement)."""
-    global _original
     if F.scaled_dot_product_attention is routed_sdpa:
-        F.scaled_dot_product_attention = _original
-    _original = None
+        F.scaled_dot_product_attention = installed.sdpa_original
+    installed.sdpa_original = None

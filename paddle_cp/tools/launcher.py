@@ -1,0 +1,151 @@
+"""Start CPU ranks under `paddle.distributed.launch`: the one launcher of the tools (pcp-bench, pcp-bench-pp,
+pcp-memory, pcp-selftest) and of the test suite (tests/launcher.py), with the ranks' side of it.
+
+A tool launches its own file as the ranks' script (`launch(args, argv, script=__file__)`); the ranks see
+PADDLE_TRAINER_ID set, measure, and rank 0 writes the result to `--result-file`, which `launch` returns.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # holds the paddle_cp package: the ranks import it from here
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+PROGRESS = "[pcp-"  # how every tool's progress line starts, on either side of a launch
+
+# Paddle 3.3.1 on CPU sometimes aborts a rank (SIGABRT, no Python error, at start-up or in the teardown of a rank
+# whose work was done; about once in a hundred launches of the test suite) whatever the script: such a run goes
+# once more. A crash of the script itself aborts again, and a failure of any other kind is reported at once. The
+# launch prints "... code -6" for the aborted rank.
+ABORTED = "code -6"
+
+
+def aborted(returncode, output):
+    """Whether a run that exited with `returncode` and printed `output` lost a rank (or itself) to SIGABRT."""
+    return returncode != 0 and (returncode == -6 or ABORTED in output)
+
+
+def retrying_an_abort(run, name, fresh=()):
+    """`run()` (-> (returncode, output, anything)), once more if a rank aborted, with a warning that quotes what
+    the aborted rank printed (the launch shows its log's tail); the folders in `fresh` are emptied before the
+    second run."""
+    result = run()
+    if aborted(*result[:2]):
+        warnings.warn(f"a rank of {name} aborted (SIGABRT); launched once more{_abort_report(result[1])}")
+        for folder in fresh:
+            shutil.rmtree(folder, ignore_errors=True)
+            os.makedirs(folder)
+        result = run()
+    return result
+
+
+def _abort_report(output):
+    """The stacks the aborted rank printed (Python's faulthandler, Paddle's signal summary), if it printed any."""
+    found = [output.find(mark) for mark in ("Fatal Python error", "C++ Traceback", "SIGABRT") if mark in output]
+    return f":\n{output[min(found):][:3000]}" if found else ""
+
+
+def command(nproc, script, argv, log_dir):
+    """The `paddle.distributed.launch` command running `script argv` on `nproc` CPU ranks."""
+    return [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
+            "--log_dir", str(log_dir), str(script), *map(str, argv)]
+
+
+def progress(message):
+    """A progress line under the name of the tool running (a launched rank runs the tool's own file); on rank 0,
+    `launch` echoes it while the ranks run."""
+    print(f"{PROGRESS}{tool_name()}] {message}", file=sys.stderr, flush=True)
+
+
+def tool_name():
+    """'bench', 'selftest', 'bench-pp', 'memory-layouts': the running script, as its pcp-* command is spelt."""
+    stem = Path(sys.argv[0]).stem
+    return stem.removeprefix("pcp-") if stem.startswith("pcp-") else stem.replace("_", "-")
+
+
+# ---- the launching side -----------------------------------------------------------
+
+def launch(args, argv, script):
+    """Run `script argv` on args.nproc ranks; return rank 0's measurements (JSON in --result-file)."""
+    with tempfile.TemporaryDirectory(prefix="pcp_launch_") as tmp:
+        result, log_dir = Path(tmp) / "result.json", Path(tmp) / "log"
+        env = dict(os.environ, **{name: "1" for name in THREAD_VARS})
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        cmd = command(args.nproc, Path(script).resolve(), [*argv, "--result-file", result], log_dir)
+
+        def run():
+            progress(f"launching {args.nproc} CPU ranks")
+            with open(Path(tmp) / "launch.out", "w+") as out:
+                proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+                _follow(proc, log_dir / "workerlog.0")
+                out.seek(0)
+                return proc.returncode, out.read()
+
+        returncode, launcher_output = retrying_an_abort(run, Path(script).name, fresh=[log_dir])
+        if returncode != 0 or not result.exists():
+            logs = "".join(f"\n----- {log.name}\n{log.read_text()[-3000:]}" for log in sorted(log_dir.glob("workerlog.*")))
+            sys.exit(f"pcp-{tool_name()}: launch failed (exit {returncode}){logs}\n{launcher_output[-2000:]}")
+        return json.loads(result.read_text())
+
+
+def _follow(proc, log):
+    """Echo rank 0's progress lines until the launch ends."""
+    seen = 0
+    while True:
+        running = proc.poll() is None
+        text = log.read_text(errors="replace") if log.exists() else ""
+        complete = text[:text.rfind("\n") + 1]
+        for line in complete[seen:].splitlines():
+            if line.startswith(PROGRESS):
+                print(line, file=sys.stderr, flush=True)
+        seen = len(complete)
+        if not running:
+            return
+        time.sleep(0.5)
+
+
+# ---- the rank side: what the ranks of a launched tool share -----------------------
+
+def write_every_ranks_rows(result_file, rows):
+    """A rank's side of `launch` for a tool whose every rank reports: its rows beside the result file, then
+    rank 0 writes all of them, in rank order, as the result."""
+    import paddle.distributed as dist
+
+    Path(f"{result_file}.{dist.get_rank()}").write_text(json.dumps(rows))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        merged = [row for rank in range(dist.get_world_size())
+                  for row in json.loads(Path(f"{result_file}.{rank}").read_text())]
+        Path(result_file).write_text(json.dumps(merged))
+
+
+def gather(values):
+    """Every rank's list of floats, as a list of lists (float64 keeps byte counts exact)."""
+    import paddle
+    import paddle.distributed as dist
+
+    gathered = []
+    dist.all_gather(gathered, paddle.to_tensor(values, dtype="float64"))
+    return [g.numpy().tolist() for g in gathered]
+
+
+def median_time(step, iters, warmup, before=lambda: None):
+    """The median seconds of `iters` calls of `step` after `warmup` untimed ones (`before` runs untimed
+    ahead of each)."""
+    times = []
+    for i in range(warmup + iters):
+        before()
+        start = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
