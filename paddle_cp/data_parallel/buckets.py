@@ -88,16 +88,22 @@ def plan_buckets(model, params, size_mb):
     reduced_here = [p for p in params if reduced(p)]
     buckets = []
     for part in ([p for p in reduced_here if id(p) not in in_units], [p for p in reduced_here if id(p) in in_units]):
-        runs, size = [], 0
-        for param in reversed(part):
-            nbytes = local_nbytes(param)
-            if not runs or size + nbytes > size_mb * MB:
-                runs.append([])
-                size = 0
-            runs[-1].append(param)
-            size += nbytes
-        buckets += runs
+        buckets += cut_runs(part, local_nbytes, size_mb)
     return buckets, {id(p) for p in reduced_here if id(p) in in_units}
+
+
+def cut_runs(params, nbytes, size_mb):
+    """`params` in the reverse of their order, cut into runs of at most `size_mb` MiB of `nbytes(param)` each (a
+    larger parameter alone)."""
+    runs, size = [], 0
+    for param in reversed(params):
+        param_bytes = nbytes(param)
+        if not runs or size + param_bytes > size_mb * MB:
+            runs.append([])
+            size = 0
+        runs[-1].append(param)
+        size += param_bytes
+    return runs
 
 
 def gradient_dtype(param):
