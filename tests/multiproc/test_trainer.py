@@ -91,6 +91,21 @@ def test_bf16_trainer_matches_paddleformers_one_card(run, master_grad):
         assert amp == dict(AMP_SET_UP, paddle_cp_master_grad=master_grad, amp_dtype="bfloat16", grad_scaling=False), amp
 
 
+def test_bf16_o2_trainer_in_emulated_amp_is_as_close_to_fp32_as_one_card():
+    """Under the CPU emulation of Paddle's GPU AMP (tests/workers/emulated_amp.py: bf16 parameters cast by
+    decorate, every kernel computing in fp32 and rounding its output to bf16, Paddle's master-gradient cast):
+    bf16 O2 with master gradients on dp 2 x ring 2 is no farther from one card's fp32 run than twice one card's
+    own bf16 O2 run (losses and parameters after 3 steps); the parameters trained were bf16."""
+    reports = _reports("memory")
+    for report in reports:
+        assert report["values"]["emulated_bf16_o2_dp2_cp2.param_dtypes"] == ["paddle.bfloat16"]
+    distances = reports[0]["values"]["emulated_bf16_o2_dp2_cp2.emulated"]
+    for kind in ("loss", "state"):
+        one_card = distances["one_card"][kind]
+        assert 1e-4 < one_card < 0.1, (kind, distances)  # bf16 visibly not fp32: the emulation ran
+        assert distances["paddle_cp"][kind] <= 2 * one_card, (kind, distances)
+
+
 def test_fp16_trainer_is_set_up_like_paddleformers():
     """fp16 O2: PaddleFormers' loss scaling on, its scaler through pcp.shard_scaler, master gradients paddle_cp's.
     (Not trained here: on CPU Paddle disables the GradScaler, and PaddleFormers' own Trainer then fails reading the

@@ -56,6 +56,35 @@ def dataset(packed, seq=SEQ):
     return samples
 
 
+@contextlib.contextmanager
+def amp_emulated(on):
+    """Paddle's GPU mixed precision emulated on CPU (emulated_amp.py) for the duration, then Paddle's own again."""
+    if not on:
+        yield
+        return
+    import emulated_amp
+
+    undo = []
+
+    def set_attr(owner, name, value):
+        undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    emulated_amp.install(set_attr)
+    emulated_amp.reset()
+    try:
+        yield
+    finally:
+        emulated_amp.reset()
+        for owner, name, value in reversed(undo):
+            setattr(owner, name, value)
+
+
+def widened(state):
+    """The state's arrays in float32 (numpy holds bfloat16 values as their uint16 bit patterns)."""
+    return {k: (v.astype(np.uint32) << 16).view(np.float32) if v.dtype == np.uint16 else v for k, v in state.items()}
+
+
 def model_of(family, **overrides):
     paddle.seed(2024)
     return build(family, **overrides)
@@ -122,7 +151,10 @@ def parallel_run(report, name, spec, root):
         train_with(Trainer, TrainingArguments, first, directory, parallel=True, stop_at=2)
         losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True, resume=True)
     else:
-        losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)
+        with amp_emulated(spec.get("emulated")):
+            losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)
+            if spec.get("emulated"):
+                report.value(f"{name}.param_dtypes", sorted({str(p.dtype) for p in trainer.model.parameters()}))
     if spec.get("export"):
         trainer.save_model(os.path.join(directory, "export"))
     if trainer.args.bf16:
@@ -132,7 +164,7 @@ def parallel_run(report, name, spec, root):
         report.value(f"{name}.offload", {"host_state": host is not None and host.host_bytes() > 0,
                                          "flag_reads": trainer.args.tensorwise_offload_optimizer,
                                          "adamw_is_paddles": paddle._C_ops.adamw_ is ADAMW})
-    return losses, pcp.full_state_dict(trainer.model)
+    return losses, widened(pcp.full_state_dict(trainer.model))
 
 
 def amp_set_up(trainer):
@@ -158,10 +190,11 @@ def reference_run(spec, root, name, evaluation=None):
 
     model = model_of(spec.get("family", "llama"), **spec.get("model", {}))
     model = {"rechunked": rechunked, "float64": float64_model}.get(evaluation, lambda m: m)(model)
-    with one_card(), float64_math() if evaluation == "float64" else contextlib.nullcontext():
+    with one_card(), float64_math() if evaluation == "float64" else contextlib.nullcontext(), \
+            amp_emulated(spec.get("emulated")):
         losses, trainer = train_with(Trainer, TrainingArguments, spec, os.path.join(root, name + ".ref"),
                                      parallel=False, model=model)
-    return losses, {k: v.numpy() for k, v in trainer.model.state_dict().items()}
+    return losses, widened({k: v.numpy() for k, v in trainer.model.state_dict().items()})
 
 
 def truth_distances(runs, truth):
@@ -264,6 +297,11 @@ RUNS = {
         "bf16_o1_dp2_mp2_sp": dict(
             parallel=dict(tensor_model_parallel_size=2, sequence_parallel=True, per_device_train_batch_size=2),
             global_batch=4, args=dict(bf16=True, fp16_opt_level="O1", amp_master_grad=False)),
+        # bf16 O2 with master gradients in the CPU emulation of Paddle's GPU AMP (real bf16 parameters, activations
+        # and gradients; `emulated`): held to one card's own distance from its fp32 run, as `truth` is
+        "emulated_bf16_o2_dp2_cp2": dict(
+            parallel=dict(CP2, per_device_train_batch_size=2), global_batch=4, emulated=True,
+            args=dict(bf16=True, fp16_opt_level="O2", amp_master_grad=True)),
     },
 }
 
@@ -318,6 +356,11 @@ def main(report):
         if "resume" in spec:  # the resumed run logs the steps after the checkpoint
             want_losses = want_losses[2:]
         report.value(f"{name}.losses", [losses, want_losses])
+        if spec.get("emulated"):  # one card in the emulation, and one card in fp32 (no AMP flags) as the truth
+            fp32 = dict(spec, emulated=False, args={})
+            report.value(f"{name}.emulated", truth_distances(
+                {"paddle_cp": (losses, state), "one_card": (want_losses, want_state)},
+                reference_run(fp32, root, name + ".fp32")))
         if spec.get("truth"):
             report.value(f"{name}.truth", truth_distances(
                 {"paddle_cp": (losses, state), "one_card": (want_losses, want_state),
