@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from amp_emulation import emulated as amp_emulated
+from amp_emulation import widened
 from paddleformers_models import build, rechunked
 from report import run
 
@@ -54,35 +56,6 @@ def dataset(packed, seq=SEQ):
             sample.update(position_ids=positions, attn_mask_startend_row_indices=row_end)
         samples.append(sample)
     return samples
-
-
-@contextlib.contextmanager
-def amp_emulated(on):
-    """Paddle's GPU mixed precision emulated on CPU (emulated_amp.py) for the duration, then Paddle's own again."""
-    if not on:
-        yield
-        return
-    import emulated_amp
-
-    undo = []
-
-    def set_attr(owner, name, value):
-        undo.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    emulated_amp.install(set_attr)
-    emulated_amp.reset()
-    try:
-        yield
-    finally:
-        emulated_amp.reset()
-        for owner, name, value in reversed(undo):
-            setattr(owner, name, value)
-
-
-def widened(state):
-    """The state's arrays in float32 (numpy holds bfloat16 values as their uint16 bit patterns)."""
-    return {k: (v.astype(np.uint32) << 16).view(np.float32) if v.dtype == np.uint16 else v for k, v in state.items()}
 
 
 def model_of(family, **overrides):
