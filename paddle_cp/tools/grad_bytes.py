@@ -61,7 +61,7 @@ def _elements(param):
 def reduction_bytes(params, ranks, level, grad_bytes, bucket_mb=DEFAULT_BUCKET_MB):
     """{"buckets", "max", "mean"}: collectives per step and the bytes one rank sends reducing the gradients of
     `params` over `ranks` at sharding `level`, `grad_bytes` an element (the busiest rank's and the mean)."""
-    buckets = cut_runs(params, lambda p: _elements(p) * grad_bytes, bucket_mb)
+    buckets = cut_runs(params[::-1], lambda p: _elements(p) * grad_bytes, bucket_mb)  # backward's order
     if level < 2:
         sent = sum(sum(map(_elements, bucket)) * grad_bytes * 2 * (ranks - 1) // ranks for bucket in buckets)
         return {"buckets": len(buckets), "max": sent, "mean": sent}

@@ -3,8 +3,10 @@ AdamW), emulated on CPU for tests, so that real float16/bfloat16 tensors go thro
 
 Entry points (stable; other tests and workers import them):
 - `install(set_attr=setattr)`: patches `paddle.amp.decorate` / `amp_decorate`, `paddle.amp.auto_cast` /
-  `amp_guard`, the `_C_ops` ops listed in COMPUTE_OPS and MEMORY_OPS, the Tensor arithmetic operators, and
-  `_C_ops.adamw_` / `_C_ops.adam_`; idempotent. `set_attr`: pytest's monkeypatch.setattr to undo it.
+  `amp_guard`, the `_C_ops` ops listed in COMPUTE_OPS and MEMORY_OPS, the Tensor arithmetic operators,
+  `_C_ops.adamw_` / `_C_ops.adam_`, `Tensor._register_backward_hook` (master gradients settle first) and
+  `paddle.framework._dygraph_tracer` / `paddle.base.framework._dygraph_tracer` (the autocast state as Python
+  reads it); idempotent. `set_attr`: pytest's monkeypatch.setattr to undo it.
 - `decorate(...)`, `auto_cast(...)`: what install puts in place of Paddle's (same signatures).
 - `reset()`: forgets Paddle's global AMP state (`use_master_grad`, the decorated parameters), so one
   process can run several decorated models one after the other.
@@ -26,7 +28,9 @@ and what this CPU wheel does (measured); every fact carries its source:
   (sets `_multi_precision` where the attribute exists), and with `master_grad=True`
   `amp_global_state().use_master_grad = True` and the models' parameters appended to
   `amp_global_state().model_parameters` (auto_cast.py:1029). `save_dtype` is refused here.
-- auto_cast (dygraph `amp_guard`): per op, the destination dtype of `GetAmpDestDtype` with `use_promote`
+- auto_cast (dygraph `amp_guard`): the tracer's `_amp_level`, `_amp_dtype` and op lists read from Python
+  (`paddle.framework._dygraph_tracer()`, what Paddle's recompute reads to replay a forward under the same
+  autocast) are amp_guard's; per op the destination dtype of `GetAmpDestDtype` with `use_promote`
   (the default): an op on the white list computes in the AMP dtype; on the black list in float32; any other
   in float32 when an input is float32, else in the AMP dtype. Lists: amp_lists.py, `white_list()[dtype][level]`
   and `black_list()[dtype][level]` plus the custom ones (`_update_list`): O1 blacks out FP16_BLACK_LIST |
@@ -131,7 +135,7 @@ def _destination(name, tensors):
     state = _Autocast.current
     if state is None or not tensors:
         return None
-    dtype, white, black = state
+    dtype, white, black, _ = state
     name = AUTOCAST_NAMES.get(name, name)
     if name in white:
         return dtype
@@ -233,7 +237,8 @@ def _settling(param, hook=None):
     return _ORIGINAL["_register_backward_hook"](param, run)
 
 
-_ORIGINAL = {"_register_backward_hook": paddle.Tensor._register_backward_hook}
+_ORIGINAL = {"_register_backward_hook": paddle.Tensor._register_backward_hook,
+             "_dygraph_tracer": paddle.base.framework._dygraph_tracer}
 
 
 def _register_backward_hook(self, hook):
@@ -286,7 +291,7 @@ def decorate(models, optimizers=None, level="O1", dtype="float16", master_weight
 def auto_cast(enable=True, custom_white_list=None, custom_black_list=None, level="O1", dtype="float16",
               use_promote=True):
     """paddle.amp.auto_cast as on a GPU (dygraph amp_guard)."""
-    level = level.upper()
+    level, dtype = level.upper(), str(dtype).replace("paddle.", "")
     if not enable or level == "O0":
         outer, _Autocast.current = _Autocast.current, None
     else:
@@ -294,11 +299,40 @@ def auto_cast(enable=True, custom_white_list=None, custom_black_list=None, level
             raise NotImplementedError("the AMP emulation covers use_promote=True (Paddle's default)")
         white, black = _AMP._update_list(custom_white_list, custom_black_list, level, dtype)
         _register_master_grad_hook()
-        outer, _Autocast.current = _Autocast.current, (AMP_DTYPES[str(dtype).replace("paddle.", "")], white, black)
+        outer, _Autocast.current = _Autocast.current, (AMP_DTYPES[dtype], white, black, level)
     try:
         yield
     finally:
         _Autocast.current = outer
+
+
+class _TracerView:
+    """The tracer as Python code reading the autocast state sees it: `_amp_level`, `_amp_dtype` and
+    `_get_amp_op_list()` as amp_guard would have set them (Paddle's recompute, recompute.py:217, replays a
+    forward under them; paddle_cp's SequenceTiled too); everything else, reads and writes, the real tracer's.
+    The real tracer's own state is left alone: at level O2 it turns a CPU bfloat16 `clone` into float32
+    (measured)."""
+
+    def __init__(self, tracer):
+        object.__setattr__(self, "_tracer", tracer)
+
+    def __getattr__(self, name):
+        state = _Autocast.current
+        if name == "_amp_level":
+            return core.AmpLevel.O0 if state is None else getattr(core.AmpLevel, state[3])
+        if name == "_amp_dtype":
+            return "float32" if state is None else str(state[0]).replace("paddle.", "")
+        if name == "_get_amp_op_list":
+            return (lambda: (set(), set())) if state is None else (lambda: (set(state[1]), set(state[2])))
+        return getattr(self._tracer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._tracer, name, value)
+
+
+def _tracer_view():
+    tracer = _ORIGINAL["_dygraph_tracer"]()
+    return _TracerView(tracer) if tracer is not None else None
 
 
 def reset():
@@ -322,6 +356,8 @@ def install(set_attr=setattr):
     set_attr(_C_ops, "adamw_", _adam_on_master(_C_ops.adamw_))
     set_attr(_C_ops, "adam_", _adam_on_master(_C_ops.adam_))
     set_attr(paddle.Tensor, "_register_backward_hook", _register_backward_hook)
+    for framework in (paddle.framework, paddle.base.framework):  # what recompute and SequenceTiled call
+        set_attr(framework, "_dygraph_tracer", _tracer_view)
     for owner in (paddle.amp, _AMP):
         set_attr(owner, "decorate", decorate)
         set_attr(owner, "amp_decorate", decorate)
