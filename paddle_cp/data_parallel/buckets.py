@@ -102,16 +102,22 @@ def _cut_in_order(ordered, step_only, size_mb):
     holds after the others, in runs of their own."""
     buckets = []
     for part in ([p for p in ordered if id(p) not in step_only], [p for p in ordered if id(p) in step_only]):
-        runs, size = [], 0
-        for param in part:
-            nbytes = local_nbytes(param)
-            if not runs or size + nbytes > size_mb * MB:
-                runs.append([])
-                size = 0
-            runs[-1].append(param)
-            size += nbytes
-        buckets += runs
+        buckets += cut_runs(part, local_nbytes, size_mb)
     return buckets
+
+
+def cut_runs(ordered, nbytes, size_mb):
+    """`ordered` (issue order) cut into runs of at most `size_mb` MiB of `nbytes(param)` each (a larger
+    parameter alone)."""
+    runs, size = [], 0
+    for param in ordered:
+        param_bytes = nbytes(param)
+        if not runs or size + param_bytes > size_mb * MB:
+            runs.append([])
+            size = 0
+        runs[-1].append(param)
+        size += param_bytes
+    return runs
 
 
 def gradient_dtype(param):

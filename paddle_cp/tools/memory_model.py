@@ -6,7 +6,9 @@ path and paddle_cp hold it:
 
 - weights, gradients, optimizer: a stage's parameters, split by tensor parallelism (projections, embedding,
   lm_head; norms, routers and MoE blocks' shared and routed experts stay whole) and expert parallelism
-  (routed experts / ep); AdamW keeps two fp32 moments and, below fp32, an fp32 master copy. Sharding
+  (routed experts / ep); AdamW keeps two fp32 moments and, below fp32, an fp32 master copy. Gradients are
+  fp32 master gradients below fp32 (`master_grad`, PaddleFormers' amp_master_grad default: Paddle casts them
+  at the end of backward, paddle_cp accumulates and reduces them in fp32), else the parameter's dtype. Sharding
   (issue 26) divides, over the layout's `shard_ranks` (dp x sep by default; experts over those / ep):
   optimizer state at levels 1-3, gradients after the step's reduction at levels 2-3, weights at level 3.
   `offload_optimizer` (data_parallel/host_optimizer.py): that state (moments, and below fp32 the master) lives in
@@ -85,6 +87,11 @@ def stage_params(model, layout, stage):
     return dense, moe * model.expert_params / layout.ep
 
 
+def gradient_elem(elem, master_grad):
+    """Bytes of a gradient element: 4 for fp32 master gradients of bf16/fp16 parameters, else the parameter's."""
+    return FP32 if master_grad and elem < FP32 else elem
+
+
 def held_params(model, layout, stage, at_level):
     """Parameter elements of a kind of state (sharded from sharding level `at_level` on) one rank of `stage`
     holds: its owned share at that level or above, every parameter of the stage below it."""
@@ -102,8 +109,9 @@ def stepped_params(model, layout, stage):
     return held_params(model, layout, stage, 1)
 
 
-def _state(model, layout, stage, elem):
-    """weights, gradients (held after the step's reduction), optimizer state, and the whole gradients."""
+def _state(model, layout, stage, elem, grad_elem):
+    """weights, gradients (held after the step's reduction), optimizer state, and the whole gradients
+    (`grad_elem` bytes an element)."""
     dense, experts = stage_params(model, layout, stage)
     level = layout.sharding
 
@@ -114,11 +122,11 @@ def _state(model, layout, stage, elem):
     optimizer, host_optimizer = share(1) * optimizer_bytes, 0
     if layout.offload_optimizer:  # the same state, on the host (an fp32 parameter's copy there is transient)
         optimizer, host_optimizer = 0, optimizer
-    whole = (dense + experts) * elem
+    whole = (dense + experts) * grad_elem
     bucket = min(BUCKET_BYTES, whole)
     # levels 2-3: buckets are reduce-scattered as backward fills them (not under a pipeline: in its step)
-    held = whole if level < 2 or layout.pp > 1 else min(whole, share(2) * elem + bucket)
-    return {"weights": share(3) * elem, "gradients": share(2) * elem, "optimizer": optimizer,
+    held = whole if level < 2 or layout.pp > 1 else min(whole, share(2) * grad_elem + bucket)
+    return {"weights": share(3) * elem, "gradients": share(2) * grad_elem, "optimizer": optimizer,
             "host_optimizer": host_optimizer, "whole_gradients": whole, "held_gradients": held, "bucket": bucket}
 
 
@@ -238,11 +246,13 @@ def logits(model, layout, seq, batch, stage):
     return held, LOSS_BACKWARD_LOGITS * held
 
 
-def stage_memory(model, layout, seq, batch, elem, stage, fused=False):
-    state = _state(model, layout, stage, elem)
+def stage_memory(model, layout, seq, batch, elem, stage, fused=False, master_grad=True):
+    grad_elem = gradient_elem(elem, master_grad)
+    state = _state(model, layout, stage, elem, grad_elem)
     held, rebuilt, host = activations(model, layout, seq, batch, elem, stage, fused)
     logits_held, loss_backward = logits(model, layout, seq, batch, stage)
-    fetched = 2 * model.largest_param / layout.tp * elem if layout.sharding == 3 else 0  # a copy and its gradient
+    # a fetched copy and its gradient
+    fetched = model.largest_param / layout.tp * (elem + grad_elem) if layout.sharding == 3 else 0
     base = state["weights"] + state["optimizer"]
     gradients = state["held_gradients"]
     if layout.pp > 1 and layout.micro > 1:
@@ -264,12 +274,14 @@ def stage_memory(model, layout, seq, batch, elem, stage, fused=False):
             "stage": stage, "host": host + state["host_optimizer"]}
 
 
-def memory(model, layout, seq, batch=1, elem=2, fused=False):
+def memory(model, layout, seq, batch=1, elem=2, fused=False, master_grad=True):
     """Per-rank bytes of the busier of the first and last pipeline stage (see the module docstring); `host`:
-    the offloaded bytes it keeps in host memory (layer inputs and optimizer state). `fused`: GPU kernels' activations
-    (True: fused RMSNorm and RoPE; or the FUSED_KERNELS named)."""
+    the offloaded bytes it keeps in host memory (layer inputs and optimizer state). `elem`: bytes of a parameter
+    and activation element (2: bf16/fp16 O2, PaddleFormers' default); `master_grad`: fp32 gradients below fp32.
+    `fused`: GPU kernels' activations (True: fused RMSNorm and RoPE; or the FUSED_KERNELS named)."""
     stages = {0, layout.pp - 1}
-    return max((stage_memory(model, layout, seq, batch, elem, s, fused) for s in stages), key=lambda m: m["peak"])
+    return max((stage_memory(model, layout, seq, batch, elem, s, fused, master_grad) for s in stages),
+               key=lambda m: m["peak"])
 
 
 def measured_parts(estimate):

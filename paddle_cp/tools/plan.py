@@ -123,7 +123,10 @@ def parse_args(argv=None):
     parser.add_argument("--intra-gbps", type=float, default=300.0, help="GB/s per device within a node")
     parser.add_argument("--inter-gbps", type=float, default=25.0, help="GB/s per device across nodes")
     parser.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node")
-    parser.add_argument("--dtype-bytes", type=int, default=2, help="2 for bf16/fp16 training, 4 for fp32")
+    parser.add_argument("--dtype-bytes", type=int, default=2,
+                        help="parameter and activation bytes: 2 for bf16/fp16 O2 (PaddleFormers' default), 4 for fp32")
+    parser.add_argument("--no-master-grad", action="store_true",
+                        help="bf16/fp16 gradients (amp_master_grad: false) instead of fp32 master gradients")
     parser.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
     parser.add_argument("--documents", metavar="LENGTHS",
                         help="the sequences pack documents of these lengths (pcp-bench's names or a file): attention "
@@ -206,7 +209,7 @@ def main(argv=None):
                       args.reserve_gb * GB)
     search = dict(batch=args.batch, elem=args.dtype_bytes, causal=not args.no_causal, loss_chunk=args.loss_chunk,
                   mlp_tile=args.mlp_tile, fused=KERNELS[args.kernels], offload=not args.no_offload,
-                  offload_optimizer=not args.no_host_optimizer)
+                  offload_optimizer=not args.no_host_optimizer, master_grad=not args.no_master_grad)
     if args.documents:
         if args.max_seq:
             sys.exit("pcp-plan: --documents prices one row of --seq tokens: give --seq instead of --max-seq")

@@ -86,11 +86,12 @@ def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHU
                              offload_optimizer=host_step)
 
 
-def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=False, packed=None):
+def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=False, packed=None, master_grad=True):
     """One layout's memory, time and throughput (`batch` sequences per data-parallel replica; `packed`: an
-    attention_cost.PackedRow of the sequences' documents)."""
-    mem = memory(model, layout, seq, batch, elem, fused)
-    time = step_time(model, layout, cluster, seq, batch, elem, causal, packed)
+    attention_cost.PackedRow of the sequences' documents; `elem` and `master_grad`: the precision, by default
+    PaddleFormers' bf16 O2 with fp32 master gradients)."""
+    mem = memory(model, layout, seq, batch, elem, fused, master_grad)
+    time = step_time(model, layout, cluster, seq, batch, elem, causal, packed, master_grad)
     total_time = sum(time.values())
     host_per_node = mem["host"] * min(cluster.devices, cluster.devices_per_node)
     return {
@@ -108,12 +109,13 @@ LAST_RESORTS = (("offload_optimizer",), ("mlp_tile", "offload"))
 
 
 def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
-                 mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, packed=None, offload_optimizer=True):
+                 mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, packed=None, offload_optimizer=True,
+                 master_grad=True):
     """Estimates of every candidate, best first: layouts that fit, by throughput (then the least memory), then the
     rest by memory. Each group of LAST_RESORTS is kept only where no layout fits without it: tiles and offloaded
     activations buy length with an extra MLP forward, host memory and PCIe traffic (whose contention with the
     rest of the step the model does not count), the host optimizer with a slower step and more host memory."""
-    found = [estimate(model, layout, cluster, seq, batch, elem, causal, fused, packed)
+    found = [estimate(model, layout, cluster, seq, batch, elem, causal, fused, packed, master_grad)
              for layout in candidates(model, cluster.devices, seq, cluster.devices_per_node, batch, loss_chunk,
                                       mlp_tile, offload, offload_optimizer)]
     for features in LAST_RESORTS:
@@ -127,12 +129,12 @@ def _uses(estimate, features):
 
 
 def longest_sequence(model, cluster, granularity, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
-                     mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, offload_optimizer=True):
+                     mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, offload_optimizer=True, master_grad=True):
     """(the longest multiple of `granularity` tokens some layout fits, its ranked estimates); (0, []) if none fits
     even `granularity` tokens. Bisection: memory grows with the sequence for every layout."""
     def fitting(units):
         ranked = rank_layouts(model, cluster, units * granularity, batch, elem, causal, loss_chunk, mlp_tile, fused,
-                              offload, offload_optimizer=offload_optimizer)
+                              offload, offload_optimizer=offload_optimizer, master_grad=master_grad)
         return ranked if ranked and ranked[0]["fits"] else None
 
     best = fitting(1)

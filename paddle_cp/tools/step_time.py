@@ -23,7 +23,8 @@ hidden behind attention compute, the rest not overlapped. What each term counts:
   than that layer's compute in the same pass shows.
 - gradients: paddle_cp's reduction over the sharding ranks: level 0 an all-reduce, 1 an all-reduce then the
   owners' broadcast of new values, 2 a reduce-scatter then the broadcast, 3 a reduce-scatter and every
-  parameter fetched from its owner for the forward and again for the backward (and the recomputed forward).
+  parameter fetched from its owner for the forward and again for the backward (and the recomputed forward);
+  gradients in fp32 under master gradients (memory_model.gradient_elem), values in the parameters' dtype.
 - host_optimizer: the step on the host (dp_config offload_optimizer): the stepped share's gradients to the
   host (fp32 parameters their values too) and new values back, fp32 (cast on the device), at the PCIe rate,
   the host's AdamW at `host_adamw_rate`, not overlapped.
@@ -31,7 +32,7 @@ hidden behind attention compute, the rest not overlapped. What each term counts:
 from __future__ import annotations
 
 from .attention_cost import FP32, attention_flops, attention_traffic
-from .memory_model import recompute_inputs, stage_params, stepped_params
+from .memory_model import gradient_elem, recompute_inputs, stage_params, stepped_params
 from .plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL
 
 
@@ -55,9 +56,9 @@ def _recompute_factor(layout, attention_share):
     return share / 3
 
 
-def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None):
+def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None, master_grad=True):
     """{term: seconds} of one step (`batch` sequences of `seq` per data-parallel replica); `packed`: an
-    attention_cost.PackedRow when the sequences pack documents."""
+    attention_cost.PackedRow when the sequences pack documents; `master_grad`: fp32 gradients below fp32."""
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     tokens = batch * seq / cp  # per rank, all micro-batches
     heads, kv_heads = model.heads // tp, model.kv_heads // tp
@@ -92,7 +93,7 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None
         "pipeline_p2p": (2 * layout.vpp * tokens * model.hidden * elem / _bandwidth(cluster, cluster.devices // pp, 2)
                          if pp > 1 else 0.0),
         "expert_all_to_all": expert_bytes / _bandwidth(cluster, tp, layout.ep) * stretch if layout.ep > 1 else 0.0,
-        "gradients": _gradient_seconds(model, layout, cluster, elem, dp_stride),
+        "gradients": _gradient_seconds(model, layout, cluster, elem, gradient_elem(elem, master_grad), dp_stride),
         "host_optimizer": host_optimizer_seconds(model, layout, cluster, elem),
     }
     return times
@@ -119,13 +120,16 @@ def _offload_exposed(model, layout, cluster, tokens, elem, layer_seconds):
     return model.layers * (max(0.0, copy - layer_seconds / 3) + max(0.0, copy - layer_seconds))
 
 
-def _gradient_seconds(model, layout, cluster, elem, stride):
-    """The first stage's gradient reduction (experts' over their own ranks, dp x sep / ep)."""
+def _gradient_seconds(model, layout, cluster, elem, grad_elem, stride):
+    """The first stage's gradient reduction (experts' over their own ranks, dp x sep / ep): passes over the
+    gradients (an all-reduce two, a reduce-scatter one) and over the values (broadcasts, fetches)."""
     ranks = layout.shard_ranks
     dense, experts = stage_params(model, layout, 0)
-    passes = {0: 2, 1: 3, 2: 2, 3: 3 + (layout.recompute != NO_RECOMPUTE)}[layout.sharding]
+    gradient_passes = {0: 2, 1: 2, 2: 1, 3: 1}[layout.sharding]
+    value_passes = {0: 0, 1: 1, 2: 1, 3: 2 + (layout.recompute != NO_RECOMPUTE)}[layout.sharding]
+    per_element = gradient_passes * grad_elem + value_passes * elem
     seconds = 0.0
     for params, size in ((dense, ranks), (experts, max(1, ranks // layout.ep))):
         if size > 1 and params:
-            seconds += passes * params * elem * _ring_share(size) / _bandwidth(cluster, stride, size)
+            seconds += params * per_element * _ring_share(size) / _bandwidth(cluster, stride, size)
     return seconds

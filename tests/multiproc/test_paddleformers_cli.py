@@ -3,16 +3,21 @@
 Everything is built offline in the test by the example's builder (examples/sft_cli_inputs.py): a tiny
 Llama (save_pretrained), a byte-level tokenizer (the `tokenizers` package), 24 SFT samples in PaddleFormers'
 erniekit format (stdlib module names and the first line or so of their source). One YAML
-(packing on, eager attention, fp32) serves every run; the runs differ only in key=value overrides,
-as a user's would. Three processes do all the work:
+(packing on, eager attention, fp32) serves most runs; the runs differ only in key=value overrides,
+as a user's would. A second YAML is PaddleFormers' own example examples/config/sft/full_tp_pp.yaml
+(bf16 by its default compute_type, amp_master_grad by the Trainer's default, tensor 2 x pipeline 2 +
+sequence parallel, sharding stage1, full recompute, gradient accumulation) with the tiny inputs and
+fp16_opt_level O1: its O2 loads the model in bf16, which has no CPU matmul (on CPU Paddle's AMP is a no-op,
+so O1 trains as fp32 in both). Three processes do all the work:
 
 - the reference: PaddleFormers' own `run_tuner` in one process, per global batch (2 and 4), full
-  fine-tuning and LoRA;
+  fine-tuning and LoRA, and the example YAML on one card (global batch 2 and 4);
 - `python -m paddle_cp.train` starting its own launch (2 CPU ranks, ring attention), saving a
   checkpoint every 2 steps;
 - a 4-rank launch whose ranks run pcp-train's main in place, one run after another: ring 4,
   Ulysses 4, dp 2 x ring 2, dp 2 x tensor 2 + sequence parallel, LoRA on dp 2 x ring 2, and a
-  resume of the first launch's step-2 checkpoint on ring 2 x Ulysses 2; then configs it must refuse.
+  resume of the first launch's step-2 checkpoint on ring 2 x Ulysses 2, the example YAML as it is (tensor 2 x
+  pipeline 2) and on dp 2 x ring 2; then configs it must refuse.
 
 Each run's logged losses (PaddleFormers' `loss:` log lines, 8 digits) and the weights it saves
 (safetensors in output_dir) are compared with the reference of the same global batch (1e-5).
@@ -52,7 +57,25 @@ LORA = ["lora=true", "lora_rank=4", "fine_tuning=lora"]
 # unpacked, over-long samples cut (PaddleFormers' default, delete, has its map dataset draw a replacement from an
 # unseeded generator: a different sample on every process, which paddle_cp refuses within a replica)
 UNPACKED = ["packing=false", "truncation_strategy=right"]
-PT = ["stage=PT", "dataset_type=iterator"]  # PaddleFormers' map dataset cannot pack for PT (it fails on one card)
+PT = ["stage=PT", "dataset_type=iterator"]
+# PaddleFormers' examples/config/sft/full_tp_pp.yaml (its keys PaddleFormers 1.2.0 reads), on the tiny inputs: its
+# data and finetuning keys but the sizes, steps and learning rate of these runs, eager attention, AdamW epsilon 1e-3
+# (as BASE), and fp16_opt_level O1 (see the module docstring); no compute_type: PaddleFormers' default, bf16
+EXAMPLE = {
+    **{key: BASE[key] for key in ("train_dataset_type", "train_dataset_prob", "max_seq_len", "packing", "mix_strategy",
+                                  "template", "_attn_implementation", "stage", "fine_tuning", "seed", "do_train",
+                                  "logging_steps", "disable_tqdm", "learning_rate", "adam_epsilon", "save_steps",
+                                  "device", "report_to")},
+    "per_device_train_batch_size": 1, "max_steps": STEPS, "save_strategy": "steps", "gradient_accumulation_steps": 2,
+    "warmup_steps": 1,
+    "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "moe_token_dispatcher_type": "deepep",
+    "sequence_parallel": True, "sharding": "stage1", "recompute_granularity": "full", "recompute_method": "uniform",
+    "recompute_num_layers": 1, "bf16": True, "fp16_opt_level": "O1", "unified_checkpoint": False,
+    "save_checkpoint_format": "flex_checkpoint", "load_checkpoint_format": "flex_checkpoint", "weight_decay": 0.0,
+    "adam_beta2": 0.999, "moe_router_bias_update_rate": 0.0, "overlap_p2p_comm": False, "batch_p2p_comm": True,
+}
+ONE_CARD = ["tensor_model_parallel_size=1", "pipeline_model_parallel_size=1", "sequence_parallel=false"]
+DP2_RING2 = [*ONE_CARD, "context_parallel_size=2"]  # the parallel keys a paddle_cp user changes  # PaddleFormers' map dataset cannot pack for PT (it fails on one card)
 # name -> (overrides, reference, collectives that must have sent bytes); on 4 ranks: the ranks a layout leaves
 # over are data parallel
 LAUNCH_RUNS = {
@@ -70,11 +93,14 @@ LAUNCH_RUNS = {
     "pt_ring4": (["context_parallel_size=4", *PT], "pt_b2", ["ring"]),
     "resume_ring2_ulysses2": (["context_parallel_size=2", "sep_parallel_size=2"], "full_b2",
                               ["checkpoint_agree", "ring", "ulysses"]),
+    "example_tp2_pp2_sp": ([], "example_b2", ["pp_activation", "all_gather"]),
+    "example_dp2_ring2": (DP2_RING2, "example_b4", ["ring", "grad_all_reduce"]),
 }
 REFERENCES = {"full_b2": [], "full_b4": ["per_device_train_batch_size=4"],
-              "lora_b4": ["per_device_train_batch_size=4", *LORA], "unpacked_b2": UNPACKED, "pt_b2": PT}
+              "lora_b4": ["per_device_train_batch_size=4", *LORA], "unpacked_b2": UNPACKED, "pt_b2": PT,
+              "example_b2": ONE_CARD, "example_b4": [*ONE_CARD, "per_device_train_batch_size=2"]}
 REFUSED = {
-    "bf16": ["compute_type=bf16"],
+    "quantized": ["compute_type=wint8"],
     "dpo": ["stage=DPO"],
     "sizes_do_not_fit": ["context_parallel_size=3"],
     "sequence_parallel_alone": ["sequence_parallel=true"],
@@ -130,11 +156,12 @@ def run_all(tmp):
     launch ({"world_size": what rank 0 logged, "logs": its workerlog files})}."""
     build = f"import sft_cli_inputs; sft_cli_inputs.build({str(tmp)!r}, samples=24, answer_bytes=40)"
     subprocess.run([sys.executable, "-c", build], env=_env(tmp / "unused"), check=True, capture_output=True)
-    config = tmp / "sft.yaml"
-    config.write_text(yaml.safe_dump({**BASE, "model_name_or_path": str(tmp / "model"),
-                                      "train_dataset_path": str(tmp / "train.jsonl")}))
+    inputs = {"model_name_or_path": str(tmp / "model"), "train_dataset_path": str(tmp / "train.jsonl")}
+    (tmp / "sft.yaml").write_text(yaml.safe_dump({**BASE, **inputs}))
+    (tmp / "example.yaml").write_text(yaml.safe_dump({**EXAMPLE, **inputs}))
 
     def argv(name, overrides):
+        config = tmp / ("example.yaml" if name.startswith("example") else "sft.yaml")
         return [str(config), f"output_dir={tmp / name}", *overrides]
 
     reference = subprocess.run(
@@ -206,7 +233,7 @@ def test_pcp_train_matches_run_sft(results, run):
 
 
 REFUSAL_FIX = {  # what each error must name: the key, and the fix
-    "bf16": ("compute_type 'bf16'", "compute_type: float32"),
+    "quantized": ("compute_type 'wint8'", "['bf16', 'fp16', 'float32']"),
     "dpo": ("stage 'DPO'", "paddleformers-cli"),
     "sizes_do_not_fit": ("context_parallel_size 3", "must divide the world size"),
     "sequence_parallel_alone": ("sequence_parallel", "tensor_model_parallel_size > 1"),

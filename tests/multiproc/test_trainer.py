@@ -74,6 +74,47 @@ def test_offload_and_tiles_from_training_arguments_train_like_one_card():
         assert kind == "ValueError" and "mlp_tile_tokens" in message
 
 
+AMP_SET_UP = {"amp_master_grad": False, "scaler_sharded": True, "autocast": True}
+
+
+@pytest.mark.parametrize("run, master_grad", [("bf16_o2_master_grad_dp2_sharding2_cp2_accum", True),
+                                              ("bf16_o1_dp2_mp2_sp", False)])
+def test_bf16_trainer_matches_paddleformers_one_card(run, master_grad):
+    """bf16 O2 with master gradients (accumulation, sharding stage 2 over dp x ring) and bf16 O1 without (tensor +
+    sequence parallel): PaddleFormers' AMP is a no-op on CPU for both Trainers, so paddle_cp's must train exactly
+    like PaddleFormers' own on one card. PaddleFormers' main_grad and its extra all-reduce over every rank are off:
+    amp_master_grad becomes paddle_cp's flag; the scaler reduces and agrees over the mesh (pcp.shard_scaler)."""
+    reports = _reports("memory")
+    check_parity(reports, run)
+    for report in reports:
+        amp = report["values"][f"{run}.amp"]
+        assert amp == dict(AMP_SET_UP, paddle_cp_master_grad=master_grad, amp_dtype="bfloat16", grad_scaling=False), amp
+
+
+def test_bf16_o2_trainer_in_emulated_amp_is_as_close_to_fp32_as_one_card():
+    """Under the CPU emulation of Paddle's GPU AMP (tests/workers/emulated_amp.py: bf16 parameters cast by
+    decorate, every kernel computing in fp32 and rounding its output to bf16, Paddle's master-gradient cast):
+    bf16 O2 with master gradients on dp 2 x ring 2 is no farther from one card's fp32 run than twice one card's
+    own bf16 O2 run (losses and parameters after 3 steps); the parameters trained were bf16."""
+    reports = _reports("memory")
+    for report in reports:
+        assert report["values"]["emulated_bf16_o2_dp2_cp2.param_dtypes"] == ["paddle.bfloat16"]
+    distances = reports[0]["values"]["emulated_bf16_o2_dp2_cp2.emulated"]
+    for kind in ("loss", "state"):
+        one_card = distances["one_card"][kind]
+        assert 1e-4 < one_card < 0.1, (kind, distances)  # bf16 visibly not fp32: the emulation ran
+        assert distances["paddle_cp"][kind] <= 2 * one_card, (kind, distances)
+
+
+def test_fp16_trainer_is_set_up_like_paddleformers():
+    """fp16 O2: PaddleFormers' loss scaling on, its scaler through pcp.shard_scaler, master gradients paddle_cp's.
+    (Not trained here: on CPU Paddle disables the GradScaler, and PaddleFormers' own Trainer then fails reading the
+    found-inf flag the disabled scaler never sets.)"""
+    for report in _reports("memory"):
+        amp = report["values"]["fp16_o2_set_up"]
+        assert amp == dict(AMP_SET_UP, paddle_cp_master_grad=True, amp_dtype="float16", grad_scaling=True), amp
+
+
 def test_save_model_loads_with_from_pretrained():
     rank0 = _reports("composed")[0]
     assert rank0["values"]["dp2_sharding2_cp2.export_keys_match"]

@@ -47,20 +47,50 @@ def test_issue_cases_fit_with_configs_that_load(tmp_path, capsys, config, seq, d
 
 
 def test_sharding_levels_divide_state_over_dp_and_sep():
-    whole = memory(SMALL, Layout(dp=2, ring=2), 4096, 1, 2)
-    by_level = {level: memory(SMALL, Layout(dp=2, ring=2, sharding=level), 4096, 1, 2) for level in (1, 2, 3)}
+    # bf16 gradients: SMALL's whole gradients fit one bucket, so every level holds them all before the step
+    whole = memory(SMALL, Layout(dp=2, ring=2), 4096, 1, 2, master_grad=False)
+    by_level = {level: memory(SMALL, Layout(dp=2, ring=2, sharding=level), 4096, 1, 2, master_grad=False)
+                for level in (1, 2, 3)}
     quarter = pytest.approx(0.25)
     assert by_level[1]["optimizer"] / whole["optimizer"] == quarter
     assert by_level[1]["gradients"] == whole["gradients"] and by_level[1]["weights"] == whole["weights"]
     assert by_level[2]["gradients"] / whole["gradients"] == quarter and by_level[2]["weights"] == whole["weights"]
     assert by_level[3]["weights"] / whole["weights"] == quarter
-    over_dp = memory(SMALL, Layout(dp=2, ring=2, sharding=3, shard_dims=("dp",)), 4096, 1, 2)
+    over_dp = memory(SMALL, Layout(dp=2, ring=2, sharding=3, shard_dims=("dp",)), 4096, 1, 2, master_grad=False)
     assert over_dp["weights"] / whole["weights"] == pytest.approx(0.5)
     # paddle_cp holds whole gradients until the step reduces them: the step phase is the same at every level
     assert len({m["phases"]["step"] - m["weights"] - m["optimizer"] for m in (whole, *by_level.values())}) == 1
     assert "sharding_mesh_dim" not in parallelize_config(Layout(dp=2, ring=2, sharding=3))["dp_config"]
     assert parallelize_config(Layout(dp=2, ring=2, sharding=3, shard_dims=("dp",)))["dp_config"] == {
         "sharding_level": 3, "sharding_mesh_dim": "dp"}
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_master_gradients_are_fp32_and_masters_sharded_from_level_1(level):
+    """bf16 O2 (elem 2): weights and activations 2 bytes an element, AdamW's moments and the fp32 master 12 on the
+    owners (sharded from level 1), gradients 4 with master gradients and 2 without (sharded from level 2); fp32
+    training has no master and its gradients are 4 bytes either way. The reduction moves 4-byte gradients."""
+    layout = Layout(dp=2, ring=2, sharding=level)
+    master, bf16 = (memory(SMALL, layout, 4096, 1, 2, master_grad=flag) for flag in (True, False))
+    fp32 = memory(SMALL, layout, 4096, 1, 4)
+    dense, _ = stage_params(SMALL, layout, 0)
+    share = 0.25 if level else 1
+    assert master["optimizer"] == bf16["optimizer"] == pytest.approx(dense * share * 12)
+    assert fp32["optimizer"] == pytest.approx(dense * share * 8)
+    assert master["weights"] == bf16["weights"] == pytest.approx(dense * (0.25 if level == 3 else 1) * 2)
+    grad_share = 0.25 if level >= 2 else 1
+    assert master["gradients"] == pytest.approx(dense * grad_share * 4) == 2 * bf16["gradients"]
+    assert master["gradients"] == fp32["gradients"] and master["activations"] == bf16["activations"]
+    assert master["phases"]["step"] > bf16["phases"]["step"]  # the step holds the gradients and their buckets
+    cluster = Cluster(4, 80e9, 700e12, 300e9, 25e9, 8, 300e12)
+    seconds = {flag: step_time(SMALL, layout, cluster, 4096, 1, 2, master_grad=flag)["gradients"]
+               for flag in (True, False)}
+    # gradient passes (all-reduce 2, reduce-scatter 1) at 4 bytes instead of 2; the values' passes stay 2 bytes
+    passes = {0: (2, 0), 1: (2, 1), 2: (1, 1), 3: (1, 2)}[level]
+    assert seconds[True] / seconds[False] == pytest.approx((4 * passes[0] + 2 * passes[1]) / (2 * sum(passes)))
+    plain = plan.parse_args(["--layers", "2", "--hidden", "8", "--heads", "2", "--vocab", "8", "--intermediate", "8",
+                             "--devices", "2", "--seq", "8"])
+    assert plain.dtype_bytes == 2 and not plain.no_master_grad  # pcp-plan prices PaddleFormers' bf16 O2 by default
 
 
 def test_recomputation_keeps_layer_inputs_and_selective_modules_follow_the_family():

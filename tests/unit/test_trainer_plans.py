@@ -181,7 +181,7 @@ def test_paddle_cp_never_imports_paddleformers():
     assert out.strip().splitlines()[-1] == "False"
 
 
-@pytest.mark.parametrize("flag, value", [("bf16", True), ("enable_auto_parallel", True),
+@pytest.mark.parametrize("flag, value", [("distributed_dataloader", True), ("enable_auto_parallel", True),
                                          ("to_static", True), ("load_best_model_at_end", True)])
 def test_fleet_only_flags_are_refused_with_the_reason(flag, value):
     from types import SimpleNamespace

@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from amp_emulation import emulated as amp_emulated
+from amp_emulation import widened
 from paddleformers_models import build, rechunked
 from report import run
 
@@ -122,15 +124,27 @@ def parallel_run(report, name, spec, root):
         train_with(Trainer, TrainingArguments, first, directory, parallel=True, stop_at=2)
         losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True, resume=True)
     else:
-        losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)
+        with amp_emulated(spec.get("emulated")):
+            losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)
+            if spec.get("emulated"):
+                report.value(f"{name}.param_dtypes", sorted({str(p.dtype) for p in trainer.model.parameters()}))
     if spec.get("export"):
         trainer.save_model(os.path.join(directory, "export"))
+    if trainer.args.bf16:
+        report.value(f"{name}.amp", amp_set_up(trainer))
     if spec["parallel"].get("tensorwise_offload_optimizer"):
         host = trainer.optimizer.host_optimizer
         report.value(f"{name}.offload", {"host_state": host is not None and host.host_bytes() > 0,
                                          "flag_reads": trainer.args.tensorwise_offload_optimizer,
                                          "adamw_is_paddles": paddle._C_ops.adamw_ is ADAMW})
-    return losses, pcp.full_state_dict(trainer.model)
+    return losses, widened(pcp.full_state_dict(trainer.model))
+
+
+def amp_set_up(trainer):
+    """What the Trainer made of PaddleFormers' mixed-precision arguments."""
+    return {"paddle_cp_master_grad": trainer.args.paddle_cp_master_grad, "amp_master_grad": trainer.args.amp_master_grad,
+            "scaler_sharded": getattr(trainer.scaler, "_pcp_sharded", False), "amp_dtype": trainer.amp_dtype,
+            "autocast": trainer.enable_autocast_context_manager, "grad_scaling": trainer.do_grad_scaling}
 
 
 def exported_state(root, name):
@@ -149,10 +163,11 @@ def reference_run(spec, root, name, evaluation=None):
 
     model = model_of(spec.get("family", "llama"), **spec.get("model", {}))
     model = {"rechunked": rechunked, "float64": float64_model}.get(evaluation, lambda m: m)(model)
-    with one_card(), float64_math() if evaluation == "float64" else contextlib.nullcontext():
+    with one_card(), float64_math() if evaluation == "float64" else contextlib.nullcontext(), \
+            amp_emulated(spec.get("emulated")):
         losses, trainer = train_with(Trainer, TrainingArguments, spec, os.path.join(root, name + ".ref"),
                                      parallel=False, model=model)
-    return losses, {k: v.numpy() for k, v in trainer.model.state_dict().items()}
+    return losses, widened({k: v.numpy() for k, v in trainer.model.state_dict().items()})
 
 
 def truth_distances(runs, truth):
@@ -245,17 +260,36 @@ RUNS = {
         "dp2_cp2_sharding1_offload_optimizer": dict(
             parallel=dict(CP2, per_device_train_batch_size=2, sharding="stage1", tensorwise_offload_optimizer=True),
             global_batch=4),
+        # PaddleFormers' mixed precision (a no-op on CPU for both Trainers: these check that paddle_cp's Trainer
+        # takes it as PaddleFormers does): bf16 O2 with its default master gradients over dp x ring with sharding
+        # stage 2 and accumulation, and bf16 O1 without them over tensor + sequence parallel (fp16 cannot train
+        # on CPU in PaddleFormers' own Trainer: Paddle's disabled GradScaler sets no found-inf flag it reads)
+        "bf16_o2_master_grad_dp2_sharding2_cp2_accum": dict(
+            parallel=dict(CP2, sharding="stage2", per_device_train_batch_size=1), global_batch=2,
+            args=dict(bf16=True, fp16_opt_level="O2", amp_master_grad=True, gradient_accumulation_steps=2)),
+        "bf16_o1_dp2_mp2_sp": dict(
+            parallel=dict(tensor_model_parallel_size=2, sequence_parallel=True, per_device_train_batch_size=2),
+            global_batch=4, args=dict(bf16=True, fp16_opt_level="O1", amp_master_grad=False)),
+        # bf16 O2 with master gradients in the CPU emulation of Paddle's GPU AMP (real bf16 parameters, activations
+        # and gradients; `emulated`): held to one card's own distance from its fp32 run, as `truth` is
+        "emulated_bf16_o2_dp2_cp2": dict(
+            parallel=dict(CP2, per_device_train_batch_size=2), global_batch=4, emulated=True,
+            args=dict(bf16=True, fp16_opt_level="O2", amp_master_grad=True)),
     },
 }
 
 
 def memory_bad_configs(report, root):
-    from paddle_cp.integrations.paddleformers import TrainingArguments
+    from paddle_cp.integrations.paddleformers import Trainer, TrainingArguments
 
     report.expect_error("offload_without_recompute", lambda: TrainingArguments(
         output_dir=os.path.join(root, "bad"), **dict(COMMON, context_parallel_size=2, offload_recompute_inputs=True)))
     report.expect_error("negative_tile", lambda: TrainingArguments(
         output_dir=os.path.join(root, "bad"), **dict(COMMON, context_parallel_size=2, mlp_tile_tokens=-4)))
+    # fp16 O2 with a loss scale and master gradients, set up (not trained: see the bf16 runs)
+    fp16 = TrainingArguments(output_dir=os.path.join(root, "fp16"), **dict(
+        COMMON, context_parallel_size=2, fp16=True, fp16_opt_level="O2", amp_master_grad=True, scale_loss=1024.0))
+    report.value("fp16_o2_set_up", amp_set_up(Trainer(model=model_of("llama"), args=fp16)))
 
 
 def bad_configs(report, root):
@@ -295,6 +329,11 @@ def main(report):
         if "resume" in spec:  # the resumed run logs the steps after the checkpoint
             want_losses = want_losses[2:]
         report.value(f"{name}.losses", [losses, want_losses])
+        if spec.get("emulated"):  # one card in the emulation, and one card in fp32 (no AMP flags) as the truth
+            fp32 = dict(spec, emulated=False, args={})
+            report.value(f"{name}.emulated", truth_distances(
+                {"paddle_cp": (losses, state), "one_card": (want_losses, want_state)},
+                reference_run(fp32, root, name + ".fp32")))
         if spec.get("truth"):
             report.value(f"{name}.truth", truth_distances(
                 {"paddle_cp": (losses, state), "one_card": (want_losses, want_state),

@@ -27,7 +27,8 @@ from .training_args import TrainingArguments
 
 # the stages whose workflow is run_sft (SFTTrainer); the others build trainers of their own
 STAGES = ("SFT", "PT")
-# compute types that train in fp32 (FinetuningArguments turns the others into bf16/fp16 or quantized weights)
+# compute types without quantized weights: fp32, or bf16/fp16 (PaddleFormers' AMP, its fp16_opt_level)
+UNQUANTIZED_COMPUTE = ("bf16", "fp16", "float32")
 FP32_COMPUTE = "float32"
 
 
@@ -37,13 +38,16 @@ class FinetuningArguments(TrainingArguments, PaddleFormersFinetuningArguments):
     the MRO: it takes the parallel keys out before PaddleFormers' own __post_init__ sees them)."""
 
     def __post_init__(self):
-        # FinetuningArguments sets bf16/fp16 from compute_type after paddle_cp's checks ran: refuse it here
-        if dist.get_world_size() > 1 and self.compute_type != FP32_COMPUTE:
+        if dist.get_world_size() > 1 and self.compute_type not in UNQUANTIZED_COMPUTE:
             raise ValueError(
-                f"compute_type {self.compute_type!r} is not supported by pcp-train on more than one rank: mixed "
-                "precision and quantized weights are not wired into paddle_cp's Trainer yet; set "
-                f"compute_type: {FP32_COMPUTE} (with fp16_opt_level: O1)")
+                f"compute_type {self.compute_type!r} is not supported by pcp-train on more than one rank: "
+                "quantized weights are not wired into paddle_cp's Trainer; set compute_type to one of "
+                f"{list(UNQUANTIZED_COMPUTE)}")
         super().__post_init__()
+
+    def _mixed_precision(self):
+        # PaddleFormers' __post_init__ sets bf16 or fp16 from compute_type after paddle_cp's checks ran
+        return self.compute_type != FP32_COMPUTE
 
 
 class SFTTrainer(Trainer, PaddleFormersSFTTrainer):

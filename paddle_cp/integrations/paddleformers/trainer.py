@@ -5,6 +5,10 @@ subclass replaces only what fleet did:
 - `_wrap_model`: `paddle_cp.parallelize(model, optimizer, mesh, config)` with the
   plans derived from the model (plans.py) or the user's paddle_cp config
   (`tensorwise_offload_optimizer`: its dp_config's `offload_optimizer`);
+- `_wrap_amp_model`: PaddleFormers' own bf16/fp16 set-up (O2 casts the one-card model,
+  a GradScaler), then its scaler through `paddle_cp.shard_scaler` and, with
+  `amp_master_grad`, Paddle's fp32 master gradients for the same parameters, asked
+  before parallelize plans its gradient buckets;
 - `_get_train_sampler`: every data-parallel rank its part of one card's batch (data.py);
 - `compute_loss`: each rank's mean loss weighted by `paddle_cp.loss_weight`, so the
   averaged gradient and the logged world mean are one card's token mean;
@@ -91,6 +95,21 @@ class Trainer(PaddleFormersTrainer):
     @property
     def _distributed(self):
         return self.args.paddle_cp_degrees.parallel
+
+    # ---- mixed precision -----------------------------------------------------------------
+    def _wrap_amp_model(self, args, model):
+        super()._wrap_amp_model(args, model)
+        if not args.paddle_cp_degrees.parallel:
+            return
+        # gradients reduced before unscaling, found-inf agreed over the mesh (on CPU Paddle disables the scaler)
+        self.scaler = pcp.shard_scaler(self.scaler)
+        if args.paddle_cp_master_grad and args.fp16_opt_level == "O2":
+            # Paddle casts these parameters' gradients to fp32 at the end of every backward; paddle_cp then
+            # accumulates and reduces them in fp32. Registered before parallelize, which splits each parameter
+            # in place and sizes its buckets by the gradients' dtype. The model was cast above: every layer is
+            # excluded so this casts nothing more (on CPU decorate does nothing at all)
+            paddle.amp.decorate(models=model, level="O2", dtype=self.amp_dtype, master_grad=True,
+                                excluded_layers=model)
 
     # ---- model and optimizer -------------------------------------------------------------
     def _wrap_model(self, model, training=True):

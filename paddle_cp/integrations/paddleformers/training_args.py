@@ -12,6 +12,11 @@ False, no sharding): scripts copy them into the model config, where they would
 build fleet's parallel layers. paddle_cp splits the one-card model instead.
 `tensorwise_offload_optimizer` becomes `paddle_cp_offload_optimizer` (dp_config
 offload_optimizer) and reads False, so PaddleFormers applies none of its own offload.
+Likewise `amp_master_grad` (with bf16/fp16) becomes `paddle_cp_master_grad` and reads
+False: PaddleFormers would otherwise keep a `main_grad` beside each parameter (leaving
+`.grad` None for paddle_cp's buckets) and all-reduce it again over every rank; paddle_cp's
+Trainer asks Paddle for fp32 gradients instead (`decorate(master_grad=True)`), which
+paddle_cp accumulates and reduces in fp32.
 """
 from __future__ import annotations
 
@@ -41,8 +46,6 @@ FLEET_FLAGS = {
 
 # flags whose PaddleFormers implementation needs fleet or its own checkpoint formats: refused with the reason
 UNSUPPORTED = {
-    "bf16": "mixed precision is not wired into paddle_cp's Trainer yet (and CPUs have no bf16 matmul): train in fp32",
-    "fp16": "mixed precision is not wired into paddle_cp's Trainer yet: train in fp32",
     "enable_auto_parallel": "PaddleFormers' own auto-parallel path (DistTensors); paddle_cp replaces it",
     "distributed_dataloader": "fleet's DistDataLoader needs its hybrid groups; every rank reads its own samples here",
     "load_best_model_at_end": "it reloads with PaddleFormers' checkpoint formats; load the best paddle_cp "
@@ -116,10 +119,17 @@ class TrainingArguments(PaddleFormersTrainingArguments):
             # paddle_cp writes and reads its own checkpoints; PaddleFormers' formats would start fleet
             self.save_checkpoint_format = self.load_checkpoint_format = None
             self.unified_checkpoint = False
-        if not (self.bf16 or self.fp16):
+        if not self._mixed_precision():
             self.amp_master_grad = False  # PaddleFormers refuses its default True without AMP
         super().__post_init__()
+        self.paddle_cp_master_grad = bool(self.amp_master_grad) and self.paddle_cp_degrees.parallel
+        if self.paddle_cp_master_grad:
+            self.amp_master_grad = False
         self.paddle_cp_flags = flags  # what the user asked for, for the record
+
+    def _mixed_precision(self):
+        """Whether PaddleFormers' __post_init__ keeps bf16 or fp16 on (its amp_master_grad needs one)."""
+        return bool(self.bf16 or self.fp16)
 
     @property
     def dataset_world_size(self):
