@@ -122,3 +122,37 @@ def test_seed_config_dp2_mp2_pp2_matches_one_card(eight, level):
     """The seed's whole config (dp2 x mp2 x pp2, sequence parallel) with sharding levels 1-3 inside
     each stage, 1F1B over 2 micro-batches per dp rank."""
     check_parity(eight, f"doc_dp2_mp2_pp2_l{level}", loss_ranks=set(range(8)))
+
+
+def test_decorate_o2_after_and_before_parallelize_casts_every_stages_parameters(doc_pp2):
+    """Paddle's amp_initialize (what decorate(level="O2") runs on a GPU) after parallelize: each stage's own
+    parameters take bf16 as values, the other stage's as placeholders (no data, same shape): on every rank
+    a parameter has the dtype its holder gave it. Cast before parallelize, the stages keep bf16 values."""
+    before = [r["values"]["doc_pp2_cast_after.before_cast"] for r in doc_pp2]
+    after = [r["values"]["doc_pp2_cast_after.after_cast"] for r in doc_pp2]
+    for was, now in zip(before, after):
+        assert sorted(was) == sorted(now)
+        assert any(not held for _, _, held in was.values())  # there are placeholders on this stage
+        for name, (dtype, shape, held) in now.items():
+            assert dtype == "paddle.bfloat16" and [shape, held] == was[name][1:], name
+    for report in doc_pp2:
+        cast = report["values"]["doc_pp2_cast_before"]
+        assert {dtype for dtype, _ in cast.values()} == {"paddle.bfloat16"} and any(h for _, h in cast.values())
+
+
+@pytest.mark.parametrize("schedule", ["FThenB", "1F1B", "VPP"])
+def test_a_grad_scaler_scales_every_backward_of_the_schedule(doc_pp2, schedule):
+    """pcp.shard_scaler(GradScaler(1024)): the activation gradients sent back between stages are 1024 times the
+    unscaled run's (the scale reaches every backward, not only the accumulated gradients), and after the
+    scaler's unscale the losses and parameters equal the unscaled run's."""
+    name = f"doc_pp2_scaled_{schedule}"
+    senders = 0
+    for report in doc_pp2:
+        sends, want_sends = report["values"][f"{name}.sends"]
+        assert sends == want_sends
+        if sends:
+            senders += 1
+            assert report["max_abs"][f"{name}.sent_gradients"] <= 1e-3 * report["values"][f"{name}.sent_gradient_size"][0]
+        diffs = {k: v for k, v in report["max_abs"].items() if k.startswith(f"{name}.state.") or k == f"{name}.loss"}
+        assert len(diffs) > 1 and max(diffs.values()) < TOLERANCE, diffs
+    assert senders == (2 if schedule == "VPP" else 1)

@@ -4,6 +4,7 @@ every step (on every rank) and the final full_state_dict with one process doing 
 argv[1] names the group of runs (one launch each).
 """
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -153,6 +154,86 @@ def doc_pp2(report):
                                "loss_fn": cross_entropy}}, model_loss, ref_loss=user_loop)
 
 
+def cast_after_parallelize(report, name, model):
+    """What `paddle.amp.decorate(level="O2", dtype="bfloat16")` does to the model after parallelize: Paddle's
+    amp_initialize (decorate calls it on a GPU; on CPU it returns before). Reports every parameter's
+    [dtype, shape, holds data] before and after: the ones another rank holds must take the dtype too."""
+    from paddle.amp.auto_cast import amp_initialize
+
+    def described():
+        return {n: [str(p.dtype), list(p.shape), p._is_initialized()] for n, p in model.named_parameters()}
+
+    report.value(f"{name}.before_cast", described())
+    amp_initialize(models=[model], dtype="bfloat16", excluded_layers=None)
+    report.value(f"{name}.after_cast", described())
+
+
+def doc_pp2_cast(report):
+    """decorate O2 after parallelize on 2 stages, and before it (the cast model parallelized: its stages keep
+    bf16 parameters)."""
+    mesh, config = pp_mesh([2], ["pp"]), {"pp_config": {"split_spec": "llama.layers"}}
+    model, optimizer = build(doc_model)
+    model, _ = pcp.parallelize(model, optimizer, mesh, config)
+    cast_after_parallelize(report, "doc_pp2_cast_after", model)
+    from paddle.amp.auto_cast import amp_initialize
+    model, optimizer = build(doc_model)
+    amp_initialize(models=[model], dtype="bfloat16", excluded_layers=None)
+    model, _ = pcp.parallelize(model, optimizer, mesh, config)
+    report.value("doc_pp2_cast_before", {n: [str(p.dtype), p._is_initialized()] for n, p in model.named_parameters()})
+
+
+def doc_pp2_scaled(report):
+    """A GradScaler (scale 1024, through pcp.shard_scaler) on FThenB, 1F1B and VPP: each micro-batch's backward
+    starts from its scaled loss, so every activation gradient a stage sends back is 1024 times the unscaled
+    run's; unscaled before the step, the losses and parameters equal the unscaled run's."""
+    from unittest import mock
+
+    from optimizer_amp import cpu_scaler
+
+    from paddle_cp.comm import stage_p2p
+    mesh = pp_mesh([2], ["pp"])
+    for schedule, extra in {"FThenB": {}, "1F1B": {}, "VPP": {"vpp_degree": 2}}.items():
+        config = {"pp_config": {"split_spec": "llama.layers", "schedule_mode": schedule, "accumulate_steps": 2,
+                                "loss_fn": cross_entropy, **extra}}
+        runs = {}
+        for scaled in (False, True):
+            model, optimizer = build(lambda: LlamaForCausalLM(num_layers=4))
+            model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
+            scaler = pcp.shard_scaler(cpu_scaler()) if scaled else None
+            sent, send = [], stage_p2p.send_tensors
+
+            def spy(pair, tensors, **kwargs):
+                sent.extend(t.numpy().copy() for t in tensors)
+                return send(pair, tensors, **kwargs)
+
+            losses = []
+            with mock.patch.object(stage_p2p, "send_tensors", spy):
+                for ids, labels in batches(DOC_VOCAB):
+                    with paddle.amp.auto_cast(scaled, level="O1", dtype="float16"):  # no-op on CPU; the scaler asks
+                        loss = model_loss(model, ids, labels)
+                    (scaler.scale(loss) if scaled else loss).backward()
+                    if scaled:
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        optimizer.step()
+                    optimizer.clear_grad()
+                    losses.append(float(loss))
+            runs[scaled] = losses, sent, pcp.full_state_dict(model)
+            del scaler
+            gc.collect()  # the scaler (a cycle through its wrapped _unscale) is gone: the next run has none
+        name = f"doc_pp2_scaled_{schedule}"
+        (losses, sent, state), (want_losses, want_sent, want_state) = runs[True], runs[False]
+        report.value(f"{name}.sends", [len(sent), len(want_sent)])
+        if sent:  # the stages that send gradients back (all but the first; with VPP, every rank)
+            sent, want_sent = (np.concatenate([g.ravel() for g in x]) for x in (sent, want_sent))
+            report.diff(f"{name}.sent_gradients", sent, 1024 * want_sent)
+            report.value(f"{name}.sent_gradient_size", [float(np.abs(sent).max()), float(np.abs(want_sent).max())])
+        report.diff(f"{name}.loss", np.array(losses), np.array(want_losses))
+        for key, value in want_state.items():
+            report.diff(f"{name}.state.{key}", state[key], value)
+
+
 def llama_pp2(report):
     """PaddleFormers Llama (4 layers, tied embeddings by default) on 2 stages, m = 4."""
     mesh = pp_mesh([2], ["pp"])
@@ -269,7 +350,7 @@ def doc_dp2_mp2_pp2(report):
                 model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
+RUNS = {"doc_pp2": [doc_pp2, doc_pp2_cast, doc_pp2_scaled], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
         "eight": [doc_dp2_mp2_pp2]}
 
 
