@@ -71,6 +71,21 @@ def test_training_matches_one_card(reports, run):
         assert losses[-1] < losses[0], f"{run}: training should reduce the loss"
 
 
+@pytest.mark.parametrize("run", ["qwen3_moe:dp2xsep2", "deepseek_v3:sep4", "qwen3_moe:pp2xsep2", "gpt_oss:sep4:level3"])
+def test_decorate_o2_after_parallelize_casts_other_ranks_experts(reports, run):
+    """Paddle's amp_initialize (what decorate(level="O2") runs on a GPU) after parallelize: the experts (and
+    stages, level-3 shares) another rank holds are cast as placeholders, still without data at their shapes;
+    every parameter has the same dtype on every rank (its holders'), and the floating ones are bf16."""
+    after = [r["values"][f"{run}.after_cast"] for r in reports]
+    for report, now in zip(reports, after):
+        was = report["values"][f"{run}.before_cast"]
+        assert sorted(was) == sorted(now) and any(not held for _, _, held in was.values()), report["rank"]
+        assert all(now[n][1:] == was[n][1:] for n in now), report["rank"]
+    for name in after[0]:
+        assert len({a[name][0] for a in after}) == 1, name
+    assert "paddle.bfloat16" in {dtype for dtype, _, _ in after[0].values()}
+
+
 def test_shared_experts_run_in_tiles(reports):
     """SequenceTiled on the MoE blocks' dense part: every tile of the rank's rows runs forward once and is
     replayed once in backward (the parity above: exact)."""

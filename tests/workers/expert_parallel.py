@@ -16,6 +16,7 @@ import paddle
 import paddle.distributed as dist
 from paddleformers_models import SIZES, stub_gpu_modules
 from paddleformers_models import build as build_family
+from pipeline import cast_after_parallelize
 from report import mean_over_ranks, run
 
 import paddle_cp as pcp
@@ -327,6 +328,11 @@ def _qwen3_with_experts(count):
         **SIZES, head_dim=16, num_experts=count, num_experts_per_tok=2, moe_intermediate_size=32))
 
 
+# runs whose model is then cast as decorate(level="O2") casts it: listed experts held by one rank (with a
+# pipeline too), stacked experts sharded at level 3 (their shares kept by owners only)
+CAST_AFTER = ("qwen3_moe:dp2xsep2", "deepseek_v3:sep4", "qwen3_moe:pp2xsep2", "gpt_oss:sep4:level3")
+
+
 def main(report):
     check_bad_configs(report)  # first: a rank that went on to a collective would hang the others
     cached = {}
@@ -370,6 +376,8 @@ def main(report):
             key = f"model.layers.1.mlp.experts.{IDLE_EXPERT}.down_proj.weight"
             report.value(f"{spec}.idle_moved", [float(np.abs(state[key] - initial[key]).max()),
                                                 float(np.abs(want_state[key] - initial[key]).max())])
+        if spec in CAST_AFTER:  # last: the model is bf16 after it
+            cast_after_parallelize(report, spec, run_.model)
 
 
 if __name__ == "__main__":
