@@ -6,27 +6,21 @@ cast the inputs of every white-list op (matmul) back to bf16/fp16, and at O2 wit
 op not on the black list: the forward would compute in low precision, while a PyLayer's backward, run by the
 autograd engine after the autocast block has closed, computes in fp32 (under a pipeline, whose schedule runs
 backward inside the forward, in low precision too). `fp32_inside` turns autocast off for the function's
-body, so forward and backward compute alike; only the tracer's level is switched (as `auto_cast` itself
-does), none of `auto_cast`'s global state (its dtype, master-gradient hooks) is touched.
+body, so forward and backward compute alike. It costs no device work: `auto_cast(enable=False)` switches
+the tracer's AMP level and op lists on the host, and is given the current AMP dtype, which it records
+globally (GradScaler reads it).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
-from paddle.base import core
-from paddle.base.framework import _dygraph_tracer
+import paddle
+from paddle.amp.auto_cast import amp_global_state
 
 
-@contextlib.contextmanager
 def autocast_off():
-    tracer = _dygraph_tracer()
-    level = tracer._amp_level
-    tracer._amp_level = core.AmpLevel.O0
-    try:
-        yield
-    finally:
-        tracer._amp_level = level
+    # level O0 takes no op lists (any dtype is accepted); the dtype given is what auto_cast records
+    return paddle.amp.auto_cast(enable=False, level="O0", dtype=amp_global_state().amp_dtype)
 
 
 def fp32_inside(function):

@@ -141,3 +141,40 @@ def test_state_passing_scan_computes_in_fp32_under_autocast_and_on_bf16(level):
         _equal(a, c)
     assert got_low[-1].dtype == BF16
     _equal(got_low[-1], want_low[-1].astype(BF16))
+
+
+@pytest.fixture
+def emulated_amp(monkeypatch):
+    from workers import emulated_amp
+
+    emulated_amp.install(monkeypatch.setattr)
+    yield emulated_amp
+    emulated_amp.reset()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_under_the_emulated_amp_attention_and_the_scan_compute_as_outside_it(emulated_amp, level):
+    """Paddle's AMP emulated on CPU (tests/workers/emulated_amp.py): a bf16 model's q/k/v through local_attention,
+    forward under auto_cast and backward inside it too (as a pipeline's schedule runs it), give bit for bit
+    what they give without autocast; so does the state-passing correction. The control: a matmul of the same
+    fp32 values outside the kernels is rounded to bf16 under it."""
+    q, k, v, dout = _qkv()
+    with emulated_amp.auto_cast(level=level, dtype="bfloat16"):
+        assert paddle.matmul(q[0, :, 0], k[0, :, 0], transpose_y=True).dtype == BF16
+
+    def attention(autocast):
+        low = [x.astype(BF16) for x in (q, k, v)]
+        for x in low:
+            x.stop_gradient = False
+        with autocast:
+            out = local_attention(*low, True, SCALE, BlockwiseKernel(block_size=16))
+            return [out, *paddle.autograd.grad(out, low, grad_outputs=dout.astype(BF16))]
+
+    for got, want in zip(attention(emulated_amp.auto_cast(level=level, dtype="bfloat16")),
+                         attention(contextlib.nullcontext())):
+        assert got.dtype == BF16
+        _equal(got, want)
+    out_zero, out_transition, state = paddle.randn([2, 6, 3, 5]), paddle.randn([2, 6, 3, 4]), paddle.randn([2, 3, 4, 5])
+    with emulated_amp.auto_cast(level=level, dtype="bfloat16"):
+        got = state_passing.corrected(out_zero, out_transition, state)
+    _equal(got, state_passing.corrected(out_zero, out_transition, state))
