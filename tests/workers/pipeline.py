@@ -234,6 +234,60 @@ def doc_pp2_scaled(report):
             report.diff(f"{name}.state.{key}", state[key], value)
 
 
+def _as_fp32(array):
+    """A state array as float32 (Paddle's numpy() of a bf16 tensor gives its bits as uint16)."""
+    return (array.astype(np.uint32) << 16).view(np.float32) if array.dtype == np.uint16 else array.astype(np.float32)
+
+
+def doc_pp2_bf16(report):
+    """bf16 O2 under the emulated AMP (tests/workers/emulated_amp.py; installed for the rest of the process: run
+    last): FThenB, 1F1B and VPP with decorate after parallelize, and 1F1B with it before, each against one card
+    in the same emulation; one card in fp32 gives every run's distance from fp32. Reported per run: its losses
+    and final parameters (fp32 values) beside the fp32 run's, and one card's bf16 run's beside it."""
+    import emulated_amp
+
+    emulated_amp.install()
+    make = lambda: LlamaForCausalLM(num_layers=4)  # noqa: E731
+
+    def trained(config=None, amp=True, decorate_first=False):
+        model, optimizer = build(make)
+        if amp and (decorate_first or config is None):
+            model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level="O2", dtype="bfloat16")
+        if config is not None:
+            model, optimizer = pcp.parallelize(model, optimizer, pp_mesh([2], ["pp"]), config)
+            if amp and not decorate_first:
+                model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level="O2",
+                                                       dtype="bfloat16")
+        losses = []
+        for ids, labels in batches(DOC_VOCAB):
+            with paddle.amp.auto_cast(amp, level="O2", dtype="bfloat16"):
+                loss = model(ids, labels=labels)[0] if config is not None else user_loop(model, ids, labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.clear_grad()
+            losses.append(float(loss))
+        state = pcp.full_state_dict(model) if config is not None else {k: v.numpy() for k, v in
+                                                                       model.state_dict().items()}
+        emulated_amp.reset()
+        return np.array(losses), {k: _as_fp32(v) for k, v in state.items()}
+
+    fp32_losses, fp32_state = trained(amp=False)
+    one_losses, one_state = trained()
+    report.diff("bf16_one_card.loss", one_losses, fp32_losses)
+    for key, value in fp32_state.items():
+        report.diff(f"bf16_one_card.param.{key}", one_state[key], value)
+    runs = {"FThenB": ("FThenB", {}, False), "1F1B": ("1F1B", {}, False), "VPP": ("VPP", {"vpp_degree": 2}, False),
+            "1F1B_decorated_first": ("1F1B", {}, True)}
+    for name, (schedule, extra, first) in runs.items():
+        config = {"pp_config": {"split_spec": "llama.layers", "schedule_mode": schedule, "accumulate_steps": 2,
+                                "loss_fn": cross_entropy, **extra}}
+        losses, state = trained(config, decorate_first=first)
+        report.diff(f"bf16_pp2_{name}.loss", losses, fp32_losses)
+        report.diff(f"bf16_pp2_{name}.from_one_card", losses, one_losses)
+        for key, value in fp32_state.items():
+            report.diff(f"bf16_pp2_{name}.param.{key}", state[key], value)
+
+
 def llama_pp2(report):
     """PaddleFormers Llama (4 layers, tied embeddings by default) on 2 stages, m = 4."""
     mesh = pp_mesh([2], ["pp"])
@@ -350,7 +404,7 @@ def doc_dp2_mp2_pp2(report):
                 model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2, doc_pp2_cast, doc_pp2_scaled], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
+RUNS = {"doc_pp2": [doc_pp2, doc_pp2_cast, doc_pp2_scaled, doc_pp2_bf16], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
         "eight": [doc_dp2_mp2_pp2]}
 
 
