@@ -234,7 +234,7 @@ def doc_pp2_scaled(report):
             report.diff(f"{name}.state.{key}", state[key], value)
 
 
-def _as_fp32(array):
+def as_fp32(array):
     """A state array as float32 (Paddle's numpy() of a bf16 tensor gives its bits as uint16)."""
     return (array.astype(np.uint32) << 16).view(np.float32) if array.dtype == np.uint16 else array.astype(np.float32)
 
@@ -269,7 +269,7 @@ def doc_pp2_bf16(report):
         state = pcp.full_state_dict(model) if config is not None else {k: v.numpy() for k, v in
                                                                        model.state_dict().items()}
         emulated_amp.reset()
-        return np.array(losses), {k: _as_fp32(v) for k, v in state.items()}
+        return np.array(losses), {k: as_fp32(v) for k, v in state.items()}
 
     fp32_losses, fp32_state = trained(amp=False)
     one_losses, one_state = trained()
