@@ -249,39 +249,41 @@ def doc_pp2_bf16(report):
     emulated_amp.install()
     make = lambda: LlamaForCausalLM(num_layers=4)  # noqa: E731
 
-    def trained(config=None, amp=True, decorate_first=False):
+    def trained(config=None, amp=True, decorate_first=False, master_grad=False, name=""):
         model, optimizer = build(make)
+        o2 = dict(level="O2", dtype="bfloat16", master_grad=master_grad)
         if amp and (decorate_first or config is None):
-            model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level="O2", dtype="bfloat16")
+            model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, **o2)
         if config is not None:
             model, optimizer = pcp.parallelize(model, optimizer, pp_mesh([2], ["pp"]), config)
             if amp and not decorate_first:
-                model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level="O2",
-                                                       dtype="bfloat16")
-        losses = []
+                model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, **o2)
+        losses, grad_dtypes = [], set()
         for ids, labels in batches(DOC_VOCAB):
             with paddle.amp.auto_cast(amp, level="O2", dtype="bfloat16"):
                 loss = model(ids, labels=labels)[0] if config is not None else user_loop(model, ids, labels)
             loss.backward()
+            grad_dtypes |= {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
             optimizer.step()
             optimizer.clear_grad()
             losses.append(float(loss))
         state = pcp.full_state_dict(model) if config is not None else {k: v.numpy() for k, v in
                                                                        model.state_dict().items()}
         emulated_amp.reset()
+        report.value(f"bf16_pp2_{name}.grad_dtypes" if config else "bf16_one_card.grad_dtypes", sorted(grad_dtypes))
         return np.array(losses), {k: as_fp32(v) for k, v in state.items()}
 
-    fp32_losses, fp32_state = trained(amp=False)
+    fp32_losses, fp32_state = trained(amp=False, name="fp32")
     one_losses, one_state = trained()
     report.diff("bf16_one_card.loss", one_losses, fp32_losses)
     for key, value in fp32_state.items():
         report.diff(f"bf16_one_card.param.{key}", one_state[key], value)
     runs = {"FThenB": ("FThenB", {}, False), "1F1B": ("1F1B", {}, False), "VPP": ("VPP", {"vpp_degree": 2}, False),
-            "1F1B_decorated_first": ("1F1B", {}, True)}
+            "1F1B_decorated_first": ("1F1B", {}, True), "1F1B_master_grad": ("1F1B", {}, False)}
     for name, (schedule, extra, first) in runs.items():
         config = {"pp_config": {"split_spec": "llama.layers", "schedule_mode": schedule, "accumulate_steps": 2,
                                 "loss_fn": cross_entropy, **extra}}
-        losses, state = trained(config, decorate_first=first)
+        losses, state = trained(config, decorate_first=first, master_grad=name.endswith("master_grad"), name=name)
         report.diff(f"bf16_pp2_{name}.loss", losses, fp32_losses)
         report.diff(f"bf16_pp2_{name}.from_one_card", losses, one_losses)
         for key, value in fp32_state.items():
