@@ -175,3 +175,11 @@ def test_bf16_o2_pipelines_are_as_close_to_fp32_as_one_card(doc_pp2, run):
         for name, own in one_card.items():
             assert 0 < own < 0.1, (name, own)
             assert diffs[f"bf16_pp2_{run}.{name}"] <= 2 * own, (run, name, diffs[f"bf16_pp2_{run}.{name}"], own)
+
+
+def test_an_inf_on_one_stage_skips_the_step_on_every_stage(doc_pp2):
+    """pcp.shard_scaler on 1F1B, an inf planted in one gradient of the last stage only: every rank agrees, no
+    parameter of either stage moves (the test's scaler lowers its scale after two infs: 1024 still)."""
+    for report in doc_pp2:
+        held, unchanged, scale = report["values"]["doc_pp2_scaled_inf"]
+        assert held > 0 and unchanged and scale == 1024.0, (report["rank"], held, unchanged, scale)

@@ -239,6 +239,33 @@ def as_fp32(array):
     return (array.astype(np.uint32) << 16).view(np.float32) if array.dtype == np.uint16 else array.astype(np.float32)
 
 
+def doc_pp2_scaled_inf(report):
+    """An inf in the last stage's gradients (rank 1 only) under pcp.shard_scaler on 1F1B: the found-inf flag
+    is agreed over the mesh, both stages skip the step (their parameters unchanged)."""
+    from optimizer_amp import cpu_scaler
+    model, optimizer = build(lambda: LlamaForCausalLM(num_layers=4))
+    config = {"pp_config": {"split_spec": "llama.layers", "schedule_mode": "1F1B", "accumulate_steps": 2,
+                            "loss_fn": cross_entropy}}
+    model, optimizer = pcp.parallelize(model, optimizer, pp_mesh([2], ["pp"]), config)
+    scaler = pcp.shard_scaler(cpu_scaler())
+    ids, labels = next(batches(DOC_VOCAB))
+    with paddle.amp.auto_cast(True, level="O1", dtype="float16"):
+        loss = model_loss(model, ids, labels)
+    scaler.scale(loss).backward()
+    if dist.get_rank() == 1:
+        grad = next(p.grad for p in model.parameters() if p.grad is not None)
+        paddle.assign(grad * float("inf"), grad)
+    before = {k: v.numpy().copy() for k, v in model.state_dict().items() if v._is_initialized()}
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.clear_grad()
+    after = {k: v.numpy() for k, v in model.state_dict().items() if v._is_initialized()}
+    report.value("doc_pp2_scaled_inf", [len(before), all(np.array_equal(before[k], after[k]) for k in before),
+                                        float(scaler._scale.numpy().reshape(-1)[0])])
+    del scaler
+    gc.collect()
+
+
 def doc_pp2_bf16(report):
     """bf16 O2 under the emulated AMP (tests/workers/emulated_amp.py; installed for the rest of the process: run
     last): FThenB, 1F1B and VPP with decorate after parallelize, and 1F1B with it before, each against one card
@@ -406,7 +433,7 @@ def doc_dp2_mp2_pp2(report):
                 model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2, doc_pp2_cast, doc_pp2_scaled, doc_pp2_bf16], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
+RUNS = {"doc_pp2": [doc_pp2, doc_pp2_cast, doc_pp2_scaled, doc_pp2_scaled_inf, doc_pp2_bf16], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
         "eight": [doc_dp2_mp2_pp2]}
 
 
