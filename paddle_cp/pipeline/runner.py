@@ -29,6 +29,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .. import runtime
+from ..attention.full_precision import autocast_off
 from ..comm import collectives, stage_p2p
 from .immediate import run_immediate
 from .loss_factor import RELATIVE_TOLERANCE
@@ -262,7 +263,10 @@ class Pipeline:
                 specs = [stage_p2p.spec_of(t) for t in stage_p2p.float_tensors(outputs[at])]
                 grads_in[at] = stage_p2p.recv_tensors(self.peers[a.peer], specs)
             elif a.kind == BACKWARD:
-                self._backward(at, m, losses, outputs, grads_in, scale)
+                # as without a pipeline, backward runs outside autocast; entering auto_cast also re-arms Paddle's
+                # master-gradient hook, which casts the gradients to fp32 once per backward (every micro-batch's)
+                with autocast_off():
+                    self._backward(at, m, losses, outputs, grads_in, scale)
                 if a.virtual > 0:
                     leaves = stage_p2p.float_tensors(inputs.pop(at))
                     grads_out[at] = [t.grad if t.grad is not None else paddle.zeros_like(t) for t in leaves]

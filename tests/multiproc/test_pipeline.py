@@ -183,3 +183,11 @@ def test_an_inf_on_one_stage_skips_the_step_on_every_stage(doc_pp2):
     for report in doc_pp2:
         held, unchanged, scale = report["values"]["doc_pp2_scaled_inf"]
         assert held > 0 and unchanged and scale == 1024.0, (report["rank"], held, unchanged, scale)
+
+
+def test_every_scheduled_backward_has_the_master_gradient_hook(doc_pp2):
+    """decorate(master_grad=True)'s hook casts the gradients to fp32 at the end of one backward and is armed on
+    entering auto_cast: the schedule re-arms it before each of its backwards (2 micro-batches: 2 per stage)."""
+    for report in doc_pp2:
+        backwards, armed, fired = report["values"]["doc_pp2_master_grad_hooks"]
+        assert backwards == 2 and armed == fired == backwards, (report["rank"], backwards, armed, fired)

@@ -266,6 +266,43 @@ def doc_pp2_scaled_inf(report):
     gc.collect()
 
 
+def doc_pp2_master_grad_hooks(report):
+    """Paddle's master-gradient hook (what decorate(master_grad=True) arms on entering auto_cast: it casts the
+    gradients to fp32 at the end of one backward) on a 1F1B step of 2 micro-batches under the script's one
+    auto_cast: armed before, and fired after, every backward the schedule runs. Real Paddle (no emulation;
+    fp32 parameters: the cast finds nothing to do)."""
+    from unittest import mock
+
+    from paddle.amp.auto_cast import amp_global_state
+    from paddle.base import core
+    model, optimizer = build(lambda: LlamaForCausalLM(num_layers=4))
+    config = {"pp_config": {"split_spec": "llama.layers", "schedule_mode": "1F1B", "accumulate_steps": 2,
+                            "loss_fn": cross_entropy}}
+    model, optimizer = pcp.parallelize(model, optimizer, pp_mesh([2], ["pp"]), config)
+    state, armed, fired = amp_global_state(), [], []
+    add_hook = core.eager._add_backward_final_hook
+
+    def counted(hook):  # Paddle's master-gradient hook (paddle_cp's buckets add final hooks of their own)
+        if getattr(hook, "__name__", "") != "master_grad_hook":
+            return add_hook(hook)
+        armed.append(1)
+        return add_hook(lambda: (fired.append(1), hook())[1])
+
+    state.use_master_grad, state.model_parameters = True, [p for p in model.parameters() if p._is_initialized()]
+    try:
+        with mock.patch.object(core.eager, "_add_backward_final_hook", counted):
+            ids, labels = next(batches(DOC_VOCAB))
+            with paddle.amp.auto_cast(level="O2", dtype="bfloat16"):  # on CPU it computes nothing differently
+                loss = model_loss(model, ids, labels)
+            loss.backward()
+    finally:
+        state.use_master_grad, state.model_parameters = False, []
+        state.already_register_final_backward_hook = False
+    optimizer.clear_grad()
+    backwards = sum(1 for kind, *_ in model._pcp_pipeline.timeline if kind == "B")
+    report.value("doc_pp2_master_grad_hooks", [backwards, len(armed), len(fired)])
+
+
 def doc_pp2_bf16(report):
     """bf16 O2 under the emulated AMP (tests/workers/emulated_amp.py; installed for the rest of the process: run
     last): FThenB, 1F1B and VPP with decorate after parallelize, and 1F1B with it before, each against one card
@@ -433,7 +470,7 @@ def doc_dp2_mp2_pp2(report):
                 model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2, doc_pp2_cast, doc_pp2_scaled, doc_pp2_scaled_inf, doc_pp2_bf16], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
+RUNS = {"doc_pp2": [doc_pp2, doc_pp2_cast, doc_pp2_scaled, doc_pp2_scaled_inf, doc_pp2_master_grad_hooks, doc_pp2_bf16], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
         "eight": [doc_dp2_mp2_pp2]}
 
 
