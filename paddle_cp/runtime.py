@@ -32,6 +32,7 @@ class RuntimeState:
     bytes_sent: defaultdict = field(default_factory=lambda: defaultdict(int))  # bytes this rank sent, by tag
     collectives_issued: defaultdict = field(default_factory=lambda: defaultdict(int))  # collectives, by tag
     emulating_collective: bool = False  # gloo's point-to-point rounds of one collective are running
+    widened_float16: defaultdict = field(default_factory=lambda: defaultdict(int))  # gloo fp16 all-reduces, by tag
     # SequenceInfo of the batches whose top layer is running (innermost last), from PrepareContextParallel
     batches: list = field(default_factory=list)
     # routing.Frame of each ContextParallel layer whose forward is running (innermost last)

@@ -143,7 +143,8 @@ class _Parallelized:
     # parameters carrying this must not keep the model, and the patches it holds, alive)
     prepare: tuple = ()
     loss_factor: object = None  # a pipeline's LossFactorAgreement: the optimizer checks a returned loss's factor
-    buckets: tuple = ((), frozenset())  # the gradient buckets and those only step() reduces (plan_buckets)
+    # the gradient buckets, those only step() reduces (plan_buckets), and the size they were cut to
+    buckets: tuple = ((), frozenset(), math.inf)
 
 
 def parallelize_model(model, mesh=None, config=None):
@@ -182,7 +183,8 @@ def parallelize_model(model, mesh=None, config=None):
     sharding = shard_parameters(level, held, mesh, dims)
     # a pipeline reduces in step() (optimizer.py), in one bucket: its stages hold different parameters, and cut
     # by size, a tied weight would fall in a different bucket on each stage that sums it
-    buckets = plan_buckets(model, held, math.inf if pipeline else bucket_size_mb(config.get("dp_config")))
+    size_mb = math.inf if pipeline else bucket_size_mb(config.get("dp_config"))
+    buckets = (*plan_buckets(model, held, size_mb), size_mb)
     if sharding is not None and level == 3:
         sharding.release_parameters(model)
     if lazy:

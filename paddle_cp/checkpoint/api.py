@@ -125,6 +125,12 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
         save.finish()
 
 
+# (saved, wanted) dtypes a load converts: an fp32 run's checkpoint into a model paddle.amp.decorate cast to
+# bfloat16/float16 (O2). The parameters are rounded to the model's dtype; with multi_precision the saved fp32
+# values become the master weights exactly (restore.restore_optimizer).
+CASTS = {("float32", "bfloat16"), ("float32", "float16")}
+
+
 def _check_specs(found, wanted, what, path, allow_missing=False):
     """Same keys (checkpoint keys a subset when allow_missing), global shapes and dtypes, else ValueError."""
     unexpected = sorted(set(found) - set(wanted))
@@ -134,7 +140,7 @@ def _check_specs(found, wanted, what, path, allow_missing=False):
                          f"{unexpected[:5]}, keys it lacks {missing[:5]}; build the same model (and optimizer) "
                          "that saved it")
     for key, (shape, dtype) in sorted(found.items()):
-        if tuple(wanted[key][0]) != tuple(shape) or wanted[key][1] != dtype:
+        if tuple(wanted[key][0]) != tuple(shape) or wanted[key][1] != dtype and (dtype, wanted[key][1]) not in CASTS:
             raise ValueError(f"checkpoint {path} holds '{key}' as {dtype}{list(shape)}, this {what} needs "
                              f"{wanted[key][1]}{list(wanted[key][0])}: build the model with the config that "
                              "saved it (or cast after loading)")
@@ -154,7 +160,9 @@ def load_checkpoint(path, model, optimizer=None):
         optimizer_meta = read_metadata(os.path.join(path, OPTIMIZER_DIR))
         _check_specs(global_specs(optimizer_meta), restore.expected_optimizer_specs(model, optimizer),
                      "optimizer", path, allow_missing=True)
-    restore.restore_model(model, BoxReader(model_dir, model_meta))
+    model_reader = BoxReader(model_dir, model_meta)
+    restore.restore_model(model, model_reader)
     if optimizer_meta is not None:
-        restore.restore_optimizer(model, optimizer, BoxReader(os.path.join(path, OPTIMIZER_DIR), optimizer_meta))
+        restore.restore_optimizer(model, optimizer, BoxReader(os.path.join(path, OPTIMIZER_DIR), optimizer_meta),
+                                  model_reader)
     return marker["extra"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import paddle
 
 from ..params import store_local_value
@@ -35,12 +36,18 @@ def expected_optimizer_specs(model, optimizer):
 def restore_model(model, reader):
     for key, tensor in model.state_dict().items():
         # lazy or not (a lazy parameter counts as initialized afterwards), held here or not
-        store_local_value(tensor, layout.local_value(tensor, lambda offset, shape: reader.region(key, offset, shape)))
+        value = layout.local_value(tensor, lambda offset, shape: reader.region(key, offset, shape))
+        if value is not None and value.dtype == np.float32 and tensor.dtype in layout.LOW_PRECISION:  # api.CASTS
+            value = paddle.to_tensor(value).astype(tensor.dtype)
+        store_local_value(tensor, value)
 
 
-def restore_optimizer(model, optimizer, reader):
+def restore_optimizer(model, optimizer, reader, model_reader):
     """Create the optimizer's state where it is missing (a fresh optimizer: accumulators and, with
-    multi_precision, master weights; in host memory under dp_config offload_optimizer) and fill it."""
+    multi_precision, master weights; in host memory under dp_config offload_optimizer) and fill it. A master
+    weight the checkpoint lacks (saved by an fp32 run, or without multi_precision) is the checkpoint's
+    parameter as saved (`model_reader`): an fp32 checkpoint's values exactly, not their rounding to the
+    model's bfloat16/float16."""
     inner = layout.inner_optimizer(optimizer)
     saved = reader.metadata.state_dict_metadata
     first = layout.accumulator_names(optimizer)[0]
@@ -59,8 +66,10 @@ def restore_optimizer(model, optimizer, reader):
             for name in layout.state_names(optimizer, param):
                 state_key = optimizer_key(key, name)
                 if name == layout.MASTER_WEIGHT and state_key not in saved:
-                    continue  # saved without master weights: keep the copy of the parameter just created
-                if name in layout.SCALAR_ACCUMULATORS:
+                    if key not in model_reader.metadata.state_dict_metadata:
+                        continue  # not saved under its parameter name: keep the copy of the parameter just created
+                    value = layout.local_value(param, lambda offset, shape: model_reader.region(key, offset, shape))
+                elif name in layout.SCALAR_ACCUMULATORS:
                     value = reader.full(state_key)
                 else:
                     value = layout.local_value(param, lambda offset, shape: reader.region(state_key, offset, shape))

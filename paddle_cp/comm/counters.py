@@ -33,9 +33,19 @@ def collectives_issued(tag=None):
     return state.collectives_issued[tag] if tag is not None else dict(state.collectives_issued)
 
 
+def record_widened_float16(tag):
+    state.widened_float16[tag] += 1
+
+
+def widened_float16(tag=None):
+    """float16 all-reduces gloo ran in float32 since the last reset (collectives.py): for one tag, or a dict."""
+    return state.widened_float16[tag] if tag is not None else dict(state.widened_float16)
+
+
 def reset():
     state.bytes_sent.clear()
     state.collectives_issued.clear()
+    state.widened_float16.clear()
 
 
 def nbytes(tensor):

@@ -42,6 +42,7 @@ order. A bucket is reduced only in `step()` when it holds
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import paddle
@@ -66,8 +67,14 @@ def bucket_size_mb(dp_config):
 
 
 def local_nbytes(param):
-    """Bytes of this rank's gradient of `param`, from its shape (a level-3 placeholder has none)."""
-    return math.prod(record_of(param).local_shape()) * param.element_size()
+    """Bytes of this rank's reduced gradient of `param`, from its shape (a level-3 placeholder has none) and
+    `gradient_dtype` (fp32 master gradients of a bf16 parameter are 4 bytes an element)."""
+    return math.prod(record_of(param).local_shape()) * _element_size(gradient_dtype(param))
+
+
+@functools.lru_cache(maxsize=None)
+def _element_size(dtype):
+    return paddle.zeros([0], dtype).element_size()
 
 
 def reduced(param):
@@ -86,10 +93,17 @@ def plan_buckets(model, params, size_mb):
     in_units = {id(p) for layer in model.sublayers(include_self=True) if is_fetch_unit(layer, runs_by_data=True)
                 for p in layer.parameters()}
     reduced_here = [p for p in params if reduced(p)]
+    step_only = {id(p) for p in reduced_here if id(p) in in_units}
+    return _cut_in_order([p for p in reversed(reduced_here)], step_only, size_mb), step_only
+
+
+def _cut_in_order(ordered, step_only, size_mb):
+    """`ordered` (issue order) cut into runs of at most `size_mb` MiB (a larger one alone), those `step_only`
+    holds after the others, in runs of their own."""
     buckets = []
-    for part in ([p for p in reduced_here if id(p) not in in_units], [p for p in reduced_here if id(p) in in_units]):
+    for part in ([p for p in ordered if id(p) not in step_only], [p for p in ordered if id(p) in step_only]):
         runs, size = [], 0
-        for param in reversed(part):
+        for param in part:
             nbytes = local_nbytes(param)
             if not runs or size + nbytes > size_mb * MB:
                 runs.append([])
@@ -97,7 +111,7 @@ def plan_buckets(model, params, size_mb):
             runs[-1].append(param)
             size += nbytes
         buckets += runs
-    return buckets, {id(p) for p in reduced_here if id(p) in in_units}
+    return buckets
 
 
 def gradient_dtype(param):
@@ -110,6 +124,23 @@ def gradient_dtype(param):
     if param.dtype in (paddle.float16, paddle.bfloat16) and amp_global_state().use_master_grad:
         return paddle.float32
     return param.dtype
+
+
+def _refuse_main_grad(params):
+    """Paddle's `MixPrecisionLayer` (fleet's mix_precision_utils; PaddleFormers' Trainer applies it with
+    `amp_master_grad` outside its auto-parallel mode) moves each gradient into `param.main_grad` and clears
+    `.grad`: the buckets would reduce zeros while every rank steps its own main_grad. Refused (the same
+    parameters on every rank, before any collective); `decorate(master_grad=True)` gives the same fp32
+    gradients on `.grad`."""
+    held = [p.name for p in params if hasattr(p, "main_grad")]
+    if held:
+        raise ValueError(f"{held[0]} has a `main_grad` (Paddle's MixPrecisionLayer): paddle_cp reduces `.grad`, "
+                         "which MixPrecisionLayer empties. Use paddle.amp.decorate(..., level='O2', "
+                         "master_grad=True) instead (fp32 gradients on `.grad`, accumulated and reduced in fp32)")
+
+
+def _gradient_dtypes(buckets):
+    return [gradient_dtype(p) for b in buckets for p in b.params]
 
 
 class _Bucket:
@@ -129,12 +160,10 @@ class _Bucket:
 class GradientBuckets:
     """The buckets of one optimizer's parameters and their state within a step."""
 
-    def __init__(self, buckets, step_only, gradients):
+    def __init__(self, buckets, step_only, gradients, size_mb=math.inf):
         self.gradients = gradients  # OwnGradients or the Sharding (a level-3 non-owner's are stashed)
-        self.buckets = [_Bucket(i, params, not any(id(p) in step_only for p in params))
-                        for i, params in enumerate(buckets)]
-        self._order = self._fixed_order()
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._step_only, self._size_mb = step_only, size_mb
+        self._lay_out(buckets)
         for bucket in self.buckets:
             for param in bucket.params:
                 _follow(param, self)
@@ -148,6 +177,23 @@ class GradientBuckets:
         self._passes_learned = None  # backward passes of the last step
         self._last_pass = {}  # id(param) -> the pass its gradient last arrived in, last step
         self._new_step()
+
+    def _lay_out(self, buckets):
+        self.buckets = [_Bucket(i, params, not any(id(p) in self._step_only for p in params))
+                        for i, params in enumerate(buckets)]
+        self._order = self._fixed_order()
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._cut_for = _gradient_dtypes(self.buckets)
+
+    def _recut_for_new_dtypes(self):
+        """`paddle.amp.decorate` after parallelize changed the gradients' dtypes the buckets were cut for (fp32):
+        cut again by the new sizes (between steps, the same on every rank: dtypes, shapes and placements), and
+        agree again which members have a gradient somewhere at the next step."""
+        if _gradient_dtypes(self.buckets) == self._cut_for:
+            return
+        ordered = [p for b in self.buckets for p in b.params]
+        self._lay_out(_cut_in_order(ordered, self._step_only, self._size_mb))
+        self.agreed = False
 
     def _fixed_order(self):
         return [b for b in self.buckets if b.overlaps] + [b for b in self.buckets if not b.overlaps]
@@ -213,6 +259,7 @@ class GradientBuckets:
     def reduce_rest(self):
         """Reduce what backward did not, in the fixed order; a step with more passes than learned reduces the
         early buckets again (the first step agrees which members have a gradient somewhere first)."""
+        _refuse_main_grad([p for b in self.buckets for p in b.params])  # the first step's reduce_rest runs first
         late = self._late or (self._passes_learned is not None and self.passes > self._passes_learned)
         for position, bucket in enumerate(self._order):
             if position >= self._next:
@@ -240,6 +287,7 @@ class GradientBuckets:
         self._passes_learned, self._last_pass = self.passes, dict(self._arrived_in)
         held = sum(math.prod(v.shape) * v.element_size() for b in self.buckets for v in b.values.values())
         self.grad_bytes.held = held  # now on the parameters (what the optimizer steps on)
+        self._recut_for_new_dtypes()
         self._new_step()
 
     def clear(self, set_to_zero=True):

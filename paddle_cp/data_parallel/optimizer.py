@@ -16,6 +16,8 @@ holding it). Under dp_config `offload_optimizer` the clipped gradients are stepp
 """
 from __future__ import annotations
 
+import math
+
 import paddle
 
 from .. import runtime
@@ -59,7 +61,8 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
     backwards before one `step()` are reduced once, after the last, as one card sums them.
     """
 
-    def __init__(self, optimizer, world, sharding=None, loss_factor=None, buckets=((), frozenset()), host=None):
+    def __init__(self, optimizer, world, sharding=None, loss_factor=None, buckets=((), frozenset(), math.inf),
+                 host=None):
         own = object.__setattr__
         own(self, "_inner", optimizer)
         own(self, "_world", world)  # the whole mesh: the gradient norm and found-inf are agreed over it
@@ -69,9 +72,9 @@ class ParallelOptimizer(paddle.optimizer.Optimizer):
         own(self, "_reduced", False)  # this step's gradients are reduced already
         own(self, "_host", host)  # a HostOptimizer (dp_config offload_optimizer) steps instead of the inner one
         mine = {id(p) for p in self._params}
-        layout, step_only = buckets  # plan_buckets' over the model's parameters: keep the optimizer's
+        layout, step_only, size_mb = buckets  # plan_buckets' over the model's parameters: keep the optimizer's
         layout = [kept for kept in ([p for p in bucket if id(p) in mine] for bucket in layout) if kept]
-        own(self, "_buckets", GradientBuckets(layout, step_only, sharding or OwnGradients))
+        own(self, "_buckets", GradientBuckets(layout, step_only, sharding or OwnGradients, size_mb))
         self._buckets.overlap = loss_factor is None  # see _apply_pipeline_loss_scale
 
     def __getattribute__(self, name):

@@ -25,7 +25,7 @@ import warnings
 
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from .buckets import bucket_size_mb
+from .buckets import bucket_size_mb, gradient_dtype
 from .held_bytes import HeldBytes
 from .host_optimizer import offload_requested
 from .optimizer import OwnGradients
@@ -198,5 +198,9 @@ class Sharding:
         self._stash = {key: grad * factor for key, grad in self._stash.items()}
 
     def stash(self, param, grad):
+        """Level 3: add a non-owner's gradient of `param` to its stash, in `gradient_dtype` (fp32 master
+        gradients accumulate in fp32 over micro-batches, as the owner's `.grad` does)."""
         key = id(param)
+        dtype = gradient_dtype(param)
+        grad = grad if grad.dtype == dtype else grad.astype(dtype)
         self._stash[key] = grad if key not in self._stash else self._stash[key] + grad

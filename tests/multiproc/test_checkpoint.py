@@ -143,7 +143,7 @@ EXPECTED_ERRORS = {  # case -> (error type, what the message must say)
     "load_missing_file": ("ValueError", "is missing model_state/0_0.distcp"),
     "load_garbage_metadata": ("ValueError", "is unreadable"),
     "load_wrong_shape": ("ValueError", "needs float32[8]"),
-    "load_wrong_dtype": ("ValueError", "needs float16[6]"),
+    "load_wrong_dtype": ("ValueError", "needs float64[6]"),
     "load_other_model": ("ValueError", "keys only in the checkpoint ['1.bias', '1.weight']"),
     "load_other_optimizer": ("ValueError", "does not fit this optimizer"),
     "latest_not_a_path": ("TypeError", "takes a directory path"),

@@ -163,7 +163,8 @@ def test_llama_3_8b_level_2_buckets_over_8_ranks_on_nccl():
              (ffn, hidden), (hidden,), (hidden,)]  # q, k, v, o, gate, up, down, two norms
     shapes = [(vocab, hidden)] + layer * 32 + [(hidden,), (hidden, vocab)]
     group = MeshGroup(ranks=tuple(range(n)), index=0, group=None)
-    params = [SimpleNamespace(shape=list(s), stop_gradient=False, element_size=lambda: 4) for s in shapes]
+    params = [SimpleNamespace(shape=list(s), stop_gradient=False, dtype=paddle.float32, element_size=lambda: 4)
+              for s in shapes]
     for param, owner in zip(params, _owners(params, n)):
         record_of(param).place(Owned(group, group, None, owner, 2))
     model = SimpleNamespace(sublayers=lambda include_self=False: [])

@@ -146,8 +146,8 @@ def checkpoint_cases(root, good):
         return lambda: pcp.load_checkpoint(os.path.join(root, name), model, optimizer)
 
     wider = paddle.nn.Sequential(paddle.nn.Linear(4, 8), paddle.nn.Linear(8, 3))
-    half = small()
-    half.to(dtype="float16")
+    double = small()
+    double.to(dtype="float64")  # an fp32 checkpoint loads into float16/bfloat16 (O2) models only
     model = small()
     return {
         "save_existing_path": lambda: pcp.save_checkpoint(good, model),
@@ -162,7 +162,7 @@ def checkpoint_cases(root, good):
         "load_missing_file": load("missing_file"),
         "load_garbage_metadata": load("garbage_metadata"),
         "load_wrong_shape": load("good", wider),
-        "load_wrong_dtype": load("good", half),
+        "load_wrong_dtype": load("good", double),
         "load_other_model": load("good", paddle.nn.Sequential(paddle.nn.Linear(4, 3))),
         "load_other_optimizer": load("good", model, paddle.optimizer.Momentum(0.1, parameters=model.parameters())),
         "latest_not_a_path": lambda: pcp.latest_checkpoint(5),

@@ -3,12 +3,14 @@ AdamW), emulated on CPU for tests, so that real float16/bfloat16 tensors go thro
 
 Entry points (stable; other tests and workers import them):
 - `install(set_attr=setattr)`: patches `paddle.amp.decorate` / `amp_decorate`, `paddle.amp.auto_cast` /
-  `amp_guard`, the `_C_ops` ops listed in COMPUTE_OPS and MEMORY_OPS, the Tensor arithmetic operators, and
-  `_C_ops.adamw_` / `_C_ops.adam_`; idempotent. `set_attr`: pytest's monkeypatch.setattr to undo it.
+  `amp_guard`, the `_C_ops` ops listed in COMPUTE_OPS, MEMORY_OPS and IN_PLACE_OPS, the Tensor arithmetic operators,
+  `_C_ops.adamw_` / `_C_ops.adam_`, `Tensor._register_backward_hook` (master gradients settle first) and
+  `paddle.framework._dygraph_tracer` / `paddle.base.framework._dygraph_tracer` (the autocast state as Python
+  reads it); idempotent. `set_attr`: pytest's monkeypatch.setattr to undo it.
 - `decorate(...)`, `auto_cast(...)`: what install puts in place of Paddle's (same signatures).
 - `reset()`: forgets Paddle's global AMP state (`use_master_grad`, the decorated parameters), so one
   process can run several decorated models one after the other.
-- `ROUNDING`: the relative size of one rounding of each low dtype (2^-8 bf16, 2^-11 fp16).
+- `ROUNDING`: the relative size of one ulp of each low dtype (2^-8 bf16, 2^-11 fp16).
 
 Written from Paddle 3.3.1's python sources (paddle/amp/auto_cast.py, amp_lists.py, optimizer/adamw.py)
 and what this CPU wheel does (measured); every fact carries its source:
@@ -26,7 +28,9 @@ and what this CPU wheel does (measured); every fact carries its source:
   (sets `_multi_precision` where the attribute exists), and with `master_grad=True`
   `amp_global_state().use_master_grad = True` and the models' parameters appended to
   `amp_global_state().model_parameters` (auto_cast.py:1029). `save_dtype` is refused here.
-- auto_cast (dygraph `amp_guard`): per op, the destination dtype of `GetAmpDestDtype` with `use_promote`
+- auto_cast (dygraph `amp_guard`): the tracer's `_amp_level`, `_amp_dtype` and op lists read from Python
+  (`paddle.framework._dygraph_tracer()`, what Paddle's recompute reads to replay a forward under the same
+  autocast) are amp_guard's; per op the destination dtype of `GetAmpDestDtype` with `use_promote`
   (the default): an op on the white list computes in the AMP dtype; on the black list in float32; any other
   in float32 when an input is float32, else in the AMP dtype. Lists: amp_lists.py, `white_list()[dtype][level]`
   and `black_list()[dtype][level]` plus the custom ones (`_update_list`): O1 blacks out FP16_BLACK_LIST |
@@ -39,7 +43,9 @@ and what this CPU wheel does (measured); every fact carries its source:
   which casts each float16/bfloat16 `.grad` to float32 at the end of backward; reused as is (it works on
   CPU, measured). The next backward's low-precision gradient then meets an fp32 `.grad`: this CPU build's
   GradNodeAccumulation raises there (measured: "type of data we are trying to retrieve (bfloat16) does not
-  match ... (float32)"). The emulation accumulates it in float32, as Paddle's own main-grad hook does
+  match ... (float32)"). On GPU Paddle accumulates it (its test/amp/test_amp_master_grad.py,
+  test_adam_master_grad: two backwards per step under master_grad, float32 gradients, Adam stepping).
+  The emulation accumulates it in float32, as Paddle's main-grad hook does
   (`_update_main_grad_hook`: `main_grad.add_(cast(tmp_grad, float32))`): a gradient hook takes the fp32
   `.grad` away before Paddle accumulates, and before any hook that runs after accumulation
   (`_register_backward_hook`, what paddle_cp's buckets use) the parameter's `.grad` becomes
@@ -59,6 +65,9 @@ and what this CPU wheel does (measured); every fact carries its source:
   rounded to its dtype: emulated by Paddle's own float32 kernel on the master weight, then the parameter
   assigned the rounded master. Without a master weight the parameter, moments and gradient are taken to
   float32 for the update and rounded back.
+- Op names: the lists hold some ops by their legacy names (`softmax_with_cross_entropy`, `reduce_sum`,
+  `lookup_table_v2`), which no eager op carries: here `cross_entropy_with_softmax`, `sum` and `embedding`
+  are off the lists (at O1 they follow promotion). How Paddle's C++ tracer names them is GPU-side knowledge.
 - Not emulated: autocast of ops outside COMPUTE_OPS (memory ops keep their dtype, as autocast leaves
   them), `use_promote=False`, `save_dtype`, `FLAGS_enable_tensor_fusion` (main_grad) mode, fp16 overflow
   beyond what the rounded values show, cuBLAS/cuDNN algorithm choices and speed.
@@ -70,16 +79,15 @@ import sys
 
 import paddle
 from paddle import _C_ops
-from paddle.amp import amp_lists
 from paddle.base import core
 
 FP32 = paddle.float32
 LOW = (paddle.float16, paddle.bfloat16)
 FLOATING = (FP32,) + LOW
-ROUNDING = {paddle.bfloat16: 2.0 ** -8, paddle.float16: 2.0 ** -11}
+ROUNDING = {paddle.bfloat16: 2.0 ** -8, paddle.float16: 2.0 ** -11}  # one ulp relative: the spacing at 1
 _AMP = sys.modules["paddle.amp.auto_cast"]  # the module (paddle.amp.auto_cast the name is the function)
 
-# The `_C_ops` compute ops models and paddle_cp call (memory ops have CPU half kernels and keep their dtype).
+# The `_C_ops` compute ops models and paddle_cp call.
 COMPUTE_OPS = (
     "matmul", "linear", "bmm", "einsum", "embedding", "softmax", "log_softmax", "cross_entropy_with_softmax",
     "silu", "gelu", "swiglu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "pow", "square",
@@ -92,8 +100,10 @@ MEMORY_OPS = (
     "concat", "split", "split_with_num", "slice", "strided_slice", "transpose", "reshape", "expand",
     "expand_as", "tile", "stack", "unsqueeze", "squeeze", "gather", "gather_nd", "index_select", "flatten",
     "pad", "roll", "repeat_interleave", "take_along_axis", "put_along_axis", "tril", "triu", "unbind",
-    "flip", "index_put", "masked_select",
+    "flip", "index_put", "masked_select", "scatter",
 )
+# In-place ops (no CPU half kernel) emulated by their out-of-place twin, the first input then assigned.
+IN_PLACE_OPS = ("scatter_", "add_", "subtract_", "multiply_", "scale_")
 # Tensor operators (C methods that reach the kernels without `_C_ops`) and the op each is matched as.
 OPERATORS = {
     "__add__": "add", "__radd__": "add", "__sub__": "subtract", "__rsub__": "subtract", "__mul__": "multiply",
@@ -105,7 +115,7 @@ AMP_DTYPES = {"bfloat16": paddle.bfloat16, "float16": paddle.float16}
 
 
 class _Autocast:
-    """The innermost emulated auto_cast: (amp dtype, white list, black list), or None outside."""
+    """The innermost emulated auto_cast: (amp dtype, white list, black list, level), or None outside."""
     current = None
 
 
@@ -131,7 +141,7 @@ def _destination(name, tensors):
     state = _Autocast.current
     if state is None or not tensors:
         return None
-    dtype, white, black = state
+    dtype, white, black, _ = state
     name = AUTOCAST_NAMES.get(name, name)
     if name in white:
         return dtype
@@ -166,6 +176,21 @@ def _emulated(name, fn):
     return op
 
 
+def _emulated_in_place(name):
+    out_of_place, in_place = getattr(_C_ops, name[:-1]), getattr(_C_ops, name)
+
+    def op(x, *args, **kwargs):
+        if x.dtype not in LOW:
+            return in_place(x, *args, **kwargs)
+        if not x.stop_gradient:
+            raise NotImplementedError(f"the AMP emulation's {name} covers tensors without gradient")
+        with paddle.no_grad():
+            paddle.assign(out_of_place(x, *args, **kwargs), output=x)  # out_of_place: an emulated op
+        return x
+    op.__wrapped__ = in_place
+    return op
+
+
 def _adam_on_master(kernel):
     """`_C_ops.adamw_` / `adam_` for float16/bfloat16 parameters: Paddle's float32 kernel on the master weight
     (or on float32 copies), the parameter assigned the result rounded to its dtype."""
@@ -197,13 +222,13 @@ def _adam_on_master(kernel):
 class _MasterGradients:
     """fp32 accumulation of a decorated low-precision parameter's gradients over backwards."""
     held = {}  # id(param) -> its fp32 gradient taken away before Paddle accumulated the next one
-    followed = set()  # ids of parameters with the gradient hook
+    FOLLOWED = "_emulated_master_gradient"  # set on a parameter given the hooks (ids are reused after GC)
 
     @classmethod
     def follow(cls, param):
-        if id(param) in cls.followed or param.dtype not in LOW or param.stop_gradient:
+        if getattr(param, cls.FOLLOWED, False) or param.dtype not in LOW or param.stop_gradient:
             return
-        cls.followed.add(id(param))
+        setattr(param, cls.FOLLOWED, True)
 
         def take_fp32(grad, param=param):
             current = param.grad
@@ -233,7 +258,8 @@ def _settling(param, hook=None):
     return _ORIGINAL["_register_backward_hook"](param, run)
 
 
-_ORIGINAL = {"_register_backward_hook": paddle.Tensor._register_backward_hook}
+_ORIGINAL = {"_register_backward_hook": paddle.Tensor._register_backward_hook,
+             "_dygraph_tracer": paddle.base.framework._dygraph_tracer}
 
 
 def _register_backward_hook(self, hook):
@@ -286,7 +312,7 @@ def decorate(models, optimizers=None, level="O1", dtype="float16", master_weight
 def auto_cast(enable=True, custom_white_list=None, custom_black_list=None, level="O1", dtype="float16",
               use_promote=True):
     """paddle.amp.auto_cast as on a GPU (dygraph amp_guard)."""
-    level = level.upper()
+    level, dtype = level.upper(), str(dtype).replace("paddle.", "")
     if not enable or level == "O0":
         outer, _Autocast.current = _Autocast.current, None
     else:
@@ -294,11 +320,40 @@ def auto_cast(enable=True, custom_white_list=None, custom_black_list=None, level
             raise NotImplementedError("the AMP emulation covers use_promote=True (Paddle's default)")
         white, black = _AMP._update_list(custom_white_list, custom_black_list, level, dtype)
         _register_master_grad_hook()
-        outer, _Autocast.current = _Autocast.current, (AMP_DTYPES[str(dtype).replace("paddle.", "")], white, black)
+        outer, _Autocast.current = _Autocast.current, (AMP_DTYPES[dtype], white, black, level)
     try:
         yield
     finally:
         _Autocast.current = outer
+
+
+class _TracerView:
+    """The tracer as Python code reading the autocast state sees it: `_amp_level`, `_amp_dtype` and
+    `_get_amp_op_list()` as amp_guard would have set them (Paddle's recompute, recompute.py:217, replays a
+    forward under them; paddle_cp's SequenceTiled too); everything else, reads and writes, the real tracer's.
+    The real tracer's own state is left alone: at level O2 it turns a CPU bfloat16 `clone` into float32
+    (measured)."""
+
+    def __init__(self, tracer):
+        object.__setattr__(self, "_tracer", tracer)
+
+    def __getattr__(self, name):
+        state = _Autocast.current
+        if name == "_amp_level":
+            return core.AmpLevel.O0 if state is None else getattr(core.AmpLevel, state[3])
+        if name == "_amp_dtype":
+            return "float32" if state is None else str(state[0]).replace("paddle.", "")
+        if name == "_get_amp_op_list":
+            return (lambda: (set(), set())) if state is None else (lambda: (set(state[1]), set(state[2])))
+        return getattr(self._tracer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._tracer, name, value)
+
+
+def _tracer_view():
+    tracer = _ORIGINAL["_dygraph_tracer"]()
+    return _TracerView(tracer) if tracer is not None else None
 
 
 def reset():
@@ -316,12 +371,16 @@ def install(set_attr=setattr):
         return
     for name in COMPUTE_OPS + MEMORY_OPS:
         set_attr(_C_ops, name, _emulated(name, getattr(_C_ops, name)))
+    for name in IN_PLACE_OPS:
+        set_attr(_C_ops, name, _emulated_in_place(name))
     for dunder, name in OPERATORS.items():
         original = getattr(paddle.Tensor, dunder)
         set_attr(paddle.Tensor, dunder, _emulated(name, original))
     set_attr(_C_ops, "adamw_", _adam_on_master(_C_ops.adamw_))
     set_attr(_C_ops, "adam_", _adam_on_master(_C_ops.adam_))
     set_attr(paddle.Tensor, "_register_backward_hook", _register_backward_hook)
+    for framework in (paddle.framework, paddle.base.framework):  # what recompute and SequenceTiled call
+        set_attr(framework, "_dygraph_tracer", _tracer_view)
     for owner in (paddle.amp, _AMP):
         set_attr(owner, "decorate", decorate)
         set_attr(owner, "amp_decorate", decorate)
