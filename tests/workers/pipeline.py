@@ -472,7 +472,9 @@ def doc_dp2_mp2_pp2(report):
                 model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2, doc_pp2_cast, doc_pp2_scaled, doc_pp2_scaled_inf, doc_pp2_master_grad_hooks, doc_pp2_bf16], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
+RUNS = {"doc_pp2": [doc_pp2, doc_pp2_cast, doc_pp2_scaled, doc_pp2_scaled_inf, doc_pp2_master_grad_hooks,
+                    doc_pp2_bf16],  # bf16 last: it installs the emulated AMP
+        "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
         "eight": [doc_dp2_mp2_pp2]}
 
 
