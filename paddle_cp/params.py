@@ -527,3 +527,33 @@ def hold_parameter(param, group, positions, holders=None):
     if not held.holds() and not is_lazy(param):
         param._clear_data()
     return held
+
+
+def castable_placeholders(model):
+    """Let Paddle cast `model` after parallelize (`paddle.amp.decorate(level="O2")`, `model.to(dtype=)`,
+    `.bfloat16()`): a parameter whose value this rank does not hold (another pipeline stage's, another
+    expert group's, a level-3 share owned elsewhere) has no data, and Paddle's cast of it raises "Tensor not
+    initialized yet". Each layer holding one casts such a parameter as a placeholder: it takes the new dtype
+    (as its holders' values do) and keeps its shape, still without data."""
+    import weakref
+
+    for layer in model.sublayers(include_self=True):
+        if any(find_record(p) is not None and not find_record(p).holds_value() for p in layer._parameters.values()
+               if p is not None):
+            # an instance attribute: Layer._to_impl calls self._transform(t, device, dtype, blocking)
+            layer.__dict__["_transform"] = _placeholder_transform(weakref.ref(layer), type(layer)._transform)
+
+
+def _placeholder_transform(layer, transform):
+    def cast(t, device, dtype, blocking):
+        record = find_record(t)
+        if t._is_initialized() or record is None or record.holds_value() or dtype is None:
+            return transform(layer(), t, device, dtype, blocking)
+        import paddle
+
+        shape, empty = list(t.shape), paddle.empty([0], dtype)  # an empty tensor has the dtype and no data
+        target, source = t.value(), empty.value()  # each Variable held while its tensor is used
+        target.get_tensor()._share_data_nocheck_with(source.get_tensor())
+        target.get_tensor()._set_dims(shape)
+        return t
+    return cast

@@ -51,6 +51,9 @@ class RuntimeState:
     pipeline_loss_scale: object = None  # a device scalar (the loss gradient), or None
     # pipeline: True (a bool device scalar) once two calls of this step scaled their losses differently
     pipeline_loss_scales_differ: object = None
+    # a weak reference to the GradScaler pcp.shard_scaler made safe last: a pipeline's schedule scales every
+    # micro-batch's loss by its scale before that backward (data_parallel/scaler.py)
+    grad_scaler: object = None
     # pipeline: the Pipeline (pipeline/runner.py) whose stage forward is running: recompute calls ask it
     pipeline_running: object = None
     # the sep groups (their ranks) whose tensors shard_sequence split by a backend name since their plan's

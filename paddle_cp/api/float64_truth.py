@@ -72,15 +72,19 @@ def float64_model(model):
     return model
 
 
-@contextlib.contextmanager
 def float64_weights(model):
-    """`model`'s floating parameters and buffers as float64 while it runs, then each back to its own dtype: a
-    round trip fp32 -> float64 -> fp32 is exact, and the tensors stay the same objects (optimizers, hooks and
-    plans holding them see the same values after)."""
+    return weights_as(model, paddle.float64)
+
+
+@contextlib.contextmanager
+def weights_as(model, dtype):
+    """`model`'s floating parameters and buffers as `dtype` (wider than theirs) while it runs, then each back to
+    its own dtype: a round trip fp32 -> float64 -> fp32 (bf16 -> fp32 -> bf16) is exact, and the tensors stay
+    the same objects (optimizers, hooks and plans holding them see the same values after)."""
     tensors = _floating_tensors(model)
     dtypes = [t.dtype for t in tensors]
     for tensor in tensors:
-        _cast_in_place(tensor, paddle.float64)
+        _cast_in_place(tensor, dtype)
     try:
         yield model
     finally:

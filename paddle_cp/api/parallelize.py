@@ -31,7 +31,7 @@ from ..pipeline import LossFactorAgreement, apply_pipeline, keep_own_parameters,
 from ..data_parallel.buckets import bucket_size_mb, plan_buckets
 from ..data_parallel.host_optimizer import HostOptimizer, check_offloadable, offload_requested
 from ..data_parallel.optimizer import ParallelOptimizer, optimizer_parameters
-from ..params import complete_placements, is_lazy, record_of
+from ..params import castable_placeholders, complete_placements, is_lazy, record_of
 from .expert_config import expert_applications
 from .lazy_init import defer_initialization, require_initialized
 from .mixer_check import check_mixers_routed
@@ -192,6 +192,7 @@ def parallelize_model(model, mesh=None, config=None):
         sharding.release_parameters(model)
     if lazy:
         require_initialized(model)
+    castable_placeholders(model)
     prepare = tuple((plan, weakref.ref(layer)) for plan, layer, _ in applications
                     if isinstance(plan, PrepareContextParallel))
     state = _Parallelized(mesh, level, dims, world, sharding, prepare, loss_factor, buckets)

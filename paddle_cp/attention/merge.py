@@ -7,7 +7,10 @@ exact when one log-sum-exp is far below the other.
 import paddle
 import paddle.nn.functional as F
 
+from .full_precision import fp32_inside
 
+
+@fp32_inside
 def merge(out, lse, block_out, block_lse):
     if out is None:
         return block_out, block_lse

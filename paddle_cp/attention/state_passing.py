@@ -14,6 +14,8 @@ up to its own runs and corrects their outputs. Autograd gives the backward, whic
 gather's backward sums over the ranks the gradient each took of every summary (a reduce-scatter).
 Written over runs of consecutive global positions, so any layout works: rank r's two chunks in the
 balanced p2p layout, or the many runs of a per-document one.
+The model's rule runs as the model runs it (under the caller's autocast, as on one card); the summaries,
+the scan and the corrections are fp32, forward and backward, whatever autocast is on (full_precision.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import numpy as np
 import paddle
 
 from ..comm.autograd import gather_summed
+from .full_precision import fp32_inside
 from .layout import runs
 
 
@@ -41,12 +44,14 @@ def run_summary(rule, q, k, v, g, beta, starts_sequence):
     return out[..., dk:], out[..., :dk], state[..., :dk], state[..., dk:]
 
 
+@fp32_inside
 def corrected(out_zero, out_transition, state):
     """o0 + O_A S_in: out_transition [b, n, h, dk], state [b, h, dk, dv] -> [b, n, h, dv] in o0's dtype."""
     corrected = paddle.matmul(out_transition.astype("float32").transpose([0, 2, 1, 3]), state)  # [b, h, n, dv]
     return (out_zero.astype("float32") + corrected.transpose([0, 2, 1, 3])).astype(out_zero.dtype)
 
 
+@fp32_inside
 def entering_states(starts, summaries, last):
     """{run: the state entering it} for the runs starting at `starts` (any order) up to position `last`,
     scanned in global order from S = 0. summaries [runs, b, h, dk, dk + dv]: each run's [A | B]."""

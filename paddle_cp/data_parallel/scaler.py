@@ -6,12 +6,18 @@ the flag is set. Run as-is on each rank it would judge this rank's unreduced gra
 (a level-3 rank's stashed gradients not at all) and ranks could disagree: some
 stepping, others not. The sharded scaler first reduces the gradients (the optimizer
 then does not reduce them again), unscales them, and agrees the flag over the
-whole mesh, so every rank skips or every rank steps.
+whole mesh, so every rank skips or every rank steps. A pipeline's schedule runs every
+backward inside `model(...)`, before the script's `scaler.scale(loss).backward()`: it scales
+each micro-batch's loss by this scaler's scale itself (pipeline/runner.py), so activation
+gradients between and inside stages have the scale's underflow protection too.
 """
 from __future__ import annotations
 
+import weakref
+
 from paddle.amp import AmpScaler
 
+from .. import runtime
 from .optimizer import ParallelOptimizer
 
 _SHARDED = "_pcp_sharded"
@@ -22,6 +28,7 @@ def shard_scaler(scaler):
     over the mesh; returns the same scaler (wrapping it twice does nothing more)."""
     if not isinstance(scaler, AmpScaler):
         raise TypeError(f"shard_scaler takes a paddle.amp.GradScaler, got {type(scaler).__name__}")
+    runtime.state.grad_scaler = weakref.ref(scaler)
     if getattr(scaler, _SHARDED, False):
         return scaler
     unscale = scaler._unscale

@@ -15,7 +15,9 @@ Two ways to run a step:
   inside `model(...)`, which returns `(loss,)`: the mean of the micro-batch losses,
   on every stage (sent from the last). Its `backward()` is a no-op: the gradients
   are already accumulated, so the user's `loss.backward(); opt.step()` completes
-  the step.
+  the step. With a GradScaler (pcp.shard_scaler), each micro-batch's
+  backward starts from its loss times the scaler's scale, as the script's
+  `scaler.scale(loss).backward()` would without a pipeline.
 - immediate (no loss known, accumulate_steps 1, one chunk): immediate.py.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .. import runtime
+from ..attention.full_precision import autocast_off
 from ..comm import collectives, stage_p2p
 from .immediate import run_immediate
 from .loss_factor import RELATIVE_TOLERANCE
@@ -84,16 +87,20 @@ class _LossAfterBackward(PyLayer):
     unit loss gradient. A scaled `loss.backward()` (a script's `(loss / k).backward()` accumulating k
     calls, a GradScaler's `scale(loss)`) records its factor, which the optimizer applies to the
     accumulated gradients at its step (runtime.state.pipeline_loss_scale, a device scalar: nothing is
-    read here); the calls of one step must agree on it, since their gradients are already summed: compared
+    read here), less the scale the schedule applied already (`applied`: a GradScaler's, so its factor is
+    1); the calls of one step must agree on it, since their gradients are already summed: compared
     on the device, the answer agreed at the optimizer step (pipeline/loss_factor.py)."""
 
     @staticmethod
-    def forward(ctx, anchor, value):
+    def forward(ctx, anchor, value, applied):
+        ctx.applied = applied
         return value.clone()
 
     @staticmethod
     def backward(ctx, grad):
         state, factor = runtime.state, grad.reshape([])
+        if ctx.applied is not None:
+            factor = factor / ctx.applied.reshape([])
         pending = state.pipeline_loss_scale
         if pending is None:  # the step's first call
             state.pipeline_loss_scale, state.pipeline_loss_scales_differ = factor, None
@@ -231,6 +238,7 @@ class Pipeline:
             self._lists[key] = action_lists(self.settings.schedule_mode, self.plan.stages, m, self.plan.chunks,
                                             backward=grad)[self.stage]
         inputs, outputs, losses, grads_in, grads_out = {}, {}, {}, {}, {}
+        scale = self._loss_scale() if grad else None
         self.timeline = []
         layout = (grad, _layout(micro))
         if self._skeletons[0] != layout:
@@ -255,14 +263,17 @@ class Pipeline:
                 specs = [stage_p2p.spec_of(t) for t in stage_p2p.float_tensors(outputs[at])]
                 grads_in[at] = stage_p2p.recv_tensors(self.peers[a.peer], specs)
             elif a.kind == BACKWARD:
-                self._backward(at, m, losses, outputs, grads_in)
+                # as without a pipeline, backward runs outside autocast; entering auto_cast also re-arms Paddle's
+                # master-gradient hook, which casts the gradients to fp32 once per backward (every micro-batch's)
+                with autocast_off():
+                    self._backward(at, m, losses, outputs, grads_in, scale)
                 if a.virtual > 0:
                     leaves = stage_p2p.float_tensors(inputs.pop(at))
                     grads_out[at] = [t.grad if t.grad is not None else paddle.zeros_like(t) for t in leaves]
             elif a.kind == SEND_B:
                 stage_p2p.send_tensors(self.peers[a.peer], grads_out.pop(at))
             self.timeline.append((a.kind, a.virtual, a.micro, start, time.time()))
-        return (self._mean_loss(losses, m),)
+        return (self._mean_loss(losses, m, scale),)
 
     @staticmethod
     def _announce(known, at, value):
@@ -277,10 +288,17 @@ class Pipeline:
                                "shapes although the batch's did not; stage outputs must follow the batch's shapes")
         return False
 
-    def _backward(self, at, m, losses, outputs, grads_in):
+    @staticmethod
+    def _loss_scale():
+        """The GradScaler's scale (a device tensor) when one is on, else None: read at each step's start, the
+        scale the script's `scaler.scale(loss)` applies after it (the scaler changes it at its step only)."""
+        scaler = runtime.state.grad_scaler and runtime.state.grad_scaler()
+        return scaler._scale if scaler is not None and scaler._enable else None
+
+    def _backward(self, at, m, losses, outputs, grads_in, scale):
         virtual, micro = at
         if virtual == self.last:
-            (losses[micro] / m).backward()
+            (losses[micro] / m if scale is None else losses[micro] * (scale.reshape([]) / m)).backward()
             losses[micro] = losses[micro].detach()  # its graph is spent; no host sync per micro-batch
             return
         pairs = [(t, g) for t, g in zip(stage_p2p.float_tensors(outputs.pop(at)), grads_in.pop(at))
@@ -296,7 +314,7 @@ class Pipeline:
                                "that returns its loss first, or set pp_config['loss_fn'] = fn(output, labels)")
         return loss
 
-    def _mean_loss(self, losses, m):
+    def _mean_loss(self, losses, m, scale):
         """The mean micro-batch loss on every stage; `backward()` on it does nothing (already done)."""
         if losses:  # the last stage: one device-side sum of the micro-batch losses
             value = paddle.add_n([v.detach().astype("float32").reshape([1]) for v in losses.values()]) / m
@@ -307,4 +325,4 @@ class Pipeline:
             return value.reshape([])
         anchor = paddle.zeros([], "float32")
         anchor.stop_gradient = False
-        return _LossAfterBackward.apply(anchor, value.reshape([]))
+        return _LossAfterBackward.apply(anchor, value.reshape([]), scale)

@@ -181,3 +181,20 @@ def test_level3_frees_full_copies_between_forward_and_backward(sharding):
             assert gathered["held_now"] == 0, gathered
             assert report["values"][f"{run}.restored_after_error"], run
             assert 0 < gathered["peak"] < gathered["one_forward"] / 4, gathered
+
+
+@pytest.mark.parametrize("case, verdict", [("", True), (".lse_off", False), (".dropped", False)])
+def test_check_parity_judges_a_bf16_run_against_its_fp32_run(hybrid, case, verdict):
+    """A bf16 O2 Llama under the emulated AMP: one card's distance from the model's fp32 run is its rounding (far
+    above 1e-5); paddle_cp's ring is as close to that run (within 2x), a planted fault (each block's log-sum-exp
+    20% off, the ring's later blocks left out) is not. The same figures on every rank."""
+    values = [report["values"][f"parity.bf16{case}"] for report in hybrid]
+    assert all(v == values[0] for v in values), values
+    figures = values[0]
+    assert figures["reference"] == "float32" and figures["as_close_as_one_card"] is verdict, figures
+    assert sorted(figures["one_card"]) == ["1", "loss"] and min(figures["one_card"].values()) > 1e-4, figures
+    assert (max(figures["ratio"].values()) <= 2) is verdict, figures
+    if not verdict:
+        assert max(figures["ratio"].values()) > 3, figures
+    printed = hybrid[0]["values"][f"parity.bf16{case}.printed"]
+    assert ("as close to its fp32 run as one card" if verdict else "FARTHER from its fp32 run") in printed

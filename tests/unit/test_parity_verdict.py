@@ -27,3 +27,19 @@ def test_the_verdict_is_three_times_one_cards_distance_or_the_tolerance():
     figures = json.loads(json.dumps(parity.as_dict()))
     assert figures == {"difference": {"logits": 5e-5}, "as_close_as_one_card": False, "one_card": {"logits": 3.4e-5},
                        "parallel": {"logits": 7.7e-3}, "ratio": {"logits": 7.7e-3 / 3.4e-5}}
+
+
+def test_a_low_precision_verdict_is_twice_one_cards_distance_from_its_fp32_run():
+    def verdict(parallel, one_card):
+        return Parity({"logits": 3e-2}, one_card={"logits": one_card}, parallel={"logits": parallel},
+                      reference="float32")
+
+    assert verdict(2e-2, 1e-2).as_close_as_one_card and not verdict(2.1e-2, 1e-2).as_close_as_one_card
+    assert verdict(9e-6, 0.0).as_close_as_one_card  # the tolerance still holds where rounding left no trace
+    parity = verdict(5e-2, 1e-2)
+    assert parity.ratio == {"logits": 5.0}
+    assert "FARTHER from its fp32 run than one card (over 2x)" in str(parity) and "(x5.00)" in str(parity)
+    assert "as close to its fp32 run as one card" in str(verdict(1e-2, 1e-2))
+    assert json.loads(json.dumps(parity.as_dict())) == {
+        "difference": {"logits": 3e-2}, "as_close_as_one_card": False, "one_card": {"logits": 1e-2},
+        "parallel": {"logits": 5e-2}, "ratio": {"logits": 5.0}, "reference": "float32"}

@@ -87,24 +87,28 @@ def test_schedules_need_a_loss(pp_config):
 
 
 def test_scaling_the_returned_loss_is_recorded_for_the_optimizer():
-    """model(...) ran every backward already, unscaled: a scaled returned loss (a script's loss / k, a
-    GradScaler) records its factor for the optimizer's step, on the device (no host read); the calls of one
-    step must agree on it: a difference is flagged on the device, for the step's agreement
-    (LossFactorAgreement) to raise, one step later, on every rank."""
+    """model(...) ran every backward already: a scaled returned loss (a script's loss / k, a GradScaler) records
+    its factor for the optimizer's step, on the device (no host read), less a scale the schedule applied
+    already (a GradScaler's); the calls of one step must agree on it: a difference is flagged on the device,
+    for the step's agreement (LossFactorAgreement) to raise, one step later, on every rank."""
     from paddle_cp import runtime
     from paddle_cp.pipeline.runner import _LossAfterBackward
     anchor = paddle.zeros([], "float32")
     anchor.stop_gradient = False
     try:
-        _LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)).backward()  # the plain loop
+        _LossAfterBackward.apply(anchor, paddle.to_tensor(2.5), None).backward()  # the plain loop
         assert float(runtime.state.pipeline_loss_scale) == 1.0
         runtime.state.pipeline_loss_scale = None
-        (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)) * 0.5).backward()
+        (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5), None) * 0.5).backward()
         assert float(runtime.state.pipeline_loss_scale) == 0.5 and runtime.state.pipeline_loss_scales_differ is None
-        (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)) * 0.5).backward()
+        (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5), None) * 0.5).backward()
         assert not bool(runtime.state.pipeline_loss_scales_differ)
-        (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5)) * 0.25).backward()
+        (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5), None) * 0.25).backward()
         assert bool(runtime.state.pipeline_loss_scales_differ)
+        runtime.state.pipeline_loss_scale = runtime.state.pipeline_loss_scales_differ = None
+        # a GradScaler's scale, which the schedule applied before its backwards already: factor 1
+        (_LossAfterBackward.apply(anchor, paddle.to_tensor(2.5), paddle.to_tensor([1024.0])) * 1024).backward()
+        assert float(runtime.state.pipeline_loss_scale) == 1.0
     finally:
         runtime.reset()
 

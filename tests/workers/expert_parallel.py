@@ -16,6 +16,7 @@ import paddle
 import paddle.distributed as dist
 from paddleformers_models import SIZES, stub_gpu_modules
 from paddleformers_models import build as build_family
+from pipeline import as_fp32, cast_after_parallelize
 from report import mean_over_ranks, run
 
 import paddle_cp as pcp
@@ -327,6 +328,56 @@ def _qwen3_with_experts(count):
         **SIZES, head_dim=16, num_experts=count, num_experts_per_tok=2, moe_intermediate_size=32))
 
 
+def bf16_experts(report, spec):
+    """bf16 O2 under the emulated AMP (tests/workers/emulated_amp.py; installed for the rest of the process: the
+    last specs): one card's bf16 run and the expert-parallel one (decorate after parallelize: other ranks' experts
+    are placeholders) against one card's fp32 run, STEPS steps: losses and every parameter (fp32 values)."""
+    import emulated_amp
+
+    family, layout = spec.split(":")[:2]
+    emulated_amp.install()
+    o2 = dict(level="O2", dtype="bfloat16")
+
+    def steps(model, optimizer, ids, labels, amp, weight=1.0):
+        losses = []
+        for _ in range(STEPS):
+            with paddle.amp.auto_cast(amp, **o2):
+                loss = step_outputs(model(input_ids=ids, labels=labels, return_dict=True))[0] * weight
+            losses.append(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.clear_grad()
+        emulated_amp.reset()
+        return losses
+
+    def one_card(amp):
+        model = made(family)
+        keep_router_scores(model)
+        optimizer = adamw(model)
+        if amp:
+            model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, **o2)
+        losses = steps(model, optimizer, *batch(), amp)
+        return np.array([float(x) for x in losses]), {k: as_fp32(v.numpy()) for k, v in model.state_dict().items()}
+
+    fp32_losses, fp32_state = one_card(False)
+    for name, (losses, state) in {"one_card": one_card(True)}.items():
+        report.diff(f"{spec}.{name}.loss", losses, fp32_losses)
+        for key, value in fp32_state.items():
+            report.diff(f"{spec}.{name}.param.{key}", state[key], value)
+    run_ = Run(family, layout)
+    run_.model, run_.opt = paddle.amp.decorate(models=run_.model, optimizers=run_.opt, **o2)
+    losses = mean_over_ranks(steps(run_.model, run_.opt, run_.ids, run_.labels, True, run_.weight), run_.mesh)
+    state = {k: as_fp32(v) for k, v in pcp.full_state_dict(run_.model).items()}
+    report.diff(f"{spec}.parallel.loss", np.array(losses), fp32_losses)
+    for key, value in fp32_state.items():
+        report.diff(f"{spec}.parallel.param.{key}", state[key], value)
+
+
+# runs whose model is then cast as decorate(level="O2") casts it: listed experts held by one rank (with a
+# pipeline too), stacked experts sharded at level 3 (their shares kept by owners only)
+CAST_AFTER = ("qwen3_moe:dp2xsep2", "deepseek_v3:sep4", "qwen3_moe:pp2xsep2", "gpt_oss:sep4:level3")
+
+
 def main(report):
     check_bad_configs(report)  # first: a rank that went on to a collective would hang the others
     cached = {}
@@ -339,6 +390,9 @@ def main(report):
     for spec in sys.argv[1:]:
         if spec.startswith("root="):
             weights_and_checkpoints(report, spec[len("root="):], references)
+            continue
+        if spec.endswith(":bf16"):
+            bf16_experts(report, spec)
             continue
         family, layout, *options = spec.split(":")
         lazy = "lazy" in options
@@ -370,6 +424,8 @@ def main(report):
             key = f"model.layers.1.mlp.experts.{IDLE_EXPERT}.down_proj.weight"
             report.value(f"{spec}.idle_moved", [float(np.abs(state[key] - initial[key]).max()),
                                                 float(np.abs(want_state[key] - initial[key]).max())])
+        if spec in CAST_AFTER:  # last: the model is bf16 after it
+            cast_after_parallelize(report, spec, run_.model)
 
 
 if __name__ == "__main__":

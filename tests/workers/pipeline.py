@@ -4,6 +4,7 @@ every step (on every rank) and the final full_state_dict with one process doing 
 argv[1] names the group of runs (one launch each).
 """
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -153,6 +154,208 @@ def doc_pp2(report):
                                "loss_fn": cross_entropy}}, model_loss, ref_loss=user_loop)
 
 
+def cast_after_parallelize(report, name, model):
+    """What `paddle.amp.decorate(level="O2", dtype="bfloat16")` does to the model after parallelize: Paddle's
+    amp_initialize (decorate calls it on a GPU; on CPU it returns before). Reports every parameter's
+    [dtype, shape, holds data] before and after: the ones another rank holds must take the dtype too."""
+    from paddle.amp.auto_cast import amp_initialize
+
+    def described():
+        return {n: [str(p.dtype), list(p.shape), p._is_initialized()] for n, p in model.named_parameters()}
+
+    report.value(f"{name}.before_cast", described())
+    amp_initialize(models=[model], dtype="bfloat16", excluded_layers=None)
+    report.value(f"{name}.after_cast", described())
+
+
+def doc_pp2_cast(report):
+    """decorate O2 after parallelize on 2 stages, and before it (the cast model parallelized: its stages keep
+    bf16 parameters)."""
+    mesh, config = pp_mesh([2], ["pp"]), {"pp_config": {"split_spec": "llama.layers"}}
+    model, optimizer = build(doc_model)
+    model, _ = pcp.parallelize(model, optimizer, mesh, config)
+    cast_after_parallelize(report, "doc_pp2_cast_after", model)
+    from paddle.amp.auto_cast import amp_initialize
+    model, optimizer = build(doc_model)
+    amp_initialize(models=[model], dtype="bfloat16", excluded_layers=None)
+    model, _ = pcp.parallelize(model, optimizer, mesh, config)
+    report.value("doc_pp2_cast_before", {n: [str(p.dtype), p._is_initialized()] for n, p in model.named_parameters()})
+
+
+def doc_pp2_scaled(report):
+    """A GradScaler (scale 1024, through pcp.shard_scaler) on FThenB, 1F1B and VPP: each micro-batch's backward
+    starts from its scaled loss, so every activation gradient a stage sends back is 1024 times the unscaled
+    run's; unscaled before the step, the losses and parameters equal the unscaled run's."""
+    from unittest import mock
+
+    from optimizer_amp import cpu_scaler
+
+    from paddle_cp.comm import stage_p2p
+    mesh = pp_mesh([2], ["pp"])
+    for schedule, extra in {"FThenB": {}, "1F1B": {}, "VPP": {"vpp_degree": 2}}.items():
+        config = {"pp_config": {"split_spec": "llama.layers", "schedule_mode": schedule, "accumulate_steps": 2,
+                                "loss_fn": cross_entropy, **extra}}
+        runs = {}
+        for scaled in (False, True):
+            model, optimizer = build(lambda: LlamaForCausalLM(num_layers=4))
+            model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
+            scaler = pcp.shard_scaler(cpu_scaler()) if scaled else None
+            sent, send = [], stage_p2p.send_tensors
+
+            def spy(pair, tensors, **kwargs):
+                sent.extend(t.numpy().copy() for t in tensors)
+                return send(pair, tensors, **kwargs)
+
+            losses = []
+            with mock.patch.object(stage_p2p, "send_tensors", spy):
+                for ids, labels in batches(DOC_VOCAB):
+                    with paddle.amp.auto_cast(scaled, level="O1", dtype="float16"):  # no-op on CPU; the scaler asks
+                        loss = model_loss(model, ids, labels)
+                    (scaler.scale(loss) if scaled else loss).backward()
+                    if scaled:
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        optimizer.step()
+                    optimizer.clear_grad()
+                    losses.append(float(loss))
+            runs[scaled] = losses, sent, pcp.full_state_dict(model)
+            del scaler
+            gc.collect()  # the scaler (a cycle through its wrapped _unscale) is gone: the next run has none
+        name = f"doc_pp2_scaled_{schedule}"
+        (losses, sent, state), (want_losses, want_sent, want_state) = runs[True], runs[False]
+        report.value(f"{name}.sends", [len(sent), len(want_sent)])
+        if sent:  # the stages that send gradients back (all but the first; with VPP, every rank)
+            sent, want_sent = (np.concatenate([g.ravel() for g in x]) for x in (sent, want_sent))
+            report.diff(f"{name}.sent_gradients", sent, 1024 * want_sent)
+            report.value(f"{name}.sent_gradient_size", [float(np.abs(sent).max()), float(np.abs(want_sent).max())])
+        report.diff(f"{name}.loss", np.array(losses), np.array(want_losses))
+        for key, value in want_state.items():
+            report.diff(f"{name}.state.{key}", state[key], value)
+
+
+def as_fp32(array):
+    """A state array as float32 (Paddle's numpy() of a bf16 tensor gives its bits as uint16)."""
+    return (array.astype(np.uint32) << 16).view(np.float32) if array.dtype == np.uint16 else array.astype(np.float32)
+
+
+def doc_pp2_scaled_inf(report):
+    """An inf in the last stage's gradients (rank 1 only) under pcp.shard_scaler on 1F1B: the found-inf flag
+    is agreed over the mesh, both stages skip the step (their parameters unchanged)."""
+    from optimizer_amp import cpu_scaler
+    model, optimizer = build(lambda: LlamaForCausalLM(num_layers=4))
+    config = {"pp_config": {"split_spec": "llama.layers", "schedule_mode": "1F1B", "accumulate_steps": 2,
+                            "loss_fn": cross_entropy}}
+    model, optimizer = pcp.parallelize(model, optimizer, pp_mesh([2], ["pp"]), config)
+    scaler = pcp.shard_scaler(cpu_scaler())
+    ids, labels = next(batches(DOC_VOCAB))
+    with paddle.amp.auto_cast(True, level="O1", dtype="float16"):
+        loss = model_loss(model, ids, labels)
+    scaler.scale(loss).backward()
+    if dist.get_rank() == 1:
+        grad = next(p.grad for p in model.parameters() if p.grad is not None)
+        paddle.assign(grad * float("inf"), grad)
+    before = {k: v.numpy().copy() for k, v in model.state_dict().items() if v._is_initialized()}
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.clear_grad()
+    after = {k: v.numpy() for k, v in model.state_dict().items() if v._is_initialized()}
+    report.value("doc_pp2_scaled_inf", [len(before), all(np.array_equal(before[k], after[k]) for k in before),
+                                        float(scaler._scale.numpy().reshape(-1)[0])])
+    del scaler
+    gc.collect()
+
+
+def doc_pp2_master_grad_hooks(report):
+    """Paddle's master-gradient hook (what decorate(master_grad=True) arms on entering auto_cast: it casts the
+    gradients to fp32 at the end of one backward) on a 1F1B step of 2 micro-batches under the script's one
+    auto_cast: armed before, and fired after, every backward the schedule runs. Real Paddle (no emulation;
+    fp32 parameters: the cast finds nothing to do)."""
+    from unittest import mock
+
+    from paddle.amp.auto_cast import amp_global_state
+    from paddle.base import core
+    model, optimizer = build(lambda: LlamaForCausalLM(num_layers=4))
+    config = {"pp_config": {"split_spec": "llama.layers", "schedule_mode": "1F1B", "accumulate_steps": 2,
+                            "loss_fn": cross_entropy}}
+    model, optimizer = pcp.parallelize(model, optimizer, pp_mesh([2], ["pp"]), config)
+    state, armed, fired = amp_global_state(), [], []
+    add_hook = core.eager._add_backward_final_hook
+
+    def counted(hook):  # Paddle's master-gradient hook (paddle_cp's buckets add final hooks of their own)
+        if getattr(hook, "__name__", "") != "master_grad_hook":
+            return add_hook(hook)
+        armed.append(1)
+        return add_hook(lambda: (fired.append(1), hook())[1])
+
+    state.use_master_grad, state.model_parameters = True, [p for p in model.parameters() if p._is_initialized()]
+    try:
+        with mock.patch.object(core.eager, "_add_backward_final_hook", counted):
+            ids, labels = next(batches(DOC_VOCAB))
+            with paddle.amp.auto_cast(level="O2", dtype="bfloat16"):  # on CPU it computes nothing differently
+                loss = model_loss(model, ids, labels)
+            loss.backward()
+    finally:
+        state.use_master_grad, state.model_parameters = False, []
+        state.already_register_final_backward_hook = False
+    optimizer.clear_grad()
+    backwards = sum(1 for kind, *_ in model._pcp_pipeline.timeline if kind == "B")
+    report.value("doc_pp2_master_grad_hooks", [backwards, len(armed), len(fired)])
+
+
+def doc_pp2_bf16(report):
+    """bf16 O2 under the emulated AMP (tests/workers/emulated_amp.py; installed for the rest of the process: run
+    last): FThenB, 1F1B and VPP with decorate after parallelize, and 1F1B with it before, each against one card
+    in the same emulation; one card in fp32 gives every run's distance from fp32. Reported per run: its losses
+    and final parameters (fp32 values) beside the fp32 run's, and one card's bf16 run's beside it."""
+    import emulated_amp
+
+    emulated_amp.install()
+    make = lambda: LlamaForCausalLM(num_layers=4)  # noqa: E731
+
+    def trained(config=None, amp=True, decorate_first=False, master_grad=False, name=""):
+        model, optimizer = build(make)
+        optimizer._grad_clip = None  # the emulation's in-place multiply_ (the clip's) refuses gradients
+        o2 = dict(level="O2", dtype="bfloat16", master_grad=master_grad)
+        if amp and (decorate_first or config is None):
+            model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, **o2)
+        if config is not None:
+            model, optimizer = pcp.parallelize(model, optimizer, pp_mesh([2], ["pp"]), config)
+            if amp and not decorate_first:
+                model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, **o2)
+        losses, grad_dtypes = [], set()
+        for ids, labels in batches(DOC_VOCAB):
+            with paddle.amp.auto_cast(amp, level="O2", dtype="bfloat16"):
+                loss = model(ids, labels=labels)[0] if config is not None else user_loop(model, ids, labels)
+            loss.backward()
+            grad_dtypes |= {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
+            optimizer.step()
+            optimizer.clear_grad()
+            losses.append(float(loss))
+        state = pcp.full_state_dict(model) if config is not None else {k: v.numpy() for k, v in
+                                                                       model.state_dict().items()}
+        emulated_amp.reset()
+        if amp:
+            report.value(f"bf16_pp2_{name}.grad_dtypes" if config else "bf16_one_card.grad_dtypes", sorted(grad_dtypes))
+        return np.array(losses), {k: as_fp32(v) for k, v in state.items()}
+
+    fp32_losses, fp32_state = trained(amp=False, name="fp32")
+    one_losses, one_state = trained()
+    report.diff("bf16_one_card.loss", one_losses, fp32_losses)
+    for key, value in fp32_state.items():
+        report.diff(f"bf16_one_card.param.{key}", one_state[key], value)
+    runs = {"FThenB": ("FThenB", {}, False), "1F1B": ("1F1B", {}, False), "VPP": ("VPP", {"vpp_degree": 2}, False),
+            "1F1B_decorated_first": ("1F1B", {}, True), "1F1B_master_grad": ("1F1B", {}, False)}
+    for name, (schedule, extra, first) in runs.items():
+        config = {"pp_config": {"split_spec": "llama.layers", "schedule_mode": schedule, "accumulate_steps": 2,
+                                "loss_fn": cross_entropy, **extra}}
+        losses, state = trained(config, decorate_first=first, master_grad=name.endswith("master_grad"), name=name)
+        report.diff(f"bf16_pp2_{name}.loss", losses, fp32_losses)
+        report.diff(f"bf16_pp2_{name}.from_one_card", losses, one_losses)
+        for key, value in fp32_state.items():
+            report.diff(f"bf16_pp2_{name}.param.{key}", state[key], value)
+
+
 def llama_pp2(report):
     """PaddleFormers Llama (4 layers, tied embeddings by default) on 2 stages, m = 4."""
     mesh = pp_mesh([2], ["pp"])
@@ -269,7 +472,9 @@ def doc_dp2_mp2_pp2(report):
                 model_loss, ref_loss=user_loop)
 
 
-RUNS = {"doc_pp2": [doc_pp2], "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
+RUNS = {"doc_pp2": [doc_pp2, doc_pp2_cast, doc_pp2_scaled, doc_pp2_scaled_inf, doc_pp2_master_grad_hooks,
+                    doc_pp2_bf16],  # bf16 last: it installs the emulated AMP
+        "llama_pp2": [llama_pp2], "four": [llama_cp, llama_cp_uneven, llama_cp_returned_loss_weight, doc_mp2_pp2, doc_pp4],
         "eight": [doc_dp2_mp2_pp2]}
 
 

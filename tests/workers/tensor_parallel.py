@@ -356,6 +356,34 @@ def parity_checks(report):
     exact = pcp.check_parity(mixer_of(mesh, running_sum=False), reference="float64", input_ids=ids)
     report.value("parity.float64_asked", exact.as_dict())
     report.expect_error("parity.bad_reference", lambda: pcp.check_parity(hybrid, reference="fp64", input_ids=ids))
+    low_precision_parity(report, mesh, ids, labels)
+
+
+def low_precision_parity(report, mesh, ids, labels):
+    """check_parity on a bf16 O2 Llama (dp2 x sep2, ring attention) under the emulated AMP (tests/workers/
+    emulated_amp.py, installed for the rest of the process: run last): a correct run is as close to the
+    model's fp32 run as one card (within 2x); with a planted fault it is not."""
+    import emulated_amp
+
+    from paddle_cp.attention import ring
+    emulated_amp.install()
+    model, _ = build("llama", WELL_CONDITIONED_EPSILON)
+    plan = {"": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
+    pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan}})
+    paddle.amp.decorate(models=model, level="O2", dtype="bfloat16")
+    exact = ring.merge
+    faults = {"": exact,  # planted: each ring block's log-sum-exp 20% off; every ring block after the first left out
+              ".lse_off": lambda out, lse, block_out, block_lse: exact(out, lse, block_out, block_lse * 1.2),
+              ".dropped": lambda out, lse, block_out, block_lse: (block_out, block_lse) if out is None else (out, lse)}
+    for name, merge in faults.items():
+        ring.merge = merge
+        try:
+            with paddle.amp.auto_cast(level="O2", dtype="bfloat16"):
+                parity = pcp.check_parity(model, input_ids=ids, labels=labels)
+        finally:
+            ring.merge = exact
+        report.value(f"parity.bf16{name}", parity.as_dict())
+        report.value(f"parity.bf16{name}.printed", str(parity))
 
 
 def qwen3_next(mesh, backend):

@@ -1,5 +1,8 @@
 """Block attention on any device, fp32, never holding more than one tile of scores.
 
+It computes in fp32 whatever the inputs' dtype and whatever autocast the caller runs under, forward and
+backward alike (full_precision.py); its results are fp32 (merges take them so), the caller casts them back.
+
 Layouts: q [b, sq, hq, d], k/v [b, sk, hk, d] with hq a multiple of hk (GQA:
 q head h reads k/v head h // (hq // hk), as Paddle's SDPA). Which keys a query
 sees comes from a BlockMask (mask.py): the same row bounds as the flash kernels
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import paddle
 
+from ..full_precision import fp32_inside
 from ..mask import record_work
 
 FP32 = paddle.float32
@@ -62,6 +66,7 @@ class BlockwiseKernel:
         for q_tile, seen in plan:
             yield q_tile, ((k_tile, None if full else mask.tile(q_tile, k_tile)) for k_tile, full in seen)
 
+    @fp32_inside
     def forward(self, q, k, v, mask, scale):
         """-> out [b, sq, hq, dv] fp32, lse [b, hq, sq] fp32 (dv: v's head dim, may differ from q/k's)."""
         b, sq, hq, _ = q.shape
@@ -90,6 +95,7 @@ class BlockwiseKernel:
         lse = paddle.concat(lses, axis=3).reshape([b, hq, sq])
         return out, lse
 
+    @fp32_inside
     def backward(self, dout, q, k, v, out, lse, mask, scale):
         """Gradients (fp32) given the final out and lse of these queries (lse may include sinks).
 
