@@ -56,7 +56,7 @@ def test_no_fit_message_only_when_nothing_fits(capsys):
 
 
 def test_max_seq_of_qwen25_7b_keeps_the_reserve_free(tmp_path, capsys):
-    """Without a reserve this shape's longest sequence fills 80.0 of 80 GB; every fit now leaves the reserve."""
+    """Without a reserve this shape's longest sequence fills 79.2 of 80 GB; every fit now leaves the reserve."""
     out = tmp_path / "plan.json"
     plan.main([*QWEN25_7B, "--max-seq", "--devices", "8", "--memory-gb", "80", "--json", str(out)])
     assert "75 of 80 GB per device" in capsys.readouterr().out
