@@ -5,7 +5,7 @@ layer on an H200, tile_cost's fit), its tiles, tokens per rank, kernel calls
 and the host time the choice takes.
 
 Kernel calls: one per ring step whose key block holds a tile the rank's queries see, per direction
-(forward and backward), the plan of one call per step (issue 32): calls per pass = non-empty steps of R.
+(forward and backward), the plan of one call per step: calls per pass = non-empty steps of R.
 """
 from __future__ import annotations
 

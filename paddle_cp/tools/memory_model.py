@@ -9,7 +9,7 @@ path and paddle_cp hold it:
   (routed experts / ep); AdamW keeps two fp32 moments and, below fp32, an fp32 master copy. Gradients are
   fp32 master gradients below fp32 (`master_grad`, PaddleFormers' amp_master_grad default: Paddle casts them
   at the end of backward, paddle_cp accumulates and reduces them in fp32), else the parameter's dtype. Sharding
-  (issue 26) divides, over the layout's `shard_ranks` (dp x sep by default; experts over those / ep):
+  divides, over the layout's `shard_ranks` (dp x sep by default; experts over those / ep):
   optimizer state at levels 1-3, gradients after the step's reduction at levels 2-3, weights at level 3.
   `offload_optimizer` (data_parallel/host_optimizer.py): that state (moments, and below fp32 the master) lives in
   host memory (`host`), stepped there (an fp32 parameter is stepped on a transient host copy); the device holds,

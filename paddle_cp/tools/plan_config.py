@@ -40,7 +40,7 @@ def parallelize_config(layout, model_prefix="model"):
         memory_plans[layers] = "OffloadRecomputeInputs"
     if memory_plans:
         config.setdefault("cp_config", {"parallelize_plan": {}})["parallelize_plan"].update(memory_plans)
-    if layout.ep > 1:  # issue 25's API: the MoE block of every layer, experts folded onto dp x sep
+    if layout.ep > 1:  # ep_config: the MoE block of every layer, experts folded onto dp x sep
         config["ep_config"] = {"degree": layout.ep, "parallelize_plan": {f"{layers}.mlp": "ExpertParallel"}}
     return config
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 RECOMPUTE_FULL = "full"
 NO_RECOMPUTE = "none"
-SHARD_DIMS = ("dp", "sep")  # sharding's default: every rank holding a replica (issue 26)
+SHARD_DIMS = ("dp", "sep")  # sharding's default: every rank holding a replica
 # Bytes per device no fit may use: the CUDA context and libraries' workspaces (~1 GB), NCCL's buffers (~1 GB) and
 # the caching allocator's fragmentation (~3 GB of 80), none of which the memory model counts.
 DEFAULT_RESERVE = 5e9
