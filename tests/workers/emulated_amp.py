@@ -95,11 +95,14 @@ COMPUTE_OPS = (
     "clip", "abs", "cos", "sin", "layer_norm", "rms_norm", "squared_l2_norm", "cumsum", "where",
 )
 # Memory ops whose backward kernels CPU lacks for half dtypes (concat_grad, measured): exact in float32 and
-# back, so wrapped the same way; autocast treats them as any op off the lists.
+# back, so wrapped the same way; autocast treats them as any op off the lists. Not the view ops (slice,
+# strided_slice, transpose, reshape, squeeze, unsqueeze, flatten, unbind): their stride kernels run on CPU
+# float16/bfloat16 forward and backward (measured), and a copy would break what Paddle's code writes through
+# a view: its flex-checkpoint loader (`assign_sharded_slice`) assigns each checkpoint slice into
+# `paddle.slice(parameter)`, so a copy there would load nothing into a bfloat16 model.
 MEMORY_OPS = (
-    "concat", "split", "split_with_num", "slice", "strided_slice", "transpose", "reshape", "expand",
-    "expand_as", "tile", "stack", "unsqueeze", "squeeze", "gather", "gather_nd", "index_select", "flatten",
-    "pad", "roll", "repeat_interleave", "take_along_axis", "put_along_axis", "tril", "triu", "unbind",
+    "concat", "split", "split_with_num", "expand", "expand_as", "tile", "stack", "gather", "gather_nd",
+    "index_select", "pad", "roll", "repeat_interleave", "take_along_axis", "put_along_axis", "tril", "triu",
     "flip", "index_put", "masked_select", "scatter",
 )
 # In-place ops (no CPU half kernel) emulated by their out-of-place twin, the first input then assigned.
