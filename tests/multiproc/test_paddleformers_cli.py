@@ -6,18 +6,20 @@ erniekit format (stdlib module names and the first line or so of their source). 
 (packing on, eager attention, fp32) serves most runs; the runs differ only in key=value overrides,
 as a user's would. A second YAML is PaddleFormers' own example examples/config/sft/full_tp_pp.yaml
 (bf16 by its default compute_type, amp_master_grad by the Trainer's default, tensor 2 x pipeline 2 +
-sequence parallel, sharding stage1, full recompute, gradient accumulation) with the tiny inputs and
-fp16_opt_level O1: its O2 loads the model in bf16, which has no CPU matmul (on CPU Paddle's AMP is a no-op,
-so O1 trains as fp32 in both). Three processes do all the work:
+sequence parallel, sharding stage1, full recompute, gradient accumulation) with the tiny inputs,
+at fp16_opt_level O1 (on CPU Paddle's AMP is a no-op, so O1 trains as fp32 in both) and at its own O2, which
+loads the model in bf16: CPU Paddle has no bf16 matmul, so the O2 runs, paddle_cp's and PaddleFormers' own
+on one card, run in the CPU emulation of Paddle's GPU AMP (tests/workers/emulated_amp.py) and are held to
+one card's distance from the fp32 run. Three processes do all the work:
 
 - the reference: PaddleFormers' own `run_tuner` in one process, per global batch (2 and 4), full
-  fine-tuning and LoRA, and the example YAML on one card (global batch 2 and 4);
+  fine-tuning and LoRA, and the example YAML on one card (global batch 2 and 4, O1 and emulated O2);
 - `python -m paddle_cp.train` starting its own launch (2 CPU ranks, ring attention), saving a
   checkpoint every 2 steps;
 - a 4-rank launch whose ranks run pcp-train's main in place, one run after another: ring 4,
   Ulysses 4, dp 2 x ring 2, dp 2 x tensor 2 + sequence parallel, LoRA on dp 2 x ring 2, and a
   resume of the first launch's step-2 checkpoint on ring 2 x Ulysses 2, the example YAML as it is (tensor 2 x
-  pipeline 2) and on dp 2 x ring 2; then configs it must refuse.
+  pipeline 2) and on dp 2 x ring 2, at O1 and emulated O2; then configs it must refuse.
 
 Each run's logged losses (PaddleFormers' `loss:` log lines, 8 digits) and the weights it saves
 (safetensors in output_dir) are compared with the reference of the same global batch (1e-5).
@@ -60,7 +62,7 @@ UNPACKED = ["packing=false", "truncation_strategy=right"]
 PT = ["stage=PT", "dataset_type=iterator"]
 # PaddleFormers' examples/config/sft/full_tp_pp.yaml (its keys PaddleFormers 1.2.0 reads), on the tiny inputs: its
 # data and finetuning keys but the sizes, steps and learning rate of these runs, eager attention, AdamW epsilon 1e-3
-# (as BASE), and fp16_opt_level O1 (see the module docstring); no compute_type: PaddleFormers' default, bf16
+# (as BASE), and fp16_opt_level O1 (O2: see the module docstring); no compute_type: PaddleFormers' default, bf16
 EXAMPLE = {
     **{key: BASE[key] for key in ("train_dataset_type", "train_dataset_prob", "max_seq_len", "packing", "mix_strategy",
                                   "template", "_attn_implementation", "stage", "fine_tuning", "seed", "do_train",
@@ -75,7 +77,8 @@ EXAMPLE = {
     "adam_beta2": 0.999, "moe_router_bias_update_rate": 0.0, "overlap_p2p_comm": False, "batch_p2p_comm": True,
 }
 ONE_CARD = ["tensor_model_parallel_size=1", "pipeline_model_parallel_size=1", "sequence_parallel=false"]
-DP2_RING2 = [*ONE_CARD, "context_parallel_size=2"]  # the parallel keys a paddle_cp user changes  # PaddleFormers' map dataset cannot pack for PT (it fails on one card)
+DP2_RING2 = [*ONE_CARD, "context_parallel_size=2"]  # the parallel keys a paddle_cp user changes
+O2 = ["fp16_opt_level=O2"]  # the example YAML's own level
 # name -> (overrides, reference, collectives that must have sent bytes); on 4 ranks: the ranks a layout leaves
 # over are data parallel
 LAUNCH_RUNS = {
@@ -95,10 +98,16 @@ LAUNCH_RUNS = {
                               ["checkpoint_agree", "ring", "ulysses"]),
     "example_tp2_pp2_sp": ([], "example_b2", ["pp_activation", "all_gather"]),
     "example_dp2_ring2": (DP2_RING2, "example_b4", ["ring", "grad_all_reduce"]),
+    "example_o2_tp2_pp2_sp": (O2, "example_o2_b2", ["pp_activation", "all_gather"]),
+    "example_o2_dp2_ring2": ([*DP2_RING2, *O2], "example_o2_b4", ["ring", "grad_all_reduce"]),
 }
 REFERENCES = {"full_b2": [], "full_b4": ["per_device_train_batch_size=4"],
               "lora_b4": ["per_device_train_batch_size=4", *LORA], "unpacked_b2": UNPACKED, "pt_b2": PT,
-              "example_b2": ONE_CARD, "example_b4": [*ONE_CARD, "per_device_train_batch_size=2"]}
+              "example_b2": ONE_CARD, "example_b4": [*ONE_CARD, "per_device_train_batch_size=2"],
+              "example_o2_b2": [*ONE_CARD, *O2], "example_o2_b4": [*ONE_CARD, "per_device_train_batch_size=2", *O2]}
+# the O2 runs, in the CPU emulation of Paddle's GPU AMP: each -> the same layout's fp32 (O1) run
+O2_RUNS = {"example_o2_b2": "example_b2", "example_o2_b4": "example_b4",
+           "example_o2_tp2_pp2_sp": "example_tp2_pp2_sp", "example_o2_dp2_ring2": "example_dp2_ring2"}
 REFUSED = {
     "quantized": ["compute_type=wint8"],
     "dpo": ["stage=DPO"],
@@ -120,18 +129,29 @@ def runs_in_log(text):
 
 
 def saved_weights(folder):
-    """The weights a run wrote: safetensors (the model; PaddleFormers' LoRA adapter on one card) or the LoRA
-    adapter in LoRAModel's other format, lora_model_state.pdparams (paddle_cp's export)."""
+    """The weights a run wrote, as float32: safetensors (the model; PaddleFormers' LoRA adapter on one card) or the
+    LoRA adapter in LoRAModel's other format, lora_model_state.pdparams (paddle_cp's export)."""
     import paddle
-    from safetensors.numpy import load_file
+    from safetensors.paddle import load_file
 
     weights = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
-        weights.update(load_file(str(path)))
+        weights.update({name: value.astype("float32").numpy() for name, value in load_file(str(path)).items()})
     adapter = Path(folder) / "lora_model_state.pdparams"
     if adapter.exists():
         weights.update({name: value.numpy() for name, value in paddle.load(str(adapter)).items()})
     return weights
+
+
+def saved_dtypes(folder):
+    """The dtypes of the tensors a run saved in safetensors, as the files name them ("F32", "BF16")."""
+    from safetensors import safe_open
+
+    dtypes = set()
+    for path in Path(folder).glob("*.safetensors"):
+        with safe_open(str(path), framework="np") as f:
+            dtypes.update(f.get_slice(name).get_dtype() for name in f.keys())
+    return dtypes
 
 
 def _env(log_dir):
@@ -153,7 +173,7 @@ def results():
 def run_all(tmp):
     """{logged: {run: {step: loss}}, weights: {run: {name: array}}, work: each rank's records,
     refusals: each rank's errors, refused_wrote: {name: whether its output_dir exists}, spawned: pcp-train's own
-    launch ({"world_size": what rank 0 logged, "logs": its workerlog files})}."""
+    launch ({"world_size": what rank 0 logged, "logs": its workerlog files}), dtypes: {O2 run: dtypes it saved}}."""
     build = f"import sft_cli_inputs; sft_cli_inputs.build({str(tmp)!r}, samples=24, answer_bytes=40)"
     subprocess.run([sys.executable, "-c", build], env=_env(tmp / "unused"), check=True, capture_output=True)
     inputs = {"model_name_or_path": str(tmp / "model"), "train_dataset_path": str(tmp / "train.jsonl")}
@@ -166,7 +186,8 @@ def run_all(tmp):
 
     reference = subprocess.run(
         [sys.executable, str(WORKERS / "sft_cli_reference.py"),
-         json.dumps({name: argv(name, overrides) for name, overrides in REFERENCES.items()})],
+         json.dumps({"runs": {name: argv(name, overrides) for name, overrides in REFERENCES.items()},
+                     "emulated": list(O2_RUNS)})],
         env=_env(tmp / "unused"), capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stderr[-4000:]
     logged = runs_in_log(reference.stderr)
@@ -186,7 +207,8 @@ def run_all(tmp):
     # resume: a fresh output_dir holding the step-2 checkpoint, found by run_sft as it finds its own
     shutil.copytree(tmp / "ring2" / "checkpoint-2", tmp / "resume_ring2_ulysses2" / "checkpoint-2")
     spec = {"runs": {name: argv(name, overrides) for name, (overrides, _, _) in LAUNCH_RUNS.items()},
-            "refused": {name: argv(f"refused_{name}", overrides) for name, overrides in REFUSED.items()}}
+            "refused": {name: argv(f"refused_{name}", overrides) for name, overrides in REFUSED.items()},
+            "emulated": list(O2_RUNS)}
     reports, logs = launch_logged("sft_cli_runs.py", 4, json.dumps(spec))
     for report in reports:
         assert "crash" not in report["values"], report["values"]["crash"]
@@ -194,10 +216,11 @@ def run_all(tmp):
     refusals = [report["errors"] for report in reports]
     return dict(logged=logged, spawned=own_launch, refusals=refusals, work=[r["values"] for r in reports],
                 refused_wrote={name: (tmp / f"refused_{name}").exists() for name in REFUSED},
-                weights={name: saved_weights(tmp / name) for name in [*REFERENCES, "ring2", *LAUNCH_RUNS]})
+                weights={name: saved_weights(tmp / name) for name in [*REFERENCES, "ring2", *LAUNCH_RUNS]},
+                dtypes={name: saved_dtypes(tmp / name) for name in O2_RUNS})
 
 
-REFERENCE_OF = {"ring2": "full_b2", **{name: ref for name, (_, ref, _) in LAUNCH_RUNS.items()}}
+REFERENCE_OF = {"ring2": "full_b2", **{name: ref for name, (_, ref, _) in LAUNCH_RUNS.items() if name not in O2_RUNS}}
 
 
 @pytest.mark.parametrize("run", list(LAUNCH_RUNS))
@@ -217,19 +240,52 @@ def test_a_rank_holding_no_label_trains_as_one_card(results):
     assert sum(values["ulysses4.empty_shares"] for values in results["work"]) > 0
 
 
-@pytest.mark.parametrize("run", list(REFERENCE_OF))
-def test_pcp_train_matches_run_sft(results, run):
-    reference = REFERENCE_OF[run]
+def distance(results, run, reference, first=1):
+    """(largest logged-loss difference, largest saved-weight difference) of `run` from `reference`."""
     want, got = results["logged"][reference], results["logged"][run]
     assert sorted(want) == list(range(1, STEPS + 1)), want
-    first = 3 if run.startswith("resume") else 1  # resumed after step 2
     assert sorted(got) == list(range(first, STEPS + 1)), got
-    loss_error = max(abs(got[step] - want[step]) for step in got)
     want_weights, got_weights = results["weights"][reference], results["weights"][run]
     assert sorted(got_weights) == sorted(want_weights) and want_weights
-    weight_error = max(float(np.abs(got_weights[k] - want_weights[k]).max()) for k in want_weights)
+    return (max(abs(got[step] - want[step]) for step in got),
+            max(float(np.abs(got_weights[k] - want_weights[k]).max()) for k in want_weights))
+
+
+@pytest.mark.parametrize("run", list(REFERENCE_OF))
+def test_pcp_train_matches_run_sft(results, run):
+    first = 3 if run.startswith("resume") else 1  # resumed after step 2
+    loss_error, weight_error = distance(results, run, REFERENCE_OF[run], first)
     print(f"{run}: loss {loss_error:.1e}, weights {weight_error:.1e}")
-    assert loss_error < TOLERANCE and weight_error < TOLERANCE, (run, loss_error, weight_error, got, want)
+    assert loss_error < TOLERANCE and weight_error < TOLERANCE, (run, loss_error, weight_error)
+
+
+MASTER_GRADIENT_TAGS = ("grad_all_reduce", "grad_sum_all_reduce")  # the gradient buckets' all-reduces (mean, sum)
+HALF_TAGS = ("all_gather", "tp_all_reduce", "pp_activation", "pp_gradient", "param_broadcast")
+
+
+@pytest.mark.parametrize("run", [name for name in LAUNCH_RUNS if name in O2_RUNS])
+def test_pcp_train_at_o2_is_as_close_to_fp32_as_run_sft(results, run):
+    """The example YAML at its own O2 (bf16 parameters, fp32 masters in AdamW, amp_master_grad: master gradients
+    accumulated over the 2 micro-batches and reduced in fp32) in the CPU emulation of Paddle's GPU AMP: paddle_cp's
+    logged losses and saved weights are no farther from one card's fp32 run than twice PaddleFormers' own O2 run on
+    one card in the same emulation is. Both trained and saved bf16 weights; paddle_cp's collectives carried the
+    master gradients in fp32 (as many bytes as its fp32 run), the activations and parameters in bf16 (half the
+    bytes; the ring fewer: keys and values in bf16, their gradient blocks in fp32)."""
+    one_card = LAUNCH_RUNS[run][1]
+    fp32_one_card = O2_RUNS[one_card]
+    own = distance(results, one_card, fp32_one_card)
+    ours = distance(results, run, fp32_one_card)
+    print(f"{run}: from fp32 loss {ours[0]:.1e}, weights {ours[1]:.1e}; one card's O2 {own[0]:.1e}, {own[1]:.1e}")
+    for kind, (own_distance, our_distance) in zip(("loss", "weights"), zip(own, ours)):
+        assert 1e-4 < own_distance < 0.1, (kind, own, ours)  # bf16 visibly not fp32: the emulation ran
+        assert our_distance <= 2 * own_distance, (kind, own, ours)
+    assert results["dtypes"][run] == results["dtypes"][one_card] == {"BF16"}, results["dtypes"]
+    for values in results["work"]:
+        o2, fp32 = values[f"{run}.bytes"], values[f"{O2_RUNS[run]}.bytes"]
+        gradients, halved = [t for t in MASTER_GRADIENT_TAGS if t in fp32], [t for t in HALF_TAGS if t in fp32]
+        assert gradients and [o2.get(tag) for tag in gradients] == [fp32[tag] for tag in gradients], (o2, fp32)
+        assert halved and [2 * o2.get(tag, 0) for tag in halved] == [fp32[tag] for tag in halved], (o2, fp32)
+        assert "ring" not in fp32 or 0 < o2.get("ring", 0) < fp32["ring"], (o2, fp32)
 
 
 REFUSAL_FIX = {  # what each error must name: the key, and the fix

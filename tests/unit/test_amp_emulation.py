@@ -41,6 +41,22 @@ def test_a_half_kernel_computes_in_fp32_on_its_inputs_and_rounds_once():
     assert (xb + xb).dtype == BF16 and (xb * 2.0).dtype == BF16  # operators too (no CPU bf16 `add` kernel)
 
 
+@pytest.mark.parametrize("view", [
+    lambda x: paddle.slice(x, axes=[0, 1], starts=[1, 0], ends=[2, 3]),  # what Paddle's flex-checkpoint loader writes
+    lambda x: paddle.strided_slice(x, axes=[1], starts=[0], ends=[4], strides=[2]),
+    lambda x: paddle.transpose(x, [1, 0]), lambda x: paddle.reshape(x, [4, 3]), lambda x: paddle.flatten(x),
+    lambda x: paddle.unsqueeze(x, 0), lambda x: paddle.squeeze(paddle.unsqueeze(x, 0), 0),
+    lambda x: paddle.unbind(x, 0)[1],
+])
+def test_a_view_of_a_half_tensor_stays_a_view(view):
+    """Paddle's stride kernels share the input's memory in every dtype: a write through the view reaches it."""
+    x = paddle.zeros([3, 4], dtype=BF16)
+    with paddle.no_grad():
+        part = view(x)
+        paddle.assign(paddle.ones(part.shape, dtype=BF16), part)
+    assert float(x.astype("float32").sum()) == part.size
+
+
 def test_decorate_o2_casts_as_amp_initialize_and_o1_changes_nothing():
     def model():
         return paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.LayerNorm(4), paddle.nn.BatchNorm1D(4))

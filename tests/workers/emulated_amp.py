@@ -59,6 +59,11 @@ and what this CPU wheel does (measured); every fact carries its source:
   makes the result float32 (Paddle's type promotion for mixed operands). Differences from a GPU kernel:
   a kernel that rounds inside (flash attention, fused norms) rounds here only at its outputs; two
   gradients of one tensor are summed in float32 from their rounded values (Paddle sums them in the dtype).
+- View ops (slice, strided_slice, transpose, reshape, squeeze, unsqueeze, flatten, unbind) stay Paddle's own:
+  their stride kernels run on CPU float16/bfloat16 forward and backward and share the input's memory
+  (measured), and Paddle's code writes through them: its flex-checkpoint loader (flex_checkpoint/dcp/utils.py
+  `assign_sharded_slice`) assigns each checkpoint slice into `paddle.slice(parameter, ...)`, so a copy there
+  would load nothing into a bfloat16 model.
 - AdamW/Adam on float16/bfloat16 parameters: CPU has no such kernel (measured NotFound). The GPU
   multi-precision kernel (`multi_precision=True`, master weight given: adamw.py:538) computes in float32
   (MT) on the master weight with the gradient cast to float32 and writes the parameter as the master
@@ -95,11 +100,10 @@ COMPUTE_OPS = (
     "clip", "abs", "cos", "sin", "layer_norm", "rms_norm", "squared_l2_norm", "cumsum", "where",
 )
 # Memory ops whose backward kernels CPU lacks for half dtypes (concat_grad, measured): exact in float32 and
-# back, so wrapped the same way; autocast treats them as any op off the lists.
+# back, so wrapped the same way; autocast treats them as any op off the lists. Not the view ops (docstring).
 MEMORY_OPS = (
-    "concat", "split", "split_with_num", "slice", "strided_slice", "transpose", "reshape", "expand",
-    "expand_as", "tile", "stack", "unsqueeze", "squeeze", "gather", "gather_nd", "index_select", "flatten",
-    "pad", "roll", "repeat_interleave", "take_along_axis", "put_along_axis", "tril", "triu", "unbind",
+    "concat", "split", "split_with_num", "expand", "expand_as", "tile", "stack", "gather", "gather_nd",
+    "index_select", "pad", "roll", "repeat_interleave", "take_along_axis", "put_along_axis", "tril", "triu",
     "flip", "index_put", "masked_select", "scatter",
 )
 # In-place ops (no CPU half kernel) emulated by their out-of-place twin, the first input then assigned.

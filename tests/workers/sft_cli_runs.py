@@ -1,5 +1,6 @@
 """pcp-train inside an existing launch: every rank runs `paddle_cp.integrations.paddleformers.cli.main`
-for each run given (argv[1]: JSON, runs: {name: argv}), one after another in the same processes, and
+for each run given (argv[1]: JSON, runs: {name: argv}, emulated: the names run in the CPU emulation of Paddle's
+GPU AMP), one after another in the same processes, and
 records what paddle_cp did in each (bytes sent by collective tag, batches split by their documents,
 forwards in which this rank held no label);
 then tries configs it must refuse and records each error (type, message). The pytest side compares
@@ -8,6 +9,7 @@ the runs' logged losses and saved weights with PaddleFormers' run_sft in one pro
 import json
 import sys
 
+from amp_emulation import emulated
 from report import run
 
 from paddle_cp import PrepareContextParallel
@@ -45,7 +47,8 @@ def runs(report):
         document_batches.clear()
         empty_shares.clear()
         print(f"PCP_RUN {name}", file=sys.stderr, flush=True)  # PaddleFormers logs to stderr
-        main(argv)
+        with emulated(name in spec["emulated"]):
+            main(argv)
         report.value(f"{name}.bytes", {tag: n for tag, n in counters.bytes_sent().items() if n})
         report.value(f"{name}.document_batches", sum(document_batches))
         report.value(f"{name}.empty_shares", len(empty_shares))
