@@ -60,6 +60,8 @@ layouts, `chunks` (2N equal chunks) beside `documents` (balanced by work):
 With `--documents` it also prints (and writes under `gpu_model`) the GPU tile model's figures for the same
 batches, no GPU needed (tools/gpu_layouts.py): the chosen layout beside 2R chunks and the whole-document
 layout, predicted slowest-rank ms, tiles, tokens per rank, kernel calls per ring pass and host planning ms.
+Then the bytes each layout's ring exchange sends per rank and forward + backward, computed from the layout (not
+measured): today's ring, the exchange plan's (only the k/v rows other ranks' tiles read), and the rows read x 3.
 `--model-only` prints just those (any length: 128K-token rows take well under a second each):
 
     pcp-bench --documents lognormal --model-only --nproc 8 --seq 131072 262144 --backend p2p hybrid
@@ -553,18 +555,31 @@ def gpu_model(args):
         for backend in args.backend:
             progress(f"seq {seq}: {backend} layouts priced by the GPU tile model")
             rows += [dict(row, documents=args.documents)
-                     for row in gpu_layouts.layout_rows(positions, backend, args.nproc, _degree(args, backend))]
+                     for row in gpu_layouts.layout_rows(positions, backend, args.nproc, _degree(args, backend),
+                                                        _kv_row_bytes(args, backend))]
     return rows
+
+
+def _kv_row_bytes(args, backend):
+    """One token's fp32 k and v on one rank (mean over a Ulysses group's head shares), over the batch rows."""
+    from paddle_cp.attention.ulysses import head_split
+    from paddle_cp.tools.attention_cost import degrees
+
+    _, ulysses = degrees(backend, args.nproc, _degree(args, backend))
+    kv_heads = sum(head_split(args.heads, args.kv_heads, ulysses).kv_counts) / ulysses
+    return args.batch * kv_heads * 2 * args.head_dim * 4
 
 
 def table(result):
     from paddle_cp.tools import gpu_layouts
     from paddle_cp.tools.text import ruled_table  # here: the ranks run this file as a script
 
-    if not result["cases"]:
-        return gpu_layouts.table(result["gpu_model"])
-
     documents = result["config"]["documents"] is not None
+    if documents:
+        model = gpu_layouts.table(result["gpu_model"]) + "\n\n" + gpu_layouts.bytes_table(result["gpu_model"])
+    if not result["cases"]:
+        return model
+
     metrics = DOCUMENT_TABLE if documents else TABLE
     layout = f" {'layout':9}" if documents else ""
     head = (f"{'backend':8}{layout} {'seq':>6} {'N':>2} {'T_single':>9} {'T_rank':>9}"
@@ -573,7 +588,7 @@ def table(result):
         f"{c['backend']:8}" + (f" {c['layout']:9}" if documents else "")
         + f" {c['seq']:>6} {c['nproc']:>2} {c['t_single']:>8.3f}s {c['t_rank']:>8.3f}s"
         + "".join(f" {c[m]:>12.3f}" for m in metrics) for c in result["cases"]])
-    return cpu + ("\n\n" + gpu_layouts.table(result["gpu_model"]) if documents else "")
+    return cpu + ("\n\n" + model if documents else "")
 
 
 def step_counts_table(result):

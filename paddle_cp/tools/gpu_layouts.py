@@ -6,6 +6,11 @@ and the host time the choice takes.
 
 Kernel calls: one per ring step whose key block holds a tile the rank's queries see, per direction
 (forward and backward), the plan of one call per step (issue 32): calls per pass = non-empty steps of R.
+
+Bytes (`kv_row_bytes` given; computed from the layout, not measured): what a rank sends in one forward +
+backward of one layer, mean over ranks, the ring's today (every block to every member, k/v forward, again
+in backward, the gradients home), the exchange plan's (attention/exchange_plan.py: only the rows read), and
+the bytes read, 3 x the k/v rows of a rank's block that other ranks' visible tiles read.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import time
 import numpy as np
 
 from ..attention import packed_layout
+from ..attention.exchange_plan import ExchangePlan, exchange_bytes
 from ..attention.mask import Documents
 from ..attention.tile_cost import TILE
 from .attention_cost import degrees
@@ -22,8 +28,9 @@ from .text import ruled_table
 COMPARED = ("chosen", "chunks", "whole")
 
 
-def layout_rows(position_ids, backend, world, ulysses_degree=None):
-    """One row per COMPARED layout of a batch of packed position ids ([rows, S])."""
+def layout_rows(position_ids, backend, world, ulysses_degree=None, kv_row_bytes=None):
+    """One row per COMPARED layout of a batch of packed position ids ([rows, S]); with `kv_row_bytes` (one
+    token's k and v on one rank, its batch rows and heads; their gradients the same size) also the bytes."""
     ring, ulysses = degrees(backend, world, ulysses_degree)
     documents = Documents.from_position_ids(position_ids)
     seq_len = documents.seq_len
@@ -47,7 +54,18 @@ def layout_rows(position_ids, backend, world, ulysses_degree=None):
             "kernel_calls_per_pass": int(counts.kernel_steps().max()),
             "planning_ms": choose_ms if name == "chosen" else candidate.host_ms,
         })
+        if kv_row_bytes is not None:
+            rows[-1].update(_bytes(candidate.groups, documents, ring, kv_row_bytes))
     return rows
+
+
+def _bytes(groups, documents, ring, kv_row_bytes):
+    """MiB a rank sends per forward + backward (mean over ranks): today, planned, read; and the most a rank
+    sends under the plan."""
+    plan = ExchangePlan([np.flatnonzero(groups == g) for g in range(ring)], True, documents)
+    sent = exchange_bytes(plan, kv_row_bytes, kv_row_bytes)
+    mib = {f"{name}_mib": float(values.mean()) / 2 ** 20 for name, values in sent._asdict().items()}
+    return dict(mib, planned_max_mib=float(sent.planned.max()) / 2 ** 20)
 
 
 def table(rows):
@@ -62,3 +80,18 @@ def table(rows):
                            "ring pass and direction; host ms: CPU time choosing among every candidate, or building "
                            "and pricing "
                            "that one layout alone)")
+
+
+def bytes_table(rows):
+    """The rows' bytes (those priced with kv_row_bytes)."""
+    head = (f"{'documents':10} {'backend':8} {'seq':>7} {'N':>2} {'layout':7} {'candidate':10} {'today MiB':>9} "
+            f"{'planned':>8} {'read':>8} {'read/today':>10} {'planned max':>11}")
+    return ruled_table(head, [
+        f"{r['documents']:10} {r['backend']:8} {r['seq']:>7} {r['nproc']:>2} {r['layout']:7} {r['candidate']:10} "
+        f"{r['today_mib']:>9.1f} {r['planned_mib']:>8.1f} {r['read_mib']:>8.1f} "
+        f"{r['read_mib'] / r['today_mib'] if r['today_mib'] else 0:>10.3f} {r['planned_max_mib']:>11.1f}"
+        for r in rows if "today_mib" in r]) + (
+        "\n(computed from the layout, not measured: MiB a rank sends per forward + backward of one attention "
+        "layer, mean over ranks; today: the ring passes every k/v block to every member and every gradient "
+        "home; planned: only the rows read (attention/exchange_plan.py); read: 3 x the k/v rows of a rank's "
+        "block that other ranks' visible tiles read; planned max: the rank sending most)")

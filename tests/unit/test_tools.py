@@ -197,3 +197,25 @@ def test_bench_documents_model_only_prices_the_layouts_side_by_side(tmp_path, ca
             assert all(1 <= r["kernel_calls_per_pass"] <= r["ring"] and r["planning_ms"] > 0 for r in by.values())
     with pytest.raises(SystemExit):
         bench.main(["--model-only", "--nproc", "4"])
+
+
+def test_bench_documents_counts_the_bytes_each_layout_exchanges(tmp_path, capsys):
+    """pcp-bench --documents prints per layout the bytes the ring sends today, the exchange plan's and the bytes
+    read (computed): one causal document reads 3/4 of what the ring sends; of 100-token documents, those kept
+    whole read nothing and 2N chunks only the tile before each chunk edge a document crosses."""
+    lengths = tmp_path / "short.txt"
+    lengths.write_text("100\n")
+    row_bytes = 2 * 64 * 4  # one k/v head of 64, fp32
+    for source in ("single", str(lengths)):
+        out = tmp_path / "model.json"
+        bench.main(["--documents", source, "--model-only", "--nproc", "8", "--seq", "16384", "--backend", "p2p",
+                    "--heads", "8", "--kv-heads", "1", "--head-dim", "64", "--json", str(out)])
+        assert "computed from the layout, not measured" in capsys.readouterr().out
+        by = {r["layout"]: r for r in json.loads(out.read_text())["gpu_model"]}
+        assert all(r["today_mib"] * 2 ** 20 == 3 * 7 * 2048 * row_bytes for r in by.values())  # 7 blocks, 3 times
+        assert all(r["planned_mib"] == r["read_mib"] for r in by.values())
+        if source == "single":
+            assert all(r["read_mib"] == 0.75 * r["today_mib"] for r in by.values())
+    assert by["whole"]["read_mib"] == 0
+    # 15 chunk edges cut a document; 14 lie between two ranks (chunks 7 and 8 are one rank's)
+    assert by["chunks"]["read_mib"] * 2 ** 20 == 3 * 14 * 128 * row_bytes / 8
