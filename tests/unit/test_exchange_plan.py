@@ -126,3 +126,14 @@ def test_bytes_count_gradients_in_their_dtype():
     assert sent.today.tolist() == [2 * (SEQ - lengths[(r + 1) % 4]) * 256 + (SEQ - lengths[r]) * 512
                                    for r in range(4)]
     assert sent.planned.tolist() == (2 * plan.counts.sum(axis=0) * 256 + plan.counts.sum(axis=1) * 512).tolist()
+
+
+@pytest.mark.parametrize("window", [128, 4096])
+def test_sliding_window_moves_its_halo(window):
+    """Mistral's and GPT-OSS's windows over 65,536 tokens on 8 ranks (2N chunks of 4096): each rank receives and
+    sends at most 2 x window k/v rows a direction (one halo a chunk), where the ring moves 7 blocks of 8192."""
+    positions = SequenceLayout("p2p", 8).ring_positions(65536)
+    plan = ExchangePlan(positions, True, window=window)
+    assert plan.counts.sum(axis=1).max() == plan.counts.sum(axis=0).max() == 2 * window
+    sent = exchange_bytes(plan, 512, 512)
+    assert sent.planned.sum() == 3 * 512 * plan.counts.sum() <= sent.today.sum() * 2 * window / (7 * 8192)
