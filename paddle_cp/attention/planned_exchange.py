@@ -69,7 +69,7 @@ class PlannedRotation:
 
     def __init__(self, group, k, v, masks):
         self.group, self.k, self.v = group, k, v
-        self.exchange = masks.exchange()
+        self.exchange = masks.exchange() if group.size > 1 else None  # a ring of one exchanges nothing
         self.packing = BlockPacking(k, v, masks.lengths())
         self._next = self._arriving = self._own = self._others = None
 
