@@ -16,6 +16,14 @@ the ring does: the sums are the ring's bit for bit.
 
 Bytes: the rows read, forward and again in backward (k/v are fetched again, as the ring does), and their
 gradients: exchange_plan.exchange_bytes' `planned`. The row indices go to the device once per batch.
+A block read whole (nothing masked, most blocks of one causal document) goes as it is: no row selection
+and no scatter back, one pack (concat) a step as the ring's.
+
+On NCCL each step is one `dist.batch_isend_irecv` (p2p.shift): Paddle coalesces the list's isend/irecv in
+one group call (ncclGroupStart/End) on the group's communication stream and returns one task per op; the
+peers' lists must pair up, so a member leaves out its isend exactly when its receiver leaves out the
+matching irecv (both sides know the plan's count: an empty message is never posted, and a step with
+neither is no call, since Paddle's batch refuses an empty list). Buffers are not touched before wait().
 """
 from __future__ import annotations
 
@@ -82,8 +90,12 @@ class PlannedRotation:
     def _shift(self, tensors, rows, count, offset, recv_rows, dtype):
         """Rows `rows` (`count` of them) of `tensors` ([b, L, ...] each), packed, to member index+offset;
         `recv_rows` rows' worth from index-offset."""
-        out = (p2p.pack([paddle.index_select(t, rows, axis=1) for t in tensors]) if count
-               else paddle.empty([0], dtype))
+        if not count:
+            out = paddle.empty([0], dtype)
+        elif count == tensors[0].shape[1]:  # read whole
+            out = p2p.pack(list(tensors))
+        else:
+            out = p2p.pack([_select_rows(t, rows) for t in tensors])
         return p2p.shift(self.group, out, offset, tag="ring", recv_shape=[self._numel(recv_rows)])
 
     def fetch(self, step):
@@ -101,10 +113,13 @@ class PlannedRotation:
         """k and v blocks of member `src`, the rows not read 0."""
         if src == self.group.index:
             return self.k, self.v
+        count = self.exchange.count_read(src)
+        parts = p2p.unpack(message, self.packing.shapes(count))
+        if count == self.packing.lengths[src]:
+            return parts
         placement = self.exchange.placement(src)
-        parts = p2p.unpack(message, self.packing.shapes(self.exchange.count_read(src)))
-        return [paddle.index_select(paddle.concat([part, paddle.zeros([part.shape[0], 1, *part.shape[2:]], part.dtype)],
-                                                  axis=1), placement, axis=1)  # [b, n + 1, ...] -> [b, L_src, ...]
+        return [_select_rows(paddle.concat([part, paddle.zeros([part.shape[0], 1, *part.shape[2:]], part.dtype)],
+                                           axis=1), placement)  # [b, n + 1, ...] -> [b, L_src, ...]
                 for part in parts]
 
     def send_grads(self, step, grads):
@@ -143,3 +158,11 @@ class PlannedRotation:
         if own is None or others is None:
             return own if others is None else others
         return [mine + theirs for mine, theirs in zip(own, others)]
+
+
+def _select_rows(tensor, index):
+    """tensor[:, index] of a [b, L, ...] tensor (int64 index on its device). Paddle's CPU build has no fp16
+    index_select: there the rows are selected in fp32, which holds every fp16 value exactly."""
+    if tensor.dtype == paddle.float16 and tensor.place.is_cpu_place():
+        return paddle.index_select(tensor.astype(paddle.float32), index, axis=1).astype(tensor.dtype)
+    return paddle.index_select(tensor, index, axis=1)

@@ -20,7 +20,7 @@ from .layout import runs
 from .mask import BlockMask, record_work
 from .merge import merge
 from .planned_exchange import MemberExchange, PlannedRotation
-from .rotation import AllGatherRotation, RingRotation, check_rotation
+from .rotation import AllGatherRotation, check_rotation
 
 
 class RingMasks:
@@ -71,7 +71,7 @@ def sees_nothing(mask):
 
 def make_rotation(rotate, group, k, v, masks):
     """How this member's k [b, s_i, h, d] and v reach the others over the ring `group` (rotation.py)."""
-    kinds = {"ring": RingRotation, "allgather": AllGatherRotation, "planned": PlannedRotation}
+    kinds = {"planned": PlannedRotation, "allgather": AllGatherRotation}
     return kinds[check_rotation(rotate)](group, k, v, masks)
 
 
@@ -80,7 +80,7 @@ def ring_forward(q, k, v, group, masks, scale, rotate):
     out = lse = None
     for step in range(group.size):
         src = (group.index - step) % group.size
-        message = rotation.fetch(step)  # fetched even when skipped: the ring passes it on
+        message = rotation.fetch(step)  # fetched even when skipped: it puts the next step's in flight
         mask = masks.block(src)
         if sees_nothing(mask):
             record_work(0, q.shape[1] * masks.lengths()[src])
@@ -147,7 +147,7 @@ class RingAttention(PyLayer):
         return tuple(grads)
 
 
-def ring_attention_local(q, k, v, group, masks, scale, rotate="ring", sinks=None):
+def ring_attention_local(q, k, v, group, masks, scale, rotate="planned", sinks=None):
     """Attention of this member's [b, s_i, h, d] q/k/v shards (v: [b, s_i, h, d_v]) over the ring `group`."""
     q, k, v = saveable(q, k, v)
     return RingAttention.apply(q, k, v, sinks, group, masks, scale, rotate)

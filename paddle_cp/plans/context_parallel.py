@@ -96,7 +96,7 @@ class SepRun:
 
     def __init__(self, plan, mesh):
         self.backend, self.ulysses_degree = plan.backend, plan.ulysses_degree
-        self.rotate = getattr(plan, "rotate", "ring")
+        self.rotate = getattr(plan, "rotate", "planned")
         self.layout = SequenceLayout(plan.backend, mesh_lib.dim_size(mesh, "sep"), plan.ulysses_degree)
         self.groups = resolve_groups(self.layout, mesh)
 
@@ -281,9 +281,11 @@ class ContextParallel(_SepPlan):
     sublayer (attention/routing.py); linear attention (Gated DeltaNet: state passing, head
     all-to-all or both) and Conv1D over the sequence (halo) in the sublayers the mixer registry
     claims (attention/mixers/). A forward that ends without any of them raises.
-    `rotate`: how ring k/v blocks move, 'ring' (one hop per step) or 'allgather' (all at once)."""
+    `rotate`: how ring members exchange k/v: 'planned' (default: only the rows each member's tiles read,
+    straight from their owner, the next step's in flight during compute) or 'allgather' (whole blocks in one
+    all-gather, gradients in one reduce-scatter; attention/rotation.py says when)."""
 
-    def __init__(self, backend="p2p", ulysses_degree=None, rotate="ring"):
+    def __init__(self, backend="p2p", ulysses_degree=None, rotate="planned"):
         super().__init__(backend, ulysses_degree)
         self.rotate = check_rotation(rotate)
 

@@ -23,10 +23,12 @@ For every sequence length and backend it runs forward+backward of attention on
   [b*h, 512, d] @ [b*h, d, 512].
 - balance = max / mean over ranks of the visible score-matrix entries each rank
   computes: from the layout's token positions for p2p, the head split for all2all.
-- bytes_ratio = bytes sent per rank (paddle_cp.bytes_sent(), one forward+backward)
-  / the algorithm's minimum (`bytes_min`, paddle_cp.tools.attention_cost): ring 3(N-1) x
-  bytes(local k, v); Ulysses 2 x (N-1)/N x bytes(q, k, v, out); hybrid the
-  Ulysses figure over U ranks plus the ring's over N/U groups on h_k/U heads.
+- bytes_ratio = bytes sent per rank (paddle_cp.bytes_sent(), one forward+backward, the rank sending most)
+  / the algorithm's minimum (`bytes_min`): the ring's planned exchange on the case's layout, k/v rows
+  other ranks' tiles read forward and again backward, and their gradients (attention/exchange_plan.py;
+  whole blocks, 3(N-1) x bytes(local k, v), where nothing is masked); Ulysses 2 x (N-1)/N x
+  bytes(q, k, v, out) (paddle_cp.tools.attention_cost); hybrid the Ulysses figure over U ranks plus the
+  ring's over N/U groups on h_k/U heads. `bytes_read`: the same with 3 x the k/v rows read for the ring.
 - mem_ratio = peak bytes allocated per rank during forward+backward (inputs,
   activations, gradients, temporaries) / the same for one process running the same
   blockwise kernel on the whole sequence. Measured with Paddle's host allocator
@@ -496,6 +498,27 @@ def _work(args, backend, seq, split):
     return packing.rank_work(layout, positions)
 
 
+def _bytes_min(args, backend, seq, split):
+    """(bytes, bytes read) of the rank sending most in one forward+backward: the Ulysses all-to-alls' bytes
+    (attention_cost) plus the ring's planned exchange on the case's layout (exchange_plan: only the k/v rows
+    other members' tiles read, and their gradients); `bytes read` puts 3 x those rows in its place."""
+    from paddle_cp.attention.exchange_plan import ExchangePlan, exchange_bytes
+    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.tools import attention_cost
+
+    ring, ulysses = attention_cost.degrees(backend, args.nproc, _degree(args, backend))
+    inner = attention_cost.ulysses_bytes(args.batch, seq // ring, args.heads, args.kv_heads, args.head_dim, ulysses)
+    if ring == 1:
+        return inner, inner
+    documents, _ = _documents(args, seq) if split is not None else (None, None)
+    layout = SequenceLayout(backend, args.nproc, _degree(args, backend))
+    layout = layout.for_batch(documents, split) if split is not None else layout
+    ring_heads = attention_cost.kv_heads_sent(args.heads, args.kv_heads, ulysses) // ulysses
+    row_bytes = args.batch * ring_heads * 2 * args.head_dim * attention_cost.FP32
+    sent = exchange_bytes(ExchangePlan(layout.ring_positions(seq), args.causal, documents), row_bytes, row_bytes)
+    return inner + int(sent.planned.max()), inner + int(sent.read.max())
+
+
 def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=None):
     from paddle_cp.tools import attention_cost
 
@@ -506,7 +529,7 @@ def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=No
     flops = attention_cost.attention_flops(args.batch, seq, args.heads, args.head_dim, args.causal)
     work = _work(args, backend, seq, split)
     kernel_seconds = [r[4] for r in per_rank]
-    predicted = attention_cost.attention_bytes(backend, *shape, n, ulysses_degree=degree)
+    predicted, read = _bytes_min(args, backend, seq, split)
     held_single = attention_cost.attention_held_bytes(backend, *shape, 1)
     return {
         "backend": backend, "ulysses_degree": degree, "seq": seq, "nproc": n, "causal": args.causal,
@@ -522,6 +545,7 @@ def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=No
         "bytes_per_rank": sent,
         "bytes_min": predicted,
         "bytes_ratio": sent / predicted,
+        "bytes_read": read,
         "mem_ratio": max(r[2] for r in per_rank) / single["peak"],
         "held_ratio": max(r[3] for r in per_rank) / single["held"],
         "held_predicted_ratio": (attention_cost.attention_held_bytes(backend, *shape, n, ulysses_degree=degree)

@@ -124,9 +124,9 @@ def test_backward_skips_the_blocks_forward_skips(monkeypatch, path):
             calls.clear()
             masks = ring_masks(layout, SEQ, index, True, documents, window=window)
             group = SimpleNamespace(size=RING, index=index)
-            out, lse = ring.ring_forward(qs[index], ks[index], vs[index], group, masks, SCALE, "ring")
+            out, lse = ring.ring_forward(qs[index], ks[index], vs[index], group, masks, SCALE, "planned")
             dq, dk, dv = ring.ring_backward(douts[index], qs[index], ks[index], vs[index], out.astype(dtype), lse,
-                                            group, masks, SCALE, "ring")
+                                            group, masks, SCALE, "planned")
             sent = rotation_of["current"].sent
             for step in range(RING):
                 seen = masks.block((index - step) % RING).extent().kind != "none"

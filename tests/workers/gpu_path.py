@@ -57,24 +57,24 @@ def cases(n):
     documents layout: the ranks' positions scattered, short pieces sharing tiles), "packed" (many documents of
     2-9 tokens: every ring step cuts several) or "window" (sliding window of seq // 3)."""
     table = [
-        ("p2p.causal.uneven", "p2p", None, True, 2, 6 * n + 1, 4, 2, "", "ring", None),
+        ("p2p.causal.uneven", "p2p", None, True, 2, 6 * n + 1, 4, 2, "", "planned", None),
         ("p2p.causal.uneven.allgather", "p2p", None, True, 1, 6 * n + 3, 2, 1, "", "allgather", None),
-        ("p2p.full.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, "", "ring", 0.3),
-        ("p2p.docs", "p2p", None, True, 1, 5 * n + 2, 2, 1, "docs", "ring", None),
-        ("p2p.docs_layout", "p2p", None, True, 2, 24 * n + 5, 2, 1, "docs_layout", "ring", None),
-        ("p2p.packed.docs", "p2p", None, True, 2, 40 * n + 3, 2, 1, "packed", "ring", None),
-        ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, "", "ring", None),
-        ("all2all.full", "all2all", None, False, 1, 4 * n, 2 * n, n, "", "ring", None),
-        ("all2all.docs", "all2all", None, True, 1, 4 * n + 3, n, n, "docs", "ring", None),
-        ("p2p.causal.fp16", "p2p", None, True, 1, 4 * n + 1, 2, 1, "", "ring", None),
-        ("p2p.window", "p2p", None, True, 1, 8 * n + 3, 4, 2, "window", "ring", None),
-        ("all2all.window", "all2all", None, True, 1, 6 * n + 1, n, 1, "window", "ring", None),
+        ("p2p.full.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, "", "planned", 0.3),
+        ("p2p.docs", "p2p", None, True, 1, 5 * n + 2, 2, 1, "docs", "planned", None),
+        ("p2p.docs_layout", "p2p", None, True, 2, 24 * n + 5, 2, 1, "docs_layout", "planned", None),
+        ("p2p.packed.docs", "p2p", None, True, 2, 40 * n + 3, 2, 1, "packed", "planned", None),
+        ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, "", "planned", None),
+        ("all2all.full", "all2all", None, False, 1, 4 * n, 2 * n, n, "", "planned", None),
+        ("all2all.docs", "all2all", None, True, 1, 4 * n + 3, n, n, "docs", "planned", None),
+        ("p2p.causal.fp16", "p2p", None, True, 1, 4 * n + 1, 2, 1, "", "planned", None),
+        ("p2p.window", "p2p", None, True, 1, 8 * n + 3, 4, 2, "window", "planned", None),
+        ("all2all.window", "all2all", None, True, 1, 6 * n + 1, n, 1, "window", "planned", None),
     ]
     if n == 4:
         table += [
-            ("hybrid.causal.uneven", "hybrid", 2, True, 2, 29, 4, 2, "", "ring", None),
+            ("hybrid.causal.uneven", "hybrid", 2, True, 2, 29, 4, 2, "", "planned", None),
             ("hybrid.causal.allgather", "hybrid", 2, True, 1, 30, 4, 2, "", "allgather", None),
-            ("hybrid.docs", "hybrid", 2, True, 1, 27, 2, 2, "docs", "ring", None),
+            ("hybrid.docs", "hybrid", 2, True, 1, 27, 2, 2, "docs", "planned", None),
         ]
     return table
 
@@ -253,7 +253,7 @@ def measure_bf16(report, mesh):
     batch, seq, heads = 1, 256, 2
     paddle.seed(99)
     q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(BF16) for _ in range(4))
-    case = ("bf16", "p2p", None, True, batch, seq, heads, heads, "", "ring", None)
+    case = ("bf16", "p2p", None, True, batch, seq, heads, heads, "", "planned", None)
     reference = fp32_reference(q, k, v, grad_out, True, None, None)
     got = context_parallel(mesh, case, q, k, v, grad_out, None)
     for label, mine, want in zip(("out", "dq", "dk", "dv"), got, reference):
