@@ -30,6 +30,7 @@ from paddle_cp.comm import collectives, p2p
 
 EMULATION = "emulation"
 _in_flight = []
+posted = {"isend+irecv": 0, "isend": 0, "irecv": 0}  # batches posted, by their ops
 
 
 class Misuse(AssertionError):
@@ -112,6 +113,7 @@ def batch_isend_irecv(ops):
         raise Misuse("Paddle's batch_isend_irecv refuses an empty list (it reads the first op's group)")
     if kinds not in ([dist.isend, dist.irecv], [dist.isend], [dist.irecv]):
         raise NotImplementedError(f"the emulation covers an isend and/or an irecv, in that order, got {kinds}")
+    posted["+".join("isend" if kind is dist.isend else "irecv" for kind in kinds)] += 1
     send = ops[0] if kinds[0] is dist.isend else None
     exchange = _Exchange(send, ops[-1] if kinds[-1] is dist.irecv else None)
     return [_Task(exchange) for _ in ops]
