@@ -11,6 +11,7 @@ from ..attention import recompute
 from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, mixers, resolve_groups, routing
 from ..attention import ulysses_size
 from ..attention.layout import check_split
+from ..attention.link_cost import LinkCost, Links
 from .base import Plan, refuse_param_plan
 from .same_batch import BatchCheck
 
@@ -99,6 +100,13 @@ class SepRun:
         self.rotate = getattr(plan, "rotate", "planned")
         self.layout = SequenceLayout(plan.backend, mesh_lib.dim_size(mesh, "sep"), plan.ulysses_degree)
         self.groups = resolve_groups(self.layout, mesh)
+        self.layout.links = ring_links(plan, self.layout, self.groups.sep.ranks)
+
+
+def ring_links(plan, layout, sep_ranks):
+    """The LinkCost of `layout`'s ring over the sep group's global ranks `sep_ranks` (ring member g holds sep
+    positions gU .. gU+U-1, one node), at `plan.links` (a PrepareContextParallel's) or Links' defaults."""
+    return LinkCost.of_ranks(list(sep_ranks)[::layout.ulysses], getattr(plan, "links", None) or Links())
 
 
 class PrepareContextParallel(_SepPlan):
@@ -127,14 +135,23 @@ class PrepareContextParallel(_SepPlan):
     documents. Split other [batch, seq] tensors of the batch (labels) with
     `paddle_cp.shard_sequence(x, backend=this plan, ...)` given the same
     document inputs the model gets.
+
+    `links`: a `paddle_cp.Links` (ranks per node, GB/s within and across nodes) the documents layout prices
+    each candidate's k/v exchange with, beside its tiles (attention/link_cost.py); default `Links()`: ranks
+    per node from PADDLE_LOCAL_SIZE (paddle.distributed.launch's processes per node), 300 GB/s within a
+    node, 25 GB/s across. Across nodes it keeps documents whole where the bytes would cost more than the
+    tiles they balance.
     """
 
-    def __init__(self, backend="p2p", ulysses_degree=None, documents=None, layout="documents"):
+    def __init__(self, backend="p2p", ulysses_degree=None, documents=None, layout="documents", links=None):
         super().__init__(backend, ulysses_degree)
         if documents is not None and not isinstance(documents, str):
             raise TypeError(f"documents must be 'position_ids' or an input name, got {documents!r}")
+        if links is not None and not isinstance(links, Links):
+            raise TypeError(f"links must be a paddle_cp.Links(ranks_per_node=, intra_gbps=, inter_gbps=), got {links!r}")
         self.documents = documents
         self.layout = check_split(layout)
+        self.links = (links or Links()).check()
 
     def check(self, layer, mesh, param_names=()):
         super().check(layer, mesh, param_names)

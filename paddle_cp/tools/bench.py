@@ -62,8 +62,11 @@ layouts, `chunks` (2N equal chunks) beside `documents` (balanced by work):
 With `--documents` it also prints (and writes under `gpu_model`) the GPU tile model's figures for the same
 batches, no GPU needed (tools/gpu_layouts.py): the chosen layout beside 2R chunks and the whole-document
 layout, predicted slowest-rank ms, tiles, tokens per rank, kernel calls per ring pass and host planning ms.
-Then the bytes each layout's ring exchange sends per rank and forward + backward, computed from the layout (not
-measured): today's ring, the exchange plan's (only the k/v rows other ranks' tiles read), and the rows read x 3.
+Then each layout's predicted step with its planned k/v exchange priced on the links (attention/link_cost.py),
+within one node and across nodes of `--ranks-per-node` ranks (default 1): the choice by tiles alone, the
+link-priced choice and 2R chunks. Then the bytes each layout's ring exchange sends per rank and forward +
+backward, computed from the layout (not measured): whole blocks to every member, the exchange plan's (only
+the k/v rows other ranks' tiles read, what rotate='planned' sends), and the rows read x 3.
 `--model-only` prints just those (any length: 128K-token rows take well under a second each):
 
     pcp-bench --documents lognormal --model-only --nproc 8 --seq 131072 262144 --backend p2p hybrid
@@ -105,6 +108,8 @@ def parse_args(argv=None):
                         help="packed documents: stdlib (the main job's), lognormal, longtail, uniform, single, "
                              "or a file of lengths")
     parser.add_argument("--doc-batch", type=int, default=0, help="which batch of the packed stream (default: first)")
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="with --documents: ranks a node for the tile model's predicted steps across nodes")
     parser.add_argument("--model-only", action="store_true",
                         help="with --documents: only the GPU tile model's table of the layouts, no CPU ranks")
     parser.add_argument("--json", help="write the results here")
@@ -580,7 +585,7 @@ def gpu_model(args):
             progress(f"seq {seq}: {backend} layouts priced by the GPU tile model")
             rows += [dict(row, documents=args.documents)
                      for row in gpu_layouts.layout_rows(positions, backend, args.nproc, _degree(args, backend),
-                                                        _kv_row_bytes(args, backend))]
+                                                        _kv_row_bytes(args, backend), args.ranks_per_node)]
     return rows
 
 
@@ -600,7 +605,8 @@ def table(result):
 
     documents = result["config"]["documents"] is not None
     if documents:
-        model = gpu_layouts.table(result["gpu_model"]) + "\n\n" + gpu_layouts.bytes_table(result["gpu_model"])
+        rows = result["gpu_model"]
+        model = "\n\n".join([gpu_layouts.table(rows), gpu_layouts.steps_table(rows), gpu_layouts.bytes_table(rows)])
     if not result["cases"]:
         return model
 

@@ -122,8 +122,12 @@ def test_bench_packed_documents_old_beside_new(documents_four):
         assert old["balance"] > 1.2 and new["balance"] < old["balance"], (backend, old["balance"], new["balance"])
         # the GPU tile model's figures of the same batch: the chosen layout never slower than the chunks
         model = {row["layout"]: row for row in documents_four["gpu_model"] if row["backend"] == backend}
-        assert set(model) == {"chosen", "chunks", "whole"}
+        assert set(model) == {"chosen", "chunks", "whole", "tiles", "across"}
         assert model["chosen"]["slowest_ms"] <= 1.01 * model["chunks"]["slowest_ms"], model
+        # with the exchange priced on the links: the choice within a node and the one across (one rank a node)
+        # never slower than the choice by tiles alone or the chunks there (but by the 1% tie rule)
+        for pick, where in (("chosen", "step_within_ms"), ("across", "step_across_ms")):
+            assert model[pick][where] <= 1.01 * min(model["tiles"][where], model["chunks"][where]), (pick, model)
         assert all(row["tokens_max"] <= 1.05 * row["tokens_mean"] + 2 * row["ring"] for row in model.values())
         for case in (old, new):
             assert case["causal"] and len(case["kernel_seconds"]) == 4

@@ -189,12 +189,16 @@ def test_bench_documents_model_only_prices_the_layouts_side_by_side(tmp_path, ca
         assert "no GPU ran" in capsys.readouterr().out
         rows = json.loads(out.read_text())["gpu_model"]
         assert [(r["backend"], r["layout"]) for r in rows] == [
-            (b, name) for b in ("p2p", "hybrid") for name in ("chosen", "chunks", "whole")]
+            (b, name) for b in ("p2p", "hybrid") for name in ("chosen", "chunks", "whole", "tiles", "across")]
         for backend in ("p2p", "hybrid"):
             by = {r["layout"]: r for r in rows if r["backend"] == backend}
             assert by["chosen"]["slowest_ms"] <= 1.01 * by["chunks"]["slowest_ms"]
             assert by["chunks"]["tokens_max"] == 16384 // 4 and by["chosen"]["memory_bound_ok"]
             assert all(1 <= r["kernel_calls_per_pass"] <= r["ring"] and r["planning_ms"] > 0 for r in by.values())
+            # the link-priced choices' predicted steps (tiles and exchange) within a node and across
+            assert by["chosen"]["step_within_ms"] <= 1.01 * by["tiles"]["step_within_ms"]  # the 1% tie rule
+            assert by["across"]["step_across_ms"] <= 1.01 * min(by["tiles"]["step_across_ms"],
+                                                                by["chunks"]["step_across_ms"])
     with pytest.raises(SystemExit):
         bench.main(["--model-only", "--nproc", "4"])
 
@@ -214,8 +218,8 @@ def test_bench_documents_counts_the_bytes_each_layout_exchanges(tmp_path, capsys
         by = {r["layout"]: r for r in json.loads(out.read_text())["gpu_model"]}
         assert all(r["today_mib"] * 2 ** 20 == 3 * 7 * 2048 * row_bytes for r in by.values())  # 7 blocks, 3 times
         assert all(r["planned_mib"] == r["read_mib"] for r in by.values())
-        if source == "single":
-            assert all(r["read_mib"] == 0.75 * r["today_mib"] for r in by.values())
+        if source == "single":  # in 2N chunks (the choice across nodes, one rank a node, keeps it contiguous)
+            assert all(by[name]["read_mib"] == 0.75 * by[name]["today_mib"] for name in ("chosen", "chunks", "whole"))
     assert by["whole"]["read_mib"] == 0
     # 15 chunk edges cut a document; 14 lie between two ranks (chunks 7 and 8 are one rank's)
     assert by["chunks"]["read_mib"] * 2 ** 20 == 3 * 14 * 128 * row_bytes / 8
