@@ -4,15 +4,15 @@
 At step s (1..N-1) member i sends member i+s the rows of its block that i+s reads and receives from i-s the
 rows of i-s's block it reads: one shift by s a step (p2p.shift: batched isend/irecv on NCCL, ordered
 send/recv on gloo, an empty message where nothing is read), the next step's in flight while this one is
-computed on, as in the ring. The rows arrive packed (k then v, [b, n, h, d] each) and are put back in
-place in a block of the sender's length whose other rows are 0. Those are rows no query of this member
-sees, so the kernels, running the same tiles in the same order as on the whole block, give the ring's
-results bit for bit: a key no query sees weighs exactly 0, and its gradient is exactly 0.
+computed on. The rows arrive packed (k then v, [b, n, h, d] each) and are put back in place in a block of
+the sender's length whose other rows are 0. Those are rows no query of this member sees, so the kernels,
+running the same tiles in the same order as on the whole block, give the whole block's results bit for
+bit: a key no query sees weighs exactly 0, and its gradient is exactly 0 (on CPU, Paddle's exp(-inf) =
+2.9e-39 in the blockwise kernel leaves ~1e-38 there, which the whole block would have had).
 
 Backward: at step s member i sends home to i-s the gradients of the rows of i-s's block it read, and
 receives from i+s those of its own block's rows that i+s read; the owner adds them as they arrive (from
-i+1, then i+2, ...), the order in which the ring's travelling sum adds them, then its own part last, as
-the ring does: the sums are the ring's bit for bit.
+i+1, then i+2, ...), the order in which a ring passing sums along would add them, then its own part last.
 
 Bytes: the rows read, forward and again in backward (k/v are fetched again, as the ring does), and their
 gradients: exchange_plan.exchange_bytes' `planned`. The row indices go to the device once per batch.
