@@ -137,3 +137,18 @@ def test_sliding_window_moves_its_halo(window):
     assert plan.counts.sum(axis=1).max() == plan.counts.sum(axis=0).max() == 2 * window
     sent = exchange_bytes(plan, 512, 512)
     assert sent.planned.sum() == 3 * 512 * plan.counts.sum() <= sent.today.sum() * 2 * window / (7 * 8192)
+
+
+def test_rows_selected_exactly_in_every_dtype():
+    """The planned exchange's row selection (fp16 on CPU, which Paddle's CPU build cannot index_select, goes
+    through fp32, exactly)."""
+    import paddle
+
+    from paddle_cp.attention.planned_exchange import _select_rows
+
+    x = paddle.randn([2, 7, 3, 4])
+    rows = paddle.to_tensor(np.array([0, 3, 6]))
+    for dtype in (paddle.float32, paddle.bfloat16, paddle.float16):
+        got = _select_rows(x.astype(dtype), rows)
+        assert got.dtype == dtype
+        assert np.array_equal(got.astype("float32").numpy(), x.astype(dtype).astype("float32").numpy()[:, [0, 3, 6]])
