@@ -136,7 +136,8 @@ class PrepareContextParallel(_SepPlan):
     `paddle_cp.shard_sequence(x, backend=this plan, ...)` given the same
     document inputs the model gets.
 
-    `links`: a `paddle_cp.Links` (ranks per node, GB/s within and across nodes) the documents layout prices
+    `links`: a `paddle_cp.Links` or a dict of its fields (ranks per node, GB/s within and across nodes; a YAML
+    config's `links: {ranks_per_node: 8, inter_gbps: 50}`) the documents layout prices
     each candidate's k/v exchange with, beside its tiles (attention/link_cost.py); default `Links()`: ranks
     per node from PADDLE_LOCAL_SIZE (paddle.distributed.launch's processes per node), 300 GB/s within a
     node, 25 GB/s across. Across nodes it keeps documents whole where the bytes would cost more than the
@@ -147,8 +148,11 @@ class PrepareContextParallel(_SepPlan):
         super().__init__(backend, ulysses_degree)
         if documents is not None and not isinstance(documents, str):
             raise TypeError(f"documents must be 'position_ids' or an input name, got {documents!r}")
+        if isinstance(links, dict) and set(links) <= set(Links._fields):  # a YAML config's mapping
+            links = Links(**links)
         if links is not None and not isinstance(links, Links):
-            raise TypeError(f"links must be a paddle_cp.Links(ranks_per_node=, intra_gbps=, inter_gbps=), got {links!r}")
+            raise TypeError(f"links must be a paddle_cp.Links(ranks_per_node=, intra_gbps=, inter_gbps=) or a dict of "
+                            f"those, got {links!r}")
         self.documents = documents
         self.layout = check_split(layout)
         self.links = (links or Links()).check()

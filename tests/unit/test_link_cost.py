@@ -116,6 +116,13 @@ def test_links_from_the_plan_and_the_launch(monkeypatch):
     assert ring_links(pcp.PrepareContextParallel("p2p"), SequenceLayout("p2p", 4), range(4)).nodes_spanned == 1
     with pytest.raises(TypeError, match="paddle_cp.Links"):
         pcp.PrepareContextParallel("p2p", links=(300, 25))
+    with pytest.raises(TypeError, match="paddle_cp.Links"):
+        pcp.PrepareContextParallel("p2p", links={"nodes": 2})
+    from paddle_cp.api.config import load_config
+    _, config = load_config({"mesh": {"shape": [4], "dim_names": ["sep"]}, "cp_config": {"parallelize_plan": {
+        "model": {"PrepareContextParallel": {"backend": "p2p", "links": {"ranks_per_node": 2, "inter_gbps": 50}}}}}},
+        world_size=4)
+    assert config["cp_config"]["parallelize_plan"]["model"].links == pcp.Links(ranks_per_node=2, inter_gbps=50)
     with pytest.raises(ValueError, match="positive int"):
         pcp.PrepareContextParallel("p2p", links=pcp.Links(ranks_per_node=0))
     with pytest.raises(ValueError, match="positive GB/s"):
