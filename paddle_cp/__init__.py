@@ -4,6 +4,7 @@ from .attention.mixers import TokenMixer, register_attention_class, register_mix
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoint
 from .checkpoint.export import export_pretrained
 from .checkpoint.pretrained import load_pretrained
+from .attention.link_cost import Links
 from .comm import bytes_sent, reset_counters
 from .comm.watchdog import get_timeout, set_timeout
 from .api.config import load_config
@@ -46,7 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle", "check_parity",
     "set_mesh", "get_mesh", "SplitPoint",
-    "PrepareContextParallel", "ContextParallel", "TokenWise", "TokenMixer", "register_mixer",
+    "PrepareContextParallel", "Links", "ContextParallel", "TokenWise", "TokenMixer", "register_mixer",
     "register_attention_class", "BlockKind", "register_block_kind", "register_fused_weights",
     "ColWiseParallel", "RowWiseParallel", "ConvParallel", "ExpertParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",

@@ -21,7 +21,7 @@ from .validation import check_inputs, check_local_length, check_mask, check_padd
 
 def context_parallel_attention(
     layout, groups, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True,
-    scale=None, seq_len=None, documents=None, rotate="ring", *, enable_gqa=True, window=None, sinks=None,
+    scale=None, seq_len=None, documents=None, rotate="planned", *, enable_gqa=True, window=None, sinks=None,
     valid=None,
 ):
     """This rank's output of attention over the global sequence `layout` splits over `groups`.
@@ -80,7 +80,7 @@ def ring_masks(layout, seq_len, ring_index, causal, documents=None, dense=None, 
 def _functional(backend):
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True,
                   scale=None, enable_gqa=True, *, mesh=None, group=None, seq_len=None, doc_ids=None,
-                  ulysses_degree=None, rotate="ring", window=None, sinks=None):
+                  ulysses_degree=None, rotate="planned", window=None, sinks=None):
         sep = resolve_group(mesh, group)
         layout = SequenceLayout(backend, sep.size, ulysses_degree)
         groups = resolve_groups(layout, mesh, group)
@@ -102,7 +102,8 @@ the ranks exchange their local lengths (one tiny all-gather), and shards that
 do not form the layout raise the same error on every rank;
 `doc_ids` ([b, seq_len], global): attention stays inside each document;
 `attn_mask`: this rank's rows against all keys, [b, 1|h, s_local, seq_len];
-`rotate`: 'ring' or 'allgather' k/v exchange; `window`: causal sliding window
+`rotate`: how ring members exchange k/v, 'planned' (only the rows a member's tiles read) or
+'allgather' (whole blocks in one collective); `window`: causal sliding window
 (query i sees keys i-window < j <= i; tiles outside it are skipped); `sinks`:
 [heads] logits in every softmax denominator (gpt-oss). v's head dim may differ
 from q/k's (MLA). Returns this rank's output."""

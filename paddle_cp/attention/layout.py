@@ -25,6 +25,7 @@ import numpy as np
 import paddle
 
 from .balance import piece_starts
+from .link_cost import LinkCost
 from .packed_layout import choose, chunk_sizes
 from .batch_plans import BatchPlans
 
@@ -118,11 +119,15 @@ class DocumentSplit:
 
 
 class SequenceLayout:
-    def __init__(self, backend, world, ulysses_degree=None):
+    """`links`: a link_cost.LinkCost of the ring (the chooser prices each candidate's exchange on it); None:
+    every rank on one node at link_cost.Links' default rates."""
+
+    def __init__(self, backend, world, ulysses_degree=None, links=None):
         self.backend = check_backend(backend)
         self.world = world
         self.ulysses = ulysses_size(backend, world, ulysses_degree)
         self.ring = world // self.ulysses
+        self.links = links if links is not None else LinkCost(np.zeros(self.ring, np.int64))
         self.split = ChunkSplit()
         self.windows = {}  # this layout's RunWindows by (seq_len, rank, before, after): sequence_windows.py
         self._last_batch = None  # (document ends, layout) of the last batch for_batch chose for
@@ -130,15 +135,16 @@ class SequenceLayout:
 
     def for_batch(self, documents, split="documents"):
         """The layout of a batch: with split 'documents', the one packed_layout.choose prices cheapest
-        on a GPU for its `documents` (a Documents, or None); else, with no documents, and with a single
-        ring group (Ulysses alone: every rank attends for every query), this one (2R chunks)."""
+        on a GPU for its `documents` (a Documents, or None), tiles and exchange on `self.links`; else,
+        with no documents, and with a single ring group (Ulysses alone: every rank attends for every
+        query), this one (2R chunks)."""
         if check_split(split) == "chunks" or documents is None or self.ring == 1:
             return self
         end = np.clip(documents.end, 0, documents.seq_len)  # all the choice reads (keys_seen derives from it)
         if self._last_batch is not None and np.array_equal(self._last_batch[0], end):
             return self._last_batch[1]  # the same batch again (its inputs, then its labels): chosen once
         work = documents.keys_seen()
-        chosen, _ = choose(end, work, self.ring, self.ulysses)
+        chosen, _ = choose(end, work, self.ring, self.ulysses, self.links)
         layout = self
         if chosen.name != "chunks":
             layout = copy.copy(self)

@@ -168,6 +168,29 @@ class Extent(NamedTuple):
         return (self.rows[1] - self.rows[0]) * (self.keys[1] - self.keys[0])
 
 
+def seeing_positions(k_pos, causal, documents=None, window=None, valid=None):
+    """(lo, hi), int64 [b or 1, len(k_pos)]: the global query positions lo <= i < hi that see each key at
+    `k_pos` by causality, documents, window and padding (a dense mask may hide more)."""
+    k_pos = np.asarray(k_pos)
+    if documents is not None and documents.causal_only and not causal:
+        raise ValueError("attn_mask_startend_row_indices describe a causal mask: call attention with is_causal=True")
+    far = np.iinfo(np.int64).max
+    if documents is None:
+        lo = (k_pos if causal else np.zeros_like(k_pos))[None]
+        hi = np.full((1, len(k_pos)), far)
+    else:
+        lo = k_pos[None] if causal else documents.start[:, k_pos]
+        hi = documents.end[:, k_pos]
+    if window is not None:
+        if not causal:
+            raise ValueError("a sliding window is causal (query i sees keys i-w < j <= i): call with is_causal=True")
+        hi = np.minimum(hi, k_pos + window)
+    if valid is not None:
+        seen = np.asarray(valid, bool)[:, k_pos]
+        lo, hi = np.where(seen, lo, far), np.where(seen, hi, 0)
+    return np.broadcast_arrays(lo, hi)
+
+
 class BlockMask:
     """Visibility between queries at `q_pos` (ascending) and keys at `k_pos` (global positions).
 
@@ -191,24 +214,7 @@ class BlockMask:
             raise ValueError("a rank's query positions must ascend (every sequence layout holds them in order)")
         self.cuts, self.fragment = cuts, fragment
         self.causal, self.dense, self.window = causal, dense, window
-        if documents is not None and documents.causal_only and not causal:
-            raise ValueError("attn_mask_startend_row_indices describe a causal mask: call attention with is_causal=True")
-        far = np.iinfo(np.int64).max
-        # query positions lo[j] <= i < hi[j] see key j
-        if documents is None:
-            lo = (self.k_pos if causal else np.zeros_like(self.k_pos))[None]
-            hi = np.full((1, len(self.k_pos)), far)
-        else:
-            lo = self.k_pos[None] if causal else documents.start[:, self.k_pos]
-            hi = documents.end[:, self.k_pos]
-        if window is not None:
-            if not causal:
-                raise ValueError("a sliding window is causal (query i sees keys i-w < j <= i): call with is_causal=True")
-            hi = np.minimum(hi, self.k_pos + window)
-        if valid is not None:
-            seen = np.asarray(valid, bool)[:, self.k_pos]
-            lo, hi = np.where(seen, lo, far), np.where(seen, hi, 0)
-        lo, hi = np.broadcast_arrays(lo, hi)
+        lo, hi = seeing_positions(self.k_pos, causal, documents, window, valid)
         # int64 [b or 1, sk]: the rows that see each key
         self.start = np.searchsorted(self.q_pos, lo)
         self.end = np.maximum(np.searchsorted(self.q_pos, hi), self.start)

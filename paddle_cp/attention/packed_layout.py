@@ -12,7 +12,10 @@ turns its tiles partial and multiplies them (on an H200, short documents so cut 
 - `whole`, `cut>L`, `uncut`: documents longer than L (`whole`: 2R tiles; `uncut`: none) cut into 2R tile-aligned pieces,
   group r holding pieces r and 2R-1-r; the others whole, largest predicted cost first, each on the
   group predicted cheapest among those with room for it (a document no group has room for is cut
-  at tile boundaries over the groups with the most room).
+  at tile boundaries over the groups with the most room);
+- `node-cut>L` (rings over several nodes): `cut>L` with each cut document's pieces on the groups of one node.
+Priced by tiles alone, or with `links` (link_cost.LinkCost) by tiles and each rank's planned k/v exchange on
+the links it comes over (NVLink within a node, the network across), which is how SequenceLayout chooses.
 The choice: of the candidates whose slowest rank is within 1% of the cheapest (the model's own error is
 1.6%; on small batches the fixed 1.59 ms per rank is nearly all of it), the most even query-key work,
 which is what a kernel with small tiles (the CPU's) pays.
@@ -101,15 +104,21 @@ def zigzag(length, ring, turn=0):
     return (np.where(piece < ring, piece, 2 * ring - 1 - piece) + turn) % ring
 
 
-def cut_and_whole(starts, lengths, seq_len, ring, longer_than):
-    """Documents longer than `longer_than` in zigzag pieces, the others whole by greedy predicted cost."""
+def cut_and_whole(starts, lengths, seq_len, ring, longer_than, nodes=None):
+    """Documents longer than `longer_than` in zigzag pieces, the others whole by greedy predicted cost; with
+    `nodes` (the node of each group) a cut document's pieces stay on one node, the one predicted cheapest."""
     groups = np.full(seq_len, -1, np.int64)
     cap = token_cap(seq_len, ring)
     tokens = np.zeros(ring, np.int64)
     cost = np.zeros(ring)
     cut = lengths > longer_than
     for turn, (start, length) in enumerate(zip(starts[cut], lengths[cut])):
-        piece = zigzag(length, ring, turn)
+        if nodes is None:
+            piece = zigzag(length, ring, turn)
+        else:
+            node = min(np.unique(nodes), key=lambda n: cost[nodes == n].sum())
+            members = np.flatnonzero(nodes == node)
+            piece = members[zigzag(length, len(members), turn)]
         groups[start:start + length] = piece
         tokens += np.bincount(piece, minlength=ring)
         pairs = np.bincount(piece, weights=np.arange(1, length + 1), minlength=ring)  # its queries' keys
@@ -143,9 +152,10 @@ def segments(end):
     return starts, np.diff(np.append(starts, end.shape[1]))
 
 
-def candidates(end, work, ring):
+def candidates(end, work, ring, nodes=None):
     """(name, ring group of every position) of each candidate for a batch (`end`: each key's document
-    end, `work`: the keys each query sees, both int [rows, S]), built one at a time."""
+    end, `work`: the keys each query sees, both int [rows, S]), built one at a time; with `nodes` (the node
+    of each group, several) also `node-cut>L`: `cut>L` with each cut document's pieces on one node."""
     seq_len = np.shape(end)[-1]
     starts, lengths = segments(end)
     yield "chunks", chunk_groups(seq_len, ring)
@@ -157,24 +167,29 @@ def candidates(end, work, ring):
         if cut != cut_before:  # each threshold cuts fewer documents: a new candidate where it cuts another set
             name = "whole" if times == 2 else f"cut>{longer_than}" if cut else "uncut"
             yield name, cut_and_whole(starts, lengths, seq_len, ring, longer_than)
+            if cut and nodes is not None and 1 < len(np.unique(nodes)) < ring:
+                yield f"node-cut>{longer_than}", cut_and_whole(starts, lengths, seq_len, ring, longer_than, nodes)
         cut_before = cut
 
 
-def price(name, groups, end, work, ring, ulysses=1):
+def price(name, groups, end, work, ring, ulysses=1, links=None):
+    """A Candidate; `links` (link_cost.LinkCost, or None: tiles alone) prices its k/v exchange too."""
     counts = tile_counts(groups, end, ring)
     summed = np.bincount(groups, weights=np.atleast_2d(work).sum(axis=0), minlength=ring)
-    return Candidate(name, groups, counts, counts.slowest_ms(ulysses), float(summed.max() / summed.mean()))
+    slowest = counts.slowest_ms(ulysses) if links is None else float(links.rank_ms(counts, ulysses).max())
+    return Candidate(name, groups, counts, slowest, float(summed.max() / summed.mean()))
 
 
-def choose(end, work, ring, ulysses=1):
+def choose(end, work, ring, ulysses=1, links=None):
     """(the chosen Candidate, {name: Candidate} of every one priced): of the candidates within the memory
     bound whose groups hold at least one token per Ulysses rank, the most even work among those NEAR
-    the cheapest slowest rank."""
+    the cheapest slowest rank; with `links` (a link_cost.LinkCost) each rank's exchange is priced with its
+    tiles."""
     seq_len = np.shape(end)[-1]
     priced = {}
     clock = time.process_time()
-    for name, groups in candidates(end, work, ring):
-        priced[name] = price(name, groups, end, work, ring, ulysses)
+    for name, groups in candidates(end, work, ring, None if links is None else links.nodes):
+        priced[name] = price(name, groups, end, work, ring, ulysses, links)
         priced[name].host_ms, clock = (time.process_time() - clock) * 1e3, time.process_time()
     fits = [c for c in priced.values()
             if c.counts.tokens.max() <= token_cap(seq_len, ring) and c.counts.tokens.min() >= ulysses]

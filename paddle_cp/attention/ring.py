@@ -11,16 +11,16 @@ or backward (`sees_nothing`).
 """
 from __future__ import annotations
 
-import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from ..comm import p2p
+from .exchange_plan import ExchangePlan
 from .kernels import saveable, select_kernel
 from .layout import runs
 from .mask import BlockMask, record_work
 from .merge import merge
-from .rotation import make_rotation
+from .planned_exchange import MemberExchange, PlannedRotation
+from .rotation import AllGatherRotation, check_rotation
 
 
 class RingMasks:
@@ -37,7 +37,7 @@ class RingMasks:
         self.positions, self.index, self.cuts = positions, index, cuts
         self.causal, self.documents, self.dense = causal, documents, dense
         self.window, self.valid, self.fragment = window, valid, fragment
-        self._blocks = {}
+        self._blocks, self._exchange = {}, None
 
     def lengths(self):
         return [len(p) for p in self.positions]
@@ -49,29 +49,18 @@ class RingMasks:
                                           self._columns(keys), self.cuts, self.window, self.valid, self.fragment)
         return self._blocks[src]
 
+    def exchange(self):
+        """This member's side of the batch's ExchangePlan (the planned rotation's rows), made once."""
+        if self._exchange is None:
+            plan = ExchangePlan(self.positions, self.causal, self.documents, self.window, self.valid)
+            self._exchange = MemberExchange(plan, self.index)
+        return self._exchange
+
     def _columns(self, keys):
         if self.dense is None:
             return None
         parts = [self.dense[:, :, :, int(keys[a]):int(keys[b - 1]) + 1] for a, b in runs(keys)]
         return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=3)
-
-
-class _Blocks:
-    """Packing of a member's k and v into one flat message; their head dims may differ (MLA)."""
-
-    def __init__(self, k, v, lengths):
-        self.k_shape, self.v_shape, self.lengths = list(k.shape), list(v.shape), lengths
-
-    def shapes(self, length):
-        return [[self.k_shape[0], length, *self.k_shape[2:]], [self.v_shape[0], length, *self.v_shape[2:]]]
-
-    def numels(self):
-        per_token = sum(int(np.prod(shape)) for shape in self.shapes(1))
-        return [per_token * n for n in self.lengths]
-
-    def unpack(self, flat, src):
-        """k and v of ring member `src`."""
-        return p2p.unpack(flat, self.shapes(self.lengths[src]))
 
 
 def sees_nothing(mask):
@@ -80,18 +69,23 @@ def sees_nothing(mask):
     return mask.extent().kind == "none"
 
 
+def make_rotation(rotate, group, k, v, masks):
+    """How this member's k [b, s_i, h, d] and v reach the others over the ring `group` (rotation.py)."""
+    kinds = {"planned": PlannedRotation, "allgather": AllGatherRotation}
+    return kinds[check_rotation(rotate)](group, k, v, masks)
+
+
 def ring_forward(q, k, v, group, masks, scale, rotate):
-    blocks = _Blocks(k, v, masks.lengths())
-    rotation = make_rotation(rotate, group, p2p.pack([k, v]), blocks.numels())
+    rotation = make_rotation(rotate, group, k, v, masks)
     out = lse = None
     for step in range(group.size):
         src = (group.index - step) % group.size
-        flat = rotation.fetch(step)  # fetched even when skipped: the ring passes it on
+        message = rotation.fetch(step)  # fetched even when skipped: it puts the next step's in flight
         mask = masks.block(src)
         if sees_nothing(mask):
-            record_work(0, q.shape[1] * blocks.lengths[src])
+            record_work(0, q.shape[1] * masks.lengths()[src])
             continue
-        k_block, v_block = blocks.unpack(flat, src)
+        k_block, v_block = rotation.unpack(message, src)
         block_out, block_lse = select_kernel(q, v, mask).forward(q, k_block, v_block, mask, scale)
         out, lse = merge(out, lse, block_out, block_lse)
     if out is None:  # no query here sees any key (a shard of padding): output 0, log-sum-exp -inf
@@ -103,22 +97,21 @@ def ring_forward(q, k, v, group, masks, scale, rotate):
 def ring_backward(dout, q, k, v, out, lse, group, masks, scale, rotate):
     """Gradients of q and of this member's k/v; the blocks the forward skipped (`sees_nothing`) run no kernel
     here either: their zero gradients are left out of the sums (rotation.send_grads(step, None))."""
-    blocks = _Blocks(k, v, masks.lengths())
-    rotation = make_rotation(rotate, group, p2p.pack([k, v]), blocks.numels())
+    rotation = make_rotation(rotate, group, k, v, masks)
     dq = None
     for step in range(group.size):
         src = (group.index - step) % group.size
-        flat = rotation.fetch(step)
+        message = rotation.fetch(step)
         mask = masks.block(src)
         if sees_nothing(mask):
             rotation.send_grads(step, None)
             continue
-        k_block, v_block = blocks.unpack(flat, src)
+        k_block, v_block = rotation.unpack(message, src)
         dq_block, dk_block, dv_block = select_kernel(q, v, mask).backward(
             dout, q, k_block, v_block, out, lse, mask, scale)
         dq = dq_block if dq is None else dq + dq_block
-        rotation.send_grads(step, p2p.pack([dk_block, dv_block]))
-    dk, dv = blocks.unpack(rotation.own_grads(), group.index)
+        rotation.send_grads(step, (dk_block, dv_block))
+    dk, dv = rotation.own_grads()
     return (paddle.zeros(q.shape, "float32") if dq is None else dq), dk, dv
 
 
@@ -154,7 +147,7 @@ class RingAttention(PyLayer):
         return tuple(grads)
 
 
-def ring_attention_local(q, k, v, group, masks, scale, rotate="ring", sinks=None):
+def ring_attention_local(q, k, v, group, masks, scale, rotate="planned", sinks=None):
     """Attention of this member's [b, s_i, h, d] q/k/v shards (v: [b, s_i, h, d_v]) over the ring `group`."""
     q, k, v = saveable(q, k, v)
     return RingAttention.apply(q, k, v, sinks, group, masks, scale, rotate)

@@ -31,17 +31,35 @@ FIT_HEADS, FIT_HEAD_DIM = 32, 128  # the shape the rates were measured at
 
 
 class TileCounts:
-    """Per ring group r: `partial[r]`, `full[r]` tiles over all its steps and the batch's rows;
-    `visited[r, g]`: its non-empty tiles against group g's keys (0: the step needs no kernel call);
-    `tokens[r]`: the positions it holds. (A plain class: the GPU script loads this file alone.)"""
+    """Per ring group r: `partial_from[r, g]`, `full_from[r, g]`: its partial and full tiles against group g's
+    keys over the batch's rows; `partial[r]`, `full[r]`: over all its steps; `visited[r, g]`: non-empty
+    tiles against g's keys (0: the step needs no kernel call); `read[r, g]`: the rows of g's block r reads
+    (whole key tiles holding a key some query of r sees in some row; 0 for g = r: exchange_plan.py's
+    counts); `tokens[r]`: the positions it holds. (A plain class: the GPU script loads this file alone.)"""
 
-    def __init__(self, partial, full, visited, tokens):
-        self.partial, self.full, self.visited, self.tokens = partial, full, visited, tokens
+    def __init__(self, partial_from, full_from, read, tokens):
+        self.partial_from, self.full_from, self.read, self.tokens = partial_from, full_from, read, tokens
+
+    @property
+    def partial(self):
+        return self.partial_from.sum(axis=1)
+
+    @property
+    def full(self):
+        return self.full_from.sum(axis=1)
+
+    @property
+    def visited(self):
+        return self.partial_from + self.full_from
+
+    def step_ms(self, ulysses=1, head_scale=1.0):
+        """float [R, R]: predicted ms of group r's tiles against group g's keys (one ring step, a rank)."""
+        return (PARTIAL_MS * self.partial_from + FULL_MS * self.full_from) * head_scale / ulysses
 
     def rank_ms(self, ulysses=1, head_scale=1.0):
         """Predicted ms of each rank of each group (fwd + bwd of one attention layer, H200); `head_scale`:
         the model's query heads x head dim over the fit's 32 x 128 (tiles cost in proportion)."""
-        return (PARTIAL_MS * self.partial + FULL_MS * self.full) * head_scale / ulysses + RANK_MS
+        return self.step_ms(ulysses, head_scale).sum(axis=1) + RANK_MS
 
     def slowest_ms(self, ulysses=1, head_scale=1.0):
         return float(self.rank_ms(ulysses, head_scale).max())
@@ -75,16 +93,22 @@ def tile_counts(groups, end, ring):
     key_tile = np.repeat(tile_start[:-1], tokens) + in_block // TILE  # [S]: tile of each ordered key
     whole_tile = np.bincount(key_tile, minlength=tile_start[-1]) == TILE  # padding keys are seen by none
     tile_block = np.repeat(np.arange(ring), block_tiles)
+    in_block_of = (tile_block[:, None] == np.arange(ring)[None, :]).astype(np.int64)  # [tiles, R]
     new_tile = np.diff(key_tile, prepend=-1) != 0
     jump = np.diff(order, prepend=-2) != 1
-    counts = TileCounts(np.zeros(ring, np.int64), np.zeros(ring, np.int64), np.zeros((ring, ring), np.int64), tokens)
+    zeros = np.zeros((ring, ring), np.int64)
+    counts = TileCounts(zeros, zeros.copy(), zeros.copy(), tokens)
+    tiles_read = np.zeros((ring, tile_start[-1]), bool)  # [R, key tiles]: some query of r sees a key of it
     for row_end in end:
-        _count_row(counts, groups, row_end, order, block_start, key_tile, new_tile | jump, whole_tile, tile_block)
+        tiles_read |= _count_row(counts, groups, row_end, order, block_start, key_tile, new_tile | jump, whole_tile,
+                                 in_block_of)
+    counts.read = (tiles_read * np.bincount(key_tile, minlength=tile_start[-1])) @ in_block_of
+    np.fill_diagonal(counts.read, 0)  # a group's own block is not exchanged
     return counts
 
 
-def _count_row(counts, groups, row_end, order, block_start, key_tile, breaks, whole_tile, tile_block):
-    """Add one row's tiles. A fragment is a run of a block's keys in one key tile, consecutive positions
+def _count_row(counts, groups, row_end, order, block_start, key_tile, breaks, whole_tile, in_block_of):
+    """Add one row's tiles; returns bool [R, key tiles]: the key tiles each group's queries see in this row. A fragment is a run of a block's keys in one key tile, consecutive positions
     and one document: its keys share their last row, and their first rows are consecutive (for the
     group holding them) or equal (for any other), so each group sees it as one interval of query tiles."""
     ring = len(counts.tokens)
@@ -111,7 +135,6 @@ def _count_row(counts, groups, row_end, order, block_start, key_tile, breaks, wh
     lo_max = np.maximum.reduceat(lo_last, tile_first, axis=1)
     hi_min = np.minimum.reduceat(hi, tile_first, axis=1)  # an unseen fragment (hi <= lo) leaves no full tile
     full = np.where(whole_tile, np.maximum(hi_min // TILE + (-lo_max // TILE), 0), 0)
-    for r in range(ring):
-        counts.visited[r] += np.bincount(tile_block, weights=nonempty[r], minlength=ring).astype(np.int64)
-    counts.full += full.sum(axis=1)
-    counts.partial += nonempty.sum(axis=1) - full.sum(axis=1)
+    counts.full_from += full @ in_block_of
+    counts.partial_from += (nonempty - full) @ in_block_of
+    return nonempty > 0

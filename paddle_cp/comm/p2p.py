@@ -49,7 +49,9 @@ def shift(mesh_group, tensor, offset=1, tag="p2p", recv_shape=None):
     """Send `tensor` to position index+offset and receive from index-offset.
 
     The received tensor has `tensor`'s dtype and `recv_shape` (default: its
-    shape). Returns a Pending receive. With NCCL the transfer overlaps whatever the caller
+    shape); either may have no elements (a planned exchange with nothing to say: gloo still
+    sends the empty message, which keeps its per-group tags in step; NCCL leaves it out).
+    Returns a Pending receive. With NCCL the transfer overlaps whatever the caller
     does before `wait()`; with gloo it has completed on return.
     """
     size = mesh_group.size
@@ -62,7 +64,10 @@ def shift(mesh_group, tensor, offset=1, tag="p2p", recv_shape=None):
         group = mesh_group.group
         dst = mesh_group.rank_at(mesh_group.index + offset)
         src = mesh_group.rank_at(mesh_group.index - offset)
-        ops = [dist.P2POp(dist.isend, tensor, dst, group), dist.P2POp(dist.irecv, buffer, src, group)]
+        ops = [dist.P2POp(op, t, peer, group) for op, t, peer in ((dist.isend, tensor, dst), (dist.irecv, buffer, src))
+               if math.prod(t.shape)]
+        if not ops:
+            return Pending(buffer)
         with guard(tag, mesh_group.ranks, (src, dst)):
             return Pending(buffer, dist.batch_isend_irecv(ops))
     exchange_in_order(mesh_group, tensor, buffer, offset, tag)

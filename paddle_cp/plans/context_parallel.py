@@ -11,6 +11,7 @@ from ..attention import recompute
 from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, mixers, resolve_groups, routing
 from ..attention import ulysses_size
 from ..attention.layout import check_split
+from ..attention.link_cost import LinkCost, Links
 from .base import Plan, refuse_param_plan
 from .same_batch import BatchCheck
 
@@ -96,9 +97,16 @@ class SepRun:
 
     def __init__(self, plan, mesh):
         self.backend, self.ulysses_degree = plan.backend, plan.ulysses_degree
-        self.rotate = getattr(plan, "rotate", "ring")
+        self.rotate = getattr(plan, "rotate", "planned")
         self.layout = SequenceLayout(plan.backend, mesh_lib.dim_size(mesh, "sep"), plan.ulysses_degree)
         self.groups = resolve_groups(self.layout, mesh)
+        self.layout.links = ring_links(plan, self.layout, self.groups.sep.ranks)
+
+
+def ring_links(plan, layout, sep_ranks):
+    """The LinkCost of `layout`'s ring over the sep group's global ranks `sep_ranks` (ring member g holds sep
+    positions gU .. gU+U-1, one node), at `plan.links` (a PrepareContextParallel's) or Links' defaults."""
+    return LinkCost.of_ranks(list(sep_ranks)[::layout.ulysses], getattr(plan, "links", None) or Links())
 
 
 class PrepareContextParallel(_SepPlan):
@@ -127,14 +135,27 @@ class PrepareContextParallel(_SepPlan):
     documents. Split other [batch, seq] tensors of the batch (labels) with
     `paddle_cp.shard_sequence(x, backend=this plan, ...)` given the same
     document inputs the model gets.
+
+    `links`: a `paddle_cp.Links` or a dict of its fields (ranks per node, GB/s within and across nodes; a YAML
+    config's `links: {ranks_per_node: 8, inter_gbps: 50}`) the documents layout prices
+    each candidate's k/v exchange with, beside its tiles (attention/link_cost.py); default `Links()`: ranks
+    per node from PADDLE_LOCAL_SIZE (paddle.distributed.launch's processes per node), 300 GB/s within a
+    node, 25 GB/s across. Across nodes it keeps documents whole where the bytes would cost more than the
+    tiles they balance.
     """
 
-    def __init__(self, backend="p2p", ulysses_degree=None, documents=None, layout="documents"):
+    def __init__(self, backend="p2p", ulysses_degree=None, documents=None, layout="documents", links=None):
         super().__init__(backend, ulysses_degree)
         if documents is not None and not isinstance(documents, str):
             raise TypeError(f"documents must be 'position_ids' or an input name, got {documents!r}")
+        if isinstance(links, dict) and set(links) <= set(Links._fields):  # a YAML config's mapping
+            links = Links(**links)
+        if links is not None and not isinstance(links, Links):
+            raise TypeError(f"links must be a paddle_cp.Links(ranks_per_node=, intra_gbps=, inter_gbps=) or a dict of "
+                            f"those, got {links!r}")
         self.documents = documents
         self.layout = check_split(layout)
+        self.links = (links or Links()).check()
 
     def check(self, layer, mesh, param_names=()):
         super().check(layer, mesh, param_names)
@@ -281,9 +302,11 @@ class ContextParallel(_SepPlan):
     sublayer (attention/routing.py); linear attention (Gated DeltaNet: state passing, head
     all-to-all or both) and Conv1D over the sequence (halo) in the sublayers the mixer registry
     claims (attention/mixers/). A forward that ends without any of them raises.
-    `rotate`: how ring k/v blocks move, 'ring' (one hop per step) or 'allgather' (all at once)."""
+    `rotate`: how ring members exchange k/v: 'planned' (default: only the rows each member's tiles read,
+    straight from their owner, the next step's in flight during compute) or 'allgather' (whole blocks in one
+    all-gather, gradients in one reduce-scatter; attention/rotation.py says when)."""
 
-    def __init__(self, backend="p2p", ulysses_degree=None, rotate="ring"):
+    def __init__(self, backend="p2p", ulysses_degree=None, rotate="planned"):
         super().__init__(backend, ulysses_degree)
         self.rotate = check_rotation(rotate)
 

@@ -17,7 +17,7 @@ from .. import runtime
 from ..attention import SequenceLayout, resolve_group
 from ..attention.lengths import agreed_seq_len
 from ..comm.autograd import gather_replicated
-from ..plans.context_parallel import PrepareContextParallel
+from ..plans.context_parallel import PrepareContextParallel, ring_links
 
 
 def _layout(backend, ulysses_degree, mesh, group, **documents):
@@ -25,6 +25,7 @@ def _layout(backend, ulysses_degree, mesh, group, **documents):
     group = resolve_group(mesh, group)
     if isinstance(backend, PrepareContextParallel):
         layout = SequenceLayout(backend.backend, group.size, backend.ulysses_degree)
+        layout.links = ring_links(backend, layout, group.ranks)
         return backend.shard_layout(layout, **documents), group
     if any(value is not None for value in documents.values()):
         given = [name for name, value in documents.items() if value is not None]

@@ -23,10 +23,12 @@ For every sequence length and backend it runs forward+backward of attention on
   [b*h, 512, d] @ [b*h, d, 512].
 - balance = max / mean over ranks of the visible score-matrix entries each rank
   computes: from the layout's token positions for p2p, the head split for all2all.
-- bytes_ratio = bytes sent per rank (paddle_cp.bytes_sent(), one forward+backward)
-  / the algorithm's minimum (`bytes_min`, paddle_cp.tools.attention_cost): ring 3(N-1) x
-  bytes(local k, v); Ulysses 2 x (N-1)/N x bytes(q, k, v, out); hybrid the
-  Ulysses figure over U ranks plus the ring's over N/U groups on h_k/U heads.
+- bytes_ratio = bytes sent per rank (paddle_cp.bytes_sent(), one forward+backward, the rank sending most)
+  / the algorithm's minimum (`bytes_min`): the ring's planned exchange on the case's layout, k/v rows
+  other ranks' tiles read forward and again backward, and their gradients (attention/exchange_plan.py;
+  whole blocks, 3(N-1) x bytes(local k, v), where nothing is masked); Ulysses 2 x (N-1)/N x
+  bytes(q, k, v, out) (paddle_cp.tools.attention_cost); hybrid the Ulysses figure over U ranks plus the
+  ring's over N/U groups on h_k/U heads. `bytes_read`: the same with 3 x the k/v rows read for the ring.
 - mem_ratio = peak bytes allocated per rank during forward+backward (inputs,
   activations, gradients, temporaries) / the same for one process running the same
   blockwise kernel on the whole sequence. Measured with Paddle's host allocator
@@ -62,6 +64,11 @@ layouts, `chunks` (2N equal chunks) beside `documents` (balanced by work):
 With `--documents` it also prints (and writes under `gpu_model`) the GPU tile model's figures for the same
 batches, no GPU needed (tools/gpu_layouts.py): the chosen layout beside 2R chunks and the whole-document
 layout, predicted slowest-rank ms, tiles, tokens per rank, kernel calls per ring pass and host planning ms.
+Then each layout's predicted step with its planned k/v exchange priced on the links (attention/link_cost.py),
+within one node and across nodes of `--ranks-per-node` ranks (default 1): the choice by tiles alone, the
+link-priced choice and 2R chunks. Then the bytes each layout's ring exchange sends per rank and forward +
+backward, computed from the layout (not measured): whole blocks to every member, the exchange plan's (only
+the k/v rows other ranks' tiles read, what rotate='planned' sends), and the rows read x 3.
 `--model-only` prints just those (any length: 128K-token rows take well under a second each):
 
     pcp-bench --documents lognormal --model-only --nproc 8 --seq 131072 262144 --backend p2p hybrid
@@ -107,6 +114,8 @@ def parse_args(argv=None):
                         help="packed documents: stdlib (the main job's), lognormal, longtail, uniform, single, "
                              "or a file of lengths")
     parser.add_argument("--doc-batch", type=int, default=0, help="which batch of the packed stream (default: first)")
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="with --documents: ranks a node for the tile model's predicted steps across nodes")
     parser.add_argument("--model-only", action="store_true",
                         help="with --documents: only the GPU tile model's table of the layouts, no CPU ranks")
     parser.add_argument("--json", help="write the results here")
@@ -424,6 +433,27 @@ def _work(args, backend, seq, split):
     return packing.rank_work(layout, positions)
 
 
+def _bytes_min(args, backend, seq, split):
+    """(bytes, bytes read) of the rank sending most in one forward+backward: the Ulysses all-to-alls' bytes
+    (attention_cost) plus the ring's planned exchange on the case's layout (exchange_plan: only the k/v rows
+    other members' tiles read, and their gradients); `bytes read` puts 3 x those rows in its place."""
+    from paddle_cp.attention.exchange_plan import ExchangePlan, exchange_bytes
+    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.tools import attention_cost
+
+    ring, ulysses = attention_cost.degrees(backend, args.nproc, _degree(args, backend))
+    inner = attention_cost.ulysses_bytes(args.batch, seq // ring, args.heads, args.kv_heads, args.head_dim, ulysses)
+    if ring == 1:
+        return inner, inner
+    documents, _ = _documents(args, seq) if split is not None else (None, None)
+    layout = SequenceLayout(backend, args.nproc, _degree(args, backend))
+    layout = layout.for_batch(documents, split) if split is not None else layout
+    ring_heads = attention_cost.kv_heads_sent(args.heads, args.kv_heads, ulysses) // ulysses
+    row_bytes = args.batch * ring_heads * 2 * args.head_dim * attention_cost.FP32
+    sent = exchange_bytes(ExchangePlan(layout.ring_positions(seq), args.causal, documents), row_bytes, row_bytes)
+    return inner + int(sent.planned.max()), inner + int(sent.read.max())
+
+
 def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=None):
     from paddle_cp.tools import attention_cost
 
@@ -434,7 +464,7 @@ def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=No
     flops = attention_cost.attention_flops(args.batch, seq, args.heads, args.head_dim, args.causal)
     work = _work(args, backend, seq, split)
     kernel_seconds = [r[4] for r in per_rank]
-    predicted = attention_cost.attention_bytes(backend, *shape, n, ulysses_degree=degree)
+    predicted, read = _bytes_min(args, backend, seq, split)
     held_single = attention_cost.attention_held_bytes(backend, *shape, 1)
     return {
         "backend": backend, "ulysses_degree": degree, "seq": seq, "nproc": n, "causal": args.causal,
@@ -450,6 +480,7 @@ def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=No
         "bytes_per_rank": sent,
         "bytes_min": predicted,
         "bytes_ratio": sent / predicted,
+        "bytes_read": read,
         "mem_ratio": max(r[2] for r in per_rank) / single["peak"],
         "held_ratio": max(r[3] for r in per_rank) / single["held"],
         "held_predicted_ratio": (attention_cost.attention_held_bytes(backend, *shape, n, ulysses_degree=degree)
@@ -483,18 +514,32 @@ def gpu_model(args):
         for backend in args.backend:
             progress(f"seq {seq}: {backend} layouts priced by the GPU tile model")
             rows += [dict(row, documents=args.documents)
-                     for row in gpu_layouts.layout_rows(positions, backend, args.nproc, _degree(args, backend))]
+                     for row in gpu_layouts.layout_rows(positions, backend, args.nproc, _degree(args, backend),
+                                                        _kv_row_bytes(args, backend), args.ranks_per_node)]
     return rows
+
+
+def _kv_row_bytes(args, backend):
+    """One token's fp32 k and v on one rank (mean over a Ulysses group's head shares), over the batch rows."""
+    from paddle_cp.attention.ulysses import head_split
+    from paddle_cp.tools.attention_cost import degrees
+
+    _, ulysses = degrees(backend, args.nproc, _degree(args, backend))
+    kv_heads = sum(head_split(args.heads, args.kv_heads, ulysses).kv_counts) / ulysses
+    return args.batch * kv_heads * 2 * args.head_dim * 4
 
 
 def table(result):
     from paddle_cp.tools import gpu_layouts
     from paddle_cp.tools.text import ruled_table  # here: the ranks run this file as a script
 
-    if not result["cases"]:
-        return gpu_layouts.table(result["gpu_model"])
-
     documents = result["config"]["documents"] is not None
+    if documents:
+        rows = result["gpu_model"]
+        model = "\n\n".join([gpu_layouts.table(rows), gpu_layouts.steps_table(rows), gpu_layouts.bytes_table(rows)])
+    if not result["cases"]:
+        return model
+
     metrics = DOCUMENT_TABLE if documents else TABLE
     layout = f" {'layout':9}" if documents else ""
     head = (f"{'backend':8}{layout} {'seq':>6} {'N':>2} {'T_single':>9} {'T_rank':>9}"
@@ -503,7 +548,7 @@ def table(result):
         f"{c['backend']:8}" + (f" {c['layout']:9}" if documents else "")
         + f" {c['seq']:>6} {c['nproc']:>2} {c['t_single']:>8.3f}s {c['t_rank']:>8.3f}s"
         + "".join(f" {c[m]:>12.3f}" for m in metrics) for c in result["cases"]])
-    return cpu + ("\n\n" + gpu_layouts.table(result["gpu_model"]) if documents else "")
+    return cpu + ("\n\n" + model if documents else "")
 
 
 def step_counts_table(result):

@@ -116,7 +116,7 @@ EXPECTED_ERRORS = {  # case -> (error type, what the message must say)
     "need_transpose_type": ("TypeError", "need_transpose must be a bool"),
     "layer_hook_type": ("TypeError", "needs a callable"),
     "unknown_backend": ("ValueError", "use one of"),
-    "unknown_rotation": ("ValueError", "use one of ['ring', 'allgather']"),
+    "unknown_rotation": ("ValueError", "use one of ['planned', 'allgather']"),
     "hybrid_without_degree": ("ValueError", "needs ulysses_degree"),
     "documents_kind": ("TypeError", "documents must be"),
     "attention_3d": ("ValueError", "[batch, seq, heads, head_dim]"),

@@ -20,7 +20,7 @@ ERRORS = [
     ErrorCase("context_backend", "use one of"),
     ErrorCase("hybrid_without_degree", "needs ulysses_degree"),
     ErrorCase("degree_without_hybrid", "takes none"),
-    ErrorCase("unknown_rotation", "use one of ['ring', 'allgather']"),
+    ErrorCase("unknown_rotation", "use one of ['planned', 'allgather']"),
     ErrorCase("mesh_without_sep", "dim_names"),
     ErrorCase("dropout", "dropout to 0"),
     ErrorCase("shapes", "shapes disagree"),
@@ -90,6 +90,29 @@ def test_sliding_window_work_is_seq_times_window_over_ranks(world):
         work, causal_work = report["values"]["window.work"], report["values"]["window.causal_work"]
         assert work["computed"] <= -(-seq // world) * (window + 2 * 32)
         assert work["computed"] < causal_work["computed"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_planned_exchange_sends_only_the_rows_read(world):
+    """rotate='planned' (the default) on p2p and hybrid, every mask, the documents layout, windows and padding:
+    allgather's output and gradients (whole blocks; the sums in another order) and exactly the ring bytes
+    exchange_plan counts, in all at most 1.10 x 3 x the k/v rows read; on packed documents kept whole, a
+    fraction of whole blocks' bytes."""
+    reports = attention_reports(world)
+    names = {name for name in reports[0]["values"] if name.startswith("planned.")}
+    # the ring's functional cases, a window, padding; packed documents past one rank; hybrid's six at 4 ranks
+    assert len(names) == 9 + (world > 1) + 6 * (world == 4)
+    for name in names:
+        runs = [report["values"][name] for report in reports]
+        for run in runs:
+            assert run["max_rel_diff"] <= 1e-5, (name, run)
+            assert run["compared"] >= 4
+            assert run["planned_bytes"] == run["planned"], (name, run)
+        assert sum(r["planned_bytes"] for r in runs) <= 1.10 * sum(r["read"] for r in runs), name
+    if world > 1:
+        packed = next(name for name in names if name.startswith("planned.packed.p2p"))
+        runs = [report["values"][packed] for report in reports]
+        assert sum(r["planned_bytes"] for r in runs) < 0.7 * sum(r["whole_block_bytes"] for r in runs)
 
 
 @pytest.mark.parametrize("world", WORLDS)

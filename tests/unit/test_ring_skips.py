@@ -10,7 +10,7 @@ import paddle
 import pytest
 from workers import emulated_flash
 
-from paddle_cp.attention import kernels, ring
+from paddle_cp.attention import kernels, ring, rotation
 from paddle_cp.attention.api import ring_masks
 from paddle_cp.attention.layout import SequenceLayout
 from paddle_cp.attention.mask import Documents
@@ -23,21 +23,24 @@ SCALE = HEAD_DIM ** -0.5
 
 
 class StandInRotation:
-    """Every member's packed k/v block at hand; the gradient each step sends, kept by the block it is for."""
+    """Every member's packed k/v block at hand; the gradient each step sends (packed), kept by the block it is for."""
 
-    def __init__(self, packed, index):
-        self.packed, self.index, self.step, self.sent = packed, index, None, {}
+    def __init__(self, packed, index, packing):
+        self.packed, self.index, self.packing, self.step, self.sent = packed, index, packing, None, {}
 
     def fetch(self, step):
         self.step = step
         return self.packed[(self.index - step) % RING]
 
-    def send_grads(self, step, dkv):
-        self.sent[(self.index - step) % RING] = dkv
+    def unpack(self, flat, src):
+        return self.packing.unpack(flat, src)
+
+    def send_grads(self, step, grads):
+        self.sent[(self.index - step) % RING] = None if grads is None else p2p.pack(list(grads))
 
     def own_grads(self):
         own = self.sent[self.index]
-        return paddle.zeros(self.packed[self.index].shape, "float32") if own is None else own
+        return self.unpack(paddle.zeros(self.packed[self.index].shape, "float32") if own is None else own, self.index)
 
 
 def _cases():
@@ -106,8 +109,9 @@ def test_backward_skips_the_blocks_forward_skips(monkeypatch, path):
         dtype = "bfloat16"
     rotation_of = {}
 
-    def stand_in(rotate, group, kv, numels):
-        rotation_of["current"] = StandInRotation(rotation_of["packed"], group.index)
+    def stand_in(rotate, group, k, v, masks):
+        packing = rotation.BlockPacking(k, v, masks.lengths())
+        rotation_of["current"] = StandInRotation(rotation_of["packed"], group.index, packing)
         return rotation_of["current"]
     monkeypatch.setattr(ring, "make_rotation", stand_in)
     calls = _kernel_steps(monkeypatch, rotation_of)
@@ -120,9 +124,9 @@ def test_backward_skips_the_blocks_forward_skips(monkeypatch, path):
             calls.clear()
             masks = ring_masks(layout, SEQ, index, True, documents, window=window)
             group = SimpleNamespace(size=RING, index=index)
-            out, lse = ring.ring_forward(qs[index], ks[index], vs[index], group, masks, SCALE, "ring")
+            out, lse = ring.ring_forward(qs[index], ks[index], vs[index], group, masks, SCALE, "planned")
             dq, dk, dv = ring.ring_backward(douts[index], qs[index], ks[index], vs[index], out.astype(dtype), lse,
-                                            group, masks, SCALE, "ring")
+                                            group, masks, SCALE, "planned")
             sent = rotation_of["current"].sent
             for step in range(RING):
                 seen = masks.block((index - step) % RING).extent().kind != "none"

@@ -190,12 +190,16 @@ def test_bench_documents_model_only_prices_the_layouts_side_by_side(tmp_path, ca
         assert "no GPU ran" in capsys.readouterr().out
         rows = json.loads(out.read_text())["gpu_model"]
         assert [(r["backend"], r["layout"]) for r in rows] == [
-            (b, name) for b in ("p2p", "hybrid") for name in ("chosen", "chunks", "whole")]
+            (b, name) for b in ("p2p", "hybrid") for name in ("chosen", "chunks", "whole", "tiles", "across")]
         for backend in ("p2p", "hybrid"):
             by = {r["layout"]: r for r in rows if r["backend"] == backend}
             assert by["chosen"]["slowest_ms"] <= 1.01 * by["chunks"]["slowest_ms"]
             assert by["chunks"]["tokens_max"] == 16384 // 4 and by["chosen"]["memory_bound_ok"]
             assert all(1 <= r["kernel_calls_per_pass"] <= r["ring"] and r["planning_ms"] > 0 for r in by.values())
+            # the link-priced choices' predicted steps (tiles and exchange) within a node and across
+            assert by["chosen"]["step_within_ms"] <= 1.01 * by["tiles"]["step_within_ms"]  # the 1% tie rule
+            assert by["across"]["step_across_ms"] <= 1.01 * min(by["tiles"]["step_across_ms"],
+                                                                by["chunks"]["step_across_ms"])
     with pytest.raises(SystemExit):
         bench.main(["--model-only", "--nproc", "4"])
 
@@ -212,3 +216,25 @@ def test_progress_lines_carry_the_tools_name(monkeypatch, capsys, program, name)
 
 def test_bench_lengths_take_k_suffixes():
     assert bench.parse_args(["--seq", "2K", "4096"]).seq == [2048, 4096]
+
+
+def test_bench_documents_counts_the_bytes_each_layout_exchanges(tmp_path, capsys):
+    """pcp-bench --documents prints per layout the bytes the ring sends today, the exchange plan's and the bytes
+    read (computed): one causal document reads 3/4 of what the ring sends; of 100-token documents, those kept
+    whole read nothing and 2N chunks only the tile before each chunk edge a document crosses."""
+    lengths = tmp_path / "short.txt"
+    lengths.write_text("100\n")
+    row_bytes = 2 * 64 * 4  # one k/v head of 64, fp32
+    for source in ("single", str(lengths)):
+        out = tmp_path / "model.json"
+        bench.main(["--documents", source, "--model-only", "--nproc", "8", "--seq", "16384", "--backend", "p2p",
+                    "--heads", "8", "--kv-heads", "1", "--head-dim", "64", "--json", str(out)])
+        assert "computed from the layout, not measured" in capsys.readouterr().out
+        by = {r["layout"]: r for r in json.loads(out.read_text())["gpu_model"]}
+        assert all(r["today_mib"] * 2 ** 20 == 3 * 7 * 2048 * row_bytes for r in by.values())  # 7 blocks, 3 times
+        assert all(r["planned_mib"] == r["read_mib"] for r in by.values())
+        if source == "single":  # in 2N chunks (the choice across nodes, one rank a node, keeps it contiguous)
+            assert all(by[name]["read_mib"] == 0.75 * by[name]["today_mib"] for name in ("chosen", "chunks", "whole"))
+    assert by["whole"]["read_mib"] == 0
+    # 15 chunk edges cut a document; 14 lie between two ranks (chunks 7 and 8 are one rank's)
+    assert by["chunks"]["read_mib"] * 2 ** 20 == 3 * 14 * 128 * row_bytes / 8

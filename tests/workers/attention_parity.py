@@ -15,6 +15,12 @@ import paddle.nn.functional as F
 from report import run
 
 import paddle_cp as pcp
+from paddle_cp.attention import context_parallel_attention, resolve_groups
+from paddle_cp.attention.exchange_plan import ExchangePlan, exchange_bytes
+from paddle_cp.attention.layout import SequenceLayout
+from paddle_cp.attention.mask import Documents
+from paddle_cp.attention.ulysses import head_split
+from paddle_cp.tools import packing
 
 HEAD_DIM = 8
 
@@ -29,7 +35,7 @@ class Case(NamedTuple):
     kv_heads: int
     degree: Optional[int] = None  # ulysses_degree (hybrid)
     mask: Optional[str] = None    # None, "docs", "bool", "head_bool" or "additive"
-    rotate: str = "ring"
+    rotate: str = "planned"
     scale: Optional[float] = None
 
 
@@ -299,6 +305,114 @@ def check_rank_dependent_gradients(report, mesh, world):
     report.diff("branch.weight", branch.weight, expected)
 
 
+def _planned_against_allgather(report, name, run, layout, seq, shape, causal, documents=None, window=None,
+                               valid=None):
+    """`run(rotate)` -> [output, gradients...] with rotate='planned' and 'allgather' (whole blocks, the gradients
+    summed by one reduce-scatter, in another order), and the ring bytes the planned exchange sent against
+    exchange_plan's count for this rank. `shape`: (batch, q heads, kv heads, v head dim) of the fp32 inputs
+    (gradients fp32 too)."""
+    results, sent = {}, {}
+    for rotate in ("allgather", "planned"):
+        before = pcp.bytes_sent().get("ring", 0)
+        results[rotate] = [t.numpy() for t in run(rotate)]
+        sent[rotate] = pcp.bytes_sent().get("ring", 0) - before
+    batch, q_heads, kv_heads, v_dim = shape
+    rank = dist.get_rank()
+    local_kv_heads = head_split(q_heads, kv_heads, layout.ulysses).kv_counts[rank % layout.ulysses]
+    row_bytes = batch * local_kv_heads * (HEAD_DIM + v_dim) * 4
+    plan = ExchangePlan(layout.ring_positions(seq), causal, documents, window, valid)
+    counted = exchange_bytes(plan, row_bytes, row_bytes)
+    member = rank // layout.ulysses
+    pairs = list(zip(results["allgather"], results["planned"]))
+    report.value(f"planned.{name}", {
+        "max_rel_diff": max(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)) for a, b in pairs),
+        "compared": len(pairs), "planned_bytes": sent["planned"], "whole_block_bytes": int(counted.today[member]),
+        "planned": int(counted.planned[member]), "read": int(counted.read[member])})
+
+
+def check_planned_exchange(report, mesh, world):
+    """rotate='planned' against 'allgather' on the same layouts and inputs, every backend with a ring: the functional
+    cases (causal, full, documents, dense boolean and additive masks, uneven lengths and heads), a window with
+    sinks and MLA, packed documents in the documents layout, padding keys."""
+    for case in cases(world):
+        if case.backend == "all2all":
+            continue
+        paddle.seed(1234)
+        rng = np.random.RandomState(5)
+        q, k, v, grad_out = (paddle.randn([case.batch, case.seq, h, HEAD_DIM])
+                             for h in (case.q_heads, case.kv_heads, case.kv_heads, case.q_heads))
+        doc_ids = documents(case.batch, case.seq, rng) if case.mask == "docs" else None
+        mask = dense_mask(case.mask, case.batch, case.seq, case.q_heads, rng) if case.mask not in (None, "docs") else None
+        layout = dict(backend=case.backend, mesh=mesh, ulysses_degree=case.degree)
+        local_mask = None if mask is None else pcp.shard_sequence(mask, seq_dim=2, **layout)
+        attention = {"p2p": pcp.ring_attention, "hybrid": pcp.hybrid_attention}[case.backend]
+        extra = {"ulysses_degree": case.degree} if case.degree else {}
+
+        def run(rotate, case=case, doc_ids=doc_ids, local_mask=local_mask, layout=layout, attention=attention,
+                extra=extra, inputs=(q, k, v, grad_out)):
+            local = [pcp.shard_sequence(t, **layout).detach() for t in inputs[:3]]
+            for t in local:
+                t.stop_gradient = False
+            out = attention(*local, attn_mask=local_mask, is_causal=case.causal, scale=case.scale, mesh=mesh,
+                            seq_len=case.seq, doc_ids=doc_ids, rotate=rotate, **extra)
+            return [out, *paddle.grad([out], local, [pcp.shard_sequence(inputs[3], **layout)])]
+        docs = None if doc_ids is None else Documents.from_ids(doc_ids)
+        _planned_against_allgather(report, case.name, run, SequenceLayout(case.backend, world, case.degree), case.seq,
+                              (case.batch, case.q_heads, case.kv_heads, HEAD_DIM), case.causal, docs)
+
+    for backend, degree in [("p2p", None)] + ([("hybrid", 2)] if world == 4 else []):
+        layout = SequenceLayout(backend, world, degree)
+        groups = resolve_groups(layout, mesh)
+        paddle.seed(11)
+        seq, window = 8 * world + 3, 5
+        inputs = [paddle.randn([2, seq, 4, HEAD_DIM]), paddle.randn([2, seq, 2, HEAD_DIM]),
+                  paddle.randn([2, seq, 2, 6]), paddle.randn([2, seq, 4, 6])]
+        sinks = paddle.randn([4])
+
+        def windowed(rotate, layout=layout, groups=groups, inputs=inputs, sinks=sinks, seq=seq, window=window):
+            local = [layout.shard(t, 1, groups.sep.index).detach() for t in inputs] + [sinks.detach()]
+            for t in local[:3] + local[4:]:
+                t.stop_gradient = False
+            out = context_parallel_attention(layout, groups, *local[:3], is_causal=True, seq_len=seq, window=window,
+                                             sinks=local[4], rotate=rotate)
+            return [out, *paddle.grad([out], local[:3] + local[4:], [local[3]])]
+        _planned_against_allgather(report, f"window_sinks_mla.{backend}", windowed, layout, seq, (2, 4, 2, 6), True,
+                              window=window)
+
+        paddle.seed(12)
+        seq = 64 * world + 5
+        valid = np.ones([2, seq], bool)
+        valid[0, seq // 2:], valid[1, :seq // 3] = False, False  # right padding in one row, left in the other
+        inputs = [paddle.randn([2, seq, h, HEAD_DIM]) for h in (2, 2, 2, 2)]
+
+        def padded(rotate, layout=layout, groups=groups, inputs=inputs, seq=seq, valid=valid):
+            local = [layout.shard(t, 1, groups.sep.index).detach() for t in inputs]
+            for t in local[:3]:
+                t.stop_gradient = False
+            out = context_parallel_attention(layout, groups, *local[:3], is_causal=True, seq_len=seq, valid=valid,
+                                             rotate=rotate)
+            return [out, *paddle.grad([out], local[:3], [local[3]])]
+        _planned_against_allgather(report, f"padding.{backend}", padded, layout, seq, (2, 2, 2, HEAD_DIM), True,
+                              valid=valid)
+
+        if world > 1:  # packed documents in the layout chosen for them (most documents whole on one rank)
+            seq = 1024
+            position_ids = packing.packed_position_ids(np.array([100, 300, 50, 200, 90, 150, 134]), seq, 1)
+            docs = Documents.from_position_ids(position_ids)
+            chosen = layout.for_batch(docs)
+            inputs = [paddle.randn([1, seq, 2, HEAD_DIM]) for _ in range(4)]
+
+            def packed(rotate, layout=chosen, groups=groups, inputs=inputs, seq=seq, docs=docs):
+                local = [layout.shard(t, 1, groups.sep.index).detach() for t in inputs]
+                for t in local[:3]:
+                    t.stop_gradient = False
+                out = context_parallel_attention(layout, groups, *local[:3], is_causal=True, seq_len=seq,
+                                                 documents=docs, rotate=rotate)
+                return [out, *paddle.grad([out], local[:3], [local[3]])]
+            _planned_against_allgather(report, f"packed.{backend}.{chosen.split.name}", packed, chosen, seq,
+                                  (1, 2, 2, HEAD_DIM), True, docs)
+
+
 def check_errors(report, mesh, world):
     x = paddle.randn([1, 2 * world, 2 * world, 8])
     report.expect_error("unknown_backend", lambda: pcp.PrepareContextParallel("ring"))
@@ -335,6 +449,7 @@ def main(report):
     check_unshard_learns_lengths(report, mesh, world)
     check_functional_learns_lengths(report, mesh, world)
     check_rank_dependent_gradients(report, mesh, world)
+    check_planned_exchange(report, mesh, world)
     check_errors(report, mesh, world)
     report.value("bytes", pcp.bytes_sent())
 

@@ -2,7 +2,8 @@
 
 `install()` makes paddle_cp take its NCCL branches on CPU tensors
 (comm.p2p.uses_native_p2p -> True): ring exchanges post one isend and one
-irecv through `dist.batch_isend_irecv` and `wait()` later; Ulysses and the
+irecv through `dist.batch_isend_irecv` and `wait()` later (the planned exchange leaves
+out an empty side: a lone isend or irecv, never an empty list, which Paddle refuses); Ulysses and the
 allgather rotation call `dist.alltoall` and `dist.stream.reduce_scatter` (one flat input).
 
 The emulated batch returns at once and completes the exchange at the first
@@ -24,11 +25,12 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from paddle_cp import runtime
+from paddle_cp import mesh, runtime
 from paddle_cp.comm import collectives, p2p
 
 EMULATION = "emulation"
 _in_flight = []
+posted = {"isend+irecv": 0, "isend": 0, "irecv": 0}  # batches posted, by their ops
 
 
 class Misuse(AssertionError):
@@ -54,21 +56,26 @@ def _owner(group, members, size):
 
 
 class _Exchange:
-    """One posted isend + irecv; completes at the first wait()."""
+    """One posted isend and/or irecv (None: left out); completes at the first wait()."""
 
     def __init__(self, send_op, recv_op):
-        self.send, self.recv = send_op.tensor, recv_op.tensor
-        self.sent = self.send.clone()
-        # anything read before wait() is NaN (fill_ refuses NaN)
-        paddle.assign(paddle.full(self.recv.shape, float("nan"), self.recv.dtype), output=self.recv)
-        me = dist.get_rank()
-        group = send_op.group
+        self.send_op, self.recv_op = send_op, recv_op
+        self.sent = None if send_op is None else send_op.tensor.clone()
+        if recv_op is not None:  # anything read before wait() is NaN (fill_ refuses NaN)
+            paddle.assign(paddle.full(recv_op.tensor.shape, float("nan"), recv_op.tensor.dtype), output=recv_op.tensor)
+        ops = [op for op in (send_op, recv_op) if op is not None]
+        for op in ops:
+            if not np.prod(op.tensor.shape):
+                raise Misuse("an empty message was posted: NCCL would still launch for it")
+        group = ops[0].group
         size = dist.get_world_size() if group is None else group.nranks
-        self.mesh_group = _owner(group, (me, send_op.peer, recv_op.peer), size)
+        self.mesh_group = _owner(group, (dist.get_rank(), *(op.peer for op in ops)), size)
         index = self.mesh_group.ranks.index
-        self.offset = (index(send_op.peer) - self.mesh_group.index) % size
-        if (self.mesh_group.index - index(recv_op.peer)) % size != self.offset:
+        offsets = {(index(send_op.peer) - self.mesh_group.index) % size} if send_op is not None else set()
+        offsets |= {(self.mesh_group.index - index(recv_op.peer)) % size} if recv_op is not None else set()
+        if len(offsets) != 1:
             raise Misuse("send and receive peers are not one shift of the ring")
+        self.offset = offsets.pop()
         self.done = False
         _in_flight.append(self)
 
@@ -77,11 +84,18 @@ class _Exchange:
             return
         self.done = True
         _in_flight.remove(self)
-        if not _same(self.send, self.sent):
+        send = None if self.send_op is None else self.send_op.tensor
+        recv = None if self.recv_op is None else self.recv_op.tensor
+        if send is not None and not _same(send, self.sent):
             raise Misuse("a send buffer was modified before wait(): NCCL may still be reading it")
-        if not bool(paddle.isnan(self.recv.astype(paddle.float32)).all()):
+        if recv is not None and not bool(paddle.isnan(recv.astype(paddle.float32)).all()):
             raise Misuse("a receive buffer was written before wait(): NCCL may still be writing it")
-        p2p.exchange_in_order(self.mesh_group, self.send, self.recv, self.offset)
+        if send is not None and recv is not None:
+            p2p.exchange_in_order(self.mesh_group, send, recv, self.offset)
+        elif send is not None:  # its peer's irecv is lone too, or paired in the ordered exchange's order
+            dist.send(send, dst=self.send_op.peer, group=self.mesh_group.p2p_group(self.send_op.peer))
+        else:
+            dist.recv(recv, src=self.recv_op.peer, group=self.mesh_group.p2p_group(self.recv_op.peer))
 
 
 class _Task:
@@ -95,10 +109,14 @@ class _Task:
 
 def batch_isend_irecv(ops):
     kinds = [op.op for op in ops]
-    if kinds != [dist.isend, dist.irecv]:
-        raise NotImplementedError(f"the emulation covers one isend then one irecv, got {kinds}")
-    exchange = _Exchange(*ops)
-    return [_Task(exchange), _Task(exchange)]
+    if not ops:
+        raise Misuse("Paddle's batch_isend_irecv refuses an empty list (it reads the first op's group)")
+    if kinds not in ([dist.isend, dist.irecv], [dist.isend], [dist.irecv]):
+        raise NotImplementedError(f"the emulation covers an isend and/or an irecv, in that order, got {kinds}")
+    posted["+".join("isend" if kind is dist.isend else "irecv" for kind in kinds)] += 1
+    send = ops[0] if kinds[0] is dist.isend else None
+    exchange = _Exchange(send, ops[-1] if kinds[-1] is dist.irecv else None)
+    return [_Task(exchange) for _ in ops]
 
 
 def _mesh_order(group):
@@ -131,5 +149,10 @@ def reduce_scatter(out_tensor, in_tensor, op=dist.ReduceOp.SUM, group=None, sync
 
 
 def install():
+    """Before any paddle_cp group exists."""
     dist.batch_isend_irecv, dist.alltoall, dist.stream.reduce_scatter = batch_isend_irecv, alltoall, reduce_scatter
     p2p.uses_native_p2p = lambda tensor: True
+    # NCCL leaves a pair's empty messages out, so gloo, which carries them here, sees only some pairs of a group
+    # exchange: its per-group message tags stay in step only with a group per pair (mesh.py makes those for
+    # rings whose size is not a power of two; here for all)
+    mesh.needs_pair_groups = lambda size: size > 1

@@ -54,26 +54,29 @@ def cases(n):
     """(name, backend, ulysses_degree, causal, batch, seq, q_heads, kv_heads, masking, rotate, scale);
     masking: "" (causal or full only), "docs" (packed documents), "docs_layout" (packed documents in the
     documents layout: the ranks' positions scattered, short pieces sharing tiles), "packed" (many documents of
-    2-9 tokens: every ring step cuts several) or "window" (sliding window of seq // 3)."""
+    2-9 tokens: every ring step cuts several), "one_way" (a document per chunk but the last two chunks': rank 0
+    reads rank 1's block, which reads nothing of rank 0's, so planned exchange steps with one side empty) or
+    "window" (sliding window of seq // 3)."""
     table = [
-        ("p2p.causal.uneven", "p2p", None, True, 2, 6 * n + 1, 4, 2, "", "ring", None),
+        ("p2p.causal.uneven", "p2p", None, True, 2, 6 * n + 1, 4, 2, "", "planned", None),
         ("p2p.causal.uneven.allgather", "p2p", None, True, 1, 6 * n + 3, 2, 1, "", "allgather", None),
-        ("p2p.full.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, "", "ring", 0.3),
-        ("p2p.docs", "p2p", None, True, 1, 5 * n + 2, 2, 1, "docs", "ring", None),
-        ("p2p.docs_layout", "p2p", None, True, 2, 24 * n + 5, 2, 1, "docs_layout", "ring", None),
-        ("p2p.packed.docs", "p2p", None, True, 2, 40 * n + 3, 2, 1, "packed", "ring", None),
-        ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, "", "ring", None),
-        ("all2all.full", "all2all", None, False, 1, 4 * n, 2 * n, n, "", "ring", None),
-        ("all2all.docs", "all2all", None, True, 1, 4 * n + 3, n, n, "docs", "ring", None),
-        ("p2p.causal.fp16", "p2p", None, True, 1, 4 * n + 1, 2, 1, "", "ring", None),
-        ("p2p.window", "p2p", None, True, 1, 8 * n + 3, 4, 2, "window", "ring", None),
-        ("all2all.window", "all2all", None, True, 1, 6 * n + 1, n, 1, "window", "ring", None),
+        ("p2p.full.scale", "p2p", None, False, 1, 4 * n + 3, 4, 4, "", "planned", 0.3),
+        ("p2p.docs", "p2p", None, True, 1, 5 * n + 2, 2, 1, "docs", "planned", None),
+        ("p2p.docs_layout", "p2p", None, True, 2, 24 * n + 5, 2, 1, "docs_layout", "planned", None),
+        ("p2p.packed.docs", "p2p", None, True, 2, 40 * n + 3, 2, 1, "packed", "planned", None),
+        ("p2p.one_way.docs", "p2p", None, True, 1, 8 * n, 2, 1, "one_way", "planned", None),
+        ("all2all.causal.uneven_heads", "all2all", None, True, 2, 3 * n + 1, n + 1, 1, "", "planned", None),
+        ("all2all.full", "all2all", None, False, 1, 4 * n, 2 * n, n, "", "planned", None),
+        ("all2all.docs", "all2all", None, True, 1, 4 * n + 3, n, n, "docs", "planned", None),
+        ("p2p.causal.fp16", "p2p", None, True, 1, 4 * n + 1, 2, 1, "", "planned", None),
+        ("p2p.window", "p2p", None, True, 1, 8 * n + 3, 4, 2, "window", "planned", None),
+        ("all2all.window", "all2all", None, True, 1, 6 * n + 1, n, 1, "window", "planned", None),
     ]
     if n == 4:
         table += [
-            ("hybrid.causal.uneven", "hybrid", 2, True, 2, 29, 4, 2, "", "ring", None),
+            ("hybrid.causal.uneven", "hybrid", 2, True, 2, 29, 4, 2, "", "planned", None),
             ("hybrid.causal.allgather", "hybrid", 2, True, 1, 30, 4, 2, "", "allgather", None),
-            ("hybrid.docs", "hybrid", 2, True, 1, 27, 2, 2, "docs", "ring", None),
+            ("hybrid.docs", "hybrid", 2, True, 1, 27, 2, 2, "docs", "planned", None),
         ]
     return table
 
@@ -116,6 +119,14 @@ def visible_steps(case, world, rank, doc_ids, window):
         same = np.array_equal(mine[rows[0]:rows[-1] + 1], theirs[keys[0]:keys[-1] + 1])
         flash += bool(block.all() or (same and (block == np.tri(len(block[0]), dtype=bool)).all()))
     return steps, flash
+
+
+def one_way_doc_ids(batch, seq):
+    """A document per 2N chunk, the last two chunks one document."""
+    from paddle_cp.attention.packed_layout import chunk_sizes
+
+    ids = np.repeat(np.arange(2 * dist.get_world_size()), chunk_sizes(seq, dist.get_world_size()))
+    return np.tile(np.minimum(ids, ids[-1] - 1), (batch, 1))
 
 
 def doc_ids_for(batch, seq):
@@ -197,7 +208,8 @@ def check_case(report, mesh, case):
     dtype = paddle.float16 if name.endswith(".fp16") else BF16
     q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(dtype)
                          for heads in (q_heads, kv_heads, kv_heads, q_heads))
-    doc_ids = {"docs": doc_ids_for, "docs_layout": layout_doc_ids, "packed": packed_doc_ids}.get(
+    doc_ids = {"docs": doc_ids_for, "docs_layout": layout_doc_ids, "packed": packed_doc_ids,
+               "one_way": one_way_doc_ids}.get(
         masking, lambda *_: None)(batch, seq)
     window = seq // 3 if masking == "window" else None
     layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
@@ -210,9 +222,10 @@ def check_case(report, mesh, case):
     kernels.flash_available = kernels.flashmask_available = lambda: False
     blockwise = context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window)
     kernels.flash_available = kernels.flashmask_available = lambda: True
-    before = dict(_calls)
+    before, posted = dict(_calls), dict(emulated_async.posted)
     flash = context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window)
     calls = {key: _calls[key] - before[key] for key in _calls}
+    report.value(f"{name}.posted", {key: emulated_async.posted[key] - posted[key] for key in posted})
     for label, got, block, want in zip(("out", "dq", "dk", "dv"), flash, blockwise, reference):
         report.value(f"{name}.{label}.vs_blockwise", relative(got, block))
         report.value(f"{name}.{label}.vs_fp32", relative(got, want))
@@ -252,7 +265,7 @@ def measure_bf16(report, mesh):
     batch, seq, heads = 1, 256, 2
     paddle.seed(99)
     q, k, v, grad_out = (paddle.randn([batch, seq, heads, HEAD_DIM]).astype(BF16) for _ in range(4))
-    case = ("bf16", "p2p", None, True, batch, seq, heads, heads, "", "ring", None)
+    case = ("bf16", "p2p", None, True, batch, seq, heads, heads, "", "planned", None)
     reference = fp32_reference(q, k, v, grad_out, True, None, None)
     got = context_parallel(mesh, case, q, k, v, grad_out, None)
     for label, mine, want in zip(("out", "dq", "dk", "dv"), got, reference):

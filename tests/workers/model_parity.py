@@ -28,7 +28,7 @@ class Run(NamedTuple):
     degree: Optional[int] = None  # ulysses_degree (hybrid)
     uneven: bool = False          # a length that does not divide over the ranks
     packed: Optional[str] = None  # None, "position_ids", "dense" or "startend" (attn_mask_startend_row_indices)
-    rotate: str = "ring"
+    rotate: str = "planned"
 
 
 def runs(world):

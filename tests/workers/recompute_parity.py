@@ -31,17 +31,17 @@ LOSS_FLAGS = {None: {}, "subbatch": dict(loss_subbatch_sequence_length=4),
 def runs(world):
     """(backend, ulysses_degree, extra tokens, packed, rotate, recompute style, accumulate, loss)."""
     table = [
-        ("p2p", None, 0, None, "ring", "layers", False, None),
+        ("p2p", None, 0, None, "planned", "layers", False, None),
         ("p2p", None, 3, "position_ids", "allgather", "attn.plain", True, "fused"),
-        ("p2p", None, 1, "dense", "ring", "attn.reentrant", False, None),
-        ("all2all", None, 1, "startend", "ring", "layers", True, "subbatch"),
+        ("p2p", None, 1, "dense", "planned", "attn.reentrant", False, None),
+        ("all2all", None, 1, "startend", "planned", "layers", True, "subbatch"),
         ("all2all", None, 3, "dense", "allgather", "layers", False, "fused"),
-        ("all2all", None, 1, None, "ring", "attn.reentrant", False, None),
-        ("p2p", None, 1, "startend", "ring", "attn.plain", False, None),
-        ("p2p", None, 1, None, "ring", None, False, "fused"),
+        ("all2all", None, 1, None, "planned", "attn.reentrant", False, None),
+        ("p2p", None, 1, "startend", "planned", "attn.plain", False, None),
+        ("p2p", None, 1, None, "planned", None, False, "fused"),
     ]
     if world == 4:
-        table += [("hybrid", 2, 2, "position_ids", "ring", "layers", True, "fused"),
+        table += [("hybrid", 2, 2, "position_ids", "planned", "layers", True, "fused"),
                   ("hybrid", 2, 3, "dense", "allgather", "attn.plain", False, None)]
     return table
 
