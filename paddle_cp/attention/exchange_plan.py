@@ -7,7 +7,8 @@ where some of its queries see some key: key j is seen by the global query positi
 g's positions before hi[j] outnumber its positions before lo[j] (two searchsorted calls per member, over
 every key at once). A tile is `tile` consecutive keys of the sender's block, counted from its first key
 (tile_cost.py's tiles); a tile holding a seen key is read whole. A dense mask may hide more than the row
-bounds: the plan reads what the bounds allow, which every rank knows without asking the others.
+bounds: the plan reads what the bounds allow, which every rank knows without asking the others (a block the
+dense mask hides whole still comes, and zeros go back as its rows' gradients: planned_exchange.send_grads).
 
 Made once per batch on the host, from the layout's positions and the batch's documents and padding
 (numpy: no device value is read), the same on every rank: each rank knows what it sends and receives.

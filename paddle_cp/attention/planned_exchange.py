@@ -89,9 +89,11 @@ class PlannedRotation:
 
     def _shift(self, tensors, rows, count, offset, recv_rows, dtype):
         """Rows `rows` (`count` of them) of `tensors` ([b, L, ...] each), packed, to member index+offset;
-        `recv_rows` rows' worth from index-offset."""
+        `recv_rows` rows' worth from index-offset. `tensors` None: `count` rows of zeros."""
         if not count:
             out = paddle.empty([0], dtype)
+        elif tensors is None:
+            out = paddle.zeros([self._numel(count)], dtype)
         elif count == tensors[0].shape[1]:  # read whole
             out = p2p.pack(list(tensors))
         else:
@@ -123,15 +125,17 @@ class PlannedRotation:
                 for part in parts]
 
     def send_grads(self, step, grads):
-        """(dk, dv) of the block fetched at `step` (None: skipped, and then none of its rows were read): its
-        rows read go home; the gradients of this member's rows the member `step` ahead read arrive."""
+        """(dk, dv) of the block fetched at `step`: its rows read go home; the gradients of this member's rows
+        the member `step` ahead read arrive. None: the block was skipped (ring.sees_nothing). Its owner still
+        waits for the rows the plan counts (a dense mask can hide rows the plan's bounds read, and only this
+        member holds its rows of it): they go as zeros, so both sides' calls match."""
         if step == 0:
             self._own = grads
             return
         self._add_arrived()
         owner, reader = self._member(-step), self._member(step)
         count = self.exchange.count_read(owner)
-        self._arriving = reader, self._shift(grads or [], self.exchange.read(owner) if count else None, count, -step,
+        self._arriving = reader, self._shift(grads, self.exchange.read(owner) if count else None, count, -step,
                                              self.exchange.count_sent(reader), GRAD_DTYPE)
 
     def _add_arrived(self):

@@ -96,7 +96,7 @@ def ring_forward(q, k, v, group, masks, scale, rotate):
 
 def ring_backward(dout, q, k, v, out, lse, group, masks, scale, rotate):
     """Gradients of q and of this member's k/v; the blocks the forward skipped (`sees_nothing`) run no kernel
-    here either: their zero gradients are left out of the sums (rotation.send_grads(step, None))."""
+    here either (rotation.send_grads(step, None): the rotation sends zeros where its peer waits for them)."""
     rotation = make_rotation(rotate, group, k, v, masks)
     dq = None
     for step in range(group.size):

@@ -61,7 +61,7 @@ def test_attention_matches_single_process(world):
     for report in reports:
         # functional cases x (out, dq, dk, dv); per backend: window+sinks+MLA x (out, dq, dk, dv, dsinks),
         # layer plans (plain, docs, dense), unshard and the output without seq_len; a branch only rank 0 takes
-        cases = 11 + 3 * hybrid
+        cases = 12 + 3 * hybrid
         assert len(report["max_abs"]) == 4 * cases + (5 + 3 + 1 + 1) * (2 + hybrid) + 1
         if world > 1:
             assert report["values"]["bytes"]["ring"] > 0 and report["values"]["bytes"]["ulysses"] > 0
@@ -101,7 +101,7 @@ def test_planned_exchange_sends_only_the_rows_read(world):
     reports = attention_reports(world)
     names = {name for name in reports[0]["values"] if name.startswith("planned.")}
     # the ring's functional cases, a window, padding; packed documents past one rank; hybrid's six at 4 ranks
-    assert len(names) == 9 + (world > 1) + 6 * (world == 4)
+    assert len(names) == 10 + (world > 1) + 6 * (world == 4)
     for name in names:
         runs = [report["values"][name] for report in reports]
         for run in runs:

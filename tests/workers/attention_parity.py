@@ -34,7 +34,7 @@ class Case(NamedTuple):
     q_heads: int
     kv_heads: int
     degree: Optional[int] = None  # ulysses_degree (hybrid)
-    mask: Optional[str] = None    # None, "docs", "bool", "head_bool" or "additive"
+    mask: Optional[str] = None    # None, "docs", "bool", "head_bool", "additive" or "own_block"
     rotate: str = "planned"
     scale: Optional[float] = None
 
@@ -49,6 +49,7 @@ def cases(world):
         Case("p2p.docs.allgather", "p2p", True, 1, 5 * n + 3, 2, 2, mask="docs", rotate="allgather"),
         Case("p2p.bool_mask", "p2p", False, 2, 4 * n + 1, 4, 2, mask="bool"),
         Case("p2p.additive_mask", "p2p", False, 1, 4 * n + 2, 2, 1, mask="additive"),
+        Case("p2p.own_block_mask", "p2p", False, 1, 4 * n + 1, 2, 1, mask="own_block"),
         Case("all2all.causal.uneven_heads", "all2all", True, 2, 3 * n + 1, n + 1, 1),
         Case("all2all.full.even", "all2all", False, 1, 4 * n, 2 * n, n),
         Case("all2all.docs.uneven_heads", "all2all", True, 2, 4 * n + 3, n + 1, n + 1, mask="docs"),
@@ -73,7 +74,16 @@ def documents(batch, seq, rng):
 
 
 def dense_mask(kind, batch, seq, heads, rng):
-    """A [b, 1|h, s, s] mask every query row of which sees at least its own key."""
+    """A [b, 1|h, s, s] mask every query row of which sees at least its own key. "own_block": block-diagonal
+    over the ring layout's members, but the last member's queries see every key: the others' tiles read no
+    other member's keys, which the exchange plan (row bounds only) still counts as read."""
+    if kind == "own_block":
+        members = SequenceLayout("p2p", dist.get_world_size()).ring_positions(seq)
+        owner = np.zeros(seq, "int64")
+        for member, positions in enumerate(members):
+            owner[positions] = member
+        seen = (owner[:, None] == owner[None]) | (owner[:, None] == len(members) - 1)
+        return paddle.to_tensor(np.broadcast_to(seen, [batch, 1, seq, seq]).copy())
     seen = rng.rand(batch, heads if kind == "head_bool" else 1, seq, seq) < 0.6
     seen |= np.eye(seq, dtype=bool)
     if kind == "additive":
