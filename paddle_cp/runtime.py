@@ -84,6 +84,7 @@ class Installed:
     def __init__(self):
         self.groups = {}  # mesh slice key -> this rank's MeshGroup (mesh.py)
         self.process_groups = {}  # sorted ranks -> Paddle's group over them, made once (mesh.py)
+        self.started_communicators = set()  # sorted ranks of the groups whose NCCL communicator p2p.shift started
         self.planned = weakref.WeakKeyDictionary()  # module -> the SepRun of the ContextParallel covering it
         self.mixers = []  # TokenMixer instances, looked up in order (attention/mixers/registry.py)
         self.recompute_captures = []  # attention/recompute.py: state a recompute replay needs again

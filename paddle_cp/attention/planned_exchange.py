@@ -23,7 +23,8 @@ On NCCL each step is one `dist.batch_isend_irecv` (p2p.shift): Paddle coalesces 
 one group call (ncclGroupStart/End) on the group's communication stream and returns one task per op; the
 peers' lists must pair up, so a member leaves out its isend exactly when its receiver leaves out the
 matching irecv (both sides know the plan's count: an empty message is never posted, and a step with
-neither is no call, since Paddle's batch refuses an empty list). Buffers are not touched before wait().
+neither is no call, since Paddle's batch refuses an empty list; the group's communicator was started by
+p2p.shift on every member first). Buffers are not touched before wait().
 """
 from __future__ import annotations
 

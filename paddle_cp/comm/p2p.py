@@ -12,8 +12,11 @@ import math
 import paddle
 import paddle.distributed as dist
 
+from .. import runtime
 from . import counters
 from .watchdog import guard
+
+COMMUNICATOR_START = "communicator_start"  # the counters' tag of the all-reduce that starts a group's communicator
 
 
 def uses_native_p2p(tensor):
@@ -48,9 +51,14 @@ class Pending:
 def shift(mesh_group, tensor, offset=1, tag="p2p", recv_shape=None):
     """Send `tensor` to position index+offset and receive from index-offset.
 
-    The received tensor has `tensor`'s dtype and `recv_shape` (default: its
+    Every member of the group calls it, in the same order of calls (a shift is one permutation of the
+    whole group). The received tensor has `tensor`'s dtype and `recv_shape` (default: its
     shape); either may have no elements (a planned exchange with nothing to say: gloo still
-    sends the empty message, which keeps its per-group tags in step; NCCL leaves it out).
+    sends the empty message, which keeps its per-group tags in step; NCCL leaves it out, and a member
+    with neither side makes no call). NCCL makes a group's communicator at its first call there, over all
+    the group's ranks, each waiting for all the others: the first shift on a group starts it by a
+    1-element all-reduce every member makes (`start_communicator`), so members with nothing to send or
+    receive then do not leave the others waiting.
     Returns a Pending receive. With NCCL the transfer overlaps whatever the caller
     does before `wait()`; with gloo it has completed on return.
     """
@@ -61,6 +69,7 @@ def shift(mesh_group, tensor, offset=1, tag="p2p", recv_shape=None):
     buffer = paddle.empty(recv_shape if recv_shape is not None else tensor.shape, tensor.dtype)
     counters.record(tag, counters.nbytes(tensor))
     if uses_native_p2p(tensor):
+        start_communicator(mesh_group)
         group = mesh_group.group
         dst = mesh_group.rank_at(mesh_group.index + offset)
         src = mesh_group.rank_at(mesh_group.index - offset)
@@ -72,6 +81,20 @@ def shift(mesh_group, tensor, offset=1, tag="p2p", recv_shape=None):
             return Pending(buffer, dist.batch_isend_irecv(ops))
     exchange_in_order(mesh_group, tensor, buffer, offset, tag)
     return Pending(buffer)
+
+
+def start_communicator(mesh_group):
+    """Make the group's NCCL communicator on every member at once, the first time only (counted under
+    COMMUNICATOR_START): its first batched isend/irecv would make it over all the group's ranks, and a member
+    whose step has neither side would never join."""
+    members = tuple(sorted(mesh_group.ranks))
+    if members in runtime.installed.started_communicators:
+        return
+    runtime.installed.started_communicators.add(members)
+    one = paddle.zeros([1], "float32")
+    counters.record(COMMUNICATOR_START, counters.nbytes(one))
+    with guard(COMMUNICATOR_START, mesh_group.ranks):
+        dist.all_reduce(one, group=mesh_group.group)
 
 
 def exchange_in_order(mesh_group, tensor, buffer, offset, tag="p2p"):

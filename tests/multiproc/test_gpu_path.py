@@ -105,6 +105,17 @@ def test_planned_exchange_leaves_empty_sides_out(world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_each_group_starts_its_communicator_once_before_its_first_batch(world):
+    """NCCL makes a group's communicator at its first call there, over all its ranks: p2p.shift starts it by one
+    all-reduce every member makes, once per group (the emulation refuses a batch on a group not started)."""
+    reports = parity_reports(world)
+    for report in reports:
+        values = report["values"]
+        assert values["communicator_start_bytes"] == 4 * values["communicators_started"] > 0, values
+    assert len({report["values"]["communicators_started"] for report in reports}) == 1
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_misuse_of_a_buffer_in_flight_fails(world):
     for report in parity_reports(world):
         values = report["values"]

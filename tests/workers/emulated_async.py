@@ -9,7 +9,9 @@ allgather rotation call `dist.alltoall` and `dist.stream.reduce_scatter` (one fl
 The emulated batch returns at once and completes the exchange at the first
 `wait()` of either task, through paddle_cp's ordered gloo exchange
 (comm.p2p.exchange_in_order) on the MeshGroup that owns the Paddle group.
-Misuse that NCCL would turn into silent corruption fails loudly here:
+Misuse that NCCL would turn into silent corruption or a hang fails loudly here:
+- a batch on a group whose communicator p2p.start_communicator has not started (NCCL would make it at
+  that call, over all the group's ranks);
 - the receive buffer holds NaN until the exchange completes (read before wait);
 - a send buffer changed before wait(), or a receive buffer written before it,
   raises Misuse on wait();
@@ -70,6 +72,9 @@ class _Exchange:
         group = ops[0].group
         size = dist.get_world_size() if group is None else group.nranks
         self.mesh_group = _owner(group, (dist.get_rank(), *(op.peer for op in ops)), size)
+        if tuple(sorted(self.mesh_group.ranks)) not in runtime.installed.started_communicators:
+            raise Misuse("a batch on a group whose communicator was not started: NCCL would make it here, "
+                         "waiting for every rank of the group, some of which may post nothing")
         index = self.mesh_group.ranks.index
         offsets = {(index(send_op.peer) - self.mesh_group.index) % size} if send_op is not None else set()
         offsets |= {(self.mesh_group.index - index(recv_op.peer)) % size} if recv_op is not None else set()

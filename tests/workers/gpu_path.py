@@ -21,8 +21,9 @@ from visibility import visible
 
 import paddle_cp as pcp
 from paddle_cp import mesh as mesh_lib
+from paddle_cp import runtime
 from paddle_cp.attention import kernels
-from paddle_cp.comm import p2p
+from paddle_cp.comm import counters, p2p
 
 HEAD_DIM = 32  # flash_attn needs d % 8 == 0
 BF16 = paddle.bfloat16
@@ -289,6 +290,9 @@ def main(report):
             check_case(report, mesh, case)
         if world > 1:
             check_misuse(report, mesh)
+        # bytes: the emulated all-to-all's rounds shift too, inside one collective, which counts no other call
+        report.value("communicator_start_bytes", counters.bytes_sent(p2p.COMMUNICATOR_START))
+        report.value("communicators_started", len(runtime.installed.started_communicators))
     if "bf16" in modes:
         measure_bf16(report, mesh)
 
