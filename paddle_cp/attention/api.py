@@ -67,14 +67,14 @@ def context_parallel_attention(
 
 def ring_masks(layout, seq_len, ring_index, causal, documents=None, dense=None, window=None, valid=None):
     """The RingMasks of ring group `ring_index`'s queries for a batch: made by its first layer and read by the
-    others from `layout.plans`; a dense mask is a layer's tensor, so masks with one are made per call."""
+    others from `layout.plans`; a dense mask is a layer's tensor, so masks with one are made per call, sharing
+    the batch's exchange plan (which does not read it)."""
     def make():
-        return RingMasks(layout.ring_positions(seq_len), ring_index, causal, documents, dense,
+        return RingMasks(layout.ring_positions(seq_len), ring_index, causal, documents, None,
                          layout.chunk_starts(seq_len), window, valid, layout.split.fragment)
 
-    if dense is not None:
-        return make()
-    return layout.plans.get((layout.split, seq_len, ring_index, causal, window, documents, valid), make)
+    masks = layout.plans.get((layout.split, seq_len, ring_index, causal, window, documents, valid), make)
+    return masks if dense is None else masks.with_dense(dense)
 
 
 def _functional(backend):

@@ -38,6 +38,15 @@ class RingMasks:
         self.causal, self.documents, self.dense = causal, documents, dense
         self.window, self.valid, self.fragment = window, valid, fragment
         self._blocks, self._exchange = {}, None
+        self._exchange_of = None  # the masks without the dense mask whose exchange plan these share
+
+    def with_dense(self, dense):
+        """These masks with this member's rows of a dense mask (a layer's tensor: made per call), sharing this
+        one's exchange plan, which reads only the row bounds (made once per batch)."""
+        masks = RingMasks(self.positions, self.index, self.causal, self.documents, dense, self.cuts, self.window,
+                          self.valid, self.fragment)
+        masks._exchange_of = self
+        return masks
 
     def lengths(self):
         return [len(p) for p in self.positions]
@@ -51,6 +60,8 @@ class RingMasks:
 
     def exchange(self):
         """This member's side of the batch's ExchangePlan (the planned rotation's rows), made once."""
+        if self._exchange_of is not None:
+            return self._exchange_of.exchange()
         if self._exchange is None:
             plan = ExchangePlan(self.positions, self.causal, self.documents, self.window, self.valid)
             self._exchange = MemberExchange(plan, self.index)

@@ -152,3 +152,19 @@ def test_rows_selected_exactly_in_every_dtype():
         got = _select_rows(x.astype(dtype), rows)
         assert got.dtype == dtype
         assert np.array_equal(got.astype("float32").numpy(), x.astype(dtype).astype("float32").numpy()[:, [0, 3, 6]])
+
+
+def test_dense_masks_share_the_batchs_exchange_plan():
+    """A dense mask is a layer's tensor, so masks with one are made per call; the exchange plan reads only the
+    row bounds, so every layer of the batch reads the one plan its first made."""
+    import paddle
+
+    from paddle_cp.attention.api import ring_masks
+
+    layout, seq = SequenceLayout("p2p", 4), 64
+    rows = len(layout.ring_positions(seq)[1])
+    dense = [paddle.ones([1, 1, rows, seq], "bool") for _ in range(2)]
+    first, second = (ring_masks(layout, seq, 1, False, dense=d) for d in dense)
+    assert first is not second and first.dense is dense[0] and second.dense is dense[1]
+    assert first.exchange() is second.exchange() is ring_masks(layout, seq, 1, False).exchange()
+    assert len(layout.plans) == 1
