@@ -1,7 +1,6 @@
 """Which k/v rows each ring member's kernels read from each other member, and the bytes that implies.
 
-The ring (rotation.py) passes every member's whole k/v block to every other member, and every block's
-gradient back, whatever the mask. A member's kernels read another member's block only in the key tiles
+A member's kernels read another member's block only in the key tiles
 where some of its queries see some key: key j is seen by the global query positions lo[j] <= i < hi[j]
 (mask.seeing_positions: causality, documents, window, padding), and member g holds one of those iff
 g's positions before hi[j] outnumber its positions before lo[j] (two searchsorted calls per member, over
@@ -65,11 +64,12 @@ class ExchangePlan:
 
 
 class ExchangeBytes(NamedTuple):
-    """Bytes each ring member sends in one forward + backward of one layer (int64 [R] each): `today` by the
-    ring (k/v forward, again in backward, their gradients home), `planned` by the planned exchange (the same
-    three, only the rows read), `read`: 3 x the k/v rows of its block the other members' tiles read."""
+    """Bytes each ring member sends in one forward + backward of one layer (int64 [R] each): `whole_blocks`
+    with every block going to every member (k/v forward, again in backward, their gradients home: what the
+    `allgather` rotation sends, but its padding to the longest block), `planned` by the planned exchange (the
+    same three, only the rows read), `read`: 3 x the k/v rows of its block the other members' tiles read."""
 
-    today: np.ndarray
+    whole_blocks: np.ndarray
     planned: np.ndarray
     read: np.ndarray
 
@@ -79,9 +79,9 @@ def exchange_bytes(plan, kv_row_bytes, grad_row_bytes):
     head dims, their dtype); `grad_row_bytes`: the same in the gradients' dtype (rotation.GRAD_DTYPE)."""
     lengths = plan.lengths()
     sent, received = plan.counts.sum(axis=0), plan.counts.sum(axis=1)
-    # a ring member forwards every block but the next member's (whose own it is) and sends every
-    # block's gradient sum but its own
-    kv_today = lengths.sum() - np.roll(lengths, -1)
-    today = 2 * kv_today * kv_row_bytes + (lengths.sum() - lengths) * grad_row_bytes
+    # as a ring passing whole blocks along: a member forwards every block but the next member's (whose own it
+    # is) and every block's gradient sum but its own (an all-gather and a reduce-scatter move as much)
+    kv_whole = lengths.sum() - np.roll(lengths, -1)
+    whole_blocks = 2 * kv_whole * kv_row_bytes + (lengths.sum() - lengths) * grad_row_bytes
     planned = 2 * sent * kv_row_bytes + received * grad_row_bytes
-    return ExchangeBytes(today, planned, 3 * sent * kv_row_bytes)
+    return ExchangeBytes(whole_blocks, planned, 3 * sent * kv_row_bytes)

@@ -4,7 +4,7 @@
 owner (one shift a step, the next in flight while the current block is computed on), and only those rows'
 gradients back. It is exact for every mask the ring takes (a row no query of a member sees weighs exactly
 0 there, so leaving it out changes nothing), and never sends more than whole blocks: with nothing masked it
-sends every block to every member, as a ring of whole blocks does.
+sends every block to every member, as `allgather` does.
 `allgather` (PyTorch's set_rotate_method "allgather"): one all-gather of all whole blocks up front, one
 reduce-scatter of the gradients at the end: two collective calls a direction instead of N-1 shifts, no
 overlap with compute, N blocks held; for rings whose exchanges are too small for the shifts' per-call cost

@@ -9,7 +9,7 @@ Kernel calls: one per ring step whose key block holds a tile the rank's queries 
 (forward and backward), the plan of one call per step: calls per pass = non-empty steps of R.
 
 Bytes (`kv_row_bytes` given; computed from the layout, not measured): what a rank sends in one forward +
-backward of one layer, mean over ranks, whole blocks (`today`: every block to every member, k/v forward,
+backward of one layer, mean over ranks, whole blocks (`whole_blocks`: every block to every member, k/v forward,
 again in backward, the gradients home), the exchange plan's (attention/exchange_plan.py: only the rows read), and
 the bytes read, 3 x the k/v rows of a rank's block that other ranks' visible tiles read.
 """
@@ -72,7 +72,7 @@ def layout_rows(position_ids, backend, world, ulysses_degree=None, kv_row_bytes=
 
 
 def _bytes(groups, documents, ring, kv_row_bytes):
-    """MiB a rank sends per forward + backward (mean over ranks): today, planned, read; and the most a rank
+    """MiB a rank sends per forward + backward (mean over ranks): whole blocks, planned, read; and the most a rank
     sends under the plan."""
     plan = ExchangePlan([np.flatnonzero(groups == g) for g in range(ring)], True, documents)
     sent = exchange_bytes(plan, kv_row_bytes, kv_row_bytes)
@@ -113,21 +113,21 @@ def steps_table(rows):
         "\n(model figures, no GPU ran: the slowest rank's predicted ms, forward + backward of one attention layer: "
         "H200 tiles and the planned k/v exchange at the fit's shape, step s+1's exchange beside step s's tiles; "
         f"first within one node ({Links().intra_gbps:.0f} GB/s), then across nodes of `per node` ranks "
-        f"({Links().inter_gbps:.0f} GB/s between them); tiles: the layout chosen by tiles alone (the chooser "
-        "before links were priced), linked: chosen with the links priced, chunks: 2R chunks)")
+        f"({Links().inter_gbps:.0f} GB/s between them); tiles: the layout chosen by tiles alone, "
+        "linked: chosen with the links priced, chunks: 2R chunks)")
 
 
 def bytes_table(rows):
     """The rows' bytes (those priced with kv_row_bytes)."""
-    head = (f"{'documents':10} {'backend':8} {'seq':>7} {'N':>2} {'layout':7} {'candidate':10} {'today MiB':>9} "
-            f"{'planned':>8} {'read':>8} {'read/today':>10} {'planned max':>11}")
+    head = (f"{'documents':10} {'backend':8} {'seq':>7} {'N':>2} {'layout':7} {'candidate':10} {'whole MiB':>9} "
+            f"{'planned':>8} {'read':>8} {'read/whole':>10} {'planned max':>11}")
     return ruled_table(head, [
         f"{r['documents']:10} {r['backend']:8} {r['seq']:>7} {r['nproc']:>2} {r['layout']:7} {r['candidate']:10} "
-        f"{r['today_mib']:>9.1f} {r['planned_mib']:>8.1f} {r['read_mib']:>8.1f} "
-        f"{r['read_mib'] / r['today_mib'] if r['today_mib'] else 0:>10.3f} {r['planned_max_mib']:>11.1f}"
-        for r in rows if "today_mib" in r]) + (
+        f"{r['whole_blocks_mib']:>9.1f} {r['planned_mib']:>8.1f} {r['read_mib']:>8.1f} "
+        f"{r['read_mib'] / r['whole_blocks_mib'] if r['whole_blocks_mib'] else 0:>10.3f} {r['planned_max_mib']:>11.1f}"
+        for r in rows if "whole_blocks_mib" in r]) + (
         "\n(computed from the layout, not measured: MiB a rank sends per forward + backward of one attention "
-        "layer, mean over ranks; today: whole blocks, every k/v block to every member and every gradient "
+        "layer, mean over ranks; whole: whole blocks, every k/v block to every member and every gradient "
         "home (rotate='allgather' sends as much); planned: only the rows read (attention/exchange_plan.py, "
         "rotate='planned'); read: 3 x the k/v rows of a rank's "
         "block that other ranks' visible tiles read; planned max: the rank sending most)")

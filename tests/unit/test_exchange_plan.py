@@ -88,16 +88,16 @@ def test_plan_rows_equal_brute_force(case, tile):
             assert plan.counts[receiver, sender] == len(expected)
 
 
-def test_causal_document_reads_three_quarters_of_what_the_ring_sends():
+def test_causal_document_reads_three_quarters_of_the_whole_blocks():
     """2R chunks of one causal document: member r's first chunk is read by every other member, its second
-    by the r members before it, so the members send 0.75 of the ring's bytes between them."""
+    by the r members before it, so the members send 0.75 of the whole blocks' bytes between them."""
     ring = 8
     positions = SequenceLayout("p2p", ring).ring_positions(2 * ring * 256)
     plan = ExchangePlan(positions, True, tile=128)
     assert plan.counts.sum(axis=0).tolist() == [256 * (ring - 1 + r) for r in range(ring)]
     sent = exchange_bytes(plan, kv_row_bytes=512, grad_row_bytes=512)
-    assert sent.today.tolist() == [3 * 7 * 512 * 512] * ring  # 7 blocks of 512 rows, three times
-    assert sent.planned.sum() == sent.read.sum() == 0.75 * sent.today.sum()
+    assert sent.whole_blocks.tolist() == [3 * 7 * 512 * 512] * ring  # 7 blocks of 512 rows, three times
+    assert sent.planned.sum() == sent.read.sum() == 0.75 * sent.whole_blocks.sum()
 
 
 def test_documents_kept_whole_read_nothing():
@@ -123,7 +123,7 @@ def test_bytes_count_gradients_in_their_dtype():
     plan = ExchangePlan(positions, True)
     sent = exchange_bytes(plan, kv_row_bytes=256, grad_row_bytes=512)
     lengths = plan.lengths()
-    assert sent.today.tolist() == [2 * (SEQ - lengths[(r + 1) % 4]) * 256 + (SEQ - lengths[r]) * 512
+    assert sent.whole_blocks.tolist() == [2 * (SEQ - lengths[(r + 1) % 4]) * 256 + (SEQ - lengths[r]) * 512
                                    for r in range(4)]
     assert sent.planned.tolist() == (2 * plan.counts.sum(axis=0) * 256 + plan.counts.sum(axis=1) * 512).tolist()
 
@@ -131,12 +131,12 @@ def test_bytes_count_gradients_in_their_dtype():
 @pytest.mark.parametrize("window", [128, 4096])
 def test_sliding_window_moves_its_halo(window):
     """Mistral's and GPT-OSS's windows over 65,536 tokens on 8 ranks (2N chunks of 4096): each rank receives and
-    sends at most 2 x window k/v rows a direction (one halo a chunk), where the ring moves 7 blocks of 8192."""
+    sends at most 2 x window k/v rows a direction (one halo a chunk), where whole blocks move 7 blocks of 8192."""
     positions = SequenceLayout("p2p", 8).ring_positions(65536)
     plan = ExchangePlan(positions, True, window=window)
     assert plan.counts.sum(axis=1).max() == plan.counts.sum(axis=0).max() == 2 * window
     sent = exchange_bytes(plan, 512, 512)
-    assert sent.planned.sum() == 3 * 512 * plan.counts.sum() <= sent.today.sum() * 2 * window / (7 * 8192)
+    assert sent.planned.sum() == 3 * 512 * plan.counts.sum() <= sent.whole_blocks.sum() * 2 * window / (7 * 8192)
 
 
 def test_rows_selected_exactly_in_every_dtype():

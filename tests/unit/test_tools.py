@@ -219,8 +219,8 @@ def test_bench_lengths_take_k_suffixes():
 
 
 def test_bench_documents_counts_the_bytes_each_layout_exchanges(tmp_path, capsys):
-    """pcp-bench --documents prints per layout the bytes the ring sends today, the exchange plan's and the bytes
-    read (computed): one causal document reads 3/4 of what the ring sends; of 100-token documents, those kept
+    """pcp-bench --documents prints per layout the bytes whole blocks take, the exchange plan's and the bytes
+    read (computed): one causal document reads 3/4 of the whole blocks; of 100-token documents, those kept
     whole read nothing and 2N chunks only the tile before each chunk edge a document crosses."""
     lengths = tmp_path / "short.txt"
     lengths.write_text("100\n")
@@ -231,10 +231,12 @@ def test_bench_documents_counts_the_bytes_each_layout_exchanges(tmp_path, capsys
                     "--heads", "8", "--kv-heads", "1", "--head-dim", "64", "--json", str(out)])
         assert "computed from the layout, not measured" in capsys.readouterr().out
         by = {r["layout"]: r for r in json.loads(out.read_text())["gpu_model"]}
-        assert all(r["today_mib"] * 2 ** 20 == 3 * 7 * 2048 * row_bytes for r in by.values())  # 7 blocks, 3 times
+        # 7 blocks, 3 times
+        assert all(r["whole_blocks_mib"] * 2 ** 20 == 3 * 7 * 2048 * row_bytes for r in by.values())
         assert all(r["planned_mib"] == r["read_mib"] for r in by.values())
         if source == "single":  # in 2N chunks (the choice across nodes, one rank a node, keeps it contiguous)
-            assert all(by[name]["read_mib"] == 0.75 * by[name]["today_mib"] for name in ("chosen", "chunks", "whole"))
+            assert all(by[name]["read_mib"] == 0.75 * by[name]["whole_blocks_mib"]
+                       for name in ("chosen", "chunks", "whole"))
     assert by["whole"]["read_mib"] == 0
     # 15 chunk edges cut a document; 14 lie between two ranks (chunks 7 and 8 are one rank's)
     assert by["chunks"]["read_mib"] * 2 ** 20 == 3 * 14 * 128 * row_bytes / 8

@@ -336,7 +336,8 @@ def _planned_against_allgather(report, name, run, layout, seq, shape, causal, do
     pairs = list(zip(results["allgather"], results["planned"]))
     report.value(f"planned.{name}", {
         "max_rel_diff": max(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)) for a, b in pairs),
-        "compared": len(pairs), "planned_bytes": sent["planned"], "whole_block_bytes": int(counted.today[member]),
+        "compared": len(pairs), "planned_bytes": sent["planned"],
+        "whole_block_bytes": int(counted.whole_blocks[member]),
         "planned": int(counted.planned[member]), "read": int(counted.read[member])})
 
 
