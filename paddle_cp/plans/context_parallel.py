@@ -9,7 +9,7 @@ from .. import mesh as mesh_lib
 from .. import runtime
 from ..attention import recompute
 from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, mixers, resolve_groups, routing
-from ..attention import ulysses_size
+from ..attention import resolve_group, ulysses_size
 from ..attention.layout import check_split
 from ..attention.link_cost import LinkCost, Links
 from .base import Plan, refuse_param_plan
@@ -98,15 +98,18 @@ class SepRun:
     def __init__(self, plan, mesh):
         self.backend, self.ulysses_degree = plan.backend, plan.ulysses_degree
         self.rotate = getattr(plan, "rotate", "planned")
-        self.layout = SequenceLayout(plan.backend, mesh_lib.dim_size(mesh, "sep"), plan.ulysses_degree)
+        self.layout = plan_layout(plan, resolve_group(mesh).ranks)
         self.groups = resolve_groups(self.layout, mesh)
-        self.layout.links = ring_links(plan, self.layout, self.groups.sep.ranks)
 
 
-def ring_links(plan, layout, sep_ranks):
-    """The LinkCost of `layout`'s ring over the sep group's global ranks `sep_ranks` (ring member g holds sep
-    positions gU .. gU+U-1, one node), at `plan.links` (a PrepareContextParallel's) or Links' defaults."""
-    return LinkCost.of_ranks(list(sep_ranks)[::layout.ulysses], getattr(plan, "links", None) or Links())
+def plan_layout(plan, sep_ranks):
+    """The SequenceLayout of `plan`'s backend and Ulysses degree over the sep group's global ranks `sep_ranks`,
+    its ring's links (ring member g holds sep positions gU .. gU+U-1, one node) at `plan.links` (a
+    PrepareContextParallel's) or Links' defaults."""
+    world = len(sep_ranks)
+    ulysses = ulysses_size(plan.backend, world, plan.ulysses_degree)
+    links = LinkCost.of_ranks(list(sep_ranks)[::ulysses], getattr(plan, "links", None) or Links())
+    return SequenceLayout(plan.backend, world, plan.ulysses_degree, links=links)
 
 
 class PrepareContextParallel(_SepPlan):

@@ -17,16 +17,14 @@ from .. import runtime
 from ..attention import SequenceLayout, resolve_group
 from ..attention.lengths import agreed_seq_len
 from ..comm.autograd import gather_replicated
-from ..plans.context_parallel import PrepareContextParallel, ring_links
+from ..plans.context_parallel import PrepareContextParallel, plan_layout
 
 
 def _layout(backend, ulysses_degree, mesh, group, **documents):
     """(the batch's SequenceLayout, the sep MeshGroup); `documents`: the document inputs given."""
     group = resolve_group(mesh, group)
     if isinstance(backend, PrepareContextParallel):
-        layout = SequenceLayout(backend.backend, group.size, backend.ulysses_degree)
-        layout.links = ring_links(backend, layout, group.ranks)
-        return backend.shard_layout(layout, **documents), group
+        return backend.shard_layout(plan_layout(backend, group.ranks), **documents), group
     if any(value is not None for value in documents.values()):
         given = [name for name, value in documents.items() if value is not None]
         raise ValueError(f"{', '.join(given)} given with backend={backend!r}: the layout of a batch follows its "

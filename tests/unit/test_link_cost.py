@@ -12,8 +12,7 @@ from paddle_cp.attention.exchange_plan import ExchangePlan
 from paddle_cp.attention.link_cost import GRAD_ROW_BYTES, KV_ROW_BYTES, LinkCost, Links
 from paddle_cp.attention.mask import Documents
 from paddle_cp.attention.tile_cost import RANK_MS, tile_counts
-from paddle_cp.plans.context_parallel import ring_links
-from paddle_cp.attention.layout import SequenceLayout
+from paddle_cp.plans.context_parallel import plan_layout
 from paddle_cp.tools import packing
 
 
@@ -104,16 +103,16 @@ def test_link_priced_choice_on_the_bench_mixes(bench_mixes, ring, ulysses, faste
 
 
 def test_links_from_the_plan_and_the_launch(monkeypatch):
-    layout = SequenceLayout("hybrid", 8, 2)
     plan = pcp.PrepareContextParallel("hybrid", 2, links=pcp.Links(ranks_per_node=4, inter_gbps=50.0))
-    link = ring_links(plan, layout, range(8))
+    layout = plan_layout(plan, range(8))
+    assert (layout.backend, layout.world, layout.ulysses, layout.ring) == ("hybrid", 8, 2, 4)
+    link = layout.links
     assert link.nodes.tolist() == [0, 0, 1, 1]  # ring members hold ranks 0-1, 2-3, 4-5, 6-7
     assert link.ms_per_byte[0, 2] == pytest.approx(1 / 50e6) and link.ms_per_byte[0, 1] == pytest.approx(1 / 300e6)
     monkeypatch.setenv("PADDLE_LOCAL_SIZE", "2")
-    assert ring_links(pcp.PrepareContextParallel("p2p"), SequenceLayout("p2p", 4), [4, 5, 6, 7]).nodes.tolist() == [
-        2, 2, 3, 3]
+    assert plan_layout(pcp.PrepareContextParallel("p2p"), [4, 5, 6, 7]).links.nodes.tolist() == [2, 2, 3, 3]
     monkeypatch.delenv("PADDLE_LOCAL_SIZE")
-    assert ring_links(pcp.PrepareContextParallel("p2p"), SequenceLayout("p2p", 4), range(4)).nodes_spanned == 1
+    assert plan_layout(pcp.PrepareContextParallel("p2p"), range(4)).links.nodes_spanned == 1
     with pytest.raises(TypeError, match="paddle_cp.Links"):
         pcp.PrepareContextParallel("p2p", links=(300, 25))
     with pytest.raises(TypeError, match="paddle_cp.Links"):
