@@ -38,10 +38,12 @@ experts from the Shard or Held placement.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import numpy as np
+import paddle
 
 from .mesh import MeshGroup, find_dim, mesh_group
 
@@ -410,8 +412,6 @@ def local_boxes(param):
 
 def set_local_value(param, array):
     """Give `param` a new value of any shape, in place: optimizers and tied layers hold this object."""
-    import paddle
-
     if param._is_initialized():
         place = param.place
         place = paddle.CUDAPlace(place.gpu_device_id()) if place.is_gpu_place() else paddle.CPUPlace()
@@ -434,8 +434,6 @@ def set_lazy_shape(param, shape):
 def local_part(param, full):
     """This rank's local tensor (a new one) cut from `full`, a paddle Tensor of the full shape; None
     where this rank holds no value. The pieces are `local_boxes`', so fused parts are cut per part."""
-    import paddle
-
     boxes = local_boxes(param)
     if not boxes:
         return None
@@ -462,8 +460,6 @@ def store_local_value(param, local):
     A level-3 non-owner gets the empty placeholder, a parameter this rank does not hold stays freed.
     A lazy parameter counts as initialized afterwards (no random draw), as after `p.initialize()`:
     this is how a loader (load_pretrained) fills a lazily built, parallelized model."""
-    import paddle
-
     record = record_of(param)
     if record.holds_value():
         if isinstance(local, paddle.Tensor):
@@ -488,8 +484,6 @@ def release_value(param):
 
 
 def _placeholder(param):
-    import paddle
-
     paddle.zeros([0], param.dtype)._share_underline_tensor_to(param)
 
 
@@ -535,8 +529,6 @@ def castable_placeholders(model):
     expert group's, a level-3 share owned elsewhere) has no data, and Paddle's cast of it raises "Tensor not
     initialized yet". Each layer holding one casts such a parameter as a placeholder: it takes the new dtype
     (as its holders' values do) and keeps its shape, still without data."""
-    import weakref
-
     for layer in model.sublayers(include_self=True):
         if any(find_record(p) is not None and not find_record(p).holds_value() for p in layer._parameters.values()
                if p is not None):
@@ -549,8 +541,6 @@ def _placeholder_transform(layer, transform):
         record = find_record(t)
         if t._is_initialized() or record is None or record.holds_value() or dtype is None:
             return transform(layer(), t, device, dtype, blocking)
-        import paddle
-
         shape, empty = list(t.shape), paddle.empty([0], dtype)  # an empty tensor has the dtype and no data
         target, source = t.value(), empty.value()  # each Variable held while its tensor is used
         target.get_tensor()._share_data_nocheck_with(source.get_tensor())

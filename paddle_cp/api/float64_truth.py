@@ -109,7 +109,7 @@ def _cast_in_place(tensor, dtype):
             tensor.value().get_tensor()._share_data_with(cast.value().get_tensor())
 
 
-def float64_inputs(inputs):
-    """{name: tensor} with float32 tensors (masks) as float64."""
-    return {k: v.astype("float64") if isinstance(v, paddle.Tensor) and v.dtype == paddle.float32 else v
-            for k, v in inputs.items()}
+def widened_inputs(inputs, dtype):
+    """{name: tensor} with floating tensors narrower than `dtype` (masks, embeddings) as `dtype`."""
+    return {k: v.astype(dtype) if isinstance(v, paddle.Tensor) and paddle.is_floating_point(v)
+            and paddle.finfo(v.dtype).bits < paddle.finfo(dtype).bits else v for k, v in inputs.items()}

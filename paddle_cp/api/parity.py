@@ -47,7 +47,8 @@ from ..attention import resolve_group
 from ..comm import collectives
 from ..sequence.shard import shard_sequence, unshard_sequence
 from ..attention.full_precision import autocast_off
-from .float64_truth import float64_inputs, float64_math, float64_weights, weights_as
+from ..dtypes import LOW_PRECISION
+from .float64_truth import float64_math, float64_weights, weights_as, widened_inputs
 from .parallelize import parallelized_state
 
 IGNORED_LABEL = -100  # PaddleFormers' default `ignored_index`
@@ -61,7 +62,6 @@ TRUTH_FACTOR = 3
 # Llama on dp2 x sep2 under the tests' emulated AMP: correct runs 0.12-1.08x; each ring block's log-sum-exp 5% off
 # 2.4-8.4x, 20% off 8-11x, the ring's later blocks left out 21-106x).
 ROUNDING_FACTOR = 2
-LOW_PRECISION = (paddle.float16, paddle.bfloat16)
 
 
 def check_parity(model, reference=None, **inputs):
@@ -96,10 +96,13 @@ def check_parity(model, reference=None, **inputs):
         raise ValueError(f"check_parity: the model returned outputs {list(parallel)} split and {list(one_card)} "
                          "whole: it must return the same structure both ways")
     parallel = {name: _whole(name, parallel[name], one_card[name], split, tokens) for name in one_card}
-    differences = _largest_over_ranks(state, [_distance(parallel[n], one_card[n]) for n in one_card])
-    if _low_precision(model, one_card):  # the same choice on every rank: the same model, its outputs alike
+    # and whether any rank holds low-precision parameters or outputs (each rank sees only its own initialized
+    # parameters and its own outputs): every rank takes the same branch below, whose collectives differ
+    *differences, low_precision = _largest_over_ranks(
+        state, [_distance(parallel[n], one_card[n]) for n in one_card] + [float(_low_precision(model, one_card))])
+    if low_precision:
         with weights_as(model, paddle.float32), autocast_off():
-            fp32 = _outputs(model, _widened(inputs), "labels" in inputs, paused=True)
+            fp32 = _outputs(model, widened_inputs(whole_inputs, paddle.float32), "labels" in inputs, paused=True)
         distances = _largest_over_ranks(state, [_distance(x[n], fp32[n]) for x in (one_card, parallel)
                                                 for n in one_card])
         count = len(one_card)
@@ -107,7 +110,8 @@ def check_parity(model, reference=None, **inputs):
                       parallel=dict(zip(one_card, distances[count:])), reference="float32")
     if reference != "float64" and max(differences, default=0.0) <= TOLERANCE:  # the same choice on every rank
         return Parity(zip(one_card, differences))
-    wide_inputs = float64_inputs(whole_inputs)  # before float64_math: these casts are the float32 operators it refuses
+    # before float64_math: these casts are the float32 operators it refuses
+    wide_inputs = widened_inputs(whole_inputs, paddle.float64)
     with float64_weights(model), float64_math():
         truth = _outputs(model, wide_inputs, "labels" in inputs, paused=True)
     distances = _largest_over_ranks(state, [_distance(x[n], truth[n]) for x in (one_card, parallel) for n in one_card])
@@ -178,12 +182,6 @@ def _ratio(parallel, one_card):
 def _low_precision(model, outputs):
     return any(p.dtype in LOW_PRECISION for p in model.parameters() if p._is_initialized()) or \
         any(isinstance(x, paddle.Tensor) and x.dtype in LOW_PRECISION for x in outputs.values())
-
-
-def _widened(inputs):
-    """{name: tensor} with float16/bfloat16 tensors (embeddings, masks) as float32."""
-    return {k: v.astype("float32") if isinstance(v, paddle.Tensor) and v.dtype in LOW_PRECISION else v
-            for k, v in inputs.items()}
 
 
 def _largest_over_ranks(state, values):

@@ -15,6 +15,7 @@ import paddle
 import paddle.distributed as dist
 
 from .. import mesh as mesh_lib
+from ..dtypes import LOW_PRECISION
 from ..params import find_record, local_boxes
 
 # Adam's step powers are one number per parameter; every other accumulator has the parameter's shape.
@@ -22,7 +23,6 @@ SCALAR_ACCUMULATORS = ("beta1_pow_acc", "beta2_pow_acc")
 # The fp32 master copy of a float16/bfloat16 parameter: `{param}.w_0`, the key Paddle's
 # Optimizer.sharded_state_dict gives it.
 MASTER_WEIGHT = "w"
-LOW_PRECISION = (paddle.float16, paddle.bfloat16)
 
 
 def inner_optimizer(optimizer):

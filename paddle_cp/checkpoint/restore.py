@@ -14,7 +14,7 @@ import paddle
 
 from ..params import store_local_value
 from . import layout
-from .format import optimizer_key
+from .format import global_spec, optimizer_key
 
 
 def expected_model_specs(model):
@@ -45,9 +45,9 @@ def restore_model(model, reader):
 def restore_optimizer(model, optimizer, reader, model_reader):
     """Create the optimizer's state where it is missing (a fresh optimizer: accumulators and, with
     multi_precision, master weights; in host memory under dp_config offload_optimizer) and fill it. A master
-    weight the checkpoint lacks (saved by an fp32 run, or without multi_precision) is the checkpoint's
-    parameter as saved (`model_reader`): an fp32 checkpoint's values exactly, not their rounding to the
-    model's bfloat16/float16."""
+    weight the checkpoint lacks (saved by an fp32 run, or without multi_precision) is, where the checkpoint
+    holds the parameter in float32 (`model_reader`), its values exactly, not their rounding to the model's
+    bfloat16/float16; a parameter saved in bfloat16/float16 keeps the fp32 copy of the loaded parameter."""
     inner = layout.inner_optimizer(optimizer)
     saved = reader.metadata.state_dict_metadata
     first = layout.accumulator_names(optimizer)[0]
@@ -66,8 +66,8 @@ def restore_optimizer(model, optimizer, reader, model_reader):
             for name in layout.state_names(optimizer, param):
                 state_key = optimizer_key(key, name)
                 if name == layout.MASTER_WEIGHT and state_key not in saved:
-                    if key not in model_reader.metadata.state_dict_metadata:
-                        continue  # not saved under its parameter name: keep the copy of the parameter just created
+                    if not _saved_in_float32(model_reader, key):
+                        continue  # saved in the model's dtype (or elsewhere): keep the copy of the parameter just created
                     value = layout.local_value(param, lambda offset, shape: model_reader.region(key, offset, shape))
                 elif name in layout.SCALAR_ACCUMULATORS:
                     value = reader.full(state_key)
@@ -76,3 +76,8 @@ def restore_optimizer(model, optimizer, reader, model_reader):
                 layout.state_tensor(optimizer, param, name).set_value(value)
     if host is not None:
         host.rehome()
+
+
+def _saved_in_float32(model_reader, key):
+    """Whether the checkpoint holds parameter `key` in float32 (api.CASTS: an fp32 run's checkpoint)."""
+    return key in model_reader.metadata.state_dict_metadata and global_spec(model_reader.metadata, key)[1] == "float32"

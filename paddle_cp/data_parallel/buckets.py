@@ -46,9 +46,11 @@ import functools
 import math
 
 import paddle
+from paddle.amp.auto_cast import amp_global_state
 from paddle.base import core
 
 from ..comm import collectives
+from ..dtypes import LOW_PRECISION
 from ..params import SHARDING, Owned, is_fetch_unit, record_of
 from .held_bytes import HeldBytes
 
@@ -125,9 +127,7 @@ def gradient_dtype(param):
     parameter under `paddle.amp.decorate(master_grad=True)` (Paddle casts those gradients at the end of
     backward), else the parameter's. A gradient made here (a branch this rank did not take) or reduced
     during backward (before Paddle's cast) gets it too, so every rank fills buffers of the same dtypes."""
-    from paddle.amp.auto_cast import amp_global_state
-
-    if param.dtype in (paddle.float16, paddle.bfloat16) and amp_global_state().use_master_grad:
+    if param.dtype in LOW_PRECISION and amp_global_state().use_master_grad:
         return paddle.float32
     return param.dtype
 
@@ -175,6 +175,7 @@ class GradientBuckets:
                 _follow(param, self)
         self.overlap = True  # False once an enabled GradScaler drives the optimizer
         self.agreed = False  # which members have a gradient somewhere: agreed at the first step
+        self._cut_under = None  # use_master_grad when the dtypes were last compared with the cut's (None: never)
         self.recheck = False  # and at the next step after clear_grad(set_to_zero=False)
         self.grad_bytes = HeldBytes()  # gradients unreduced, and reduced ones kept for `step()`
         # (bucket index, member gradients arrived so far, pass) of each bucket issued during backward, this step
@@ -194,7 +195,14 @@ class GradientBuckets:
     def _recut_for_new_dtypes(self):
         """`paddle.amp.decorate` after parallelize changed the gradients' dtypes the buckets were cut for (fp32):
         cut again by the new sizes (between steps, the same on every rank: dtypes, shapes and placements), and
-        agree again which members have a gradient somewhere at the next step."""
+        agree again which members have a gradient somewhere at the next step. Compared (a pass over every
+        parameter) after the first step, and after a step where decorate's master_grad switch changed; a cast
+        after the first step otherwise keeps the cut: only the buckets' sizes are off (each gradient is still
+        reduced in its own dtype, one flat buffer per dtype)."""
+        master_grad = amp_global_state().use_master_grad
+        if self._cut_under == master_grad:
+            return
+        self._cut_under = master_grad
         if _gradient_dtypes(self.buckets) == self._cut_for:
             return
         ordered = [p for b in self.buckets for p in b.params]
@@ -265,7 +273,8 @@ class GradientBuckets:
     def reduce_rest(self):
         """Reduce what backward did not, in the fixed order; a step with more passes than learned reduces the
         early buckets again (the first step agrees which members have a gradient somewhere first)."""
-        _refuse_main_grad([p for b in self.buckets for p in b.params])  # the first step's reduce_rest runs first
+        if not self.agreed:  # the first step's (MixPrecisionLayer wraps a model before it trains): before any reduction
+            _refuse_main_grad([p for b in self.buckets for p in b.params])
         late = self._late or (self._passes_learned is not None and self.passes > self._passes_learned)
         for position, bucket in enumerate(self._order):
             if position >= self._next:

@@ -44,7 +44,7 @@ import numpy as np
 import paddle
 from paddle.base.framework import _dygraph_place_guard
 
-from ..checkpoint.layout import LOW_PRECISION
+from ..dtypes import LOW_PRECISION
 from .optimizer import optimizer_parameters
 
 OFFLOADED_OPTIMIZERS = (paddle.optimizer.Adam, paddle.optimizer.AdamW, paddle.optimizer.Momentum,

@@ -67,7 +67,7 @@ def sharding_dims(dp_config):
     return tuple(listed)
 
 
-def _owners(params, size):
+def owners(params, size):
     """Owner position of each parameter: largest first onto the least-loaded rank (same on every rank)."""
     load, owner = [0] * size, [None] * len(params)
     sizes = [math.prod(p.shape) for p in params]  # from shapes: a lazy parameter has no numel() yet
@@ -137,7 +137,7 @@ class Sharding:
                 if shard_group is not None and shard_group.size > 1:
                     by_group.setdefault(shard_group.ranks, (shard_group, []))[1].append((param, replicas, rest))
             for shard_group, members in by_group.values():
-                for (param, replicas, rest), owner in zip(members, _owners([m[0] for m in members], shard_group.size)):
+                for (param, replicas, rest), owner in zip(members, owners([m[0] for m in members], shard_group.size)):
                     record_of(param).replace(replicas, Owned(replicas.group, shard_group, rest, owner, level))
         self.sharded = [p for p in self.params if owned(p) is not None]
         self._stash = {}  # level 3: gradients of parameters this rank does not own

@@ -2,12 +2,14 @@
 passes each rank its shard (`shard_sequence`, with the global `position_ids`). Ranks that pass the same full
 batch instead (the top layer's plan forgotten) would each attend with their whole copy as if it were their
 shard and train silently wrong. So the model's first forward compares its inputs over the `sep` group and
-refuses the same full batch on every rank, before any of the forward's collectives.
+refuses the same full batch on every rank of the mesh (the sep groups' verdicts agreed: a group that raised
+alone would leave the other data replicas waiting in their collectives), before any of the forward's collectives.
 
 Inputs are the same batch when every `[b, ...]` tensor the model gets has the same shape and values on every
 sep rank; shards differ in values (their tokens, their positions) or in length. Cost: an exact integer
-fingerprint of each input (comm/fingerprint.py), one all-gather of 2 int64 per rank and a host read, in the
-first forward only (a replay of it in backward, and later forwards, skip it).
+fingerprint of each input (comm/fingerprint.py), one all-gather of 2 int64 per rank over sep and, where the mesh
+has other dims (several sep groups), one all-reduce of 1 int64 over every rank, each with a host read, in the
+first forward only (a replay of it in backward, and later forwards, skip it; that forward runs on every rank).
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ TAG = "cp_sharded_inputs"  # its bytes in paddle_cp.bytes_sent()
 
 class ShardedInputsCheck:
     """The forward pre-hook of a model whose ContextParallel layers get inputs the script sharded. Made at
-    parallelize (collective: the sep groups)."""
+    parallelize (collective: the sep groups and the whole mesh's)."""
 
     def __init__(self, mesh, layers):
         self.group = mesh_lib.mesh_group(mesh, ["sep"])
+        self.world = mesh_lib.mesh_group(mesh, list(mesh.dim_names))
         self.layers = layers  # the names of the ContextParallel layers, for the error
         self.confirmed = False  # a forward has found the inputs sharded: later forwards are not checked
 
@@ -48,11 +51,17 @@ class ShardedInputsCheck:
             values = values + (position + 1) * fingerprint(value)
         row = paddle.concat([paddle.to_tensor([zlib.crc32(shapes.encode())], dtype="int64"), values])
         rows = [tuple(r.numpy().tolist()) for r in collectives.all_gather(self.group, row, tag=TAG)]
-        if len(set(rows)) == 1:
+        same_here = len(set(rows)) == 1
+        groups_refusing = paddle.to_tensor([int(same_here)], dtype="int64")  # [1]: summed over every rank
+        if self.world.size > self.group.size:
+            collectives.all_reduce(self.world, groups_refusing, tag=TAG)
+        if int(groups_refusing.item()) > 0:
             given = ", ".join(f"{name} {list(value.shape)}" for name, value in inputs.items())
+            where = (f"every rank of this sep group passed the same batch ({given})" if same_here else
+                     "every rank of another sep group passed the same batch")
             raise ValueError(
                 f"ContextParallel ({self.layers}) gets no inputs split by "
-                f"PrepareContextParallel, and every rank of the sep group passed the same batch ({given}): each "
+                f"PrepareContextParallel, and {where}: each "
                 "rank would attend with its whole copy as if it were its own shard, and train silently wrong. Add "
                 "PrepareContextParallel for the top layer to the plan ({'': pcp.PrepareContextParallel(backend), "
                 "...}: it splits the model's inputs and labels), or pass each rank its shard: "

@@ -5,13 +5,15 @@
 A benchmark on paper (no devices, no collectives): the model is built from its config.json under
 `paddle.LazyGuard` (shapes only, nothing allocated) as PaddleFormers builds it, every parameter trained and
 replicated over `--ranks` data-parallel ranks (one replica group; sharding over all of them). Its gradients are
-cut into buckets as `parallelize` cuts them (data_parallel/buckets.cut_runs, `--bucket-mb` MiB of gradient in
-the reverse of the model's order), each bucket's bytes in the gradients' dtype: 4 an element with master
+cut into buckets as `parallelize` cuts a model without an expert plan (data_parallel/buckets.cut_runs, `--bucket-mb`
+MiB of gradient in the reverse of the model's order; plan_buckets also puts the parameters of fetch units that run
+by the data, a rank's experts, in buckets of their own after the others: no plan here places experts, so there
+are none), each bucket's bytes in the gradients' dtype: 4 an element with master
 gradients (bf16 O2 with PaddleFormers' amp_master_grad, `decorate(master_grad=True)`), 2 without (bf16 O2 as
 Paddle leaves it), and each bucket's collective counted as paddle_cp's collectives count what one rank sends:
 
 - levels 0-1: one all-reduce per bucket, 2 (n-1)/n of its bytes;
-- levels 2-3: one reduce-scatter per bucket onto the parameters' owners (sharding._owners: largest first onto
+- levels 2-3: one reduce-scatter per bucket onto the parameters' owners (sharding.owners: largest first onto
   the least-loaded rank), on NCCL padded to the largest owner's chunk where that moves no more bytes
   (collectives.pads_uneven_chunks: (n-1) x the largest chunk), else one reduce per owner (the chunks this rank
   does not own); the busiest rank's and the mean.
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from paddle_cp.comm.collectives import pads_uneven_chunks
 from paddle_cp.data_parallel.buckets import DEFAULT_BUCKET_MB, cut_runs
-from paddle_cp.data_parallel.sharding import _owners
+from paddle_cp.data_parallel.sharding import owners
 from paddle_cp.tools.text import ruled_table
 
 MASTER_GRAD_BYTES, LOW_PRECISION_BYTES = 4, 2
@@ -65,14 +67,15 @@ def reduction_bytes(params, ranks, level, grad_bytes, bucket_mb=DEFAULT_BUCKET_M
     if level < 2:
         sent = sum(sum(map(_elements, bucket)) * grad_bytes * 2 * (ranks - 1) // ranks for bucket in buckets)
         return {"buckets": len(buckets), "max": sent, "mean": sent}
-    owner = dict(zip(map(id, params), _owners(params, ranks)))
+    owner = dict(zip(map(id, params), owners(params, ranks)))
     per_rank = [0] * ranks
     for bucket in buckets:
         sizes = [0] * ranks
         for param in bucket:
             sizes[owner[id(param)]] += _elements(param)
+        padded = pads_uneven_chunks(sizes)  # one reduce-scatter padded to the largest chunk, else a reduce per owner
         for me in range(ranks):
-            if pads_uneven_chunks(sizes):
+            if padded:
                 per_rank[me] += (ranks - 1) * max(sizes) * grad_bytes
             else:
                 per_rank[me] += sum(size for j, size in enumerate(sizes) if j != me) * grad_bytes

@@ -59,15 +59,16 @@ def command(nproc, script, argv, log_dir):
             "--log_dir", str(log_dir), str(script), *map(str, argv)]
 
 
-def progress(message):
-    """A progress line under the name of the tool running (a launched rank runs the tool's own file); on rank 0,
-    `launch` echoes it while the ranks run."""
-    print(f"{PROGRESS}{tool_name()}] {message}", file=sys.stderr, flush=True)
+def progress(message, script=None):
+    """A progress line under the name of the tool: `script`'s, else the running script's (a launched rank runs
+    the tool's own file); on rank 0, `launch` echoes it while the ranks run."""
+    print(f"{PROGRESS}{tool_name(script)}] {message}", file=sys.stderr, flush=True)
 
 
-def tool_name():
-    """'bench', 'selftest', 'bench-pp', 'memory-layouts': the running script, as its pcp-* command is spelt."""
-    stem = Path(sys.argv[0]).stem
+def tool_name(script=None):
+    """'bench', 'selftest', 'bench-pp', 'memory-layouts': `script` (by default the running one, which is pytest's
+    where a test calls `launch`), as its pcp-* command is spelt."""
+    stem = Path(script or sys.argv[0]).stem
     return stem.removeprefix("pcp-") if stem.startswith("pcp-") else stem.replace("_", "-")
 
 
@@ -83,7 +84,7 @@ def launch(args, argv, script):
         cmd = command(args.nproc, Path(script).resolve(), [*argv, "--result-file", result], log_dir)
 
         def run():
-            progress(f"launching {args.nproc} CPU ranks")
+            progress(f"launching {args.nproc} CPU ranks", script)
             with open(Path(tmp) / "launch.out", "w+") as out:
                 proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
                 _follow(proc, log_dir / "workerlog.0")
@@ -93,7 +94,7 @@ def launch(args, argv, script):
         returncode, launcher_output = retrying_an_abort(run, Path(script).name, fresh=[log_dir])
         if returncode != 0 or not result.exists():
             logs = "".join(f"\n----- {log.name}\n{log.read_text()[-3000:]}" for log in sorted(log_dir.glob("workerlog.*")))
-            sys.exit(f"pcp-{tool_name()}: launch failed (exit {returncode}){logs}\n{launcher_output[-2000:]}")
+            sys.exit(f"pcp-{tool_name(script)}: launch failed (exit {returncode}){logs}\n{launcher_output[-2000:]}")
         return json.loads(result.read_text())
 
 

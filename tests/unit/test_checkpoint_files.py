@@ -68,3 +68,34 @@ def test_state_dtypes_match_paddles_optimizers():
                     for name in names:
                         assert layout.state_tensor(optimizer, param, name).dtype == \
                             layout.state_dtype(optimizer, param, name), (dtype, make.__name__, name, multi_precision)
+
+
+def test_a_half_checkpoint_without_master_weights_loads_into_an_o2_run(tmp_path, monkeypatch):
+    """A bfloat16/float16 checkpoint saved without master weights loads into an O2 run with them: each master
+    weight is the fp32 copy of the loaded parameter (only an fp32 checkpoint's values are read into it)."""
+    import paddle
+
+    from workers import emulated_amp
+
+    emulated_amp.install(monkeypatch.setattr)
+    try:
+        for dtype in ("bfloat16", "float16"):
+            def o2(master_weight):
+                paddle.seed(0)
+                layer = paddle.nn.Linear(4, 4)
+                optimizer = paddle.optimizer.AdamW(parameters=layer.parameters())
+                return paddle.amp.decorate(layer, optimizer, level="O2", dtype=dtype, master_weight=master_weight)
+
+            saved, optimizer = o2(master_weight=False)
+            saved(paddle.randn([2, 4]).astype(dtype)).astype("float32").sum().backward()
+            optimizer.step()
+            pcp.save_checkpoint(str(tmp_path / dtype), saved, optimizer)
+            loaded, optimizer = o2(master_weight=True)
+            pcp.load_checkpoint(str(tmp_path / dtype), loaded, optimizer)
+            for param, want in zip(loaded.parameters(), saved.parameters()):
+                assert param.dtype == want.dtype
+                master = optimizer._master_weights[param.name]
+                assert master.dtype == paddle.float32
+                np.testing.assert_array_equal(master.numpy(), want.astype("float32").numpy())
+    finally:
+        emulated_amp.reset()

@@ -3,7 +3,7 @@ import numpy as np
 import paddle
 import pytest
 
-from paddle_cp.api.float64_truth import float64_math, float64_weights
+from paddle_cp.api.float64_truth import float64_math, float64_weights, widened_inputs
 
 
 class Scaled(paddle.nn.Layer):
@@ -35,3 +35,16 @@ def test_a_float32_operator_inside_the_truth_is_refused():
     with pytest.raises(TypeError, match="operators computed in float32 inside the float64 truth"):
         with float64_math():
             paddle.to_tensor(np.ones(3, np.float32)) * 2  # a tensor made from fp32 data, not through a widened cast
+
+
+def test_inputs_are_widened_to_the_pass_dtype_and_only_the_narrower_floats():
+    """float64 pass: fp32 masks become float64; fp32 pass of a low-precision model: bf16/fp16 ones become fp32;
+    integer inputs (ids, row indices) and non-tensors stay as they are."""
+    inputs = {"ids": paddle.to_tensor([[1, 2]]), "mask": paddle.ones([1, 2]), "bf16": paddle.ones([2], "bfloat16"),
+              "fp16": paddle.ones([2], "float16"), "wide": paddle.ones([2], "float64"), "flag": True}
+    dtypes = {k: getattr(v, "dtype", v) for k, v in widened_inputs(inputs, paddle.float64).items()}
+    assert dtypes == {"ids": paddle.int64, "mask": paddle.float64, "bf16": paddle.float64, "fp16": paddle.float64,
+                      "wide": paddle.float64, "flag": True}
+    dtypes = {k: getattr(v, "dtype", v) for k, v in widened_inputs(inputs, paddle.float32).items()}
+    assert dtypes == {"ids": paddle.int64, "mask": paddle.float32, "bf16": paddle.float32, "fp16": paddle.float32,
+                      "wide": paddle.float64, "flag": True}

@@ -154,7 +154,7 @@ def test_llama_3_8b_level_2_buckets_over_8_ranks_on_nccl():
     from types import SimpleNamespace
 
     from paddle_cp.comm.collectives import pads_uneven_chunks
-    from paddle_cp.data_parallel.sharding import _owners
+    from paddle_cp.data_parallel.sharding import owners
     from paddle_cp.mesh import MeshGroup
     from paddle_cp.params import Owned
 
@@ -165,7 +165,7 @@ def test_llama_3_8b_level_2_buckets_over_8_ranks_on_nccl():
     group = MeshGroup(ranks=tuple(range(n)), index=0, group=None)
     params = [SimpleNamespace(shape=list(s), stop_gradient=False, dtype=paddle.float32, element_size=lambda: 4)
               for s in shapes]
-    for param, owner in zip(params, _owners(params, n)):
+    for param, owner in zip(params, owners(params, n)):
         record_of(param).place(Owned(group, group, None, owner, 2))
     model = SimpleNamespace(sublayers=lambda include_self=False: [])
     buckets, _ = plan_buckets(model, params, DEFAULT_BUCKET_MB)

@@ -212,6 +212,9 @@ def test_progress_lines_carry_the_tools_name(monkeypatch, capsys, program, name)
     monkeypatch.setattr(sys, "argv", [program])
     bench.progress("seq 2048")
     assert capsys.readouterr().err == f"[{name}] seq 2048\n"
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/pytest"])  # launch() from a test: named by the script it launches
+    bench.progress("launching 4 CPU ranks", program)
+    assert capsys.readouterr().err == f"[{name}] launching 4 CPU ranks\n"
 
 
 def test_bench_lengths_take_k_suffixes():

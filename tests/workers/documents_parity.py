@@ -8,15 +8,17 @@ row indices; p2p with PaddleFormers' full recompute; two pipeline stages of two 
 (each micro-batch attends with its own rows' documents). Labels are split with shard_sequence given the batch's
 document inputs, except under the pipeline, whose plan on the root splits them. Also: the errors of a label split
 that cannot follow the inputs', raised on every rank; check_parity on documents="position_ids" plans (Llama and
-Gemma3: the one-card forward given the same documents as row indices); ContextParallel without
-PrepareContextParallel: the same full batch on every rank refused, inputs the script shards itself trained like one
-card.
+Gemma3: the one-card forward given the same documents as row indices) and a doc_ids plan (fp32, then bf16 O2
+under the emulated AMP); ContextParallel without
+PrepareContextParallel: the same full batch on every rank refused (on dp2 x sep2 on every rank when one replica
+passes it), inputs the script shards itself trained like one card.
 """
 import functools
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from amp_emulation import emulated
 from paddleformers_models import build as build_family
 from real_model_parity import adamw
 from report import run
@@ -203,6 +205,12 @@ def parity_of_documents_plans(report, mesh):
     doc_ids = paddle.to_tensor(np.cumsum(positions.numpy() == 0, axis=1))  # [b, s]: a new id where positions restart
     report.value("check_parity.llama.doc_ids", dict(pcp.check_parity(model, input_ids=ids, labels=labels,
                                                                      doc_ids=doc_ids)))
+    # the same model in bf16 O2 under the emulated AMP: its fp32 run on one card gets the one-card inputs too
+    with emulated(True):
+        paddle.amp.decorate(models=model, level="O2", dtype="bfloat16")
+        with paddle.amp.auto_cast(level="O2", dtype="bfloat16"):
+            report.value("check_parity.llama.doc_ids.bf16",
+                         pcp.check_parity(model, input_ids=ids, labels=labels, doc_ids=doc_ids).as_dict())
 
 
 def script_sharded(report, mesh):
@@ -240,6 +248,12 @@ def script_sharded(report, mesh):
         losses.append(float(loss))
     report.training("script_sharded", (sep_mean(losses, mesh), grads,
                                        {n: p.numpy() for n, p in model.named_parameters()}), want)
+    # dp2 x sep2, only the first replica passing the same whole batch: the second, given shards, stops too
+    replicas = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "sep"])
+    model, _ = pcp.parallelize(llama(), None, replicas, {"cp_config": {"parallelize_plan": plan}})
+    tokens = whole if dist.get_rank() < 2 else pcp.shard_sequence(whole, backend="p2p", mesh=replicas)
+    report.expect_error("forgotten_top_layer.one_replica",
+                        lambda: model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]))
 
 
 def main(report):

@@ -28,7 +28,7 @@ from report import mean_over_ranks, run
 from tensor_parallel import full_gradients
 
 import paddle_cp as pcp
-from paddle_cp.api.float64_truth import float64_inputs, float64_math, float64_model
+from paddle_cp.api.float64_truth import float64_math, float64_model, widened_inputs
 from paddle_cp.integrations.paddleformers.plans import tensor_parallel_plan
 
 
@@ -82,7 +82,7 @@ def reference(spec, float64=False, second_evaluation=False):
     model = qwen3_next(spec["implementation"], spec["fused_conv"], second_evaluation)
     ids, labels, extra = batch(spec)
     if float64:
-        model, extra = float64_model(model), float64_inputs(extra)
+        model, extra = float64_model(model), widened_inputs(extra, paddle.float64)
     with float64_math() if float64 else contextlib.nullcontext():
         logits, losses, grads, params = train(model, adamw(model),
                                               lambda m: m(input_ids=ids, labels=labels, **extra)[:2])

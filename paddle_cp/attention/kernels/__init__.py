@@ -11,23 +11,20 @@ visits the tiles the block's row bounds say anyone sees.
 from __future__ import annotations
 
 import numpy as np
-import paddle
 from paddle.autograd import PyLayer
 
+from ...dtypes import LOW_PRECISION
 from ..mask import BlockMask
 from .blockwise import BlockwiseKernel
 from .flash import FlashKernel, flash_available
 from .flashmask import FlashMaskKernel, flashmask_available
-
-_HALF = (paddle.float16, paddle.bfloat16)
-
 
 def choose_kernel_name(on_gpu, dtype, has_flash, mask_fits_flash=True, same_head_dims=True, has_flashmask=False,
                        mask_fits_flashmask=True):
     """The dispatch rule, free of devices so it can be tested anywhere: for half-precision GPU tensors whose
     q/k/v share a head dim (not MLA), flash when the op exists and expresses the mask, else flashmask when
     that op exists and expresses it; blockwise otherwise."""
-    if not (on_gpu and dtype in _HALF and same_head_dims):
+    if not (on_gpu and dtype in LOW_PRECISION and same_head_dims):
         return "blockwise"
     if has_flash and mask_fits_flash:
         return "flash"

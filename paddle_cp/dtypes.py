@@ -1,0 +1,8 @@
+"""Dtype facts every room shares (imports nothing of the package, so any module may import it)."""
+from __future__ import annotations
+
+import paddle
+
+# Half precision: what paddle.amp computes in (decorate(level="O2")'s parameters, autocast's outputs), the only
+# dtypes flash kernels take, and the dtypes an fp32 master weight or master gradient stands beside.
+LOW_PRECISION = (paddle.float16, paddle.bfloat16)
