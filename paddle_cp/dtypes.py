@@ -6,3 +6,7 @@ import paddle
 # Half precision: what paddle.amp computes in (decorate(level="O2")'s parameters, autocast's outputs), the only
 # dtypes flash kernels take, and the dtypes an fp32 master weight or master gradient stands beside.
 LOW_PRECISION = (paddle.float16, paddle.bfloat16)
+
+# Unit roundoff: one rounding of a value to the dtype, relative to its magnitude (bf16 keeps 8 significant bits,
+# fp16 11).
+ROUNDOFF = {paddle.bfloat16: 2.0 ** -8, paddle.float16: 2.0 ** -11}

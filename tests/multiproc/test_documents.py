@@ -68,9 +68,9 @@ def test_check_parity_on_documents_plans_within_1e_5(reports):
     assert parity["reference"] == "float32" and all(r["values"]["check_parity.llama.doc_ids.bf16"] == parity
                                                     for r in reports)
     assert max(parity["one_card"]["1"], parity["parallel"]["1"]) < 0.1 and parity["ratio"]["1"] <= ROUNDING_FACTOR
-    # the loss, one scalar, is one sample of the rounding: 6e-5 one card's, 7e-4 the parallel run's (0.15 across
-    # documents)
-    assert max(parity["one_card"]["loss"], parity["parallel"]["loss"]) < 1e-2, parity
+    # the loss, one scalar, is one sample of the rounding (6e-5 one card's, 7e-4 the parallel run's, 0.15 across
+    # documents): judged within one bf16 rounding of its magnitude
+    assert parity["parallel"]["loss"] < parity["rounding"]["loss"] < 0.1 and parity["as_close_as_one_card"], parity
     error = reports[0]["errors"]["check_parity.no_position_ids"]
     assert error[0] == "ValueError" and "finds each batch's documents in its position_ids" in error[1], error
 

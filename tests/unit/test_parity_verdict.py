@@ -42,4 +42,19 @@ def test_a_low_precision_verdict_is_twice_one_cards_distance_from_its_fp32_run()
     assert "as close to its fp32 run as one card" in str(verdict(1e-2, 1e-2))
     assert json.loads(json.dumps(parity.as_dict())) == {
         "difference": {"logits": 3e-2}, "as_close_as_one_card": False, "one_card": {"logits": 1e-2},
-        "parallel": {"logits": 5e-2}, "ratio": {"logits": 5.0}, "reference": "float32"}
+        "parallel": {"logits": 5e-2}, "ratio": {"logits": 5.0}, "reference": "float32", "rounding": {}}
+
+
+def test_a_low_precision_output_within_one_rounding_of_its_magnitude_is_rounding():
+    """A scalar is one sample of the rounding: one card may land close to its fp32 value by chance; a distance
+    within one rounding of the output's magnitude in the model's dtype is still rounding, and above it the 2x rule
+    judges."""
+    def verdict(parallel, one_card, rounding):
+        return Parity({"loss": 1e-3}, one_card={"loss": one_card}, parallel={"loss": parallel}, reference="float32",
+                      rounding={"loss": rounding})
+
+    loss_rounding = 2.0 ** -8 * 4.8  # a bf16 loss of 4.8
+    assert verdict(7.2e-4, 6.1e-5, loss_rounding).as_close_as_one_card  # 11.8x one card's, within one rounding
+    assert not verdict(2 * loss_rounding, 6.1e-5, loss_rounding).as_close_as_one_card
+    assert verdict(2 * loss_rounding, loss_rounding, loss_rounding).as_close_as_one_card
+    assert "one rounding 1.87e-02" in str(verdict(7.2e-4, 6.1e-5, loss_rounding))
