@@ -113,7 +113,7 @@ def main(report):
         if (family, padded, packed) not in references:
             references[family, padded, packed] = reference(family, seq, padded, packed)
         ref_losses, ref_grads, ref_params = references[family, padded, packed]
-        rotate = "allgather" if "allgather" in rest else "ring"
+        rotate = "allgather" if "allgather" in rest else "planned"
         implementation = next((x for x in rest if x in ("sdpa", "flashmask")), "eager")
         recompute = next((x for x in rest if x in RECOMPUTE), None)
         losses, grads, params = parallel(family, seq, mesh, backend, degree, padded, packed, rotate,
