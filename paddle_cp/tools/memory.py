@@ -143,6 +143,10 @@ def step_parts(model, opt, inputs, start, params):
         opt.clear_grad(set_to_zero=False)  # free the gradients: `optimizer` then counts AdamW's state alone
         return held
 
+    loss = model(**inputs)[0]  # makes what the batch keeps (its attention plans and their device indices)
+    loss.backward()
+    del loss
+    opt.clear_grad(set_to_zero=False)
     before = allocated()
     step()  # creates AdamW's state
     optimizer = allocated() - before
