@@ -80,18 +80,24 @@ def _bytes(groups, documents, ring, kv_row_bytes):
     return dict(mib, planned_max_mib=float(sent.planned.max()) / 2 ** 20)
 
 
+# the columns naming a row's case and layout, first in the layouts' table and in their bytes' table
+CASE_HEAD = f"{'documents':10} {'backend':8} {'seq':>7} {'N':>2} {'layout':7} {'candidate':10}"
+
+
+def _case(r):
+    return (f"{r['documents']:10} {r['backend']:8} {r['seq']:>7} {r['nproc']:>2} {r['layout']:7} "
+            f"{r['candidate']:10}")
+
+
 def table(rows):
-    head = (f"{'documents':10} {'backend':8} {'seq':>7} {'N':>2} {'layout':7} {'candidate':10} {'slowest ms':>10} "
-            f"{'vs chunks':>9} {'partial':>7} {'full':>6} {'tok max':>7} {'tok mean':>8} {'calls':>5} {'host ms':>7}")
+    head = (f"{CASE_HEAD} {'slowest ms':>10} {'vs chunks':>9} {'partial':>7} {'full':>6} {'tok max':>7} {'tok mean':>8} {'calls':>5} {'host ms':>7}")
     return ruled_table(head, [
-        f"{r['documents']:10} {r['backend']:8} {r['seq']:>7} {r['nproc']:>2} {r['layout']:7} {r['candidate']:10} "
-        f"{r['slowest_ms']:>10.2f} {r['vs_chunks']:>9.3f} {r['partial_tiles']:>7} {r['full_tiles']:>6} "
+        f"{_case(r)} {r['slowest_ms']:>10.2f} {r['vs_chunks']:>9.3f} {r['partial_tiles']:>7} {r['full_tiles']:>6} "
         f"{r['tokens_max']:>7} {r['tokens_mean']:>8.0f} {r['kernel_calls_per_pass']:>5} {r['planning_ms']:>7.1f}"
         for r in rows]) + (f"\n(model figures, no GPU ran: slowest rank, fwd + bwd of one attention layer, H200; "
                            f"partial/full: its {TILE}x{TILE} tiles; calls: the most kernel calls of a rank per "
                            "ring pass and direction; host ms: CPU time choosing among every candidate, or building "
-                           "and pricing "
-                           "that one layout alone)")
+                           "and pricing that one layout alone)")
 
 
 def steps_table(rows):
@@ -119,11 +125,9 @@ def steps_table(rows):
 
 def bytes_table(rows):
     """The rows' bytes (those priced with kv_row_bytes)."""
-    head = (f"{'documents':10} {'backend':8} {'seq':>7} {'N':>2} {'layout':7} {'candidate':10} {'whole MiB':>9} "
-            f"{'planned':>8} {'read':>8} {'read/whole':>10} {'planned max':>11}")
+    head = (f"{CASE_HEAD} {'whole MiB':>9} {'planned':>8} {'read':>8} {'read/whole':>10} {'planned max':>11}")
     return ruled_table(head, [
-        f"{r['documents']:10} {r['backend']:8} {r['seq']:>7} {r['nproc']:>2} {r['layout']:7} {r['candidate']:10} "
-        f"{r['whole_blocks_mib']:>9.1f} {r['planned_mib']:>8.1f} {r['read_mib']:>8.1f} "
+        f"{_case(r)} {r['whole_blocks_mib']:>9.1f} {r['planned_mib']:>8.1f} {r['read_mib']:>8.1f} "
         f"{r['read_mib'] / r['whole_blocks_mib'] if r['whole_blocks_mib'] else 0:>10.3f} {r['planned_max_mib']:>11.1f}"
         for r in rows if "whole_blocks_mib" in r]) + (
         "\n(computed from the layout, not measured: MiB a rank sends per forward + backward of one attention "
