@@ -4,7 +4,7 @@ from .attention.mixers import TokenMixer, register_attention_class, register_mix
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoint
 from .checkpoint.export import export_pretrained
 from .checkpoint.pretrained import load_pretrained
-from .attention.link_cost import Links
+from .cost.links import Links
 from .comm import bytes_sent, reset_counters
 from .comm.watchdog import get_timeout, set_timeout
 from .api.config import load_config

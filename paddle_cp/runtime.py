@@ -87,9 +87,9 @@ class Installed:
         self.started_communicators = set()  # sorted ranks of the groups whose NCCL communicator p2p.shift started
         self.planned = weakref.WeakKeyDictionary()  # module -> the SepRun of the ContextParallel covering it
         self.mixers = []  # TokenMixer instances, looked up in order (attention/mixers/registry.py)
-        self.recompute_captures = []  # attention/recompute.py: state a recompute replay needs again
-        self.recompute_wrappers = []  # attention/recompute.py: around every whole recompute call
-        self.recompute_saving_wrappers = []  # attention/recompute.py: told each call's function and inputs
+        self.recompute_captures = []  # activations/recompute.py: state a recompute replay needs again
+        self.recompute_wrappers = []  # activations/recompute.py: around every whole recompute call
+        self.recompute_saving_wrappers = []  # activations/recompute.py: told each call's function and inputs
         self.derived_classes = {}  # (purpose, layer class) -> its subclass (experts, pipeline units)
         self._patches = {}  # name -> (ids of the live holders, undo)
         self.paddle_patches = []  # api/paddle_compat.py: (module, name, Paddle's function) of each attribute replaced

@@ -30,7 +30,7 @@ import contextlib
 import numpy as np
 import paddle
 
-from ..attention import recompute
+from . import recompute
 from ..comm.counters import nbytes
 from .replay import in_replay, replaying
 

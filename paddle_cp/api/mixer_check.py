@@ -7,7 +7,7 @@ split itself), every layer the mixer registry claims
 registered mixer) must sit under a ContextParallel plan, or be declared TokenWise; else each rank
 would mix its own tokens and train silently wrong. The error names the layers and the plan key that
 routes them. A layer no mixer claims (a custom attention calling SDPA) is caught when it runs: the
-adapters refuse an unrouted attention call while the batch is split (attention/routing.py).
+adapters refuse an unrouted attention call while the batch is split (attention/dispatch/routing.py).
 """
 from __future__ import annotations
 

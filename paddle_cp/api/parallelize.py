@@ -26,7 +26,7 @@ from typing import Optional
 
 from .. import mesh as mesh_lib
 from ..comm import collectives
-from ..attention import recompute
+from ..activations import recompute
 from ..pipeline import LossFactorAgreement, apply_pipeline, keep_own_parameters, plan_pipeline, recompute_boundary
 from ..data_parallel.buckets import bucket_size_mb, plan_buckets
 from ..data_parallel.host_optimizer import HostOptimizer, check_offloadable, offload_requested

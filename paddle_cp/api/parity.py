@@ -46,7 +46,7 @@ from .. import runtime
 from ..attention import resolve_group
 from ..comm import collectives
 from ..sequence.shard import shard_sequence, unshard_sequence
-from ..attention.full_precision import autocast_off
+from ..attention.kernels.full_precision import autocast_off
 from ..dtypes import ROUNDOFF
 from .float64_truth import float64_math, float64_weights, weights_as, widened_inputs
 from .parallelize import parallelized_state

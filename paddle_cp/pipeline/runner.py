@@ -29,7 +29,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .. import runtime
-from ..attention.full_precision import autocast_off
+from ..attention.kernels.full_precision import autocast_off
 from ..comm import collectives, stage_p2p
 from .immediate import run_immediate
 from .loss_factor import RELATIVE_TOLERANCE
@@ -56,7 +56,7 @@ class _StandIn(BaseException):
 
 
 def recompute_boundary(run):
-    """Around every recompute call (paddle_cp/attention/recompute.py's `around_calls`): the running
+    """Around every recompute call (paddle_cp/activations/recompute.py's `around_calls`): the running
     stage's forward, if any, decides what it returns."""
     pipeline = runtime.state.pipeline_running
     return run() if pipeline is None else pipeline.recompute_call(run)

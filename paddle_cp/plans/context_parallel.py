@@ -7,11 +7,12 @@ import paddle
 
 from .. import mesh as mesh_lib
 from .. import runtime
-from ..attention import recompute
-from ..attention import Documents, SequenceLayout, adapters, check_rotation, context, mixers, resolve_groups, routing
+from ..activations import recompute
+from ..attention import Documents, SequenceLayout, adapters, check_rotation, mixers, resolve_groups
+from ..attention.dispatch import context, routing
 from ..attention import resolve_group, ulysses_size
-from ..attention.layout import check_split
-from ..attention.link_cost import LinkCost, Links
+from ..attention.layout.sequence_layout import check_split
+from ..cost.links import LinkCost, Links
 from .base import Plan, refuse_param_plan
 from .same_batch import BatchCheck
 
@@ -133,7 +134,7 @@ class PrepareContextParallel(_SepPlan):
     `layout`: how a batch whose documents are known is split over the ring.
     "documents" (default): each batch so that attention work (the keys each
     query sees within its document, summed over the rows) is balanced over the
-    ring groups, whatever the document lengths (attention/balance.py); local
+    ring groups, whatever the document lengths (cost/balance.py); local
     lengths then differ by a few tokens. "chunks": the 2N chunks used without
     documents. Split other [batch, seq] tensors of the batch (labels) with
     `paddle_cp.shard_sequence(x, backend=this plan, ...)` given the same
@@ -141,7 +142,7 @@ class PrepareContextParallel(_SepPlan):
 
     `links`: a `paddle_cp.Links` or a dict of its fields (ranks per node, GB/s within and across nodes; a YAML
     config's `links: {ranks_per_node: 8, inter_gbps: 50}`) the documents layout prices
-    each candidate's k/v exchange with, beside its tiles (attention/link_cost.py); default `Links()`: ranks
+    each candidate's k/v exchange with, beside its tiles (cost/links.py); default `Links()`: ranks
     per node from PADDLE_LOCAL_SIZE (paddle.distributed.launch's processes per node), 300 GB/s within a
     node, 25 GB/s across. Across nodes it keeps documents whole where the bytes would cost more than the
     tiles they balance.
@@ -302,12 +303,12 @@ class ContextParallel(_SepPlan):
     (ring for `p2p`, Ulysses for `all2all`, both for `hybrid`) through calls of
     `paddle.nn.functional.scaled_dot_product_attention` made while the layer runs and
     PaddleFormers' attention functions (any `_attn_implementation`) called for the layer or a
-    sublayer (attention/routing.py); linear attention (Gated DeltaNet: state passing, head
+    sublayer (attention/dispatch/routing.py); linear attention (Gated DeltaNet: state passing, head
     all-to-all or both) and Conv1D over the sequence (halo) in the sublayers the mixer registry
     claims (attention/mixers/). A forward that ends without any of them raises.
     `rotate`: how ring members exchange k/v: 'planned' (default: only the rows each member's tiles read,
     straight from their owner, the next step's in flight during compute) or 'allgather' (whole blocks in one
-    all-gather, gradients in one reduce-scatter; attention/rotation.py says when)."""
+    all-gather, gradients in one reduce-scatter; attention/algorithms/rotation.py says when)."""
 
     def __init__(self, backend="p2p", ulysses_degree=None, rotate="planned"):
         super().__init__(backend, ulysses_degree)

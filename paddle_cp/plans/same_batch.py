@@ -34,7 +34,7 @@ import paddle
 
 from .. import mesh as mesh_lib
 from .. import runtime
-from ..attention import recompute
+from ..activations import recompute
 from ..comm import collectives
 from ..comm.deferred import DeferredRead
 from ..comm.fingerprint import fingerprint

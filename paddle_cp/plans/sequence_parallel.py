@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import paddle
 
 from .. import mesh as mesh_lib
-from ..attention import recompute
+from ..activations import recompute
 from ..comm.autograd import gather_replicated, split_to_group
 from ..params import record_of
 from ..runtime import state

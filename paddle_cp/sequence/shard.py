@@ -15,7 +15,7 @@ import paddle.distributed as dist
 
 from .. import runtime
 from ..attention import SequenceLayout, resolve_group
-from ..attention.lengths import agreed_seq_len
+from ..attention.dispatch.lengths import agreed_seq_len
 from ..comm.autograd import gather_replicated
 from ..plans.context_parallel import PrepareContextParallel, plan_layout
 

@@ -28,16 +28,16 @@ exactly, the held memory within 2%. The whole-model cost model is planner.py's.
 
 Attention time on packed documents is not FLOPs: a GPU pays 128 x 128 tiles, a partial
 one (a document boundary inside) about 1.5x a full one. PackedRow prices a row's
-attention with the GPU tile model (attention/tile_cost.py, the H200 fit) in the layout
-paddle_cp chooses for it (attention/packed_layout.py), the slowest rank's.
+attention with the GPU tile model (cost/tiles.py, the H200 fit) in the layout
+paddle_cp chooses for it (cost/packed_layout.py), the slowest rank's.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..attention import packed_layout
-from ..attention.mask import Documents
-from ..attention.tile_cost import FIT_HEAD_DIM, FIT_HEADS
+from ..cost import packed_layout
+from ..attention.masks.block_mask import Documents
+from ..cost.tiles import FIT_HEAD_DIM, FIT_HEADS
 
 FP32 = 4
 LSE_BYTES = FP32  # log-sum-exps are kept in fp32 whatever the input dtype

@@ -25,7 +25,7 @@ For every sequence length and backend it runs forward+backward of attention on
   computes: from the layout's token positions for p2p, the head split for all2all.
 - bytes_ratio = bytes sent per rank (paddle_cp.bytes_sent(), one forward+backward, the rank sending most)
   / the algorithm's minimum (`bytes_min`): the ring's planned exchange on the case's layout, k/v rows
-  other ranks' tiles read forward and again backward, and their gradients (attention/exchange_plan.py;
+  other ranks' tiles read forward and again backward, and their gradients (attention/layout/exchange_plan.py;
   whole blocks, 3(N-1) x bytes(local k, v), where nothing is masked); Ulysses 2 x (N-1)/N x
   bytes(q, k, v, out) (paddle_cp.tools.attention_cost); hybrid the Ulysses figure over U ranks plus the
   ring's over N/U groups on h_k/U heads. `bytes_read`: the same with 3 x the k/v rows read for the ring.
@@ -64,7 +64,7 @@ layouts, `chunks` (2N equal chunks) beside `documents` (balanced by work):
 With `--documents` it also prints (and writes under `gpu_model`) the GPU tile model's figures for the same
 batches, no GPU needed (tools/gpu_layouts.py): the chosen layout beside 2R chunks and the whole-document
 layout, predicted slowest-rank ms, tiles, tokens per rank, kernel calls per ring pass and host planning ms.
-Then each layout's predicted step with its planned k/v exchange priced on the links (attention/link_cost.py),
+Then each layout's predicted step with its planned k/v exchange priced on the links (cost/links.py),
 within one node and across nodes of `--ranks-per-node` ranks (default 1): the choice by tiles alone, the
 link-priced choice and 2R chunks. Then the bytes each layout's ring exchange sends per rank and forward +
 backward, computed from the layout (not measured): whole blocks to every member, the exchange plan's (only
@@ -130,8 +130,8 @@ def parse_args(argv=None):
 
 def _check(parser, args):
     """Refuse bad shapes here, with the library's own checks, before any rank starts waiting for another."""
-    from paddle_cp.attention.layout import SequenceLayout
-    from paddle_cp.attention.ulysses import head_split
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+    from paddle_cp.attention.algorithms.ulysses import head_split
     from paddle_cp.tools.attention_cost import degrees
 
     from paddle_cp.tools.packing import document_lengths
@@ -196,7 +196,7 @@ def _layouts(args):
 
 def _documents(args, seq):
     """The case's packed documents (a Documents) and their position ids, or (None, None)."""
-    from paddle_cp.attention.mask import Documents
+    from paddle_cp.attention.masks.block_mask import Documents
     from paddle_cp.tools.packing import batches
 
     if args.documents is None:
@@ -271,7 +271,7 @@ def _single(paddle, args, inputs):
     import paddle.nn.functional as F
 
     from paddle_cp.attention.kernels import local_attention
-    from paddle_cp.attention.mask import BlockMask
+    from paddle_cp.attention.masks.block_mask import BlockMask
 
     seq = inputs[0].shape[1]
     documents, _ = _documents(args, seq)
@@ -342,7 +342,7 @@ def _document_attention(pcp, mesh, args, backend, inputs, split):
     """The batch's layout in `split` (what PrepareContextParallel(layout=split) makes of it), its shards and
     the attention over them."""
     from paddle_cp.attention import context_parallel_attention, resolve_groups
-    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 
     seq_len = inputs[0].shape[1]
     documents, _ = _documents(args, seq_len)
@@ -362,7 +362,7 @@ class _KernelClock:
     excluded), per timed repetition: CPU kernels run synchronously, so the host clock measures them."""
 
     def __init__(self):
-        from paddle_cp.attention import ring
+        from paddle_cp.attention.algorithms import ring
 
         self._ring, self._laps, self._seconds = ring, [], 0.0
 
@@ -408,7 +408,7 @@ class _KernelClock:
 def work_per_rank(backend, world, seq, heads, causal, ulysses_degree=None):
     """Visible score-matrix entries each rank computes (per batch element): the rows of its ring
     group (the p2p layout over groups of U adjacent ranks) times its share of the heads."""
-    from paddle_cp.attention.layout import SequenceLayout, even_sizes
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout, even_sizes
     from paddle_cp.tools.attention_cost import degrees
 
     ring, ulysses = degrees(backend, world, ulysses_degree)
@@ -423,7 +423,7 @@ def work_per_rank(backend, world, seq, heads, causal, ulysses_degree=None):
 
 def _work(args, backend, seq, split):
     """Per-rank work: the layout's for a packed-document case, else visible score entries."""
-    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
     from paddle_cp.tools import packing
 
     if split is None:
@@ -437,8 +437,8 @@ def _bytes_min(args, backend, seq, split):
     """(bytes, bytes read) of the rank sending most in one forward+backward: the Ulysses all-to-alls' bytes
     (attention_cost) plus the ring's planned exchange on the case's layout (exchange_plan: only the k/v rows
     other members' tiles read, and their gradients); `bytes read` puts 3 x those rows in its place."""
-    from paddle_cp.attention.exchange_plan import ExchangePlan, exchange_bytes
-    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.attention.layout.exchange_plan import ExchangePlan, exchange_bytes
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
     from paddle_cp.tools import attention_cost
 
     ring, ulysses = attention_cost.degrees(backend, args.nproc, _degree(args, backend))
@@ -521,7 +521,7 @@ def gpu_model(args):
 
 def _kv_row_bytes(args, backend):
     """One token's fp32 k and v on one rank (mean over a Ulysses group's head shares), over the batch rows."""
-    from paddle_cp.attention.ulysses import head_split
+    from paddle_cp.attention.algorithms.ulysses import head_split
     from paddle_cp.tools.attention_cost import degrees
 
     _, ulysses = degrees(backend, args.nproc, _degree(args, backend))

@@ -66,8 +66,8 @@ def parse_args(argv=None):
 
 def _check(parser, args):
     """Refuse shapes the layouts cannot split, before any rank starts."""
-    from paddle_cp.attention.layout import SequenceLayout
-    from paddle_cp.attention.ulysses import head_split
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+    from paddle_cp.attention.algorithms.ulysses import head_split
 
     for n in args.nproc:
         for backend in args.backend:
@@ -202,7 +202,7 @@ def run_ranks(args):
 
 def bytes_min(args, backend, world, seq):
     """The algorithm's minimum bytes per rank for one forward+backward (the slowest rank's)."""
-    from paddle_cp.attention.layout import SequenceLayout, runs
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout, runs
 
     layout = SequenceLayout(backend, world)
     b, h, d = args.batch, args.heads, args.head_dim

@@ -32,7 +32,7 @@ TILE = 512  # the blockwise kernel's default tile
 def plan_layer(layout, seq_len, documents, ring_index, batch=1, tiles=False):
     """One layer's attention plan for ring group `ring_index`, as the attention makes it: the forward op calls
     of each ring step (0 or 1) and, with `tiles`, the blockwise kernel's visited tiles."""
-    from paddle_cp.attention.api import ring_masks
+    from paddle_cp.attention.dispatch.api import ring_masks
 
     masks = ring_masks(layout, seq_len, ring_index, True, documents)
     calls, visited = [], 0
@@ -63,9 +63,9 @@ def _timed(call, fresh=None, repeats=3):
 
 def measure(seq_len, ring, position_ids, split):
     """The figures of one layout (see the module's doc) for the row `position_ids` ([1, seq_len])."""
-    from paddle_cp.attention.batch_plans import BatchPlans
-    from paddle_cp.attention.layout import SequenceLayout
-    from paddle_cp.attention.mask import Documents
+    from paddle_cp.attention.layout.batch_plans import BatchPlans
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+    from paddle_cp.attention.masks.block_mask import Documents
 
     documents = Documents.from_position_ids(position_ids)
     layout = SequenceLayout("p2p", ring).for_batch(documents, split)

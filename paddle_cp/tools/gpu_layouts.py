@@ -1,16 +1,16 @@
-"""A packed batch's layouts priced for a GPU by the tile model (attention/tile_cost.py): the one
-paddle_cp chooses (attention/packed_layout.py) beside 2R chunks and the whole-document layout.
+"""A packed batch's layouts priced for a GPU by the tile model (cost/tiles.py): the one
+paddle_cp chooses (cost/packed_layout.py) beside 2R chunks and the whole-document layout.
 Model figures, no GPU runs: predicted ms of the slowest rank (forward + backward of one attention
 layer on an H200, tile_cost's fit), its tiles, tokens per rank, kernel calls
 and the host time the choice takes; and each layout's predicted step with its exchange priced on the
-links (attention/link_cost.py), within a node and across nodes.
+links (cost/links.py), within a node and across nodes.
 
 Kernel calls: one per ring step whose key block holds a tile the rank's queries see, per direction
 (forward and backward), the plan of one call per step: calls per pass = non-empty steps of R.
 
 Bytes (`kv_row_bytes` given; computed from the layout, not measured): what a rank sends in one forward +
 backward of one layer, mean over ranks, whole blocks (`whole_blocks`: every block to every member, k/v forward,
-again in backward, the gradients home), the exchange plan's (attention/exchange_plan.py: only the rows read), and
+again in backward, the gradients home), the exchange plan's (attention/layout/exchange_plan.py: only the rows read), and
 the bytes read, 3 x the k/v rows of a rank's block that other ranks' visible tiles read.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
-from ..attention import packed_layout
-from ..attention.exchange_plan import ExchangePlan, exchange_bytes
-from ..attention.link_cost import LinkCost, Links
-from ..attention.mask import Documents
-from ..attention.tile_cost import TILE
+from ..cost import packed_layout
+from ..attention.layout.exchange_plan import ExchangePlan, exchange_bytes
+from ..cost.links import LinkCost, Links
+from ..attention.masks.block_mask import Documents
+from ..cost.tiles import TILE
 from .attention_cost import degrees
 from .text import ruled_table
 
@@ -132,6 +132,6 @@ def bytes_table(rows):
         for r in rows if "whole_blocks_mib" in r]) + (
         "\n(computed from the layout, not measured: MiB a rank sends per forward + backward of one attention "
         "layer, mean over ranks; whole: whole blocks, every k/v block to every member and every gradient "
-        "home (rotate='allgather' sends as much); planned: only the rows read (attention/exchange_plan.py, "
+        "home (rotate='allgather' sends as much); planned: only the rows read (attention/layout/exchange_plan.py, "
         "rotate='planned'); read: 3 x the k/v rows of a rank's "
         "block that other ranks' visible tiles read; planned max: the rank sending most)")

@@ -181,7 +181,7 @@ class Case:
         import paddle
 
         from paddle_cp.attention.kernels import local_attention
-        from paddle_cp.attention.mask import BlockMask, Documents
+        from paddle_cp.attention.masks.block_mask import BlockMask, Documents
 
         self.dtype, self.seq, self.window = dtype, args.seq, args.window
         self.scale = args.head_dim ** -0.5
@@ -283,7 +283,7 @@ def run_ranks(args):
     import paddle.distributed as dist
 
     import paddle_cp as pcp
-    from paddle_cp.attention.groups import resolve_group
+    from paddle_cp.attention.dispatch.groups import resolve_group
 
     if not dist.is_initialized():
         dist.init_parallel_env()

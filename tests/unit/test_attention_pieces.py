@@ -5,8 +5,8 @@ import paddle.nn.functional as F
 import pytest
 
 from paddle_cp.attention.kernels import BlockwiseKernel, FlashKernel, choose_kernel_name, local_attention
-from paddle_cp.attention.mask import BlockMask, Documents
-from paddle_cp.attention.merge import merge
+from paddle_cp.attention.masks.block_mask import BlockMask, Documents
+from paddle_cp.attention.algorithms.merge import merge
 
 
 def test_documents_from_ids_positions_and_row_indices_agree():
@@ -99,7 +99,7 @@ def test_window_and_padding_visibility():
 
 
 def test_attention_input_errors_name_the_fix():
-    from paddle_cp.attention.validation import check_inputs, check_sinks, check_window
+    from paddle_cp.attention.dispatch.validation import check_inputs, check_sinks, check_window
 
     q, kv = paddle.zeros([1, 4, 4, 8]), paddle.zeros([1, 4, 2, 8])
     with pytest.raises(ValueError, match="pass enable_gqa=True"):

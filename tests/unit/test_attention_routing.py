@@ -27,7 +27,8 @@ def test_startend_indices_reaching_a_routed_attention_are_refused():
     """Packed-document indices must go to the top layer (PrepareContextParallel), not past it."""
     import paddleformers.nn.attention.interface as interface
     from paddle_cp import runtime
-    from paddle_cp.attention import adapters, routing
+    from paddle_cp.attention import adapters
+    from paddle_cp.attention.dispatch import routing
 
     holder = paddle.nn.Layer()  # patched while it lives
     adapters.install(holder)
@@ -46,7 +47,7 @@ def test_leave_without_enter_keeps_the_outer_frame():
     """A pre-hook raising before ContextParallel's enter: its always-called leave must not pop
     the frame of an outer ContextParallel layer."""
     from paddle_cp import runtime
-    from paddle_cp.attention import routing
+    from paddle_cp.attention.dispatch import routing
 
     outer, inner = paddle.nn.Layer(), paddle.nn.Layer()
     routing.enter(object(), outer)

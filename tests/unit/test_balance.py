@@ -1,4 +1,4 @@
-"""The documents layout as pure functions (attention/packed_layout.py), priced by the GPU tile model:
+"""The documents layout as pure functions (cost/packed_layout.py), priced by the GPU tile model:
 on held-out document mixes (seeds and orders the layout was not tuned on) over 4 and 8 ranks and
 32K-256K tokens, its slowest rank costs at most 1.02x the cheaper of 2R chunks and the whole-document
 layout (both built apart from the chooser: the latter is the H200 measurement's, shared/gpu/balance_gpu.py),
@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paddle_cp.attention import packed_layout
-from paddle_cp.attention.layout import SequenceLayout
-from paddle_cp.attention.mask import Documents
-from paddle_cp.attention.tile_cost import document_ends, tile_counts
+from paddle_cp.cost import packed_layout
+from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+from paddle_cp.attention.masks.block_mask import Documents
+from paddle_cp.cost.tiles import document_ends, tile_counts
 from paddle_cp.tools import packing
 from test_tile_cost import SHARED, measuring_script  # noqa: F401 (the fixture that loads shared/gpu/balance_gpu.py)
 
@@ -132,7 +132,7 @@ def test_documents_cut_only_at_tile_boundaries_where_cut():
 
 
 def test_the_gpu_script_loads_the_layout_function_by_path():
-    """shared/gpu/balance_gpu.py --layout mine=paddle_cp/attention/packed_layout.py:ring_groups loads the file
+    """shared/gpu/balance_gpu.py --layout mine=paddle_cp/cost/packed_layout.py:ring_groups loads the file
     alone (no package, no Paddle) and calls it with (position in document, document id, R)."""
     path = Path(packed_layout.__file__)
     spec = importlib.util.spec_from_file_location("priced_layout", path)

@@ -1,13 +1,13 @@
-"""A block's plan from its row bounds (attention/mask.py), against the visibility matrix it stands for; the plans
-kept per batch (attention/batch_plans.py, api.ring_masks); the planning bench's counts."""
+"""A block's plan from its row bounds (attention/masks/block_mask.py), against the visibility matrix it stands for; the plans
+kept per batch (attention/layout/batch_plans.py, api.ring_masks); the planning bench's counts."""
 import numpy as np
 import pytest
 from workers.visibility import visible
 
-from paddle_cp.attention.api import ring_masks
-from paddle_cp.attention.batch_plans import BatchPlans
-from paddle_cp.attention.layout import SequenceLayout
-from paddle_cp.attention.mask import BlockMask, Documents
+from paddle_cp.attention.dispatch.api import ring_masks
+from paddle_cp.attention.layout.batch_plans import BatchPlans
+from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+from paddle_cp.attention.masks.block_mask import BlockMask, Documents
 from paddle_cp.tools import bench_planning, packing
 
 SEQ = 97

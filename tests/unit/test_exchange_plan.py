@@ -1,12 +1,12 @@
-"""The exchange plan (attention/exchange_plan.py): the k/v rows each ring member's tiles read from each
+"""The exchange plan (attention/layout/exchange_plan.py): the k/v rows each ring member's tiles read from each
 other member equal a brute-force reading of the dense mask (every query against every key), on one causal
 document, packed documents of several length mixes, sliding windows and padding; and the bytes it implies."""
 import numpy as np
 import pytest
 
-from paddle_cp.attention.exchange_plan import ExchangePlan, exchange_bytes
-from paddle_cp.attention.layout import SequenceLayout
-from paddle_cp.attention.mask import Documents
+from paddle_cp.attention.layout.exchange_plan import ExchangePlan, exchange_bytes
+from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+from paddle_cp.attention.masks.block_mask import Documents
 from paddle_cp.tools import packing
 
 SEQ = 1536
@@ -144,7 +144,7 @@ def test_rows_selected_exactly_in_every_dtype():
     through fp32, exactly)."""
     import paddle
 
-    from paddle_cp.attention.planned_exchange import _select_rows
+    from paddle_cp.attention.algorithms.planned_exchange import _select_rows
 
     x = paddle.randn([2, 7, 3, 4])
     rows = paddle.to_tensor(np.array([0, 3, 6]))
@@ -159,7 +159,7 @@ def test_dense_masks_share_the_batchs_exchange_plan():
     row bounds, so every layer of the batch reads the one plan its first made."""
     import paddle
 
-    from paddle_cp.attention.api import ring_masks
+    from paddle_cp.attention.dispatch.api import ring_masks
 
     layout, seq = SequenceLayout("p2p", 4), 64
     rows = len(layout.ring_positions(seq)[1])

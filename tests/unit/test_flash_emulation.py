@@ -9,7 +9,7 @@ from paddle import _C_ops
 from workers import emulated_flash
 
 from paddle_cp.attention import kernels
-from paddle_cp.attention.mask import BlockMask, Documents
+from paddle_cp.attention.masks.block_mask import BlockMask, Documents
 
 BF16_TOL = emulated_flash.RELATIVE_TOLERANCE[paddle.bfloat16]
 
@@ -207,9 +207,9 @@ def test_dispatch_rule(args, name):
 def test_tiles_gather_short_runs_and_flashmask_takes_them(emulated_gpu):
     """A documents layout's short pieces share tiles (mask.tiles): the blockwise and flashmask kernels on such
     tiles of scattered positions agree with the blockwise kernel on one tile per run."""
-    from paddle_cp.attention.layout import SequenceLayout
-    from paddle_cp.attention.mask import tiles
-    from paddle_cp.attention.ring import RingMasks
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+    from paddle_cp.attention.masks.block_mask import tiles
+    from paddle_cp.attention.algorithms.ring import RingMasks
     from paddle_cp.tools import packing
 
     assert tiles([(0, 3), (3, 5), (5, 100), (100, 102)], 40, fragment=4) == [

@@ -15,10 +15,10 @@ import paddle
 import pytest
 
 from paddle_cp.api.operator_calls import operator_calls
-from paddle_cp.attention import state_passing
+from paddle_cp.attention.algorithms import state_passing
 from paddle_cp.attention.kernels import BlockwiseKernel, local_attention
-from paddle_cp.attention.mask import BlockMask
-from paddle_cp.attention.merge import merge
+from paddle_cp.attention.masks.block_mask import BlockMask
+from paddle_cp.attention.algorithms.merge import merge
 
 BF16, FP32 = paddle.bfloat16, paddle.float32
 SCALE = 16 ** -0.5

@@ -4,9 +4,9 @@ from typing import NamedTuple, Optional
 import paddle
 import pytest
 
-from paddle_cp.attention.layout import SequenceLayout
-from paddle_cp.attention.mask import BlockMask
-from paddle_cp.attention.ulysses import head_split
+from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+from paddle_cp.attention.masks.block_mask import BlockMask
+from paddle_cp.attention.algorithms.ulysses import head_split
 
 
 def test_p2p_layout_is_paddles_balanced_split():

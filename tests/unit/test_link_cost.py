@@ -1,4 +1,4 @@
-"""The layout chooser with the k/v exchange priced on the links (attention/link_cost.py): the rows the tile
+"""The layout chooser with the k/v exchange priced on the links (cost/links.py): the rows the tile
 count says each group reads are the exchange plan's, the vectorised step is the pipeline it describes, and
 on the bench's document mixes the link-priced choice is never slower than the choice by tiles alone within
 a node, and across nodes never slower than it or 2R chunks (faster where the choice by tiles pays for
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import paddle_cp as pcp
-from paddle_cp.attention import packed_layout
-from paddle_cp.attention.exchange_plan import ExchangePlan
-from paddle_cp.attention.link_cost import GRAD_ROW_BYTES, KV_ROW_BYTES, LinkCost, Links
-from paddle_cp.attention.mask import Documents
-from paddle_cp.attention.tile_cost import RANK_MS, tile_counts
+from paddle_cp.cost import packed_layout
+from paddle_cp.attention.layout.exchange_plan import ExchangePlan
+from paddle_cp.cost.links import GRAD_ROW_BYTES, KV_ROW_BYTES, LinkCost, Links
+from paddle_cp.attention.masks.block_mask import Documents
+from paddle_cp.cost.tiles import RANK_MS, tile_counts
 from paddle_cp.plans.context_parallel import plan_layout
 from paddle_cp.tools import packing
 

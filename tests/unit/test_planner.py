@@ -169,7 +169,7 @@ def test_packed_documents_price_attention_by_the_gpu_tile_model():
     less than one document of the row's length, and one document costs what its 2N chunks' tiles say."""
     import numpy as np
 
-    from paddle_cp.attention.tile_cost import tile_counts
+    from paddle_cp.cost.tiles import tile_counts
     from paddle_cp.tools import packing
     from paddle_cp.tools.attention_cost import PackedRow, attention_flops
 

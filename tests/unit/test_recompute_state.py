@@ -3,8 +3,9 @@ import paddle
 import pytest
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
-from paddle_cp.attention import recompute
-from paddle_cp.attention import SequenceLayout, context
+from paddle_cp.activations import recompute
+from paddle_cp.attention import SequenceLayout
+from paddle_cp.attention.dispatch import context
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -1,4 +1,4 @@
-"""Ring attention's kernel calls per ring step, forward and backward (attention/ring.py), in one process: each
+"""Ring attention's kernel calls per ring step, forward and backward (attention/algorithms/ring.py), in one process: each
 ring member's steps are run against a stand-in rotation that serves every member's k/v block and records the
 k/v gradients each step sends home. A block no query sees runs no kernel in either direction; every other
 block runs one each way; results are bit-for-bit those of running the kernel on every block.
@@ -10,11 +10,12 @@ import paddle
 import pytest
 from workers import emulated_flash
 
-from paddle_cp.attention import kernels, ring, rotation
-from paddle_cp.attention.api import ring_masks
-from paddle_cp.attention.layout import SequenceLayout
-from paddle_cp.attention.mask import Documents
-from paddle_cp.attention.merge import merge
+from paddle_cp.attention import kernels
+from paddle_cp.attention.algorithms import ring, rotation
+from paddle_cp.attention.dispatch.api import ring_masks
+from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+from paddle_cp.attention.masks.block_mask import Documents
+from paddle_cp.attention.algorithms.merge import merge
 from paddle_cp.comm import p2p
 from paddle_cp.tools import packing
 

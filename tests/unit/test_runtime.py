@@ -23,8 +23,8 @@ def test_reset_counters_keeps_other_state():
 
 
 def test_reset_forgets_batches_running_layers_and_attention_work():
-    from paddle_cp.attention import context
-    from paddle_cp.attention.layout import SequenceLayout
+    from paddle_cp.attention.dispatch import context
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 
     context.publish(context.SequenceInfo(SequenceLayout("p2p", 2), 8))
     runtime.state.attention_work["computed"] += 5

@@ -12,8 +12,8 @@ import paddle
 import pytest
 from launcher import WORKERS
 
-from paddle_cp.attention.layout import SequenceLayout, runs
-from paddle_cp.attention.state_passing import corrected, entering_states, run_summary
+from paddle_cp.attention.layout.sequence_layout import SequenceLayout, runs
+from paddle_cp.attention.algorithms.state_passing import corrected, entering_states, run_summary
 
 pytest.importorskip("paddleformers")
 sys.path.insert(0, str(WORKERS))

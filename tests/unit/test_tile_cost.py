@@ -1,9 +1,9 @@
-"""The GPU tile model (attention/tile_cost.py) against what a GPU measured: for every row of
+"""The GPU tile model (cost/tiles.py) against what a GPU measured: for every row of
 shared/gpu/h200-flex-tiles.json (an H200 running flex_attention over layouts of packed rows), the same
 positions give exactly the measured partial and full tiles of every rank, and the fit's milliseconds
 within its error. The rows' positions and the chunks / whole layouts come from the measuring script
 itself (shared/gpu/balance_gpu.py, loaded without PyTorch); its `documents` layout is
-attention/balance.py's balanced_groups. Also against a dense mask, tile by tile, on random layouts."""
+cost/balance.py's balanced_groups. Also against a dense mask, tile by tile, on random layouts."""
 import importlib.util
 import json
 import sys
@@ -13,8 +13,8 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from paddle_cp.attention import packed_layout, tile_cost
-from paddle_cp.attention.balance import balanced_groups
+from paddle_cp.cost import packed_layout, tiles
+from paddle_cp.cost.balance import balanced_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 # shared/ lies beside the clone (CI), or beside the folder of worktrees (a developer's worktree)
@@ -51,7 +51,7 @@ def test_tiles_equal_the_h200_measurement_and_time_within_the_fit(measuring_scri
     for row in rows:
         pos, doc = measuring_script.packed_row(row["dist"], row["S"])
         groups = layout_groups(measuring_script, row, pos, doc)
-        counts = tile_cost.tile_counts(groups, tile_cost.document_ends(pos, doc), row["R"])
+        counts = tiles.tile_counts(groups, tiles.document_ends(pos, doc), row["R"])
         case = (row["dist"], row["S"], row["R"], row["layout"])
         assert counts.tokens.tolist() == row["tokens"], case
         assert counts.partial.tolist() == row["rank_partial"], case
@@ -71,8 +71,8 @@ def test_tiles_equal_the_h100_measurement_of_the_chosen_layout(measuring_script)
     ratios = []
     for row in rows:
         pos, doc = measuring_script.packed_row(row["dist"], row["S"])
-        counts = tile_cost.tile_counts(layout_groups(measuring_script, row, pos, doc),
-                                       tile_cost.document_ends(pos, doc), row["R"])
+        counts = tiles.tile_counts(layout_groups(measuring_script, row, pos, doc),
+                                       tiles.document_ends(pos, doc), row["R"])
         case = (row["dist"], row["S"], row["R"], row["layout"])
         assert counts.tokens.tolist() == row["tokens"], case
         assert counts.partial.tolist() == row["rank_partial"], case
@@ -110,7 +110,7 @@ def test_tiles_equal_the_dense_mask_on_random_layouts(seed):
     runs = rng.integers(1, 300, seq_len)  # groups in runs of random lengths
     groups = np.repeat(rng.integers(0, ring, seq_len), runs)[:seq_len]
     groups[:ring] = np.arange(ring)
-    counts = tile_cost.tile_counts(groups, np.array(end), ring)
+    counts = tiles.tile_counts(groups, np.array(end), ring)
     partial, full = dense_tiles(groups, np.array(end), ring)
     assert counts.partial.tolist() == partial.tolist() and counts.full.tolist() == full.tolist()
     assert counts.visited.sum() == (partial + full).sum()

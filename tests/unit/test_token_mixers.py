@@ -4,10 +4,11 @@ import paddle
 import pytest
 
 from paddle_cp import runtime
-from paddle_cp.attention import context, mixers
-from paddle_cp.attention.layout import SequenceLayout
+from paddle_cp.attention.dispatch import context
+from paddle_cp.attention import mixers
+from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 from paddle_cp.attention.mixers.gated_delta import _routed_conv, _routed_rule
-from paddle_cp.attention.mask import Documents
+from paddle_cp.attention.masks.block_mask import Documents
 
 
 class _Rule(paddle.nn.Layer):

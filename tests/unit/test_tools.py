@@ -69,7 +69,7 @@ def test_planner_traffic_formulas():
 
 
 def test_planner_repeats_kv_heads_as_ulysses_does():
-    from paddle_cp.attention.ulysses import head_split
+    from paddle_cp.attention.algorithms.ulysses import head_split
 
     for heads, kv_heads in ((8, 8), (8, 2), (6, 3), (8, 1), (12, 4)):
         for ulysses in range(1, heads + 1):

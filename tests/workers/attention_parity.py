@@ -16,10 +16,10 @@ from report import run
 
 import paddle_cp as pcp
 from paddle_cp.attention import context_parallel_attention, resolve_groups
-from paddle_cp.attention.exchange_plan import ExchangePlan, exchange_bytes
-from paddle_cp.attention.layout import SequenceLayout
-from paddle_cp.attention.mask import Documents
-from paddle_cp.attention.ulysses import head_split
+from paddle_cp.attention.layout.exchange_plan import ExchangePlan, exchange_bytes
+from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+from paddle_cp.attention.masks.block_mask import Documents
+from paddle_cp.attention.algorithms.ulysses import head_split
 from paddle_cp.tools import packing
 
 HEAD_DIM = 8

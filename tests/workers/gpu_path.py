@@ -99,8 +99,8 @@ def visible_steps(case, world, rank, doc_ids, window):
     flash_attn computes), read off the whole sequence's mask, apart from paddle_cp's planning: each direction
     makes one op call per such step, a flash_attn call where the block trimmed to the rows and keys anyone
     sees is all visible or plain causal over the same positions, a flashmask_attention call otherwise."""
-    from paddle_cp.attention.layout import SequenceLayout
-    from paddle_cp.attention.mask import Documents
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+    from paddle_cp.attention.masks.block_mask import Documents
 
     _, backend, degree, causal, _, seq, _, _, masking, _, _ = case
     layout = SequenceLayout(backend, world, degree)
@@ -124,7 +124,7 @@ def visible_steps(case, world, rank, doc_ids, window):
 
 def one_way_doc_ids(batch, seq):
     """A document per 2N chunk, the last two chunks one document."""
-    from paddle_cp.attention.packed_layout import chunk_sizes
+    from paddle_cp.cost.packed_layout import chunk_sizes
 
     ids = np.repeat(np.arange(2 * dist.get_world_size()), chunk_sizes(seq, dist.get_world_size()))
     return np.tile(np.minimum(ids, ids[-1] - 1), (batch, 1))
@@ -160,8 +160,8 @@ def fp32_reference(q, k, v, grad_out, causal, scale, doc_ids, window=None):
 def documents_layout(mesh, case, q, k, v, grad_out, doc_ids):
     """As context_parallel, in the documents layout a PrepareContextParallel(documents=...) plan gives the batch."""
     from paddle_cp.attention import context_parallel_attention, resolve_groups
-    from paddle_cp.attention.layout import SequenceLayout
-    from paddle_cp.attention.mask import Documents
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+    from paddle_cp.attention.masks.block_mask import Documents
 
     _, backend, degree, causal, _, seq, _, _, _, rotate, scale = case
     plan = pcp.PrepareContextParallel(backend, degree, documents="doc_ids")

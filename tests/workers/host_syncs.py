@@ -14,7 +14,7 @@ import paddle.distributed as dist
 from report import run
 
 import paddle_cp as pcp
-from paddle_cp.attention.ring import RingMasks
+from paddle_cp.attention.algorithms.ring import RingMasks
 from paddle_cp.tools import host_reads
 
 TILE = 512  # the blockwise kernel's tile: lengths above it give several tiles per block

@@ -17,7 +17,8 @@ from real_model_parity import adamw
 from report import run
 
 import paddle_cp as pcp
-from paddle_cp.attention import kernels, mask
+from paddle_cp.attention import kernels
+from paddle_cp.attention.masks import block_mask
 from paddle_cp.tools import packing
 
 LAYERS, VOCAB = 2, 64
@@ -26,13 +27,13 @@ _counts = {"masks": 0, "kernel_calls": 0}
 
 def _counted():
     """Count BlockMasks made and blockwise kernel calls (forward and backward)."""
-    made = mask.BlockMask.__init__
+    made = block_mask.BlockMask.__init__
 
     def init(self, *args, **kwargs):
         _counts["masks"] += 1
         made(self, *args, **kwargs)
 
-    mask.BlockMask.__init__ = init
+    block_mask.BlockMask.__init__ = init
     for method in ("forward", "backward"):
         original = getattr(kernels.BlockwiseKernel, method)
         setattr(kernels.BlockwiseKernel, method, lambda self, *args, original=original: _counts.__setitem__(

@@ -365,7 +365,7 @@ def low_precision_parity(report, mesh, ids, labels):
     model's fp32 run as one card (within 2x); with a planted fault it is not."""
     import emulated_amp
 
-    from paddle_cp.attention import ring
+    from paddle_cp.attention.algorithms import ring
     emulated_amp.install()
     model, _ = build("llama", WELL_CONDITIONED_EPSILON)
     plan = {"": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
@@ -406,7 +406,7 @@ def planted_fault(backend):
     """A fault as small as rounding, which only the float64 verdict tells from it: the ranks exchange in
     bfloat16 what the backend exchanges in fp32. p2p: the Gated DeltaNet state entering each rank's runs
     (docs/hybrid_models.md measured 16-530x one card's distance); all2all: every all-to-all's payload."""
-    from paddle_cp.attention import state_passing
+    from paddle_cp.attention.algorithms import state_passing
     from paddle_cp.comm import collectives as comm
 
     def rounded(x):

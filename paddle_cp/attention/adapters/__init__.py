@@ -1,4 +1,4 @@
-"""Adapters that route a model's attention calls to paddle_cp (see attention/routing.py)."""
+"""Adapters that route a model's attention calls to paddle_cp (see attention/dispatch/routing.py)."""
 from ... import runtime
 from . import paddleformers, sdpa
 

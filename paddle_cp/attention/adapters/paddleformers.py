@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 
-from .. import routing
+from ..dispatch import routing
 
 INTERFACE_MODULE = "paddleformers.nn.attention.interface"
 NAME = "paddle_cp"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import paddle.nn.functional as F
 
 from ...runtime import installed
-from .. import routing
+from ..dispatch import routing
 
 
 def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True, backend=None,

@@ -1,6 +1,6 @@
 """Attention kernels: `forward(q, k, v, mask, scale) -> (out, lse)` and its backward.
 
-`mask` is a BlockMask (attention/mask.py). `select_kernel` picks, for fp16/bf16
+`mask` is a BlockMask (attention/masks/block_mask.py). `select_kernel` picks, for fp16/bf16
 GPU tensors with one head dim for q/k/v, Paddle's flash-attention op when the
 block, trimmed to what anyone sees, is all keys or plain causal, else its
 flashmask op (a block cut by documents, windows or padding) when the build has
@@ -14,7 +14,7 @@ import numpy as np
 from paddle.autograd import PyLayer
 
 from ...dtypes import LOW_PRECISION
-from ..mask import BlockMask
+from ..masks.block_mask import BlockMask
 from .blockwise import BlockwiseKernel
 from .flash import FlashKernel, flash_available
 from .flashmask import FlashMaskKernel, flashmask_available

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import paddle
 
-from ..full_precision import fp32_inside
-from ..mask import record_work
+from .full_precision import fp32_inside
+from ..masks.block_mask import record_work
 
 FP32 = paddle.float32
 NEG_INF = float("-inf")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import paddle
 from paddle import _C_ops
 
-from ..mask import record_work
+from ..masks.block_mask import record_work
 
 FP32 = paddle.float32
 

@@ -1,5 +1,5 @@
 """Conv1D over the split sequence: each run this rank holds, widened by the tokens its kernel reaches
-before and after it (attention/sequence_windows.py), convolved by the layer's own forward.
+before and after it (attention/algorithms/sequence_windows.py), convolved by the layer's own forward.
 
 A Conv1D's output j reads inputs j - left .. j - left + span - 1 (span = dilation (kernel - 1) + 1,
 `left` its zero padding before the sequence). Under context parallelism this rank's output for the
@@ -18,8 +18,8 @@ from typing import NamedTuple
 import paddle
 from paddle.nn.functional.conv import _update_padding_nd
 
-from .. import routing
-from ..sequence_windows import run_windows
+from ..dispatch import routing
+from ..algorithms.sequence_windows import run_windows
 from .base import TokenMixer
 
 SEQUENCE_AXIS = {"NCL": 2, "NLC": 1}

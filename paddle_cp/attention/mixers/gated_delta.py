@@ -8,7 +8,7 @@ The layer's model code stays; its two sequence-mixing primitives are intercepted
   this rank's q/k/v [b, s, h, d], g and beta [b, s, h] become the outputs of the rule over the whole
   sequence. Ulysses (inside groups of U ranks): an all-to-all trades the sequence split for a head
   split, the rule runs over the group's tokens for this rank's heads, and one trades back. State
-  passing (across the ring groups; attention/state_passing.py): the model's own rule summarises each
+  passing (across the ring groups; attention/algorithms/state_passing.py): the model's own rule summarises each
   run, the summaries are all-gathered, and each rank scans the states entering its runs. `all2all` is
   Ulysses alone, `p2p` state passing alone, `hybrid` both. The conv stays on the sequence split in
   every backend: its kernel - 1 tokens per run cost far less than moving it under the all-to-all, and
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import inspect
 
-from .. import routing
-from ..state_passing import recurrence_across
-from ..ulysses import head_split, to_heads, to_sequence
+from ..dispatch import routing
+from ..algorithms.state_passing import recurrence_across
+from ..algorithms.ulysses import head_split, to_heads, to_sequence
 from .base import TokenMixer
 from .conv1d import windows_for
 

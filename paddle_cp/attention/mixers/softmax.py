@@ -1,14 +1,15 @@
-"""Softmax attention: ring, Ulysses or both (attention/api.py), reached through the adapters.
+"""Softmax attention: ring, Ulysses or both (attention/dispatch/api.py), reached through the adapters.
 
 The attention calls made under a ContextParallel layer (Paddle's SDPA, PaddleFormers'
-ALL_ATTENTION_FUNCTIONS) are routed to paddle_cp (attention/routing.py). Every ContextParallel layer
+ALL_ATTENTION_FUNCTIONS) are routed to paddle_cp (attention/dispatch/routing.py). Every ContextParallel layer
 gets this mixer (a custom layer calling SDPA is recognised only when it calls it); the layers it
 claims are the attention modules a model library registers (`register_attention_class`; PaddleFormers'
 in paddle_cp/integrations/paddleformers/models.py), which parallelize refuses outside a plan.
 """
 from __future__ import annotations
 
-from .. import adapters, routing
+from .. import adapters
+from ..dispatch import routing
 from .base import TokenMixer
 
 _ATTENTION_CLASSES = []  # predicates on a layer's class: is it a softmax-attention module of a model library

@@ -24,9 +24,9 @@ import copy
 import numpy as np
 import paddle
 
-from .balance import piece_starts
-from .link_cost import LinkCost
-from .packed_layout import choose, chunk_sizes
+from ...cost.balance import piece_starts
+from ...cost.links import LinkCost
+from ...cost.packed_layout import choose, chunk_sizes
 from .batch_plans import BatchPlans
 
 BACKENDS = ("p2p", "all2all", "hybrid")

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from ..comm.autograd import gather_summed
-from .layout import runs
+from ...comm.autograd import gather_summed
+from ..layout.sequence_layout import runs
 
 
 def _edges(positions, before, after):

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import paddle
 
-from ..comm import collectives
-from ..comm.autograd import all_to_all
-from .layout import even_sizes
+from ...comm import collectives
+from ...comm.autograd import all_to_all
+from ..layout.sequence_layout import even_sizes
 
 
 @dataclass(frozen=True)

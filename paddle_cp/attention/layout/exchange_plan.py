@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .mask import seeing_positions
-from .tile_cost import TILE
+from ..masks.block_mask import seeing_positions
+from ...cost.tiles import TILE
 
 
 class ExchangePlan:

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .tile_cost import FIT_HEAD_DIM, RANK_MS
+from .tiles import FIT_HEAD_DIM, RANK_MS
 
 FIT_KV_HEADS = 8  # the fit's k/v heads (tile_cost: 32 query heads, GQA 4)
 KV_ROW_BYTES = FIT_KV_HEADS * FIT_HEAD_DIM * 2 * 2  # one token's k and v, bf16

@@ -10,12 +10,12 @@ import warnings
 import numpy as np
 
 from .groups import resolve_group, resolve_groups
-from .layout import SequenceLayout
+from ..layout.sequence_layout import SequenceLayout
 from .lengths import agreed_seq_len
-from .mask import Documents
-from .ring import RingMasks, ring_attention_local
-from .rotation import check_rotation
-from .ulysses import gather_heads, gather_mask_rows, head_split, scatter_heads
+from ..masks.block_mask import Documents
+from ..algorithms.ring import RingMasks, ring_attention_local
+from ..algorithms.rotation import check_rotation
+from ..algorithms.ulysses import gather_heads, gather_mask_rows, head_split, scatter_heads
 from .validation import check_inputs, check_local_length, check_mask, check_padding, check_sinks, check_window
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import paddle
 
-from ..comm import collectives
+from ...comm import collectives
 
 
 def held_lengths(length, group):

@@ -19,8 +19,8 @@ from typing import NamedTuple
 import numpy as np
 import paddle
 
-from .. import runtime
-from .layout import runs
+from ... import runtime
+from ..layout.sequence_layout import runs
 
 # Additive masks mark "masked" with -inf or a dtype's min (PaddleFormers): anything this low adds
 # nothing next to a visible key, so a tile of only such values is skipped.

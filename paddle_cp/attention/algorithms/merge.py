@@ -7,7 +7,7 @@ exact when one log-sum-exp is far below the other.
 import paddle
 import paddle.nn.functional as F
 
-from .full_precision import fp32_inside
+from ..kernels.full_precision import fp32_inside
 
 
 @fp32_inside

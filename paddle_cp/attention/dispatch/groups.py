@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import mesh as mesh_lib
+from ... import mesh as mesh_lib
 
 
 @dataclass(frozen=True)

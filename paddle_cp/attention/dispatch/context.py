@@ -3,7 +3,7 @@
 PrepareContextParallel publishes it while the top layer runs (its length and
 documents, which no rank can see from its own tokens); ContextParallel's
 attention reads it. A recompute call made meanwhile carries it into its replay
-in backward (paddle_cp/attention/recompute.py). The functional APIs take the same facts
+in backward (paddle_cp/activations/recompute.py). The functional APIs take the same facts
 as arguments.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import runtime
-from . import recompute
-from .layout import SequenceLayout
-from .mask import Documents
+from ... import runtime
+from ...activations import recompute
+from ..layout.sequence_layout import SequenceLayout
+from ..masks.block_mask import Documents
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import math
 import numpy as np
 import paddle
 
-from ..comm import p2p
+from ...comm import p2p
 from .rotation import GRAD_DTYPE, BlockPacking
 
 

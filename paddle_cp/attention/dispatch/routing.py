@@ -18,8 +18,8 @@ import contextlib
 import sys
 from dataclasses import dataclass
 
-from .. import runtime
-from . import recompute
+from ... import runtime
+from ...activations import recompute
 from . import context
 from .api import context_parallel_attention
 from .lengths import agreed_seq_len

@@ -2,7 +2,7 @@
 finish first, by the tile model (tile_cost.py), under a memory bound (no ring group above 1.05 x S/R
 tokens; S/R + 2R on rows of under 40R tokens per group). Numpy only:
 `ring_groups(position_in_document, document_id, R)` is the function a GPU measurement of layouts can price
-(`--layout mine=paddle_cp/attention/packed_layout.py:ring_groups`).
+(`--layout mine=paddle_cp/cost/packed_layout.py:ring_groups`).
 
 Why candidates: on a flash kernel a rank pays for tiles, and cutting a short document into 2R pieces
 turns its tiles partial and multiplies them (on an H200, short documents so cut ran 1.3-2.8x slower than
@@ -32,7 +32,7 @@ import numpy as np
 
 try:
     from .balance import balanced_groups
-    from .tile_cost import FULL_MS, PARTIAL_MS, TILE, document_ends, tile_counts
+    from .tiles import FULL_MS, PARTIAL_MS, TILE, document_ends, tile_counts
 except ImportError:  # loaded by file path (balance_gpu.py --layout): its numpy-only siblings, by path too
     import importlib.util
     import pathlib
@@ -44,7 +44,7 @@ except ImportError:  # loaded by file path (balance_gpu.py --layout): its numpy-
         return module
 
     balanced_groups = _sibling("balance").balanced_groups
-    _tiles = _sibling("tile_cost")
+    _tiles = _sibling("tiles")
     FULL_MS, PARTIAL_MS, TILE = _tiles.FULL_MS, _tiles.PARTIAL_MS, _tiles.TILE
     document_ends, tile_counts = _tiles.document_ends, _tiles.tile_counts
 

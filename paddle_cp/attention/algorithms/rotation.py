@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from ..comm import collectives, p2p
+from ...comm import collectives, p2p
 
 ROTATIONS = ("planned", "allgather")
 GRAD_DTYPE = paddle.float32  # the kernels' k/v gradients (attention/kernels), packed

@@ -22,9 +22,9 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from ..comm.autograd import gather_summed
-from .full_precision import fp32_inside
-from .layout import runs
+from ...comm.autograd import gather_summed
+from ..kernels.full_precision import fp32_inside
+from ..layout.sequence_layout import runs
 
 
 def run_summary(rule, q, k, v, g, beta, starts_sequence):

@@ -14,10 +14,10 @@ from __future__ import annotations
 import paddle
 from paddle.autograd import PyLayer
 
-from .exchange_plan import ExchangePlan
-from .kernels import saveable, select_kernel
-from .layout import runs
-from .mask import BlockMask, record_work
+from ..layout.exchange_plan import ExchangePlan
+from ..kernels import saveable, select_kernel
+from ..layout.sequence_layout import runs
+from ..masks.block_mask import BlockMask, record_work
 from .merge import merge
 from .planned_exchange import MemberExchange, PlannedRotation
 from .rotation import AllGatherRotation, check_rotation
