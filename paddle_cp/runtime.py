@@ -10,7 +10,7 @@ models' layer classes, patches of Paddle's and PaddleFormers' functions, the col
 the hooks `parallelize` registered on that model, not here and not on the plan objects.
 
 `reset()` (a test, or a new training run in the same process) forgets every record and derived class.
-It keeps what it cannot or need not remake: process groups (made collectively, by every rank in one
+It keeps what it cannot or need not remake: process groups and ParallelDims (made collectively, by every rank in one
 order; Paddle cannot destroy a gloo group without its peers, and a later parallelize of the same ranks
 reuses them); mixers, attention classes, block kinds, fused-weight rules, recompute carriers and Paddle's
 wrapped recompute (registered once, at import or by the user), the flash kernels' seed tensor (a constant); the plans of modules (weak: they go with their models); patches (held by live models, undone
@@ -90,6 +90,7 @@ class Installed:
     def __init__(self):
         self.groups = {}  # mesh slice key -> this rank's MeshGroup (mesh.py)
         self.process_groups = {}  # sorted ranks -> Paddle's group over them, made once (mesh.py)
+        self.parallel_dims = {}  # (ranks, shape, dim names) -> the mesh's ParallelDims, every named group (mesh.py)
         self.started_communicators = set()  # sorted ranks of the groups whose NCCL communicator p2p.shift started
         self.planned = weakref.WeakKeyDictionary()  # module -> the SepRun of the ContextParallel covering it
         self.mixers = []  # TokenMixer instances, looked up in order (attention/mixers/registry.py)

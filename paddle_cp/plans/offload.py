@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..activations.host_offload import checkpoints_of, offload_recompute_inputs
+from ..mesh import mesh_of
 from .base import Plan, refuse_param_plan
 
 
@@ -28,6 +29,6 @@ class OffloadRecomputeInputs(Plan):
                              "for a replay to offload; set recompute_granularity='full', recompute_method='uniform', "
                              "recompute_num_layers=1, or drop the plan")
 
-    def apply(self, layer, mesh, param_names=()):
-        self.check(layer, mesh, param_names)
+    def apply(self, layer, dims, param_names=()):
+        self.check(layer, mesh_of(dims), param_names)
         return offload_recompute_inputs(layer, self)
