@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import numpy as np
 import paddle
@@ -191,6 +192,80 @@ def _slice_group(key, mesh_array, axes, p2p, dims):
     return replace(mine, dims=dims, kind=repr(key))
 
 
+class ParallelDims:
+    """Every named process group of one mesh, made once, in one fixed order on every rank (torchtitan's
+    ParallelDims): `parallelize` builds it after its checks with what the plans declare they need
+    (`Plan.groups_needed`), the function API on its first call (`dims_of`); runtime.installed keeps it.
+    Plans and the front door read its fields instead of cutting the mesh by dim names themselves.
+
+    A dim the mesh lacks gives a one-rank group (a dim of size 1 in effect). `world` spans every dim; `data`
+    dp x sep (the ranks sharing a token mean, expert folding, sharding); `stage` every dim but pp (one
+    pipeline stage); `replica` every dim but pp and dp (one data-parallel replica of a stage)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        # the order of creation, the same on every rank: the groups placements use most first
+        self.data = mesh_group(mesh, ["dp", "sep"])
+        self.dp = mesh_group(mesh, ["dp"])
+        self.sep = mesh_group(mesh, ["sep"])
+        self.mp = mesh_group(mesh, ["mp"])
+        self.world = mesh_group(mesh, list(mesh.dim_names))
+        self.pp = mesh_group(mesh, ["pp"])
+        self.stage = mesh_group(mesh, [d for d in mesh.dim_names if d != "pp"])
+        self.replica = mesh_group(mesh, [d for d in mesh.dim_names if d not in ("pp", "dp")])
+        self._pairs = {}  # name -> the group with gloo's pair groups (made on request)
+        self._sep_parts = {}  # Ulysses degree -> (ulysses, ring) MeshGroups
+        self._folds = {}  # (dims, degree) -> (inner, outer) MeshGroups
+
+    def build(self, needs):
+        """Make the groups `needs` names (("pairs", name), ("sep_parts", degree), ("fold", dims, degree)),
+        in one order whatever order the plans gave them in."""
+        for need in sorted(set(needs), key=repr):
+            kind, *args = need
+            {"pairs": self.with_pairs, "sep_parts": self.sep_parts, "fold": self.fold}[kind](*args)
+        return self
+
+    def with_pairs(self, name):
+        """The group `name` (sep, mp, data) with the pair groups gloo's point-to-point traffic needs."""
+        if name not in self._pairs:
+            self._pairs[name] = mesh_group(self.mesh, _NAMED_DIMS[name], p2p=True)
+        return self._pairs[name]
+
+    def sep_parts(self, ulysses):
+        """(ulysses, ring): sep cut into blocks of `ulysses` consecutive ranks (inner) and across them (outer)."""
+        if ulysses not in self._sep_parts:
+            self._sep_parts[ulysses] = split_dim_groups(self.mesh, "sep", ulysses)
+        return self._sep_parts[ulysses]
+
+    def fold(self, dims, degree):
+        """(inner, outer) of mesh dims `dims` folded and cut into blocks of `degree` (fold_groups)."""
+        key = (tuple(dims), degree)
+        if key not in self._folds:
+            self._folds[key] = fold_groups(self.mesh, list(dims), degree)
+        return self._folds[key]
+
+
+_NAMED_DIMS = MappingProxyType({"sep": ("sep",), "mp": ("mp",), "data": ("dp", "sep")})
+
+
+def mesh_of(dims):
+    """The ProcessMesh of a ParallelDims, or `dims` itself (a plan applied by hand to a mesh)."""
+    return dims.mesh if isinstance(dims, ParallelDims) else dims
+
+
+def dims_of(mesh):
+    """The ParallelDims of `mesh` (or of the global mesh), made on first use (collective: every rank calls it
+    at the same point) and kept in runtime.installed; a ParallelDims is returned as it is."""
+    if isinstance(mesh, ParallelDims):
+        return mesh
+    mesh = resolve_mesh(mesh)
+    key = (tuple(mesh.process_ids), tuple(mesh.shape), tuple(mesh.dim_names))
+    made = runtime.installed.parallel_dims
+    if key not in made:
+        made[key] = ParallelDims(mesh)
+    return made[key]
+
+
 @dataclass(frozen=True)
 class Peer:
     """The other rank of a two-rank group, for point-to-point transfers."""
@@ -272,4 +347,4 @@ def _create_pairs(slices, mine):
                 mine.pairs[frozenset((a, b))] = group
 
 
-__all__ = ["set_mesh", "get_mesh", "resolve_mesh", "find_dim", "require_dim", "dim_size", "mesh_group", "fold_groups", "split_dim_groups", "line_subgroups", "MeshGroup", "Peer"]
+__all__ = ["set_mesh", "get_mesh", "resolve_mesh", "find_dim", "require_dim", "dim_size", "mesh_group", "fold_groups", "split_dim_groups", "line_subgroups", "MeshGroup", "ParallelDims", "dims_of", "Peer"]

@@ -1,17 +1,19 @@
 """Everything paddle_cp keeps per process, and the one `reset()` that clears it.
 
 `state` (RuntimeState): what hooks and collectives record while models run (the batch running, counters,
-the collectives in flight, pending deferred facts). `installed` (Installed): what paddle_cp puts into the
+the collectives in flight, pending deferred facts, the replays running, the host copies of offloaded
+recompute inputs). `installed` (Installed): what paddle_cp puts into the
 process for the models parallelized in it: process groups, the modules each ContextParallel covers, token
-mixers, MoE block kinds, fused-weight rules, recompute carriers, classes derived from the models' layer
-classes, patches of Paddle's and PaddleFormers' functions, the collective timeout and its watchdog thread. A run's own state (a plan applied to one model: its groups, batch check, positions) lives in
+mixers and the attention classes model libraries register, MoE block kinds, fused-weight rules, recompute
+carriers and the wrapping of Paddle's recompute, the flash kernels' seed tensor, classes derived from the
+models' layer classes, patches of Paddle's and PaddleFormers' functions, the collective timeout and its watchdog thread. A run's own state (a plan applied to one model: its groups, batch check, positions) lives in
 the hooks `parallelize` registered on that model, not here and not on the plan objects.
 
 `reset()` (a test, or a new training run in the same process) forgets every record and derived class.
-It keeps what it cannot or need not remake: process groups (made collectively, by every rank in one
+It keeps what it cannot or need not remake: process groups and ParallelDims (made collectively, by every rank in one
 order; Paddle cannot destroy a gloo group without its peers, and a later parallelize of the same ranks
-reuses them); mixers, block kinds, fused-weight rules and recompute carriers (registered once, at import or
-by the user); the plans of modules (weak: they go with their models); patches (held by live models, undone
+reuses them); mixers, attention classes, block kinds, fused-weight rules, recompute carriers and Paddle's
+wrapped recompute (registered once, at import or by the user), the flash kernels' seed tensor (a constant); the plans of modules (weak: they go with their models); patches (held by live models, undone
 when the last is released, or by unpatch_paddle); the timeout set_timeout gave and the watchdog thread. An async checkpoint save still writing makes it raise (wait_checkpoint() first).
 """
 from __future__ import annotations
@@ -67,6 +69,10 @@ class RuntimeState:
     # comm/watchdog.py: token -> (started, op, (group ranks, peers or None), completion event or None) of each
     # collective in flight
     collectives_in_flight: dict = field(default_factory=dict)
+    # activations/replay.py: how many replays in backward (a recompute call's, a sequence tile's) are running
+    replay_depth: int = 0
+    # activations/host_offload.py: OffloadRecomputeInputs plan -> the HostCheckpoints its layers share
+    host_checkpoints: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
 
 @dataclass
@@ -84,12 +90,16 @@ class Installed:
     def __init__(self):
         self.groups = {}  # mesh slice key -> this rank's MeshGroup (mesh.py)
         self.process_groups = {}  # sorted ranks -> Paddle's group over them, made once (mesh.py)
+        self.parallel_dims = {}  # (ranks, shape, dim names) -> the mesh's ParallelDims, every named group (mesh.py)
         self.started_communicators = set()  # sorted ranks of the groups whose NCCL communicator p2p.shift started
         self.planned = weakref.WeakKeyDictionary()  # module -> the SepRun of the ContextParallel covering it
         self.mixers = []  # TokenMixer instances, looked up in order (attention/mixers/registry.py)
         self.recompute_captures = []  # activations/recompute.py: state a recompute replay needs again
         self.recompute_wrappers = []  # activations/recompute.py: around every whole recompute call
         self.recompute_saving_wrappers = []  # activations/recompute.py: told each call's function and inputs
+        self.recompute_wrapped = False  # activations/recompute.py: Paddle's recompute entry points are wrapped
+        self.attention_classes = []  # attention/mixers/softmax.py: predicates on a layer's class, by model libraries
+        self.no_dropout_seed = None  # attention/kernels/flash.py: the int64 [2] (0, 0) seed tensor, made on first use
         self.derived_classes = {}  # (purpose, layer class) -> its subclass (experts, pipeline units)
         self._patches = {}  # name -> (ids of the live holders, undo)
         self.paddle_patches = []  # api/paddle_compat.py: (module, name, Paddle's function) of each attribute replaced

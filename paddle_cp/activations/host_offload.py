@@ -11,9 +11,9 @@ call's inputs back (unpack), and the call saved just before it, the next layer b
 back ahead of time (prefetch), so on a GPU its copy runs while this layer recomputes.
 
 Where the copies go (`Transport`):
-- `NumpyHost` (CPU): numpy arrays, outside Paddle's allocator, so the allocator's peak shows the device bytes
-  a GPU saves; copies are synchronous and a prefetch is an early copy (the prefetched layer's inputs are
-  device bytes from then on, as on a GPU).
+- `NumpyHost` (CPU, paddle_cp/host_memory.py): numpy arrays, outside Paddle's allocator, so the allocator's
+  peak shows the device bytes a GPU saves; copies are synchronous and a prefetch is an early copy (the
+  prefetched layer's inputs are device bytes from then on, as on a GPU).
 - `PinnedHost` (GPU): pinned host tensors; device-to-host copies and prefetches run on a side stream
   (`paddle.device.Stream`, `_copy_to(..., blocking=False)`) ordered by events against the compute stream; a
   device tensor being copied out is held until its event has passed. Not run here: no GPU in this project's
@@ -27,28 +27,13 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import paddle
 
+from .. import runtime
 from . import recompute
 from ..comm.counters import nbytes
+from ..host_memory import NumpyHost
 from .replay import in_replay, replaying
-
-
-class NumpyHost:
-    """Host copies as numpy arrays (CPU: outside the allocator whose peak the tests read)."""
-
-    def copy_out(self, tensor):
-        return np.array(tensor.numpy(), copy=True), None  # (host copy, device tensor to hold until copied)
-
-    def copy_in(self, host):
-        return paddle.to_tensor(host)
-
-    def ready(self, handle):
-        return True
-
-    def wait(self, handle):
-        pass
 
 
 class PinnedHost:
@@ -177,7 +162,15 @@ class HostCheckpoints:
         self.host_bytes -= saved.nbytes
 
 
-STORE_ATTR = "_pcp_host_checkpoints"
+STORE_ATTR = "_pcp_host_checkpoints"  # on an offloaded layer: the key of the store its calls use
+
+
+def checkpoints_of(key):
+    """The HostCheckpoints the layers offloaded under `key` (their plan) share; kept in runtime, made on first use."""
+    stores = runtime.state.host_checkpoints
+    if key not in stores:
+        stores[key] = HostCheckpoints()
+    return stores[key]
 
 
 def _owner(function):
@@ -186,14 +179,14 @@ def _owner(function):
 
 
 def _offloading(run, function, args, reentrant):
-    store = getattr(_owner(function), STORE_ATTR, None)
-    if store is None:
+    key = getattr(_owner(function), STORE_ATTR, None)
+    if key is None:
         return run()
     if not reentrant:
         raise ValueError(f"host offload of {type(_owner(function)).__name__}'s recompute inputs needs Paddle's "
                          "reentrant recompute (use_reentrant=True, PaddleFormers' default): the non-reentrant one "
                          "saves each op's tensors itself")
-    with store.saving(args):
+    with checkpoints_of(key).saving(args):
         return run()
 
 
@@ -209,10 +202,11 @@ def _capture_replay():
     return replaying
 
 
-def offload_recompute_inputs(layer, store):
-    """Keep the inputs of `layer`'s recompute calls in `store`; its forward outside a recompute raises."""
+def offload_recompute_inputs(layer, key):
+    """Keep the inputs of `layer`'s recompute calls in `checkpoints_of(key)`; its forward outside a recompute
+    raises."""
     recompute.install()
     recompute.carry(_capture_replay)
     recompute.around_saving(_offloading)
-    setattr(layer, STORE_ATTR, store)
+    setattr(layer, STORE_ATTR, key)
     return layer.register_forward_pre_hook(_refuse_unrecomputed)

@@ -27,8 +27,6 @@ import importlib
 
 from .. import runtime
 
-_installed = []  # Paddle's recompute entry points are wrapped (once per process: they stay wrapped)
-
 
 def carry(capture):
     """Register `capture() -> (() -> context manager) | None`, called at every recompute call."""
@@ -97,8 +95,8 @@ def _carrying(helper):
 
 
 def install():
-    """Wrap Paddle's recompute entry points once per process."""
-    if _installed:
+    """Wrap Paddle's recompute entry points once per process (they stay wrapped: reset keeps them)."""
+    if runtime.installed.recompute_wrapped:
         return
     # by module path: the package re-exports a function named `recompute` over its module
     plain = importlib.import_module("paddle.distributed.fleet.recompute.recompute")
@@ -107,4 +105,4 @@ def install():
     plain.RecomputeFunction = _CarryingPyLayer(plain.RecomputeFunction)
     plain._recompute_without_reentrant = _carrying(plain._recompute_without_reentrant)
     hybrid._HPRecomputeFunction = _CarryingPyLayer(hybrid._HPRecomputeFunction)
-    _installed.append(True)
+    runtime.installed.recompute_wrapped = True

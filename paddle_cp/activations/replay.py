@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import contextlib
 
-_depth = [0]
+from .. import runtime
 
 
 @contextlib.contextmanager
 def replaying():
-    _depth[0] += 1
+    runtime.state.replay_depth += 1
     try:
         yield
     finally:
-        _depth[0] -= 1
+        runtime.state.replay_depth -= 1
 
 
 def in_replay():
-    return _depth[0] > 0
+    return runtime.state.replay_depth > 0

@@ -98,12 +98,11 @@ def broadcast_parameters(model, mesh_group):
             collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
 
 
-def _world_group(mesh):
-    """The whole mesh's group, after the groups placements use most, made first in one fixed order on
-    every rank (gloo needs that; later calls find them made)."""
-    for dims in (["dp", "sep"], ["dp"], ["sep"], ["mp"]):
-        mesh_lib.mesh_group(mesh, dims)
-    return mesh_lib.mesh_group(mesh, list(mesh.dim_names))
+def _parallel_dims(mesh, applications):
+    """Every named group of the mesh and every group the plans declare (Plan.groups_needed), made now in one
+    fixed order on every rank (new_group is collective); the plans read them from it."""
+    needs = [need for plan, layer, _ in applications for need in plan.groups_needed(layer, mesh)]
+    return mesh_lib.dims_of(mesh).build(needs)
 
 
 def _validated_plan(model, config, mesh):
@@ -162,14 +161,15 @@ def parallelize_model(model, mesh=None, config=None):
     experts = expert_applications(model, config, mesh)
     applications += experts  # after mp's plans: tensor parallel inside experts first
     # nothing has changed so far; from here on every rank runs the same collectives
-    world = _world_group(mesh)
+    dims = _parallel_dims(mesh, applications)
+    world = dims.world
     lazy = defer_initialization(model, world)
     broadcast_parameters(model, world)
-    annotation.apply(mesh)
+    annotation.apply(dims)
     for plan, layer, params in applications:
-        plan.apply(layer, mesh, params)
+        plan.apply(layer, dims, params)
     if any(is_sequence_plan(plan) for plan, _, _ in applications):
-        watch_partial_gradients(model, mesh)
+        watch_partial_gradients(model, dims)
         split_at_blocks(model, applications)
     loss_factor = None
     if pipeline:
@@ -178,7 +178,7 @@ def parallelize_model(model, mesh=None, config=None):
         recompute.around_calls(recompute_boundary)
         loss_factor = LossFactorAgreement(world, mesh, experts_span_dp=bool(experts))
     else:
-        require_sharded_inputs(model, mesh, applications)  # ContextParallel without PrepareContextParallel
+        require_sharded_inputs(model, dims, applications)  # ContextParallel without PrepareContextParallel
     for param in model.parameters():
         complete_placements(param, mesh)
     dims = sharding_dims(config.get("dp_config"))

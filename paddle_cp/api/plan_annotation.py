@@ -35,14 +35,14 @@ class PlanAnnotation:
     head_counts: list = field(default_factory=list)  # (layer, attribute, local value)
     partial_gradients: list = field(default_factory=list)  # parameters whose gradients are summed over mp
 
-    def apply(self, mesh):
-        """Write it onto the layers and records. Collective (the mp group is made on first use)."""
+    def apply(self, dims):
+        """Write it onto the layers and records (the mp group from `dims`, a ParallelDims)."""
         for layer, info in self.columns:
             set_column_info(layer, info)
         for layer, attr, value in self.head_counts:
             setattr(layer, attr, value)
         if self.partial_gradients:
-            group = mesh_lib.mesh_group(mesh, ["mp"])
+            group = dims.mp
             for param in self.partial_gradients:
                 record_of(param).mark_partial(group)
 

@@ -102,7 +102,7 @@ def world_group():
     mesh = mesh_lib.get_mesh()
     if mesh is None:
         raise ValueError("a multi-rank checkpoint needs the mesh: call pcp.set_mesh(mesh) or pcp.parallelize first")
-    return mesh_lib.mesh_group(mesh, list(mesh.dim_names))
+    return mesh_lib.dims_of(mesh).world
 
 
 def local_value(tensor, read_box):

@@ -3,6 +3,8 @@ benchmarks compare with the analytic minimum and count per step."""
 import contextlib
 import math
 
+from paddle.base import core
+
 from ..runtime import state
 
 
@@ -50,3 +52,9 @@ def reset():
 
 def nbytes(tensor):
     return math.prod(tensor.shape) * tensor.element_size()  # from the shape: numel() would read the device
+
+
+def shape_nbytes(shape, dtype):
+    """Bytes of a tensor of `shape` and `dtype` that need not exist (a level-3 placeholder's full shape, a
+    gradient in its reduction dtype)."""
+    return math.prod(shape) * core.size_of_dtype(dtype)

@@ -42,7 +42,6 @@ order. A bucket is reduced only in `step()` when it holds
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import paddle
@@ -50,6 +49,7 @@ from paddle.amp.auto_cast import amp_global_state
 from paddle.base import core
 
 from ..comm import collectives
+from ..comm.counters import nbytes, shape_nbytes
 from ..dtypes import LOW_PRECISION
 from ..params import SHARDING, Owned, is_fetch_unit, record_of
 from .held_bytes import HeldBytes
@@ -71,12 +71,7 @@ def bucket_size_mb(dp_config):
 def local_nbytes(param):
     """Bytes of this rank's reduced gradient of `param`, from its shape (a level-3 placeholder has none) and
     `gradient_dtype` (fp32 master gradients of a bf16 parameter are 4 bytes an element)."""
-    return math.prod(record_of(param).local_shape()) * _element_size(gradient_dtype(param))
-
-
-@functools.lru_cache(maxsize=None)
-def _element_size(dtype):
-    return paddle.zeros([0], dtype).element_size()
+    return shape_nbytes(record_of(param).local_shape(), gradient_dtype(param))
 
 
 def reduced(param):
@@ -300,7 +295,7 @@ class GradientBuckets:
         if not self.agreed or self.recheck:
             self.agreed, self.recheck, self._order = True, False, self._fixed_order()
         self._passes_learned, self._last_pass = self.passes, dict(self._arrived_in)
-        held = sum(math.prod(v.shape) * v.element_size() for b in self.buckets for v in b.values.values())
+        held = sum(nbytes(v) for b in self.buckets for v in b.values.values())
         self.grad_bytes.held = held  # now on the parameters (what the optimizer steps on)
         self._recut_for_new_dtypes()
         self._new_step()
@@ -357,7 +352,7 @@ class GradientBuckets:
             for key, value in values.items():
                 if first_round:
                     bucket.values[key] = value
-                    kept += math.prod(value.shape) * value.element_size()
+                    kept += nbytes(value)
                 else:
                     bucket.values[key] = bucket.values[key] + value
             self.grad_bytes.add(kept)
@@ -367,7 +362,7 @@ class GradientBuckets:
 
     def _unreduced_bytes(self, param):
         grad = self.gradients.gradient(param)
-        return math.prod(grad.shape) * grad.element_size() if has_gradient(grad) else 0
+        return nbytes(grad) if has_gradient(grad) else 0
 
     def _agree(self, bucket):
         """Which members have a gradient on some rank sharing them: one all-reduce per group of their

@@ -26,9 +26,10 @@ the link costs a bf16 model 4 more bytes an element (0.16 ns at 25 GB/s). The le
 is a CPU one during the host step (`_host_learning_rate`).
 
 Where host memory is (the transport, one class per kind of machine):
-- `NumpyHost` (CPU, where host and device are one): numpy arrays outside Paddle's allocator, wrapped as
-  zero-copy Paddle tensors (`paddle.utils.dlpack.from_dlpack`; the kernels write the arrays), so the allocator's
-  peak shows what a GPU saves: state created by Paddle in the allocator is moved out right after creation.
+- `NumpyHost` (CPU, where host and device are one; paddle_cp/host_memory.py): numpy arrays outside Paddle's
+  allocator, wrapped as zero-copy Paddle tensors (`paddle.utils.dlpack.from_dlpack`; the kernels write the
+  arrays), so the allocator's peak shows what a GPU saves: state created by Paddle in the allocator is moved out
+  right after creation.
 - `CpuPlaceHost` (GPU): plain CPUPlace tensors (Paddle's CPU allocator is not the GPU's); one D2H copy per
   gradient (and per non-master parameter), one H2D copy per new value (the device holds one parameter's fp32
   value while it is cast), blocking, one parameter at a time (no overlap with compute: the step runs after
@@ -40,11 +41,12 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import paddle
 from paddle.base.framework import _dygraph_place_guard
 
+from ..comm.counters import nbytes
 from ..dtypes import LOW_PRECISION
+from ..host_memory import NumpyHost
 from .optimizer import optimizer_parameters
 
 OFFLOADED_OPTIMIZERS = (paddle.optimizer.Adam, paddle.optimizer.AdamW, paddle.optimizer.Momentum,
@@ -81,60 +83,6 @@ def check_offloadable(optimizer):
                          f"velocity of the float16/bfloat16 parameters {low_precision[:3]} would be fp32 there and "
                          "theirs on a device: build Momentum with multi_precision=True, or set offload_optimizer "
                          "False")
-
-
-def _nbytes(tensor):
-    return int(np.prod(tensor.shape)) * tensor.element_size()
-
-
-class NumpyHost:
-    """Host tensors over numpy arrays, outside Paddle's allocator (CPU). Counts the bytes a GPU would copy."""
-
-    def __init__(self):
-        self.arrays = {}  # data pointer -> the numpy array a host tensor is a view of
-        self.counts = {"to_host": 0, "to_host_bytes": 0, "to_device": 0, "to_device_bytes": 0}
-
-    def _wrap(self, array):
-        array = np.ascontiguousarray(array)
-        tensor = paddle.utils.dlpack.from_dlpack(array)
-        self.arrays[tensor.data_ptr()] = array
-        return tensor
-
-    def holds(self, tensor):
-        return tensor.data_ptr() in self.arrays
-
-    def hold(self, tensor):
-        """A host tensor with `tensor`'s value (moved out of the allocator once `tensor` is dropped)."""
-        return self._wrap(np.array(tensor.numpy(), copy=True))
-
-    def fp32_copy(self, tensor, keep=False):
-        """An fp32 host copy of a device tensor, cast on the device (fp32 bytes over the link); transient unless
-        `keep`."""
-        fp32 = tensor if tensor.dtype == paddle.float32 else tensor.astype("float32")
-        self.counts["to_host"] += 1
-        self.counts["to_host_bytes"] += _nbytes(fp32)
-        return self._to_host(fp32, keep)
-
-    def _to_host(self, fp32, keep):
-        array = np.array(fp32.numpy(), copy=True)
-        return self._wrap(array) if keep else paddle.utils.dlpack.from_dlpack(array)
-
-    def forget_all_but(self, tensors):
-        """Drop the arrays of host tensors the optimizer no longer holds (`set_state_dict` replaced them)."""
-        live = {t.data_ptr() for t in tensors}
-        self.arrays = {ptr: array for ptr, array in self.arrays.items() if ptr in live}
-
-    def write_back(self, param, host):
-        """The new fp32 value into the device parameter, cast to its dtype there (`copy_` writes into the
-        parameter's own buffer, on its place)."""
-        self.counts["to_device"] += 1
-        self.counts["to_device_bytes"] += _nbytes(host)
-        value = self._to_device(host, param.place)
-        param.copy_(value if value.dtype == param.dtype else value.astype(param.dtype), True)
-
-    @staticmethod
-    def _to_device(host, place):
-        return host  # host and device are one here
 
 
 class CpuPlaceHost(NumpyHost):
@@ -259,7 +207,7 @@ class HostOptimizer:
 
     def host_bytes(self):
         """Bytes of optimizer state in host memory now."""
-        return sum(_nbytes(t) for t in self.state_tensors() if self.transport.holds(t))
+        return sum(nbytes(t) for t in self.state_tensors() if self.transport.holds(t))
 
 
 def _named(host, tensor):

@@ -12,18 +12,18 @@ when backward reaches it.
 """
 from __future__ import annotations
 
-import math
 import weakref
 
 import paddle
 from paddle.autograd import PyLayer
 
 from ..comm import collectives
+from ..comm.counters import shape_nbytes
 from ..params import Owned, record_of, share_record
 
 
 def full_nbytes(param):
-    return math.prod(record_of(param).local_shape()) * param.element_size()
+    return shape_nbytes(record_of(param).local_shape(), param.dtype)
 
 
 def broadcast_full(param, tag="param_fetch"):

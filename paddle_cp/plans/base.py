@@ -1,4 +1,4 @@
-"""What every parallel plan is: validated arguments, then `apply(layer, mesh, param_names)`."""
+"""What every parallel plan is: validated arguments, then `apply(layer, dims, param_names)`."""
 
 
 class Plan:
@@ -9,7 +9,14 @@ class Plan:
     def check(self, layer, mesh, param_names=()):
         """Raise on a bad target before parallelize runs any collective."""
 
-    def apply(self, layer, mesh, param_names=()):
+    def groups_needed(self, layer, mesh):
+        """The process groups beyond ParallelDims' fields that `apply` will use (ParallelDims.build's needs):
+        parallelize makes them all, in one order, before any plan applies."""
+        return ()
+
+    def apply(self, layer, dims, param_names=()):
+        """Install the plan on `layer`, with the groups of `dims` (mesh.ParallelDims; a ProcessMesh when
+        applied by hand)."""
         raise NotImplementedError
 
     def __repr__(self):

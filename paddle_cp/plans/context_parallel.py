@@ -72,6 +72,13 @@ def _of_batch(value, batch, seq_len):
             and seq_len in value.shape[1:])
 
 
+def sep_groups_needed(backend, sep_size, ulysses_degree):
+    """What ParallelDims.build makes for a context-parallel plan: sep with its pair groups, and its Ulysses
+    and ring parts where both have more than one rank (attention/groups.py's resolve_groups)."""
+    ulysses = ulysses_size(backend, sep_size, ulysses_degree)
+    return (("pairs", "sep"),) + ((("sep_parts", ulysses),) if 1 < ulysses < sep_size else ())
+
+
 class _SepPlan(Plan):
     """A context-parallel plan: a backend (with its Ulysses degree), a whole layer, the mesh's `sep` slice."""
 
@@ -84,11 +91,14 @@ class _SepPlan(Plan):
         mesh_lib.require_dim(mesh, "sep", type(self).__name__)
         ulysses_size(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
 
-    def _join_sep_group(self, layer, mesh, param_names):
-        """The SepRun this plan's hooks on `layer` run with (collective: makes the groups)."""
-        self.check(layer, mesh, param_names)
+    def groups_needed(self, layer, mesh):
+        return sep_groups_needed(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
+
+    def _join_sep_group(self, layer, dims, param_names):
+        """The SepRun this plan's hooks on `layer` run with (collective where the groups are not made yet)."""
+        self.check(layer, mesh_lib.mesh_of(dims), param_names)
         recompute.install()  # recomputed layers replay with this batch's layout and plans
-        return SepRun(self, mesh)
+        return SepRun(self, mesh_lib.dims_of(dims))
 
 
 class SepRun:
@@ -96,11 +106,11 @@ class SepRun:
     `sep` slice and its process groups. Made by apply, held by the hooks on that layer; the plan object keeps
     only its arguments, so one plan serves several models."""
 
-    def __init__(self, plan, mesh):
+    def __init__(self, plan, dims):
         self.backend, self.ulysses_degree = plan.backend, plan.ulysses_degree
         self.rotate = getattr(plan, "rotate", "planned")
-        self.layout = plan_layout(plan, resolve_group(mesh).ranks)
-        self.groups = resolve_groups(self.layout, mesh)
+        self.layout = plan_layout(plan, resolve_group(dims).ranks)
+        self.groups = resolve_groups(self.layout, dims)
 
 
 def plan_layout(plan, sep_ranks):
@@ -165,8 +175,9 @@ class PrepareContextParallel(_SepPlan):
         super().check(layer, mesh, param_names)
         _check_rope(layer)
 
-    def apply(self, layer, mesh, param_names=()):
-        run = _PreparedRun(self, self._join_sep_group(layer, mesh, param_names), mesh, layer)
+    def apply(self, layer, dims, param_names=()):
+        sep = self._join_sep_group(layer, dims, param_names)
+        run = _PreparedRun(self, sep, mesh_lib.dims_of(dims), layer)
         adapters.install(layer)  # attention reached outside every ContextParallel layer then raises, not runs locally
         layer.register_forward_pre_hook(run.split_inputs, with_kwargs=True)
         return layer.register_forward_post_hook(run.forget_batch, always_call=True)
@@ -211,9 +222,9 @@ class _PreparedRun:
     """A PrepareContextParallel applied to one model layer: its hooks, and what they keep between forwards
     (the batch check's answers, the positions of the last layout)."""
 
-    def __init__(self, plan, sep, mesh, layer):
+    def __init__(self, plan, sep, dims, layer):
         self.plan, self.sep = plan, sep
-        self.check_batch = BatchCheck(mesh)
+        self.check_batch = BatchCheck(dims)
         self.signature = inspect.signature(layer.forward)
         self._positions = (None, None)  # ((seq_len, index), int64 positions on the device): made once per length
 
@@ -318,8 +329,8 @@ class ContextParallel(_SepPlan):
         super().check(layer, mesh, param_names)
         mixers.check(layer, SequenceLayout(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree))
 
-    def apply(self, layer, mesh, param_names=()):
-        run = self._join_sep_group(layer, mesh, param_names)
+    def apply(self, layer, dims, param_names=()):
+        run = self._join_sep_group(layer, dims, param_names)
         mixers.route(layer, run)
         layer.register_forward_pre_hook(lambda layer, inputs: routing.enter(run, layer))
         return layer.register_forward_post_hook(lambda layer, inputs, outputs: routing.leave(layer), always_call=True)
@@ -333,5 +344,5 @@ class TokenWise(Plan):
     def check(self, layer, mesh, param_names=()):
         refuse_param_plan(self, param_names)
 
-    def apply(self, layer, mesh, param_names=()):
+    def apply(self, layer, dims, param_names=()):
         return None

@@ -115,10 +115,13 @@ class ConvParallel(Plan):
         mesh_lib.require_dim(mesh, "mp", "ConvParallel")
         width_geometry(layer)
 
-    def apply(self, layer, mesh, param_names=()):
-        self.check(layer, mesh, param_names)
+    def groups_needed(self, layer, mesh):
+        return (("pairs", "mp"),)
+
+    def apply(self, layer, dims, param_names=()):
+        self.check(layer, mesh_lib.mesh_of(dims), param_names)
         geometry = width_geometry(layer)
-        group = mesh_lib.mesh_group(mesh, ["mp"], p2p=True)
+        group = mesh_lib.dims_of(dims).with_pairs("mp")
         if group.size == 1:
             return None
         for param in (layer.weight, layer.bias):

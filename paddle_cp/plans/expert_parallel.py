@@ -50,15 +50,23 @@ class ExpertParallel(Plan):
         check_block(type(layer).__name__, block)
         ExpertLayout(block.num_experts, self._fold.degree)
 
-    def apply(self, layer, mesh, param_names=()):
-        self.check(layer, mesh, param_names)
+    def groups_needed(self, layer, mesh):
+        fold = (("fold", tuple(self._fold.dims), self._fold.degree),)
+        return fold + ((("pairs", "data"),) if self._gathers_router_logits(layer) else ())
+
+    def _gathers_router_logits(self, layer):
+        return self._fold.gather_router_logits and find_moe_block(layer).kind.router_output
+
+    def apply(self, layer, dims, param_names=()):
+        self.check(layer, mesh_lib.mesh_of(dims), param_names)
+        dims = mesh_lib.dims_of(dims)
         block = find_moe_block(layer)
-        group, replicas = mesh_lib.fold_groups(mesh, self._fold.dims, self._fold.degree)
+        group, replicas = dims.fold(self._fold.dims, self._fold.degree)
         held = HeldExperts(block, ExpertLayout(block.num_experts, group.size), group)
         _place_experts(block, held, replicas)
         held.install()
-        if self._fold.gather_router_logits and block.kind.router_output:
-            return gather_router_logits(layer, mesh_lib.mesh_group(mesh, ["dp", "sep"], p2p=True))
+        if self._gathers_router_logits(layer):
+            return gather_router_logits(layer, dims.with_pairs("data"))
         return None
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import weakref
 
+from ..mesh import mesh_of
 from .base import Plan, refuse_param_plan
 
 
@@ -29,7 +30,8 @@ class _UserHook(Plan):
                             f"(a callable), got {type(hook).__name__}")
         self._hooks[layer] = (mesh, hook)
 
-    def apply(self, layer, mesh, param_names=()):
+    def apply(self, layer, dims, param_names=()):
+        mesh = mesh_of(dims)
         checked_mesh, _ = self._hooks.get(layer, (None, None))
         if checked_mesh is not mesh:  # applied directly, not after parallelize's check
             self.check(layer, mesh, param_names)

@@ -1,7 +1,8 @@
 """OffloadRecomputeInputs: what a recomputed layer saves for its backward waits in host memory."""
 from __future__ import annotations
 
-from ..activations.host_offload import HostCheckpoints, offload_recompute_inputs
+from ..activations.host_offload import checkpoints_of, offload_recompute_inputs
+from ..mesh import mesh_of
 from .base import Plan, refuse_param_plan
 
 
@@ -10,16 +11,14 @@ class OffloadRecomputeInputs(Plan):
     (hidden states, rotary tables) are copied to host memory after its forward and brought back for its
     backward replay, the next layer's ahead of time (activations/host_offload.py). Needs recomputation of
     these layers (PaddleFormers' recompute_granularity="full"); a forward that records a graph without it
-    raises. One store serves every layer the key matches: `self.store` counts bytes and copies."""
+    raises. One store serves every layer the key matches: `self.store` counts bytes and copies (kept in
+    runtime, keyed by this plan: runtime.reset() empties it)."""
 
     must_match = True
 
-    def __init__(self):
-        self._store = HostCheckpoints()
-
     @property
     def store(self):
-        return self._store
+        return checkpoints_of(self)
 
     def check(self, layer, mesh, param_names=()):
         refuse_param_plan(self, param_names)
@@ -30,6 +29,6 @@ class OffloadRecomputeInputs(Plan):
                              "for a replay to offload; set recompute_granularity='full', recompute_method='uniform', "
                              "recompute_num_layers=1, or drop the plan")
 
-    def apply(self, layer, mesh, param_names=()):
-        self.check(layer, mesh, param_names)
-        return offload_recompute_inputs(layer, self._store)
+    def apply(self, layer, dims, param_names=()):
+        self.check(layer, mesh_of(dims), param_names)
+        return offload_recompute_inputs(layer, self)

@@ -32,7 +32,6 @@ import zlib
 
 import paddle
 
-from .. import mesh as mesh_lib
 from .. import runtime
 from ..activations import recompute
 from ..comm import collectives
@@ -47,10 +46,10 @@ class BatchCheck:
     """The groups a PrepareContextParallel's inputs are compared over, and what one model's forwards left
     to read. Made at apply (collective); one per parallelized model."""
 
-    def __init__(self, mesh):
-        self.stage = mesh_lib.mesh_group(mesh, [d for d in mesh.dim_names if d != "pp"])
-        self.replica_group = mesh_lib.mesh_group(mesh, [d for d in mesh.dim_names if d not in ("pp", "dp")])
-        self.replica = mesh_lib.coordinates(mesh)[mesh.dim_names.index("dp")] if "dp" in mesh.dim_names else 0
+    def __init__(self, dims):
+        self.stage = dims.stage
+        self.replica_group = dims.replica
+        self.replica = dims.dp.index  # this rank's coordinate along dp (0 without a dp dim)
         self._agreed = None  # (group ranks, header) this rank passed at the last check every rank answered
         self._header = (None, None)  # (header, its int64 tensor): made once per layout, not uploaded per forward
         self._pending = None  # (DeferredRead of the last forward's rows, group ranks, input names)

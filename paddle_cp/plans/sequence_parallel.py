@@ -65,9 +65,9 @@ class _SequencePlan(Plan):
         refuse_param_plan(self, param_names)
         mesh_lib.require_dim(mesh, "mp", type(self).__name__)
 
-    def apply(self, layer, mesh, param_names=()):
-        self.check(layer, mesh, param_names)
-        self._group = mesh_lib.mesh_group(mesh, ["mp"])
+    def apply(self, layer, dims, param_names=()):
+        self.check(layer, mesh_lib.mesh_of(dims), param_names)
+        self._group = mesh_lib.dims_of(dims).mp
         return self._register(layer)
 
     def _split_output(self, layer, inputs, output):
@@ -185,10 +185,10 @@ def is_sequence_plan(plan):
     return isinstance(plan, _SequencePlan)
 
 
-def watch_partial_gradients(model, mesh):
+def watch_partial_gradients(model, dims):
     """Mark every parameter a layer uses while the sequence is split over `mp` as having a partial gradient
     there (`ParamRecord.mark_partial`: summed over mp)."""
-    group = mesh_lib.mesh_group(mesh, ["mp"])
+    group = dims.mp
 
     def mark(layer, inputs):
         if state.sequence_split:

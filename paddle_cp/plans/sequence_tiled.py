@@ -9,6 +9,7 @@ from ..activations.sequence_tiles import run_tiled
 from ..attention.mixers.registry import claimed_within
 from ..experts.blocks import find_moe_block
 from ..params import mark_fetch_unit
+from ..mesh import mesh_of
 from .base import Plan, refuse_param_plan
 from .hook_args import first_input
 
@@ -46,8 +47,8 @@ class SequenceTiled(Plan):
             raise ValueError(f"SequenceTiled does not tile a MoE block ({type(layer).__name__}): its router's "
                              f"statistics span the whole batch and its experts run on the rows routed to them; {fix}")
 
-    def apply(self, layer, mesh, param_names=()):
-        self.check(layer, mesh, param_names)
+    def apply(self, layer, dims, param_names=()):
+        self.check(layer, mesh_of(dims), param_names)
         forward = layer.forward
         tokens = self.tokens
 

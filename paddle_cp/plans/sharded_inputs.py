@@ -17,7 +17,6 @@ import zlib
 
 import paddle
 
-from .. import mesh as mesh_lib
 from .. import runtime
 from ..comm import collectives
 from ..comm.fingerprint import fingerprint
@@ -30,9 +29,9 @@ class ShardedInputsCheck:
     """The forward pre-hook of a model whose ContextParallel layers get inputs the script sharded. Made at
     parallelize (collective: the sep groups and the whole mesh's)."""
 
-    def __init__(self, mesh, layers):
-        self.group = mesh_lib.mesh_group(mesh, ["sep"])
-        self.world = mesh_lib.mesh_group(mesh, list(mesh.dim_names))
+    def __init__(self, dims, layers):
+        self.group = dims.sep
+        self.world = dims.world
         self.layers = layers  # the names of the ContextParallel layers, for the error
         self.confirmed = False  # a forward has found the inputs sharded: later forwards are not checked
 
@@ -71,9 +70,9 @@ class ShardedInputsCheck:
         return None
 
 
-def require_sharded_inputs(model, mesh, applications):
+def require_sharded_inputs(model, dims, applications):
     """Refuse, at `model`'s first forward, the same full batch on every sep rank when the plan has ContextParallel
-    layers but nothing splits their inputs (no PrepareContextParallel). Collective (makes the sep groups)."""
+    layers but nothing splits their inputs (no PrepareContextParallel); over the groups of `dims`."""
     if any(isinstance(plan, PrepareContextParallel) for plan, _, _ in applications):
         return
     names = {id(layer): name or "the model" for name, layer in model.named_sublayers(include_self=True)}
@@ -81,4 +80,4 @@ def require_sharded_inputs(model, mesh, applications):
               if isinstance(plan, ContextParallel)]
     if layers:
         more = f" and {len(layers) - 1} more" if len(layers) > 1 else ""
-        model.register_forward_pre_hook(ShardedInputsCheck(mesh, layers[0] + more), with_kwargs=True)
+        model.register_forward_pre_hook(ShardedInputsCheck(dims, layers[0] + more), with_kwargs=True)

@@ -23,9 +23,9 @@ from .base import Plan
 from .column_info import column_info
 from .hook_args import first_tensor, map_first_input, replace_first
 
-def _mp_group(plan, mesh):
-    mesh_lib.require_dim(mesh, "mp", type(plan).__name__)
-    return mesh_lib.mesh_group(mesh, ["mp"])
+def _mp_group(plan, dims):
+    mesh_lib.require_dim(mesh_lib.mesh_of(dims), "mp", type(plan).__name__)
+    return mesh_lib.dims_of(dims).mp
 
 
 class _TensorParallel(Plan):
@@ -61,9 +61,9 @@ class _TensorParallel(Plan):
                 raise ValueError(f"{type(self).__name__}: dim {axis} of {type(layer).__name__}.{name} (size "
                                  f"{length}) is not divisible by mp={size}: choose an mp degree that divides it")
 
-    def _shard_params(self, layer, mesh, param_names):
-        self._check_params(layer, mesh, param_names)
-        group = _mp_group(self, mesh)
+    def _shard_params(self, layer, dims, param_names):
+        self._check_params(layer, mesh_lib.mesh_of(dims), param_names)
+        group = _mp_group(self, dims)
         for name in param_names:
             shard_parameter(getattr(layer, name), self.param_axis(layer, name), group)
 
@@ -99,11 +99,11 @@ class ColWiseParallel(_TensorParallel):
             raise ValueError(f"ColWiseParallel: {type(layer).__name__} out size {weight.shape[1]} is not divisible "
                              f"by mp={size}: choose an mp degree that divides it")
 
-    def apply(self, layer, mesh, param_names=()):
+    def apply(self, layer, dims, param_names=()):
         if not self.on_whole_layer(param_names):
-            return self._shard_params(layer, mesh, param_names)
-        self.check(layer, mesh, param_names)
-        group = _mp_group(self, mesh)
+            return self._shard_params(layer, dims, param_names)
+        self.check(layer, mesh_lib.mesh_of(dims), param_names)
+        group = _mp_group(self, dims)
         info = column_info(layer)
         weight = shard_parameter(layer.weight, 1, group, info.parts)
         bias = getattr(layer, "bias", None)
@@ -205,11 +205,11 @@ class RowWiseParallel(_TensorParallel):
         if weight.shape[0] % size:
             raise ValueError(f"RowWiseParallel: in size {weight.shape[0]} is not divisible by mp={size}")
 
-    def apply(self, layer, mesh, param_names=()):
+    def apply(self, layer, dims, param_names=()):
         if not self.on_whole_layer(param_names):
-            return self._shard_params(layer, mesh, param_names)
-        self.check(layer, mesh, param_names)
-        group = _mp_group(self, mesh)
+            return self._shard_params(layer, dims, param_names)
+        self.check(layer, mesh_lib.mesh_of(dims), param_names)
+        group = _mp_group(self, dims)
         shard_parameter(layer.weight, 0, group)
         bias = {}
 

@@ -16,7 +16,7 @@ def loss_weight(local_tokens, mesh=None):
     unevenly the tokens are split. One all-reduce of a scalar.
     """
     local_tokens = int(local_tokens)
-    group = mesh_lib.mesh_group(mesh_lib.resolve_mesh(mesh), ["dp", "sep"])
+    group = mesh_lib.dims_of(mesh).data
     total = paddle.to_tensor([float(local_tokens)])
     collectives.all_reduce(group, total, tag="loss_weight")
     return local_tokens * group.size / total.item()

@@ -20,15 +20,22 @@ def _alone(group):
     return mesh_lib.MeshGroup((rank,), 0, None)
 
 
+def _dims(mesh):
+    """The ParallelDims of `mesh` (a ParallelDims, a ProcessMesh, or None: the global mesh); a mesh without a
+    sep dim is refused before any group is made."""
+    if not isinstance(mesh, mesh_lib.ParallelDims):
+        mesh_lib.require_dim(mesh_lib.resolve_mesh(mesh), "sep", "context parallelism")
+    return mesh_lib.dims_of(mesh)
+
+
 def resolve_group(mesh=None, group=None):
-    """The context-parallel MeshGroup: `group` (MeshGroup or Paddle Group), else the mesh's `sep` slice."""
+    """The context-parallel MeshGroup: `group` (MeshGroup or Paddle Group), else the mesh's `sep` slice
+    (`mesh`: a ParallelDims, a ProcessMesh, or None for the global mesh)."""
     if group is not None:
         if isinstance(group, mesh_lib.MeshGroup):
             return group
         return mesh_lib.MeshGroup(tuple(group.ranks), group.rank, group)
-    mesh = mesh_lib.resolve_mesh(mesh)
-    mesh_lib.require_dim(mesh, "sep", "context parallelism")
-    return mesh_lib.mesh_group(mesh, ["sep"], p2p=True)
+    return _dims(mesh).with_pairs("sep")
 
 
 def resolve_groups(layout, mesh=None, group=None):
@@ -40,6 +47,5 @@ def resolve_groups(layout, mesh=None, group=None):
         return CPGroups(sep, sep, _alone(sep))
     if group is not None:
         raise ValueError("backend='hybrid' builds its Ulysses and ring groups from the mesh: pass mesh=, not group=")
-    mesh = mesh_lib.resolve_mesh(mesh)
-    ulysses, ring = mesh_lib.split_dim_groups(mesh, "sep", layout.ulysses)
+    ulysses, ring = _dims(mesh).sep_parts(layout.ulysses)
     return CPGroups(sep, ulysses, ring)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import paddle
 from paddle import _C_ops
 
+from ... import runtime
 from ..masks.block_mask import record_work
 
 FP32 = paddle.float32
@@ -95,15 +96,12 @@ def unpacked_lse(lse, b, h, sq):
     return lse.reshape([-1])[: b * h * sq].reshape([b, h, sq])
 
 
-_seed = []
-
-
 def no_dropout_seed():
     """The (seed, offset) = (0, 0) the forward reports without dropout: an int64 [2] tensor, which
     flash_attn_grad requires (None is refused) and takes on the CPU (its kernel registration)."""
-    if not _seed:
-        _seed.append(paddle.to_tensor([0, 0], dtype="int64", place=paddle.CPUPlace()))
-    return _seed[0]
+    if runtime.installed.no_dropout_seed is None:
+        runtime.installed.no_dropout_seed = paddle.to_tensor([0, 0], dtype="int64", place=paddle.CPUPlace())
+    return runtime.installed.no_dropout_seed
 
 
 def _rescale(x, scale):

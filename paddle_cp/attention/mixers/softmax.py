@@ -8,26 +8,26 @@ in paddle_cp/integrations/paddleformers/models.py), which parallelize refuses ou
 """
 from __future__ import annotations
 
+from ... import runtime
 from .. import adapters
 from ..dispatch import routing
 from .base import TokenMixer
-
-_ATTENTION_CLASSES = []  # predicates on a layer's class: is it a softmax-attention module of a model library
 
 
 def register_attention_class(predicate):
     """Claim as softmax attention every layer whose class `predicate(cls)` accepts."""
     if not callable(predicate):
         raise TypeError(f"register_attention_class takes a predicate on a class, got {predicate!r}")
-    if predicate not in _ATTENTION_CLASSES:
-        _ATTENTION_CLASSES.append(predicate)
+    predicates = runtime.installed.attention_classes  # is it a softmax-attention module of a model library
+    if predicate not in predicates:
+        predicates.append(predicate)
 
 
 class SoftmaxAttention(TokenMixer):
     name = "softmax attention"
 
     def claims(self, layer):
-        return any(predicate(type(layer)) for predicate in _ATTENTION_CLASSES)
+        return any(predicate(type(layer)) for predicate in runtime.installed.attention_classes)
 
     def _route(self, layer, plan):
         adapters.install(layer)
