@@ -24,7 +24,7 @@ from ..attention.layout.exchange_plan import ExchangePlan, exchange_bytes
 from ..cost.links import LinkCost, Links
 from ..attention.masks.block_mask import Documents
 from ..cost.tiles import TILE
-from .attention_cost import degrees
+from ..cost.attention import degrees
 from .text import ruled_table
 
 COMPARED = ("chosen", "chunks", "whole", "tiles", "across")

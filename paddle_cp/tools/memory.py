@@ -39,7 +39,7 @@ from paddle_cp.tools import memory_layouts
 from paddle_cp.tools.allocator import allocated, peak, reset_peak
 from paddle_cp.tools.launcher import launch, progress
 from paddle_cp.tools.plan_config import model_config
-from paddle_cp.tools.plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
+from paddle_cp.cost.candidate import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
 from paddle_cp.tools.text import ruled_table, show
 from paddle_cp.tools.units import tokens
 

@@ -2,7 +2,7 @@
 
     pcp-memory --layouts "dp2 ring2 l3@dp" "tp2 ring2" "pp2 ring2 m2" --seq 1024 --json out.json
 
-Each layout is named as pcp-plan names it (plan_layout.Layout.parse) and must use the same number of
+Each layout is named as pcp-plan names it (cost/candidate.py's Layout.parse) and must use the same number of
 ranks; one launch of that many CPU ranks trains pcp-memory's PaddleFormers Llama (its size flags, fp32,
 unfused RMSNorm) one step per layout and length, with the config pcp-plan writes for the layout
 (plan_config: the parallelize YAML and the PaddleFormers fields), and reports per rank, the largest over
@@ -10,15 +10,15 @@ ranks, what pcp-memory reports (params, optimizer, activations, logits, peak; a 
 forward and backward inside one call, so it has a peak only) and the host memory held: for `offload`
 layouts the most bytes OffloadRecomputeInputs kept there at once, for `host-optimizer` ones the optimizer state
 (dp_config offload_optimizer) after the step. The launching process puts the planner's
-estimate for the same layout (memory_model.memory, fp32) beside each figure and their ratio.
+estimate for the same layout (cost/memory.py's memory, fp32) beside each figure and their ratio.
 """
 from __future__ import annotations
 
 import argparse
 
-from paddle_cp.tools.memory_model import measured_parts, memory
-from paddle_cp.tools.model_shape import ModelShape
-from paddle_cp.tools.plan_layout import Layout
+from paddle_cp.cost.memory import measured_parts, memory
+from paddle_cp.cost.model_shape import ModelShape
+from paddle_cp.cost.candidate import Layout
 from paddle_cp.tools.text import ruled_table
 
 PARTS = ("params", "optimizer", "activations", "logits", "peak", "host")

@@ -6,7 +6,7 @@ import sys
 import pytest
 from launcher import run_tool
 
-from paddle_cp.tools import attention_cost
+from paddle_cp.cost import attention as attention_cost
 
 METRICS = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
 

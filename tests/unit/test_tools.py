@@ -9,11 +9,12 @@ from typing import NamedTuple
 import pytest
 
 from paddle_cp.api.config import load_config
-from paddle_cp.tools import attention_cost, bench, bench_pp, memory, plan, selftest
+from paddle_cp.cost import attention as attention_cost
+from paddle_cp.tools import bench, bench_pp, memory, plan, selftest
 from paddle_cp.integrations.paddleformers import cli
-from paddle_cp.tools.memory_model import memory as memory_estimate
-from paddle_cp.tools.model_shape import ModelShape
-from paddle_cp.tools.plan_layout import Layout
+from paddle_cp.cost.memory import memory as memory_estimate
+from paddle_cp.cost.model_shape import ModelShape
+from paddle_cp.cost.candidate import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
