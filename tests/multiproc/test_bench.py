@@ -1,4 +1,4 @@
-"""pcp-bench (paddle_cp/tools/bench.py) run for real on CPU ranks, and the planner checked against what it measures."""
+"""pcp-bench (paddle_cp/tools/bench/cli.py) run for real on CPU ranks, and the planner checked against what it measures."""
 import json
 import math
 import sys

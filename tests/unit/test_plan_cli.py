@@ -6,7 +6,7 @@ import json
 import pytest
 
 from paddle_cp.cost import search
-from paddle_cp.tools import plan
+from paddle_cp.tools.plan import cli as plan
 from paddle_cp.cost.model_shape import ModelShape
 from paddle_cp.cost.candidate import DEFAULT_RESERVE, Cluster
 from paddle_cp.tools.units import format_tokens, tokens

@@ -8,10 +8,10 @@ import yaml
 
 from paddle_cp.api.config import load_config
 from paddle_cp.cost import search
-from paddle_cp.tools import plan
+from paddle_cp.tools.plan import cli as plan
 from paddle_cp.cost.memory import activations, logits, memory, stage_params
 from paddle_cp.cost.model_shape import ModelShape
-from paddle_cp.tools.plan_config import model_config, parallelize_config
+from paddle_cp.tools.plan.config import model_config, parallelize_config
 from paddle_cp.cost.candidate import DEFAULT_RESERVE, Cluster, Layout
 from paddle_cp.cost.step_time import step_time
 

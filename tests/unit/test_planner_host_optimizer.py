@@ -8,7 +8,7 @@ import yaml
 
 from paddle_cp.api.config import load_config
 from paddle_cp.cost import search
-from paddle_cp.tools import plan
+from paddle_cp.tools.plan import cli as plan
 from paddle_cp.cost.memory import FP32, MOMENTS_BYTES, memory, recompute_inputs
 from paddle_cp.cost.model_shape import ModelShape
 from paddle_cp.cost.candidate import Cluster, Layout

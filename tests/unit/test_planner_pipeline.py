@@ -5,7 +5,7 @@ from paddle_cp.api.config import load_config
 from paddle_cp.cost import search
 from paddle_cp.cost.memory import in_flight, memory, stage_memory
 from paddle_cp.cost.model_shape import ModelShape
-from paddle_cp.tools.plan_config import parallelize_config
+from paddle_cp.tools.plan.config import parallelize_config
 from paddle_cp.cost.candidate import Cluster, Layout
 
 MODEL = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000, intermediate=11008)

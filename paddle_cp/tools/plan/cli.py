@@ -25,10 +25,10 @@ from paddle_cp.cost import search
 from paddle_cp.tools import packing
 from paddle_cp.cost.attention import PackedRow
 from paddle_cp.cost.model_shape import ModelShape
-from paddle_cp.tools.plan_config import (gpu_attention_fields, kernel_fields, model_config, parallelize_config,
+from paddle_cp.tools.plan.config import (gpu_attention_fields, kernel_fields, model_config, parallelize_config,
                                          rotary_note, trainer_arguments)
 from paddle_cp.cost.candidate import DEFAULT_RESERVE, Cluster, Layout
-from paddle_cp.tools.recipes import closest
+from paddle_cp.tools.plan.recipes import closest
 from paddle_cp.tools.text import ruled_table
 from paddle_cp.tools.units import UNITS_HELP, format_tokens, tokens
 

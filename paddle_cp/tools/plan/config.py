@@ -7,8 +7,8 @@ integrations/paddleformers/plans.py, which derives the same plans from a built m
 """
 from __future__ import annotations
 
-from ..cost.memory import fuses
-from ..cost.candidate import RECOMPUTE_FULL, SHARD_DIMS
+from ...cost.memory import fuses
+from ...cost.candidate import RECOMPUTE_FULL, SHARD_DIMS
 
 
 def parallelize_config(layout, model_prefix="model"):

@@ -1,8 +1,8 @@
 """Benchmark context-parallel attention against one process doing the whole sequence.
 
     pcp-bench --nproc 2 --seq 2048 --backend p2p --causal --json out.json
-    pcp-bench --mixer gated_deltanet --nproc 2 4 --seq 2048    (a Gated DeltaNet layer: tools/bench_gdn.py)
-    pcp-bench --planning --nproc 8 --seq 131072 --documents lognormal   (host planning: tools/bench_planning.py)
+    pcp-bench --mixer gated_deltanet --nproc 2 4 --seq 2048    (a Gated DeltaNet layer: bench/gdn.py)
+    pcp-bench --planning --nproc 8 --seq 131072 --documents lognormal   (host planning: bench/planning.py)
 
 Launches N CPU ranks itself (`python -m paddle.distributed.launch`, one thread per
 rank), or runs as one of them when started inside a launch (PADDLE_TRAINER_ID set).
@@ -62,7 +62,7 @@ layouts, `chunks` (2N equal chunks) beside `documents` (balanced by work):
   `efficiency_same_kernel`).
 
 With `--documents` it also prints (and writes under `gpu_model`) the GPU tile model's figures for the same
-batches, no GPU needed (tools/gpu_layouts.py): the chosen layout beside 2R chunks and the whole-document
+batches, no GPU needed (bench/gpu_layouts.py): the chosen layout beside 2R chunks and the whole-document
 layout, predicted slowest-rank ms, tiles, tokens per rank, kernel calls per ring pass and host planning ms.
 Then each layout's predicted step with its planned k/v exchange priced on the links (cost/links.py),
 within one node and across nodes of `--ranks-per-node` ranks (default 1): the choice by tiles alone, the
@@ -505,8 +505,8 @@ def _config(args):
 
 
 def gpu_model(args):
-    """The tile model's rows (tools/gpu_layouts.py) for every length and backend of a --documents run."""
-    from paddle_cp.tools import gpu_layouts
+    """The tile model's rows (bench/gpu_layouts.py) for every length and backend of a --documents run."""
+    from paddle_cp.tools.bench import gpu_layouts
 
     rows = []
     for seq in args.seq:
@@ -530,7 +530,7 @@ def _kv_row_bytes(args, backend):
 
 
 def table(result):
-    from paddle_cp.tools import gpu_layouts
+    from paddle_cp.tools.bench import gpu_layouts
     from paddle_cp.tools.text import ruled_table  # here: the ranks run this file as a script
 
     documents = result["config"]["documents"] is not None
@@ -597,13 +597,13 @@ def main(argv=None):
     mixer.add_argument("--mixer", choices=["attention", "gated_deltanet"], default="attention")
     mixer.add_argument("--planning", action="store_true")
     chosen, rest = mixer.parse_known_args(argv)
-    if chosen.planning:  # host time to plan one layer's attention, no launch (tools/bench_planning.py)
-        from paddle_cp.tools import bench_planning
+    if chosen.planning:  # host time to plan one layer's attention, no launch (bench/planning.py)
+        from paddle_cp.tools.bench import planning as bench_planning
 
         bench_planning.main(rest)
         return
-    if chosen.mixer == "gated_deltanet":  # a Gated DeltaNet layer instead (tools/bench_gdn.py)
-        from paddle_cp.tools import bench_gdn
+    if chosen.mixer == "gated_deltanet":  # a Gated DeltaNet layer instead (bench/gdn.py)
+        from paddle_cp.tools.bench import gdn as bench_gdn
 
         bench_gdn.main(rest)
         return
