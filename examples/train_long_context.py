@@ -129,9 +129,9 @@ def work_imbalance(prepare, mesh, position_ids):
 
 def predicted_gpu_ms(position_ids, world):
     """{layout: ms} of the slowest rank's attention (forward + backward of one layer) on an H200, as the
-    GPU tile model prices this batch (paddle_cp/tools/gpu_layouts.py; no GPU runs): the layout the plan
+    GPU tile model prices this batch (paddle_cp/tools/bench/gpu_layouts.py; no GPU runs): the layout the plan
     chose, 2N equal chunks and whole documents."""
-    from paddle_cp.tools.gpu_layouts import layout_rows
+    from paddle_cp.tools.bench.gpu_layouts import layout_rows
 
     rows = {row["layout"]: row for row in layout_rows(position_ids.numpy(), "p2p", world)}
     print(f"predicted GPU attention per layer (tile model, H200 fwd+bwd; no GPU ran): slowest rank "

@@ -4,7 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paddle_cp.tools.bench_pp import main  # noqa: E402
+from paddle_cp.tools.bench.pp import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

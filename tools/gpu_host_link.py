@@ -1,6 +1,6 @@
 """What host offload costs on a real GPU: the link and the host, measured (PyTorch; the GPU machine has no Paddle).
 
-The planner (paddle_cp/tools/step_time.py) prices two host offloads: a recomputed layer's inputs copied out during
+The planner (paddle_cp/cost/step_time.py) prices two host offloads: a recomputed layer's inputs copied out during
 its forward and back before its backward (OffloadRecomputeInputs), and the optimizer stepped on the host
 (`dp_config offload_optimizer`: gradients out, the host's AdamW, new weights back). This measures what those
 terms assume, on one GPU of the machine it runs on:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paddle_cp.tools.plan import main  # noqa: E402
+from paddle_cp.tools.plan.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -66,10 +66,16 @@ def progress(message, script=None):
 
 
 def tool_name(script=None):
-    """'bench', 'selftest', 'bench-pp', 'memory-layouts': `script` (by default the running one, which is pytest's
-    where a test calls `launch`), as its pcp-* command is spelt."""
-    stem = Path(script or sys.argv[0]).stem
-    return stem.removeprefix("pcp-") if stem.startswith("pcp-") else stem.replace("_", "-")
+    """'bench', 'selftest', 'bench-pp', 'memory-experts': `script` (by default the running one, which is pytest's
+    where a test calls `launch`), as its pcp-* command is spelt: a part of a tool's folder under its folder's name
+    (bench/pp.py: 'bench-pp'; bench/cli.py and bench/__main__.py: 'bench')."""
+    path = Path(script or sys.argv[0])
+    if path.stem.startswith("pcp-"):
+        return path.stem.removeprefix("pcp-")
+    stem = path.stem
+    if path.parent.parent.name == "tools":
+        stem = path.parent.name if stem in ("cli", "__main__") else f"{path.parent.name}_{stem}"
+    return stem.replace("_", "-")
 
 
 # ---- the launching side -----------------------------------------------------------

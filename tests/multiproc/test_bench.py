@@ -1,4 +1,4 @@
-"""pcp-bench (paddle_cp/tools/bench.py) run for real on CPU ranks, and the planner checked against what it measures."""
+"""pcp-bench (paddle_cp/tools/bench/cli.py) run for real on CPU ranks, and the planner checked against what it measures."""
 import json
 import math
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 from launcher import run_tool
 
-from paddle_cp.tools import attention_cost
+from paddle_cp.cost import attention as attention_cost
 
 METRICS = ("efficiency", "kernel_util", "balance", "bytes_ratio", "mem_ratio")
 

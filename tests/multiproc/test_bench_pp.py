@@ -1,4 +1,4 @@
-"""pcp-bench-pp (paddle_cp/tools/bench_pp.py) run for real on 2 CPU ranks: stage-to-stage bytes are
+"""pcp-bench-pp (paddle_cp/tools/bench/pp.py) run for real on 2 CPU ranks: stage-to-stage bytes are
 exactly the formula's, bubbles are fractions next to their formula, every stage reports its memory."""
 import json
 import sys
@@ -10,7 +10,7 @@ from launcher import run_tool
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_pp") / "out.json"
-    cmd = [sys.executable, "-m", "paddle_cp.tools.bench_pp", "--nproc", "2", "--micro", "2", "4", "--steps", "1",
+    cmd = [sys.executable, "-m", "paddle_cp.tools.bench.pp", "--nproc", "2", "--micro", "2", "4", "--steps", "1",
            "--layers", "4", "--hidden", "32", "--seq", "8", "--json", str(out)]
     proc = run_tool(cmd, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from launcher import WORKERS, launch_once, run_tool
 
-from paddle_cp.tools.io_phases import bound
+from paddle_cp.tools.memory.io_phases import bound
 
 pytest.importorskip("paddleformers")
 

@@ -83,10 +83,10 @@ PEAK_FACTOR = 1.25
 
 
 def _assert_planner_estimates(cases, small_model):
-    from paddle_cp.tools import memory
-    from paddle_cp.tools.memory_layouts import model_shape
-    from paddle_cp.tools.memory_model import measured_parts, memory as estimate
-    from paddle_cp.tools.plan_layout import Layout
+    from paddle_cp.tools.memory import cli as memory
+    from paddle_cp.tools.memory.layouts import model_shape
+    from paddle_cp.cost.memory import measured_parts, memory as estimate
+    from paddle_cp.cost.candidate import Layout
 
     args = memory.parse_args(small_model)
     for case in cases:

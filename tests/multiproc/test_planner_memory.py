@@ -79,9 +79,9 @@ def test_offload_removes_saved_layer_inputs_from_the_device_as_estimated(tmp_pat
     # both measured peaks are in a layer's backward (the one phase offload changes); the estimate's own peak
     # moves to the optimizer step, its layer backward being ~3 MiB under the measured one in both layouts (the
     # CPU attention kernel's [q, k] blocks, which GPU flash attention does not hold): compared phase by phase
-    from paddle_cp.tools.memory_model import memory
-    from paddle_cp.tools.model_shape import ModelShape
-    from paddle_cp.tools.plan_layout import Layout
+    from paddle_cp.cost.memory import memory
+    from paddle_cp.cost.model_shape import ModelShape
+    from paddle_cp.cost.candidate import Layout
 
     shape = ModelShape(layers=32, hidden=64, heads=2, kv_heads=1, vocab=256, intermediate=32, tied_embeddings=True)
     phase = {name: memory(shape, Layout.parse(name), 1024, 1, 4)["phases"]["layer_backward"]

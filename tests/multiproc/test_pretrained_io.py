@@ -8,7 +8,7 @@ import numpy as np
 
 from launcher import WORKERS, launch
 
-from paddle_cp.tools.io_phases import MIB, bound
+from paddle_cp.tools.memory.io_phases import MIB, bound
 
 sys.path.insert(0, str(WORKERS))
 from pretrained_io import CASES, SIZES, load_reference, model_class, save_reference  # noqa: E402

@@ -4,7 +4,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from paddle_cp.attention.kernels import BlockwiseKernel, FlashKernel, choose_kernel_name, local_attention
+from paddle_cp.attention.kernels import BlockwiseKernel, FlashKernel, local_attention
 from paddle_cp.attention.masks.block_mask import BlockMask, Documents
 from paddle_cp.attention.algorithms.merge import merge
 
@@ -28,7 +28,7 @@ def test_masks_skip_tiles_no_query_sees():
     causal = BlockMask(np.arange(4, 8), np.arange(0, 4), causal=True)
     assert causal.classify((0, 4), (0, 4)) == "all"
     assert BlockMask(np.arange(8), np.arange(8), causal=True).classify((0, 8), (0, 8)) == "diagonal"
-    assert FlashKernel.supports(causal) and not FlashKernel.supports(
+    assert FlashKernel.expresses(causal) and not FlashKernel.expresses(
         BlockMask(np.arange(8), np.arange(8), causal=True, documents=docs))
 
 
@@ -66,24 +66,14 @@ def test_merge_equals_attention_over_both_blocks():
     np.testing.assert_allclose(out.numpy(), whole.numpy(), atol=1e-6)
 
 
-def test_kernel_dispatch_rule():
-    assert choose_kernel_name(True, paddle.bfloat16, True) == "flash"
-    assert choose_kernel_name(True, paddle.float16, True) == "flash"
-    assert choose_kernel_name(True, paddle.float32, True) == "blockwise"
-    assert choose_kernel_name(True, paddle.bfloat16, False) == "blockwise"
-    assert choose_kernel_name(False, paddle.bfloat16, True) == "blockwise"
-    assert choose_kernel_name(True, paddle.bfloat16, True, mask_fits_flash=False) == "blockwise"
-    assert choose_kernel_name(True, paddle.bfloat16, True, same_head_dims=False) == "blockwise"  # MLA
-
-
 def test_flash_takes_no_tile_a_window_or_padding_cuts():
     """Tiles a window or padding cuts are neither empty, full nor plain causal: the blockwise kernel's."""
-    assert FlashKernel.supports(BlockMask(np.arange(8), np.arange(8), causal=True))
-    assert not FlashKernel.supports(BlockMask(np.arange(8), np.arange(8), causal=True, window=3))
-    assert FlashKernel.supports(BlockMask(np.arange(8), np.arange(8), causal=True, window=8))  # never bites
+    assert FlashKernel.expresses(BlockMask(np.arange(8), np.arange(8), causal=True))
+    assert not FlashKernel.expresses(BlockMask(np.arange(8), np.arange(8), causal=True, window=3))
+    assert FlashKernel.expresses(BlockMask(np.arange(8), np.arange(8), causal=True, window=8))  # never bites
     padded = np.ones((1, 8), bool)
     padded[0, 6:] = False
-    assert not FlashKernel.supports(BlockMask(np.arange(8), np.arange(8), causal=True, valid=padded))
+    assert not FlashKernel.expresses(BlockMask(np.arange(8), np.arange(8), causal=True, valid=padded))
 
 
 def test_window_and_padding_visibility():

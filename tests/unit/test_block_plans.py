@@ -8,7 +8,8 @@ from paddle_cp.attention.dispatch.api import ring_masks
 from paddle_cp.attention.layout.batch_plans import BatchPlans
 from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 from paddle_cp.attention.masks.block_mask import BlockMask, Documents
-from paddle_cp.tools import bench_planning, packing
+from paddle_cp.tools import packing
+from paddle_cp.tools.bench import planning as bench_planning
 
 SEQ = 97
 

@@ -4,8 +4,8 @@ from typing import NamedTuple
 import pytest
 import yaml
 
-from paddle_cp.tools.plan_config import parallelize_config
-from paddle_cp.tools.plan_layout import Layout
+from paddle_cp.tools.plan.config import parallelize_config
+from paddle_cp.cost.candidate import Layout
 from paddle_cp.api.config import known_plans, load_config
 from paddle_cp.plans import ContextParallel, PrepareContextParallel
 

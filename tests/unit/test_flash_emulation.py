@@ -11,6 +11,8 @@ from workers import emulated_flash
 from paddle_cp.attention import kernels
 from paddle_cp.attention.masks.block_mask import BlockMask, Documents
 
+KERNEL = {kernel.name: kernel for kernel in kernels.KERNELS}
+
 BF16_TOL = emulated_flash.RELATIVE_TOLERANCE[paddle.bfloat16]
 
 
@@ -103,7 +105,7 @@ def test_flash_kernel_runs_on_cpu_under_the_emulation(emulated_gpu):
         inputs = [t.detach() for t in (q, k, v)]
         for t in inputs:
             t.stop_gradient = False
-        out = kernels.local_attention(*inputs, True, 0.3, kernel=kernels._KERNELS[name]())
+        out = kernels.local_attention(*inputs, True, 0.3, kernel=KERNEL[name]())
         results[name] = [out, *paddle.grad([out], inputs, [paddle.ones_like(out)])]
     for got, want in zip(results["flash"], results["blockwise"]):
         assert _relative(got, want) < BF16_TOL
@@ -177,7 +179,7 @@ def test_flashmask_kernel_matches_blockwise_where_documents_cut_tiles(emulated_g
             inputs = [t.detach() for t in (q, k, v)]
             for t in inputs:
                 t.stop_gradient = False
-            out = kernels.local_attention(*inputs, True, 0.3, kernel=kernels._KERNELS[kernel](), mask=mask)
+            out = kernels.local_attention(*inputs, True, 0.3, kernel=KERNEL[kernel](), mask=mask)
             results[kernel] = [out, *paddle.grad([out], inputs, [paddle.ones_like(out)])]
         for got, want in zip(results["flashmask"], results["blockwise"]):
             assert _relative(got, want) < BF16_TOL, name
@@ -188,20 +190,6 @@ def test_flashmask_kernel_matches_blockwise_where_documents_cut_tiles(emulated_g
     assert isinstance(kernels.select_kernel(q, v, BlockMask(positions, positions, True)), kernels.FlashKernel)
     dense = BlockMask(positions, positions, False, dense=paddle.to_tensor(np.tri(seq, k=-3, dtype=bool)[None, None]))
     assert isinstance(kernels.select_kernel(q, v, dense), kernels.BlockwiseKernel)
-
-
-@pytest.mark.parametrize("args, name", [
-    ((True, paddle.bfloat16, True, True, True, True, True), "flash"),
-    ((True, paddle.bfloat16, True, False, True, True, True), "flashmask"),  # documents cut a tile
-    ((True, paddle.float16, True, False, True, False, True), "blockwise"),  # no flashmask op in the build
-    ((True, paddle.bfloat16, True, False, True, True, False), "blockwise"),  # a dense mask
-    ((True, paddle.bfloat16, True, False, False, True, True), "blockwise"),  # MLA: v's head dim differs
-    ((True, paddle.float32, True, False, True, True, True), "blockwise"),  # fp32
-    ((False, paddle.bfloat16, True, False, True, True, True), "blockwise"),  # CPU
-    ((True, paddle.bfloat16, False, True, True, False, True), "blockwise"),  # no flash op at all
-])
-def test_dispatch_rule(args, name):
-    assert kernels.choose_kernel_name(*args) == name
 
 
 def test_tiles_gather_short_runs_and_flashmask_takes_them(emulated_gpu):
@@ -230,7 +218,7 @@ def test_tiles_gather_short_runs_and_flashmask_takes_them(emulated_gpu):
         inputs = [t.detach() for t in (q, k, v)]
         for t in inputs:
             t.stop_gradient = False
-        out = kernels.local_attention(*inputs, True, 0.25, kernel=kernels._KERNELS[kernel](), mask=mask)
+        out = kernels.local_attention(*inputs, True, 0.25, kernel=KERNEL[kernel](), mask=mask)
         results[name] = [out, *paddle.grad([out], inputs, [paddle.ones_like(out)])]
     assert len(mask.q_runs()) > len(RingMasks(groups, 0, True, documents, fragment=16).block(1).q_tiles())
     for name in ("flashmask", "blockwise"):

@@ -1,4 +1,4 @@
-"""paddle_cp/tools/grad_bytes.py: gradient-reduction bytes per step from paddle_cp's bucket plan, fp32 master
+"""paddle_cp/tools/memory/grad_bytes.py: gradient-reduction bytes per step from paddle_cp's bucket plan, fp32 master
 gradients against bf16 ones, on a tiny PaddleFormers Llama built lazily from its config.json."""
 import json
 import math
@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("paddleformers")
 
 from paddle_cp.data_parallel.buckets import MB  # noqa: E402
-from paddle_cp.tools import grad_bytes  # noqa: E402
+from paddle_cp.tools.memory import grad_bytes  # noqa: E402
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from paddle_cp.tools import plan, planner
-from paddle_cp.tools.model_shape import ModelShape
-from paddle_cp.tools.plan_layout import DEFAULT_RESERVE, Cluster
+from paddle_cp.cost import search
+from paddle_cp.tools.plan import cli as plan
+from paddle_cp.cost.model_shape import ModelShape
+from paddle_cp.cost.candidate import DEFAULT_RESERVE, Cluster
 from paddle_cp.tools.units import format_tokens, tokens
 
 QWEN25_7B = ["--layers", "28", "--hidden", "3584", "--heads", "28", "--kv-heads", "4", "--intermediate", "18944",
@@ -75,7 +76,7 @@ def test_max_seq_of_qwen25_7b_keeps_the_reserve_free(tmp_path, capsys):
 def test_no_fit_uses_more_than_memory_less_the_reserve(reserve):
     model = ModelShape(layers=28, hidden=3584, heads=28, kv_heads=4, vocab=152064, intermediate=18944)
     cluster = Cluster(8, 80e9, 700e12, 300e9, 25e9, 8, 300e12, reserve=reserve)
-    seq, ranked = planner.longest_sequence(model, cluster, 65536)
+    seq, ranked = search.longest_sequence(model, cluster, 65536)
     fits = [e for e in ranked if e["fits"]]
     assert seq and fits and all(e["memory_total"] <= 80e9 - reserve for e in fits)
-    assert any(e["memory_total"] > 80e9 - reserve for e in planner.rank_layouts(model, cluster, seq + 65536))
+    assert any(e["memory_total"] > 80e9 - reserve for e in search.rank_layouts(model, cluster, seq + 65536))

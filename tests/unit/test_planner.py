@@ -7,12 +7,13 @@ import pytest
 import yaml
 
 from paddle_cp.api.config import load_config
-from paddle_cp.tools import plan, planner
-from paddle_cp.tools.memory_model import activations, logits, memory, stage_params
-from paddle_cp.tools.model_shape import ModelShape
-from paddle_cp.tools.plan_config import model_config, parallelize_config
-from paddle_cp.tools.plan_layout import DEFAULT_RESERVE, Cluster, Layout
-from paddle_cp.tools.step_time import step_time
+from paddle_cp.cost import search
+from paddle_cp.tools.plan import cli as plan
+from paddle_cp.cost.memory import activations, logits, memory, stage_params
+from paddle_cp.cost.model_shape import ModelShape
+from paddle_cp.tools.plan.config import model_config, parallelize_config
+from paddle_cp.cost.candidate import DEFAULT_RESERVE, Cluster, Layout
+from paddle_cp.cost.step_time import step_time
 
 # Meta's published config.json values
 LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
@@ -104,9 +105,9 @@ def test_recomputation_keeps_layer_inputs_and_selective_modules_follow_the_famil
     assert model_config(Layout(recompute="full")) == {"recompute_granularity": "full", "recompute_method": "uniform",
                                                       "recompute_num_layers": 1}
     moe = ModelShape.from_config(QWEN3_MOE)
-    assert planner.recompute_options(SMALL, 1) == ["none", "full"]  # PaddleFormers' Llama: full layers only
-    assert {"core_attn", "mlp", "full_attn+mlp"} <= set(planner.recompute_options(moe, 1))
-    assert planner.recompute_options(moe, 2) == ["none"]  # its recompute refuses a pipeline stage's inputs
+    assert search.recompute_options(SMALL, 1) == ["none", "full"]  # PaddleFormers' Llama: full layers only
+    assert {"core_attn", "mlp", "full_attn+mlp"} <= set(search.recompute_options(moe, 1))
+    assert search.recompute_options(moe, 2) == ["none"]  # its recompute refuses a pipeline stage's inputs
     mlp = memory(moe, Layout(ring=2, recompute="mlp"), 8192, 1, 2)
     assert mlp["activations"] < memory(moe, Layout(ring=2), 8192, 1, 2)["activations"]
     assert model_config(Layout(recompute="core_attn+mlp"))["recompute_modules"] == ["core_attn", "mlp"]
@@ -118,7 +119,7 @@ def test_chunked_loss_holds_a_chunk_and_runs_without_tensor_parallel_only():
     chunked_held, chunked_backward = logits(SMALL, Layout(ring=2, loss_chunk=512), 8192, 1, 0)
     assert chunked_held == 0 and chunked_backward < backward
     assert logits(SMALL, Layout(ring=2, loss_chunk=4096), 8192, 1, 0) == (held, backward)  # not longer than the chunk
-    found = list(planner.candidates(SMALL, 8, 8192, 8, loss_chunk=512))
+    found = list(search.candidates(SMALL, 8, 8192, 8, loss_chunk=512))
     assert any(c.loss_chunk for c in found) and not any(c.loss_chunk and c.tp > 1 for c in found)
 
 
@@ -137,7 +138,7 @@ def test_experts_divide_over_ep_and_their_replicas():
     assert config["ep_config"] == {"degree": 4, "parallelize_plan": {"model.layers.*.mlp": "ExpertParallel"}}
     cluster = Cluster(8, 80e9, 400e12, 300e9, 25e9, 8)
     assert step_time(moe, Layout(dp=2, ring=2, ep=4), cluster, 4096, 1, 2)["expert_all_to_all"] > 0
-    assert {c.ep for c in planner.candidates(moe, 8, 4096, 8)} == {1, 2, 4, 8}
+    assert {c.ep for c in search.candidates(moe, 8, 4096, 8)} == {1, 2, 4, 8}
     with pytest.raises(ValueError, match="multi-head latent attention"):
         ModelShape.from_config({**QWEN3_MOE, "kv_lora_rank": 512})
 
@@ -171,13 +172,13 @@ def test_packed_documents_price_attention_by_the_gpu_tile_model():
 
     from paddle_cp.cost.tiles import tile_counts
     from paddle_cp.tools import packing
-    from paddle_cp.tools.attention_cost import PackedRow, attention_flops
+    from paddle_cp.cost.attention import attention_flops
 
     cluster = Cluster(8, 80e9, 400e12, 300e9, 25e9, 8)
     layout = Layout(dp=2, ring=4, ulysses=1, tp=1, pp=1)
     seq = 32768
-    one = PackedRow(np.arange(seq))
-    short = PackedRow(packing.batches("lognormal", seq, 1, 1)[0][0])
+    one = plan.packed_row(np.arange(seq))
+    short = plan.packed_row(packing.batches("lognormal", seq, 1, 1)[0][0])
     times = {name: step_time(SMALL, layout, cluster, seq, 1, 2, packed=row) for name, row in (("one", one),
                                                                                              ("short", short))}
     plain = step_time(SMALL, layout, cluster, seq, 1, 2)
@@ -239,7 +240,7 @@ def test_max_seq_plans_llama3_8b_beyond_alst_on_8_gpus_of_80_gb(tmp_path, capsys
     best = result["best"]
     assert best["fits"] and best["memory_total"] <= 80e9 and best["host_per_node"] <= 2000e9
     assert best["layout"]["offload"] and best["layout"]["mlp_tile"] and best["layout"]["recompute"] == "full"
-    longer = planner.rank_layouts(ModelShape.from_config(LLAMA3_8B), Cluster(8, 80e9, 700e12, 300e9, 25e9, 8, 300e12),
+    longer = search.rank_layouts(ModelShape.from_config(LLAMA3_8B), Cluster(8, 80e9, 700e12, 300e9, 25e9, 8, 300e12),
                                   result["seq"] + 65536, fused=True)
     assert not longer[0]["fits"]  # one step longer fits no layout
     path = tmp_path / "layout.yaml"

@@ -7,11 +7,12 @@ import pytest
 import yaml
 
 from paddle_cp.api.config import load_config
-from paddle_cp.tools import plan, planner
-from paddle_cp.tools.memory_model import FP32, MOMENTS_BYTES, memory, recompute_inputs
-from paddle_cp.tools.model_shape import ModelShape
-from paddle_cp.tools.plan_layout import Cluster, Layout
-from paddle_cp.tools.step_time import step_time
+from paddle_cp.cost import search
+from paddle_cp.tools.plan import cli as plan
+from paddle_cp.cost.memory import FP32, MOMENTS_BYTES, memory, recompute_inputs
+from paddle_cp.cost.model_shape import ModelShape
+from paddle_cp.cost.candidate import Cluster, Layout
+from paddle_cp.cost.step_time import step_time
 
 LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
              "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False}
@@ -48,22 +49,22 @@ def test_host_memory_per_node_holds_the_optimizer_and_host_memory_gb_limits_it()
     layout = Layout(ring=8, sharding=3, recompute="full", mlp_tile=4096, offload=True, offload_optimizer=True,
                     loss_chunk=4096)
     seq = 3_800 * 1024
-    found = planner.estimate(MODEL, layout, CLUSTER, seq, fused=GPU_NORM)
+    found = search.estimate(MODEL, layout, CLUSTER, seq, fused=GPU_NORM)
     inputs = MODEL.layers * recompute_inputs(MODEL, layout, seq / 8, 2)
     optimizer = MODEL.params / 8 * (MOMENTS_BYTES + FP32)  # two fp32 moments and an fp32 copy
     assert found["host_per_node"] == pytest.approx(8 * (inputs + optimizer))
     assert found["memory"]["optimizer"] == 0
     small = Cluster(**{**vars(CLUSTER), "host_memory": found["host_per_node"] - 1e9})
-    assert found["fits"] and not planner.estimate(MODEL, layout, small, seq, fused=GPU_NORM)["fits"]
+    assert found["fits"] and not search.estimate(MODEL, layout, small, seq, fused=GPU_NORM)["fits"]
 
 
 def test_candidates_include_the_host_optimizer_at_every_level_and_rank_it_last():
-    found = list(planner.candidates(MODEL, 8, 1 << 20, 8))
+    found = list(search.candidates(MODEL, 8, 1 << 20, 8))
     assert {c.sharding for c in found if c.offload_optimizer} == {0, 1, 2, 3}
-    assert not any(c.offload_optimizer for c in planner.candidates(MODEL, 8, 1 << 20, 8, offload_optimizer=False))
+    assert not any(c.offload_optimizer for c in search.candidates(MODEL, 8, 1 << 20, 8, offload_optimizer=False))
 
     def chosen(seq):
-        ranked = planner.rank_layouts(MODEL, CLUSTER, seq, fused=GPU_NORM)
+        ranked = search.rank_layouts(MODEL, CLUSTER, seq, fused=GPU_NORM)
         return ranked, [e for e in ranked if e["fits"]]
 
     # short: nothing saves memory; 3.0M: tiles and offload fit without the host optimizer; 3.8M: only with it
@@ -73,7 +74,7 @@ def test_candidates_include_the_host_optimizer_at_every_level_and_rank_it_last()
         # kept only where nothing fits without it (then the layouts that do not fit stay, ranked below)
         assert all(e["layout"]["offload_optimizer"] == host for e in (fitting if host else ranked)), seq
         assert bool(fitting[0]["layout"]["offload"]) == savers, seq
-    without = planner.rank_layouts(MODEL, CLUSTER, 3_800 * 1024, fused=GPU_NORM, offload_optimizer=False)
+    without = search.rank_layouts(MODEL, CLUSTER, 3_800 * 1024, fused=GPU_NORM, offload_optimizer=False)
     assert not without[0]["fits"]
 
 
@@ -100,7 +101,7 @@ def test_max_seq_for_paddleformers_llama_on_gpu_passes_alst_with_the_host_optimi
     assert memory(MODEL, layout, seq, fused=GPU_NORM)["peak"] <= usable < memory(MODEL, layout, seq + GRANULARITY,
                                                                                  fused=GPU_NORM)["peak"]
     assert best["host_per_node"] <= 2000e9
-    assert not planner.rank_layouts(MODEL, CLUSTER, seq + GRANULARITY, fused=GPU_NORM)[0]["fits"]
+    assert not search.rank_layouts(MODEL, CLUSTER, seq + GRANULARITY, fused=GPU_NORM)[0]["fits"]
     # what runs it: dp_config turns the host optimizer on, the Trainer's flags and the fused norm are listed
     chosen = result["plans"][0]
     assert chosen["config"]["dp_config"] == {"sharding_level": 3, "offload_optimizer": True}

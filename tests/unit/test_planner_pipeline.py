@@ -2,11 +2,11 @@
 import yaml
 
 from paddle_cp.api.config import load_config
-from paddle_cp.tools import planner
-from paddle_cp.tools.memory_model import in_flight, memory, stage_memory
-from paddle_cp.tools.model_shape import ModelShape
-from paddle_cp.tools.plan_config import parallelize_config
-from paddle_cp.tools.plan_layout import Cluster, Layout
+from paddle_cp.cost import search
+from paddle_cp.cost.memory import in_flight, memory, stage_memory
+from paddle_cp.cost.model_shape import ModelShape
+from paddle_cp.tools.plan.config import parallelize_config
+from paddle_cp.cost.candidate import Cluster, Layout
 
 MODEL = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000, intermediate=11008)
 CLUSTER = Cluster(devices=8, memory=80e9, flops=300e12, intra_bandwidth=200e9, inter_bandwidth=25e9,
@@ -26,15 +26,15 @@ def test_stages_divide_parameter_state_and_hold_their_in_flight_micro_batches():
 
 
 def test_bubble_stretches_compute_and_shrinks_with_micro_batches_and_chunks():
-    few = planner.estimate(MODEL, Layout(tp=2, pp=4, micro=4), CLUSTER, 4096, 4)
-    many = planner.estimate(MODEL, Layout(tp=2, pp=4, micro=16), CLUSTER, 4096, 16)
+    few = search.estimate(MODEL, Layout(tp=2, pp=4, micro=4), CLUSTER, 4096, 4)
+    many = search.estimate(MODEL, Layout(tp=2, pp=4, micro=16), CLUSTER, 4096, 16)
     assert Layout(pp=4, micro=4).bubble == 3 / 7 and Layout(pp=4, micro=4, vpp=2).bubble == 3 / 11
     assert few["time"]["pipeline_p2p"] > 0
     assert many["tokens_per_second"] > few["tokens_per_second"]
 
 
 def test_search_includes_pipelines_and_their_config_loads():
-    found = planner.rank_layouts(MODEL, CLUSTER, 4096, batch=8)
+    found = search.rank_layouts(MODEL, CLUSTER, 4096, batch=8)
     pipelined = [e for e in found if e["layout"]["pp"] > 1]
     assert pipelined and all(e["layout"]["micro"] == 8 for e in pipelined)
     assert any(e["layout"]["vpp"] == 2 for e in pipelined)

@@ -9,11 +9,16 @@ from typing import NamedTuple
 import pytest
 
 from paddle_cp.api.config import load_config
-from paddle_cp.tools import attention_cost, bench, bench_pp, memory, plan, selftest
+from paddle_cp.cost import attention as attention_cost
+from paddle_cp.tools import selftest
+from paddle_cp.tools.bench import cli as bench
+from paddle_cp.tools.bench import pp as bench_pp
+from paddle_cp.tools.memory import cli as memory
+from paddle_cp.tools.plan import cli as plan
 from paddle_cp.integrations.paddleformers import cli
-from paddle_cp.tools.memory_model import memory as memory_estimate
-from paddle_cp.tools.model_shape import ModelShape
-from paddle_cp.tools.plan_layout import Layout
+from paddle_cp.cost.memory import memory as memory_estimate
+from paddle_cp.cost.model_shape import ModelShape
+from paddle_cp.cost.candidate import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,7 +144,7 @@ def test_memory_bench_refuses_bad_arguments():
 
 def test_memory_phases_table_and_arguments():
     """pcp-memory --phases: its own arguments, one row per rank and phase (initialize first)."""
-    from paddle_cp.tools import memory_phases
+    from paddle_cp.tools.memory import phases as memory_phases
 
     args = memory_phases.parse_args(["--phases", "--layout", "pp2xsep2", "--init", "lazy"])
     assert (args.layout, args.init, args.family) == ("pp2xsep2", "lazy", "llama")
@@ -158,7 +163,7 @@ def test_memory_phases_table_and_arguments():
 def test_memory_sharding_cases_table_and_arguments():
     """pcp-memory --sharding: level 0 first on each mesh (what the others are measured against), then each level
     over dp x sep and over dp; traffic sorted by purpose; one row per case."""
-    from paddle_cp.tools import memory_sharding
+    from paddle_cp.tools.memory import sharding as memory_sharding
 
     args = memory_sharding.parse_args(["--sharding", "--meshes", "sep4", "--levels", "2", "3"])
     assert memory_sharding.cases(args) == [("sep4", "-", 0), ("sep4", "dp x sep", 2), ("sep4", "dp", 2),
@@ -206,8 +211,8 @@ def test_bench_documents_model_only_prices_the_layouts_side_by_side(tmp_path, ca
 
 @pytest.mark.parametrize("program, name", [("/venv/bin/pcp-selftest", "pcp-selftest"),
                                            ("/repo/paddle_cp/tools/selftest.py", "pcp-selftest"),
-                                           ("/repo/paddle_cp/tools/bench.py", "pcp-bench"),
-                                           ("/repo/paddle_cp/tools/bench_pp.py", "pcp-bench-pp")])
+                                           ("/repo/paddle_cp/tools/bench/cli.py", "pcp-bench"),
+                                           ("/repo/paddle_cp/tools/bench/pp.py", "pcp-bench-pp")])
 def test_progress_lines_carry_the_tools_name(monkeypatch, capsys, program, name):
     monkeypatch.setattr(sys, "argv", [program])
     bench.progress("seq 2048")

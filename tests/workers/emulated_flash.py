@@ -239,12 +239,12 @@ def install(set_attr=setattr):
     `set_attr`: pytest's monkeypatch.setattr to undo it after a test."""
     from paddle import _C_ops
 
-    from paddle_cp.attention import kernels
+    from paddle_cp.attention.kernels import flash, flashmask
 
     set_attr(_C_ops, "flash_attn", flash_attn)
     set_attr(_C_ops, "flash_attn_grad", flash_attn_grad)
     set_attr(_C_ops, "flashmask_attention", flashmask_attention)
     set_attr(_C_ops, "flashmask_attention_grad", flashmask_attention_grad)
-    set_attr(kernels, "on_gpu", lambda tensor: True)
-    set_attr(kernels, "flash_available", lambda: True)
-    set_attr(kernels, "flashmask_available", lambda: True)
+    set_attr(flash, "on_gpu", lambda tensor: True)
+    set_attr(flash, "flash_available", lambda: True)
+    set_attr(flashmask, "flashmask_available", lambda: True)

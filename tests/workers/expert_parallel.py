@@ -24,7 +24,7 @@ from paddle_cp.experts.layout import ExpertLayout
 from paddle_cp.mesh import fold_groups
 from paddle_cp.params import record_of
 from paddle_cp.plans.sequence_tiled import SHARED_EXPERTS
-from paddle_cp.tools.io_phases import measure
+from paddle_cp.tools.memory.io_phases import measure
 
 STEPS = 3
 TILE = 4  # rows per SequenceTiled tile of the shared experts ("tiled" runs)

@@ -23,6 +23,7 @@ import paddle_cp as pcp
 from paddle_cp import mesh as mesh_lib
 from paddle_cp import runtime
 from paddle_cp.attention import kernels
+from paddle_cp.attention.kernels import flash as flash_kernel, flashmask as flashmask_kernel
 from paddle_cp.comm import counters, p2p
 
 HEAD_DIM = 32  # flash_attn needs d % 8 == 0
@@ -220,9 +221,9 @@ def check_case(report, mesh, case):
                       doc_ids=doc_ids)
     reference = reference[:1] + [pcp.shard_sequence(g, **layout) for g in reference[1:]]
 
-    kernels.flash_available = kernels.flashmask_available = lambda: False
+    flash_kernel.flash_available = flashmask_kernel.flashmask_available = lambda: False
     blockwise = context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window)
-    kernels.flash_available = kernels.flashmask_available = lambda: True
+    flash_kernel.flash_available = flashmask_kernel.flashmask_available = lambda: True
     before, posted = dict(_calls), dict(emulated_async.posted)
     flash = context_parallel(mesh, case, q, k, v, grad_out, doc_ids, window)
     calls = {key: _calls[key] - before[key] for key in _calls}

@@ -23,7 +23,7 @@ from tensor_parallel import CP_PLAN, fused_plan, paddle_plan
 
 import paddle_cp as pcp
 from paddle_cp.params import local_boxes
-from paddle_cp.tools.io_phases import largest_parameter_bytes
+from paddle_cp.tools.memory.io_phases import largest_parameter_bytes
 
 SEED, BATCH, SEQ, STEPS = 2024, 4, 16, 3
 VOCAB = 4096

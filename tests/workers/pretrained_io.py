@@ -6,7 +6,7 @@ On each layout, dp2xmp2_l3 (PaddleFormers' tensor-parallel plan, sharding level 
 (2 stages, ring attention, sharding level 3 over the context-parallel ranks), for each directory: a model built from another seed is parallelized, load_pretrained fills it; each
 rank's slices must equal ModelClass.from_pretrained(directory) on one card (computed by the test), then one
 AdamW step must give one card's loss and state. Then export_pretrained, save_checkpoint and
-load_checkpoint (sync and async). Every phase reports its peak, share and bytes (tools/io_phases.py).
+load_checkpoint (sync and async). Every phase reports its peak, share and bytes (tools/memory/io_phases.py).
 """
 import contextlib
 import os
@@ -23,7 +23,7 @@ import paddle_cp as pcp
 from paddle_cp.checkpoint import layout
 from paddle_cp.comm import collectives
 from paddle_cp import mesh as mesh_lib
-from paddle_cp.tools.io_phases import measure
+from paddle_cp.tools.memory.io_phases import measure
 
 BATCH, SEQ, EPSILON = 4, 16, 1e-3
 SIZES = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,

@@ -1,50 +1,29 @@
 """Attention kernels: `forward(q, k, v, mask, scale) -> (out, lse)` and its backward.
 
-`mask` is a BlockMask (attention/masks/block_mask.py). `select_kernel` picks, for fp16/bf16
-GPU tensors with one head dim for q/k/v, Paddle's flash-attention op when the
-block, trimmed to what anyone sees, is all keys or plain causal, else its
-flashmask op (a block cut by documents, windows or padding) when the build has
-it and no dense mask applies; the blockwise fp32 kernel everywhere else. The
-flash kernels make one op call per block (a ring step), the blockwise kernel
-visits the tiles the block's row bounds say anyone sees.
+`mask` is a BlockMask (attention/masks/block_mask.py). `select_kernel` takes the first kernel of
+KERNELS whose `supports(mask, q, v)` says it runs the block: Paddle's flash-attention op for fp16/bf16 GPU
+tensors with one head dim for q/k/v when the block, trimmed to what anyone sees, is all keys or plain
+causal; else its flashmask op (a block cut by documents, windows or padding) when the build has it and no
+dense mask applies; the blockwise fp32 kernel everywhere else. A new kernel is a class with `supports` and
+`forward`/`backward`, placed in KERNELS before those it should win over. The flash kernels make one op call
+per block (a ring step), the blockwise kernel visits the tiles the block's row bounds say anyone sees.
 """
 from __future__ import annotations
 
 import numpy as np
 from paddle.autograd import PyLayer
 
-from ...dtypes import LOW_PRECISION
 from ..masks.block_mask import BlockMask
 from .blockwise import BlockwiseKernel
-from .flash import FlashKernel, flash_available
-from .flashmask import FlashMaskKernel, flashmask_available
+from .flash import FlashKernel
+from .flashmask import FlashMaskKernel
 
-def choose_kernel_name(on_gpu, dtype, has_flash, mask_fits_flash=True, same_head_dims=True, has_flashmask=False,
-                       mask_fits_flashmask=True):
-    """The dispatch rule, free of devices so it can be tested anywhere: for half-precision GPU tensors whose
-    q/k/v share a head dim (not MLA), flash when the op exists and expresses the mask, else flashmask when
-    that op exists and expresses it; blockwise otherwise."""
-    if not (on_gpu and dtype in LOW_PRECISION and same_head_dims):
-        return "blockwise"
-    if has_flash and mask_fits_flash:
-        return "flash"
-    return "flashmask" if has_flashmask and mask_fits_flashmask else "blockwise"
-
-
-_KERNELS = {"flash": FlashKernel, "flashmask": FlashMaskKernel, "blockwise": BlockwiseKernel}
-
-
-def on_gpu(tensor):
-    """Whether `tensor` lives on a GPU (the test suite substitutes this to run the GPU path on CPU)."""
-    return not tensor.place.is_cpu_place()
+KERNELS = (FlashKernel, FlashMaskKernel, BlockwiseKernel)  # in order of preference: the first that runs a block
 
 
 def select_kernel(q, v, mask=None):
-    gpu, has_flash, has_flashmask = on_gpu(q), flash_available(), flashmask_available()
-    fits = mask is None or FlashKernel.supports(mask)
-    fits_flashmask = mask is None or FlashMaskKernel.supports(mask)
-    name = choose_kernel_name(gpu, q.dtype, has_flash, fits, q.shape[-1] == v.shape[-1], has_flashmask, fits_flashmask)
-    return _KERNELS[name]()
+    """An instance of the first kernel in KERNELS that runs attention of `q` (and v's head dim) over `mask`."""
+    return next(kernel for kernel in KERNELS if kernel.supports(mask, q, v))()
 
 
 def saveable(*tensors):
@@ -81,5 +60,5 @@ def local_attention(q, k, v, causal, scale, kernel=None, mask=None):
     return LocalAttention.apply(q, k, v, mask, scale, kernel or select_kernel(q, v, mask))
 
 
-__all__ = ["saveable", "BlockwiseKernel", "FlashKernel", "FlashMaskKernel", "select_kernel", "choose_kernel_name",
+__all__ = ["saveable", "BlockwiseKernel", "FlashKernel", "FlashMaskKernel", "KERNELS", "select_kernel",
            "local_attention"]

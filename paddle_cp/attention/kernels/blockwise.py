@@ -26,6 +26,13 @@ def _finite(x):
 
 
 class BlockwiseKernel:
+    name = "blockwise"
+
+    @staticmethod
+    def supports(mask, q, v):
+        """Any block: fp32 tiles on any device, dtype, head dims and mask."""
+        return True
+
     def __init__(self, block_size=512):
         self.block_size = block_size
 

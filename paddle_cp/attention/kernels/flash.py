@@ -6,7 +6,7 @@ flash_attn computes it when every trimmed row sees every key, or when it is
 plain causal over identical positions; nothing runs for an empty block. A block
 a document boundary, a window edge or padding cuts goes to the flashmask kernel
 (flashmask.py, one call too), dense masks to the blockwise kernel (see
-`supports`), and so does MLA (v head dim != q/k head dim, which the v2
+`expresses`), and so does MLA (v head dim != q/k head dim, which the v2
 op refuses); the `flash_attn` op takes no sliding window. Attention sinks are
 merged after any kernel (ring.py), so they need nothing here.
 
@@ -26,14 +26,33 @@ import paddle
 from paddle import _C_ops
 
 from ... import runtime
+from ...dtypes import LOW_PRECISION
 from ..masks.block_mask import record_work
 
 FP32 = paddle.float32
 
 
+def on_gpu(tensor):
+    """Whether `tensor` lives on a GPU (the test suite substitutes this to run the GPU path on CPU)."""
+    return not tensor.place.is_cpu_place()
+
+
 class FlashKernel:
+    name = "flash"
+
+    @classmethod
+    def supports(cls, mask, q, v):
+        """Whether this kernel runs the block: fp16/bf16 GPU tensors whose q/k/v share a head dim (the op refuses
+        MLA), a build with the op, and a mask it expresses (any, when `mask` is None)."""
+        return (on_gpu(q) and q.dtype in LOW_PRECISION and q.shape[-1] == v.shape[-1] and cls.available()
+                and (mask is None or cls.expresses(mask)))
+
     @staticmethod
-    def supports(mask):
+    def available():
+        return flash_available()
+
+    @staticmethod
+    def expresses(mask):
         """Whether the block is empty, full or plain causal once trimmed: a sliding window that cuts it,
         padding, documents or a dense mask inside it need another kernel."""
         return mask.extent().kind in ("none", "all", "diagonal")

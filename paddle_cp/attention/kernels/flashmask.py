@@ -56,8 +56,14 @@ from .flash import FlashKernel, flash_available, no_dropout_seed, unpacked_lse
 
 
 class FlashMaskKernel(FlashKernel):
+    name = "flashmask"
+
     @staticmethod
-    def supports(mask):
+    def available():
+        return flashmask_available()
+
+    @staticmethod
+    def expresses(mask):
         """Every tile is a range of rows per key except under a dense mask."""
         return mask.dense is None
 

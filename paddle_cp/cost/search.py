@@ -6,7 +6,7 @@ within a node, with sequence parallelism), an interleaved pipeline or not, an ex
 models: dividing dp x sep), a sharding level over dp x sep, recomputation (none, full, or the selective
 modules the model's family reads), an unchunked or chunked loss, MLPs tiled over the sequence or not (dense
 models), full recomputation's layer inputs in host memory or not, the optimizer stepped on the host or not.
-Each gets memory_model.memory (bytes per rank, the busiest stage's peak; its host bytes per node, layer inputs
+Each gets memory.memory (bytes per rank, the busiest stage's peak; its host bytes per node, layer inputs
 and optimizer state, within the cluster's host memory) and step_time.step_time; those that fit (the peak within
 the device's memory less the cluster's reserve) come first, fastest first, then the rest by memory.
 `longest_sequence` bisects for the longest sequence some layout fits (`pcp-plan --max-seq`).
@@ -21,8 +21,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict
 
-from .memory_model import memory, stage_layers
-from .plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
+from .memory import memory, stage_layers
+from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
 from .step_time import step_time
 
 DEFAULT_LOSS_CHUNK = 4096  # tokens per chunk of the chunked loss the search tries
@@ -88,7 +88,7 @@ def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHU
 
 def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=False, packed=None, master_grad=True):
     """One layout's memory, time and throughput (`batch` sequences per data-parallel replica; `packed`: an
-    attention_cost.PackedRow of the sequences' documents; `elem` and `master_grad`: the precision, by default
+    attention.PackedRow of the sequences' documents; `elem` and `master_grad`: the precision, by default
     PaddleFormers' bf16 O2 with fp32 master gradients)."""
     mem = memory(model, layout, seq, batch, elem, fused, master_grad)
     time = step_time(model, layout, cluster, seq, batch, elem, causal, packed, master_grad)

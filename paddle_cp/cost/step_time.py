@@ -7,13 +7,13 @@ of `size` ranks `stride` apart stays on one node while stride x size <= devices 
 hidden behind attention compute, the rest not overlapped. What each term counts:
 
 - compute: 6 FLOPs per active matmul parameter per token (the lm_head included, top-k experts only) and
-  attention_cost.attention_flops, over tp and cp (on packed documents, attention at the GPU tile model's
-  seconds instead: attention_cost.PackedRow, the slowest rank in the layout paddle_cp chooses); recomputation
+  attention.attention_flops, over tp and cp (on packed documents, attention at the GPU tile model's
+  seconds instead: attention.PackedRow, the slowest rank in the layout paddle_cp chooses); recomputation
   adds its forward again (full: the layer; selective: attention's or the MLP's share); a chunked loss recomputes the lm_head forward. A pipeline
   stage does 1/pp of it, stretched by the schedule's bubble.
 - tensor_parallel: sequence parallelism's all-gather and reduce-scatter around attention and the MLP, forward
   and backward (the volume of Megatron's two all-reduces per layer each way).
-- ulysses, ring_exposed: attention_cost's exact traffic.
+- ulysses, ring_exposed: attention.py's exact traffic.
 - pipeline_p2p: every micro-batch's activations forward and gradients back, once per chunk (interleaved).
 - expert_all_to_all: each MoE layer sends its tokens' top-k copies to their experts and back, forward and
   backward: 4 k t h bytes x (E-1)/E.
@@ -24,16 +24,16 @@ hidden behind attention compute, the rest not overlapped. What each term counts:
 - gradients: paddle_cp's reduction over the sharding ranks: level 0 an all-reduce, 1 an all-reduce then the
   owners' broadcast of new values, 2 a reduce-scatter then the broadcast, 3 a reduce-scatter and every
   parameter fetched from its owner for the forward and again for the backward (and the recomputed forward);
-  gradients in fp32 under master gradients (memory_model.gradient_elem), values in the parameters' dtype.
+  gradients in fp32 under master gradients (memory.gradient_elem), values in the parameters' dtype.
 - host_optimizer: the step on the host (dp_config offload_optimizer): the stepped share's gradients to the
   host (fp32 parameters their values too) and new values back, fp32 (cast on the device), at the PCIe rate,
   the host's AdamW at `host_adamw_rate`, not overlapped.
 """
 from __future__ import annotations
 
-from .attention_cost import FP32, attention_flops, attention_traffic
-from .memory_model import gradient_elem, recompute_inputs, stage_params, stepped_params
-from .plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL
+from .attention import FP32, attention_flops, attention_traffic
+from .memory import gradient_elem, recompute_inputs, stage_params, stepped_params
+from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL
 
 
 def _bandwidth(cluster, stride, size):
@@ -58,7 +58,7 @@ def _recompute_factor(layout, attention_share):
 
 def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None, master_grad=True):
     """{term: seconds} of one step (`batch` sequences of `seq` per data-parallel replica); `packed`: an
-    attention_cost.PackedRow when the sequences pack documents; `master_grad`: fp32 gradients below fp32."""
+    attention.PackedRow when the sequences pack documents; `master_grad`: fp32 gradients below fp32."""
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     tokens = batch * seq / cp  # per rank, all micro-batches
     heads, kv_heads = model.heads // tp, model.kv_heads // tp

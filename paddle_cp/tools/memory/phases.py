@@ -8,7 +8,7 @@ One launch of 4 CPU ranks runs, on a PaddleFormers model (weights first written 
 initialize (build + parallelize; `--init lazy`: build under paddle.LazyGuard(), parallelize,
 then `p.initialize()` for every parameter), load_pretrained, one training step (so the
 optimizer has state), export (export_pretrained), save and load (save_checkpoint,
-load_checkpoint with the optimizer). Each phase reports per rank (tools/io_phases.py) its
+load_checkpoint with the optimizer). Each phase reports per rank (io_phases.py) its
 peak from Paddle's allocator statistics (the model's tensors and what the phase adds), the
 share (what the rank holds after it), the bound share + 2 x the largest parameter, and the
 bytes read and written: a table, and JSON with --json.
@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 from paddle_cp.tools.launcher import launch, write_every_ranks_rows
-from paddle_cp.tools.io_phases import MIB, bound
+from paddle_cp.tools.memory.io_phases import MIB, bound
 from paddle_cp.tools.text import ruled_table, show
 
 LAYOUTS = ("dp2xmp2_l3", "pp2xsep2")
@@ -119,7 +119,7 @@ def run_rank(args, scratch):
     import paddle.distributed as dist
 
     import paddle_cp as pcp
-    from paddle_cp.tools.io_phases import measure
+    from paddle_cp.tools.memory.io_phases import measure
 
     paddle.set_device("cpu")
     dist.init_parallel_env()

@@ -1,6 +1,6 @@
 """Gradient-reduction bytes per step, with and without fp32 master gradients, from paddle_cp's own bucket plan.
 
-    python -m paddle_cp.tools.grad_bytes --config llama3-8b.json --ranks 8
+    python -m paddle_cp.tools.memory.grad_bytes --config llama3-8b.json --ranks 8
 
 A benchmark on paper (no devices, no collectives): the model is built from its config.json under
 `paddle.LazyGuard` (shapes only, nothing allocated) as PaddleFormers builds it, every parameter trained and

@@ -19,13 +19,13 @@ import time
 
 import numpy as np
 
-from ..cost import packed_layout
-from ..attention.layout.exchange_plan import ExchangePlan, exchange_bytes
-from ..cost.links import LinkCost, Links
-from ..attention.masks.block_mask import Documents
-from ..cost.tiles import TILE
-from .attention_cost import degrees
-from .text import ruled_table
+from ...cost import packed_layout
+from ...attention.layout.exchange_plan import ExchangePlan, exchange_bytes
+from ...cost.links import LinkCost, Links
+from ...attention.masks.block_mask import Documents
+from ...cost.tiles import TILE
+from ...cost.attention import degrees
+from ..text import ruled_table
 
 COMPARED = ("chosen", "chunks", "whole", "tiles", "across")
 

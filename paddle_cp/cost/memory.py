@@ -18,7 +18,7 @@ path and paddle_cp hold it:
   whichever is more (greedy owners, largest first: at most one parameter over that).
 - activations (per layer and micro-batch, t tokens per rank, SP region t/tp): two RMSNorms, each its input
   and normalized value (fp32 input copy below fp32) at t/tp and its output at t; RoPE's q and k and their
-  rotated halves (fp32); attention's q, k, v, output and fp32 log-sum-exp (attention_cost.attention_held_bytes,
+  rotated halves (fp32); attention's q, k, v, output and fp32 log-sum-exp (attention.attention_held_bytes,
   Ulysses' head-split copies included); the MLP's gate, up, activation and product (4 x intermediate/tp);
   MoE layers MOE_TENSORS_PER_EXPERT_WIDTH expert-width tensors per top-k copy, the routing bookkeeping
   (MOE_ROUTER_BYTES_PER_EXPERT per expert), the shared experts' four. Full recomputation keeps each layer's input and the rotary tables it is called with,
@@ -49,8 +49,8 @@ activation inventory within 1% of PaddleFormers' Llama per layer; the rest check
 """
 from __future__ import annotations
 
-from .attention_cost import FP32, attention_held_bytes
-from .plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL
+from .attention import FP32, attention_held_bytes
+from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL
 
 MOMENTS_BYTES = 2 * FP32  # AdamW's two moments per parameter, fp32
 CHUNK_TEMPORARIES = 6  # [chunk, vocab] fp32 tensors PaddleFormers' fused head + loss holds at once in backward

@@ -24,7 +24,7 @@ Attention memory: activation bytes a rank holds between forward and backward
   the local attention saves (k/v heads repeated up to U).
 
 Checked against measurements on CPU (tests/multiproc/test_bench.py): the bytes
-exactly, the held memory within 2%. The whole-model cost model is planner.py's.
+exactly, the held memory within 2%. The whole-model cost model is memory.py's and step_time.py's.
 
 Attention time on packed documents is not FLOPs: a GPU pays 128 x 128 tiles, a partial
 one (a document boundary inside) about 1.5x a full one. PackedRow prices a row's
@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cost import packed_layout
-from ..attention.masks.block_mask import Documents
-from ..cost.tiles import FIT_HEAD_DIM, FIT_HEADS
+from . import packed_layout
+from .tiles import FIT_HEAD_DIM, FIT_HEADS
 
 FP32 = 4
 LSE_BYTES = FP32  # log-sum-exps are kept in fp32 whatever the input dtype
@@ -117,17 +116,19 @@ def attention_flops(batch, seq, heads, head_dim, causal):
 
 
 class PackedRow:
-    """One row of packed documents (position ids [seq]) and its attention time by the GPU tile model."""
+    """One row of packed documents and its attention time by the GPU tile model: `end` [1, seq], the row past each
+    key's document (attention's Documents.end), and `keys_seen` [1, seq], the keys each query sees (its
+    keys_seen())."""
 
-    def __init__(self, position_ids):
-        self.documents = Documents.from_position_ids(np.asarray(position_ids)[None])
+    def __init__(self, end, keys_seen):
+        self.end, self.keys_seen = np.asarray(end), np.asarray(keys_seen)
         self._chosen = {}  # (ring, ulysses) -> the chosen layout's TileCounts
 
     def seconds(self, ring, ulysses, heads, head_dim):
         """The slowest rank's attention, forward + backward of one layer, in seconds: its tiles priced at the
         H200 fit, scaled from the fit's 32 query heads of dim 128 to `heads` (a rank's before Ulysses) x `head_dim`."""
         if (ring, ulysses) not in self._chosen:
-            chosen, _ = packed_layout.choose(self.documents.end, self.documents.keys_seen(), ring, ulysses)
+            chosen, _ = packed_layout.choose(self.end, self.keys_seen, ring, ulysses)
             self._chosen[ring, ulysses] = chosen.counts
         counts = self._chosen[ring, ulysses]
         return counts.slowest_ms(ulysses, heads * head_dim / (FIT_HEADS * FIT_HEAD_DIM)) / 1e3

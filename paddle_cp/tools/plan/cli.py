@@ -7,7 +7,7 @@ with sharding levels, recomputation and chunked loss, for a model and a cluster.
 Prints a table of candidates (best first: those that fit, fastest first), then for the best `--configs` layouts
 the published recipe each resembles and the config to run it: YAML for `paddle_cp.load_config` (the PaddleFormers
 config fields it assumes as comments on top); `--json` writes every estimate and those plans (config as a dict,
-YAML, model fields). The cost model is paddle_cp/tools/planner.py: per-rank memory checked against pcp-memory on
+YAML, model fields). The cost model is paddle_cp/cost/ (search.py ranks the layouts): per-rank memory checked against pcp-memory on
 CPU, GPU step times modelled, not measured.
 """
 from __future__ import annotations
@@ -17,15 +17,18 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import yaml
 
-from paddle_cp.tools import packing, planner
-from paddle_cp.tools.attention_cost import PackedRow
-from paddle_cp.tools.model_shape import ModelShape
-from paddle_cp.tools.plan_config import (gpu_attention_fields, kernel_fields, model_config, parallelize_config,
+from paddle_cp.attention.masks.block_mask import Documents
+from paddle_cp.cost import search
+from paddle_cp.tools import packing
+from paddle_cp.cost.attention import PackedRow
+from paddle_cp.cost.model_shape import ModelShape
+from paddle_cp.tools.plan.config import (gpu_attention_fields, kernel_fields, model_config, parallelize_config,
                                          rotary_note, trainer_arguments)
-from paddle_cp.tools.plan_layout import DEFAULT_RESERVE, Cluster, Layout
-from paddle_cp.tools.recipes import closest
+from paddle_cp.cost.candidate import DEFAULT_RESERVE, Cluster, Layout
+from paddle_cp.tools.plan.recipes import closest
 from paddle_cp.tools.text import ruled_table
 from paddle_cp.tools.units import UNITS_HELP, format_tokens, tokens
 
@@ -65,7 +68,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         return super()._get_help_string(action)
 
 
-# --kernels: the GPU kernels whose activations the memory model counts (memory_model.FUSED_KERNELS)
+# --kernels: the GPU kernels whose activations the memory model counts (cost/memory.py's FUSED_KERNELS)
 KERNELS = {"eager": (), "fused-norm": ("rms_norm",), "fused": ("rms_norm", "rope")}
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate")
 
@@ -115,7 +118,7 @@ def parse_args(argv=None):
                         help="activations with the GPU's fused RMSNorm and eager RoPE (fused-norm: PaddleFormers "
                              "1.2.0's Llama on a GPU as built), as its eager ops hold them on CPU (eager: what "
                              "pcp-memory measures) or with a fused RoPE too (fused: a kernel that Llama does not call)")
-    parser.add_argument("--mlp-tile", type=tokens, default=planner.DEFAULT_MLP_TILE,
+    parser.add_argument("--mlp-tile", type=tokens, default=search.DEFAULT_MLP_TILE,
                         help="tokens per SequenceTiled MLP tile the search tries (0: never tile)")
     parser.add_argument("--no-offload", action="store_true", help="never keep recomputed layers' inputs on the host")
     parser.add_argument("--no-host-optimizer", action="store_true",
@@ -132,7 +135,7 @@ def parse_args(argv=None):
                         help="the sequences pack documents of these lengths (pcp-bench's names or a file): attention "
                              "priced by the GPU tile model in the layout paddle_cp chooses")
     parser.add_argument("--model-prefix", default="model", help="name of the decoder in the model (for plan keys)")
-    parser.add_argument("--loss-chunk", type=tokens, default=planner.DEFAULT_LOSS_CHUNK,
+    parser.add_argument("--loss-chunk", type=tokens, default=search.DEFAULT_LOSS_CHUNK,
                         help="tokens per chunk of the chunked loss the search tries")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--configs", type=int, default=1, help="how many of the best fitting layouts to print as YAML")
@@ -149,6 +152,12 @@ def parse_args(argv=None):
     if not 0 <= args.reserve_gb < args.memory_gb:
         parser.error("--reserve-gb must be at least 0 and below --memory-gb")
     return args
+
+
+def packed_row(position_ids):
+    """One row of packed documents (position ids [seq]) as the cost model prices it."""
+    documents = Documents.from_position_ids(np.asarray(position_ids)[None])
+    return PackedRow(documents.end, documents.keys_seen())
 
 
 def model_shape(args):
@@ -207,25 +216,25 @@ def main(argv=None):
                       args.inter_gbps * GB, args.devices_per_node, args.attention_tflops * 1e12,
                       args.pcie_gbps * GB, args.host_memory_gb * GB, args.host_adamw_mparams * 1e6,
                       args.reserve_gb * GB)
-    search = dict(batch=args.batch, elem=args.dtype_bytes, causal=not args.no_causal, loss_chunk=args.loss_chunk,
-                  mlp_tile=args.mlp_tile, fused=KERNELS[args.kernels], offload=not args.no_offload,
-                  offload_optimizer=not args.no_host_optimizer, master_grad=not args.no_master_grad)
+    options = dict(batch=args.batch, elem=args.dtype_bytes, causal=not args.no_causal, loss_chunk=args.loss_chunk,
+                   mlp_tile=args.mlp_tile, fused=KERNELS[args.kernels], offload=not args.no_offload,
+                   offload_optimizer=not args.no_host_optimizer, master_grad=not args.no_master_grad)
     if args.documents:
         if args.max_seq:
             sys.exit("pcp-plan: --documents prices one row of --seq tokens: give --seq instead of --max-seq")
         try:
-            search["packed"] = PackedRow(packing.batches(args.documents, args.seq, 1, 1)[0][0])
+            options["packed"] = packed_row(packing.batches(args.documents, args.seq, 1, 1)[0][0])
         except ValueError as error:
             sys.exit(f"pcp-plan: --documents: {error}")
     if args.max_seq:
-        args.seq, estimates = planner.longest_sequence(model, cluster, args.granularity, **search)
+        args.seq, estimates = search.longest_sequence(model, cluster, args.granularity, **options)
         if not args.seq:
             sys.exit(f"pcp-plan: no layout of {args.devices} devices fits {args.granularity} tokens of {model}")
         print(f"longest sequence that fits: {args.seq} tokens ({format_tokens(args.seq)}; multiples of "
               f"{format_tokens(args.granularity)}; {UNITS_HELP}), {args.kernels} kernels, "
               f"{args.memory_gb - args.reserve_gb:g} of {args.memory_gb:g} GB per device\n")
     else:
-        estimates = planner.rank_layouts(model, cluster, args.seq, **search)
+        estimates = search.rank_layouts(model, cluster, args.seq, **options)
     if not estimates:
         sys.exit(f"no layout of {args.devices} devices suits {model} at sequence {args.seq}")
     print(table(estimates, args.top))

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by the launch: import the package from its root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from paddle_cp.tools.launcher import THREAD_VARS, gather, launch, median_time, progress  # noqa: E402
 

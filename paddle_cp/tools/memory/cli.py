@@ -2,10 +2,10 @@
 
     pcp-memory --nproc 1 2 4 --seq 1024 --budget-mib 64 --json out.json
     (from a checkout: python tools/bench_memory.py ...)
-    pcp-memory --phases ...: startup and I/O phases instead (tools/memory_phases.py)
-    pcp-memory --experts ...: a MoE model with and without expert parallelism (tools/memory_experts.py)
-    pcp-memory --layouts "dp2 ring2 l3@dp" ...: pcp-plan's layouts beside its estimate (tools/memory_layouts.py)
-    pcp-memory --sharding ...: what each sharding level leaves a rank instead (tools/memory_sharding.py)
+    pcp-memory --phases ...: startup and I/O phases instead (memory/phases.py)
+    pcp-memory --experts ...: a MoE model with and without expert parallelism (memory/experts.py)
+    pcp-memory --layouts "dp2 ring2 l3@dp" ...: pcp-plan's layouts beside its estimate (memory/layouts.py)
+    pcp-memory --sharding ...: what each sharding level leaves a rank instead (memory/sharding.py)
 
 For each N (one launch of N CPU ranks; N = 1 is one process with the same plans,
 so the same blockwise attention kernel) and each variant (recompute: PaddleFormers'
@@ -35,11 +35,12 @@ import os
 import sys
 from pathlib import Path
 
-from paddle_cp.tools import memory_layouts
-from paddle_cp.tools.allocator import allocated, peak, reset_peak
+from paddle_cp.tools.memory import layouts as memory_layouts
+from paddle_cp.tools.allocator import allocated
 from paddle_cp.tools.launcher import launch, progress
-from paddle_cp.tools.plan_config import model_config
-from paddle_cp.tools.plan_layout import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
+from paddle_cp.tools.memory.step import build_llama, max_over_ranks, step_parts
+from paddle_cp.tools.plan.config import model_config
+from paddle_cp.cost.candidate import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
 from paddle_cp.tools.text import ruled_table, show
 from paddle_cp.tools.units import tokens
 
@@ -68,7 +69,7 @@ def parse_args(argv=None):
     parser.add_argument("--intermediate", type=int, default=344)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--layouts", nargs="+", help="planned layouts instead of --nproc and --variants, "
-                        "each beside the planner's estimate (tools/memory_layouts.py), e.g. 'dp2 ring2 l3@dp'")
+                        "each beside the planner's estimate (memory/layouts.py), e.g. 'dp2 ring2 l3@dp'")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--result-file", help=argparse.SUPPRESS)  # launcher <-> rank 0
     parser.add_argument("--no-cp", action="store_true", help=argparse.SUPPRESS)  # the --single run
@@ -82,17 +83,6 @@ def parse_args(argv=None):
 
 
 # ---- the rank side ----------------------------------------------------------------
-
-
-
-def build_llama(args, **fields):
-    """PaddleFormers' Llama of the flags' sizes, unfused RMSNorm (CPU), Paddle's SDPA unless `fields` say."""
-    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
-
-    sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
-    return LlamaForCausalLM(LlamaConfig(**sizes, fuse_rms_norm=False, **{"_attn_implementation": "sdpa", **fields}))
-
 
 def _build(args, local_len, recompute=False, chunked=False):
     # PaddleFormers 1.2.0 chunks only sequences longer than the chunk, and its unchunked fallback
@@ -125,50 +115,6 @@ def measure(args, mesh, seq, recompute=False, chunked=False):
     params = allocated() - start
     ids = paddle.randint(0, args.vocab, [1, seq + 1])
     return step_parts(model, opt, {"input_ids": ids[:, :-1], "labels": labels_of(ids[:, 1:])}, start, params)
-
-
-def step_parts(model, opt, inputs, start, params):
-    """{part: bytes} of a training step on `inputs`, its state allocated since `start` (`params` of it by the
-    model). `activations` and `logits` are None where the decoder's forward does not end inside `model(...)`'s
-    forward (a pipeline runs forward and backward in one call)."""
-    body_end = []
-    model.model.register_forward_post_hook(lambda *_: body_end.append(allocated()))
-
-    def step():
-        loss = model(**inputs)[0]
-        held = allocated()
-        loss.backward()
-        del loss
-        opt.step()
-        opt.clear_grad(set_to_zero=False)  # free the gradients: `optimizer` then counts AdamW's state alone
-        return held
-
-    loss = model(**inputs)[0]  # makes what the batch keeps (its attention plans and their device indices)
-    loss.backward()
-    del loss
-    opt.clear_grad(set_to_zero=False)
-    before = allocated()
-    step()  # creates AdamW's state
-    optimizer = allocated() - before
-    base = allocated()
-    body_end.clear()
-    reset_peak()
-    held = step()
-    pipelined = not body_end or held < body_end[-1]
-    return {"params": params, "optimizer": optimizer,
-            "activations": None if pipelined else body_end[-1] - base,
-            "logits": None if pipelined else held - body_end[-1], "peak": peak() - start}
-
-
-def max_over_ranks(values):
-    """Each of `values` (numbers) at its largest over the launched ranks."""
-    import paddle
-    import paddle.distributed as dist
-
-    tensor = paddle.to_tensor(values, dtype="float64")
-    if dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.numpy().tolist()
 
 
 def breakdown(args, mesh, seq, variant):
@@ -267,15 +213,15 @@ def activation_ratios(result):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--phases" in argv:  # the startup and I/O phases: their own tool
-        from paddle_cp.tools.memory_phases import main as phases_main
+        from paddle_cp.tools.memory.phases import main as phases_main
 
         return phases_main(argv)
     if "--experts" in argv:  # a MoE model with and without expert parallelism: its own tool
-        from paddle_cp.tools.memory_experts import main as experts_main
+        from paddle_cp.tools.memory.experts import main as experts_main
 
         return experts_main(argv)
     if "--sharding" in argv:  # sharding levels on a context-parallel mesh: their own tool
-        from paddle_cp.tools.memory_sharding import main as sharding_main
+        from paddle_cp.tools.memory.sharding import main as sharding_main
 
         return sharding_main(argv)
     args = parse_args(argv)

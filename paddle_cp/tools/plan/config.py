@@ -7,8 +7,8 @@ integrations/paddleformers/plans.py, which derives the same plans from a built m
 """
 from __future__ import annotations
 
-from .memory_model import fuses
-from .plan_layout import RECOMPUTE_FULL, SHARD_DIMS
+from ...cost.memory import fuses
+from ...cost.candidate import RECOMPUTE_FULL, SHARD_DIMS
 
 
 def parallelize_config(layout, model_prefix="model"):
@@ -87,7 +87,7 @@ def model_config(layout):
 
 def kernel_fields(fused):
     """PaddleFormers config fields that make its Llama call the fused GPU kernels the estimate counts (`fused`:
-    memory_model.FUSED_KERNELS' names): fuse_rms_norm (1.2.0's RMSNorm reads it, on by default; the CPU has
+    cost/memory.py's FUSED_KERNELS' names): fuse_rms_norm (1.2.0's RMSNorm reads it, on by default; the CPU has
     no such kernel). Its Llama has no field for a fused RoPE: `rotary_note` says so."""
     return {"fuse_rms_norm": True} if fuses(fused, "rms_norm") else {}
 

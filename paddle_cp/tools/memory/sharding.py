@@ -7,7 +7,7 @@ One launch of 4 CPU ranks trains a PaddleFormers Llama (ring attention over `sep
 rank its own samples) for two steps per case: each mesh at sharding level 0 and at each of
 --levels, sharded over every rank holding a replica (dp x sep, the default) and over dp
 alone (`sharding_mesh_dim="dp"`, the only choice before). Per case and rank, for the
-second step (tools/io_phases.py): the bytes of the parameters (and buffers) the rank holds
+second step (io_phases.py): the bytes of the parameters (and buffers) the rank holds
 and of the AdamW state it keeps, each against level 0 (the whole model and one card's
 state), the largest parameter (a rank should hold a quarter plus at most one of them), the
 allocator's peak, the most gradient bytes it held at once (data_parallel/buckets.py counts
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from paddle_cp.tools.launcher import launch, progress
-from paddle_cp.tools.io_phases import MIB
+from paddle_cp.tools.memory.io_phases import MIB
 from paddle_cp.tools.text import ruled_table, show
 
 MESHES = {"sep4": [("sep", 4)], "dp2xsep2": [("dp", 2), ("sep", 2)]}
@@ -89,7 +89,7 @@ def measure_case(args, mesh_name, over, level):
 
     import paddle_cp as pcp
     from paddle_cp.comm import counters
-    from paddle_cp.tools.io_phases import measure, share_bytes
+    from paddle_cp.tools.memory.io_phases import measure, share_bytes
 
     dims = MESHES[mesh_name]
     mesh = dist.ProcessMesh(np.arange(4).reshape([n for _, n in dims]).tolist(), dim_names=[d for d, _ in dims])

@@ -121,7 +121,7 @@ def measure(name, args, mesh):
     import paddle
 
     import paddle_cp as pcp
-    from paddle_cp.tools.io_phases import share_bytes
+    from paddle_cp.tools.memory.io_phases import share_bytes
 
     gc.collect()
     start = allocated()

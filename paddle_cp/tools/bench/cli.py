@@ -1,8 +1,8 @@
 """Benchmark context-parallel attention against one process doing the whole sequence.
 
     pcp-bench --nproc 2 --seq 2048 --backend p2p --causal --json out.json
-    pcp-bench --mixer gated_deltanet --nproc 2 4 --seq 2048    (a Gated DeltaNet layer: tools/bench_gdn.py)
-    pcp-bench --planning --nproc 8 --seq 131072 --documents lognormal   (host planning: tools/bench_planning.py)
+    pcp-bench --mixer gated_deltanet --nproc 2 4 --seq 2048    (a Gated DeltaNet layer: bench/gdn.py)
+    pcp-bench --planning --nproc 8 --seq 131072 --documents lognormal   (host planning: bench/planning.py)
 
 Launches N CPU ranks itself (`python -m paddle.distributed.launch`, one thread per
 rank), or runs as one of them when started inside a launch (PADDLE_TRAINER_ID set).
@@ -27,14 +27,14 @@ For every sequence length and backend it runs forward+backward of attention on
   / the algorithm's minimum (`bytes_min`): the ring's planned exchange on the case's layout, k/v rows
   other ranks' tiles read forward and again backward, and their gradients (attention/layout/exchange_plan.py;
   whole blocks, 3(N-1) x bytes(local k, v), where nothing is masked); Ulysses 2 x (N-1)/N x
-  bytes(q, k, v, out) (paddle_cp.tools.attention_cost); hybrid the Ulysses figure over U ranks plus the
+  bytes(q, k, v, out) (paddle_cp.cost.attention); hybrid the Ulysses figure over U ranks plus the
   ring's over N/U groups on h_k/U heads. `bytes_read`: the same with 3 x the k/v rows read for the ring.
 - mem_ratio = peak bytes allocated per rank during forward+backward (inputs,
   activations, gradients, temporaries) / the same for one process running the same
   blockwise kernel on the whole sequence. Measured with Paddle's host allocator
   statistics, so it counts tensors only (not the Python heap or gloo buffers).
   `held_ratio` is the same for the bytes held between forward and backward,
-  which attention_cost predicts (`held_predicted_ratio`).
+  which cost/attention.py predicts (`held_predicted_ratio`).
 - host_reads_per_step, collectives_per_step: of one forward+backward, on the rank with the most
   (tools/host_reads.py counts device values read on the host and copies in of host data: each stalls a
   GPU's queue; a ring exchange counts as one collective, and so does an all-to-all or reduce-scatter that
@@ -62,7 +62,7 @@ layouts, `chunks` (2N equal chunks) beside `documents` (balanced by work):
   `efficiency_same_kernel`).
 
 With `--documents` it also prints (and writes under `gpu_model`) the GPU tile model's figures for the same
-batches, no GPU needed (tools/gpu_layouts.py): the chosen layout beside 2R chunks and the whole-document
+batches, no GPU needed (bench/gpu_layouts.py): the chosen layout beside 2R chunks and the whole-document
 layout, predicted slowest-rank ms, tiles, tokens per rank, kernel calls per ring pass and host planning ms.
 Then each layout's predicted step with its planned k/v exchange priced on the links (cost/links.py),
 within one node and across nodes of `--ranks-per-node` ranks (default 1): the choice by tiles alone, the
@@ -132,7 +132,7 @@ def _check(parser, args):
     """Refuse bad shapes here, with the library's own checks, before any rank starts waiting for another."""
     from paddle_cp.attention.layout.sequence_layout import SequenceLayout
     from paddle_cp.attention.algorithms.ulysses import head_split
-    from paddle_cp.tools.attention_cost import degrees
+    from paddle_cp.cost.attention import degrees
 
     from paddle_cp.tools.packing import document_lengths
 
@@ -409,7 +409,7 @@ def work_per_rank(backend, world, seq, heads, causal, ulysses_degree=None):
     """Visible score-matrix entries each rank computes (per batch element): the rows of its ring
     group (the p2p layout over groups of U adjacent ranks) times its share of the heads."""
     from paddle_cp.attention.layout.sequence_layout import SequenceLayout, even_sizes
-    from paddle_cp.tools.attention_cost import degrees
+    from paddle_cp.cost.attention import degrees
 
     ring, ulysses = degrees(backend, world, ulysses_degree)
     head_counts, groups = even_sizes(heads, ulysses), SequenceLayout("p2p", ring)
@@ -435,11 +435,11 @@ def _work(args, backend, seq, split):
 
 def _bytes_min(args, backend, seq, split):
     """(bytes, bytes read) of the rank sending most in one forward+backward: the Ulysses all-to-alls' bytes
-    (attention_cost) plus the ring's planned exchange on the case's layout (exchange_plan: only the k/v rows
+    (cost/attention.py) plus the ring's planned exchange on the case's layout (exchange_plan: only the k/v rows
     other members' tiles read, and their gradients); `bytes read` puts 3 x those rows in its place."""
     from paddle_cp.attention.layout.exchange_plan import ExchangePlan, exchange_bytes
     from paddle_cp.attention.layout.sequence_layout import SequenceLayout
-    from paddle_cp.tools import attention_cost
+    from paddle_cp.cost import attention as attention_cost
 
     ring, ulysses = attention_cost.degrees(backend, args.nproc, _degree(args, backend))
     inner = attention_cost.ulysses_bytes(args.batch, seq // ring, args.heads, args.kv_heads, args.head_dim, ulysses)
@@ -455,7 +455,7 @@ def _bytes_min(args, backend, seq, split):
 
 
 def summarise(args, backend, seq, single, single_rate, per_rank, rates, split=None):
-    from paddle_cp.tools import attention_cost
+    from paddle_cp.cost import attention as attention_cost
 
     n, degree = args.nproc, _degree(args, backend)
     shape = (args.batch, seq, args.heads, args.kv_heads, args.head_dim)
@@ -505,8 +505,8 @@ def _config(args):
 
 
 def gpu_model(args):
-    """The tile model's rows (tools/gpu_layouts.py) for every length and backend of a --documents run."""
-    from paddle_cp.tools import gpu_layouts
+    """The tile model's rows (bench/gpu_layouts.py) for every length and backend of a --documents run."""
+    from paddle_cp.tools.bench import gpu_layouts
 
     rows = []
     for seq in args.seq:
@@ -522,7 +522,7 @@ def gpu_model(args):
 def _kv_row_bytes(args, backend):
     """One token's fp32 k and v on one rank (mean over a Ulysses group's head shares), over the batch rows."""
     from paddle_cp.attention.algorithms.ulysses import head_split
-    from paddle_cp.tools.attention_cost import degrees
+    from paddle_cp.cost.attention import degrees
 
     _, ulysses = degrees(backend, args.nproc, _degree(args, backend))
     kv_heads = sum(head_split(args.heads, args.kv_heads, ulysses).kv_counts) / ulysses
@@ -530,7 +530,7 @@ def _kv_row_bytes(args, backend):
 
 
 def table(result):
-    from paddle_cp.tools import gpu_layouts
+    from paddle_cp.tools.bench import gpu_layouts
     from paddle_cp.tools.text import ruled_table  # here: the ranks run this file as a script
 
     documents = result["config"]["documents"] is not None
@@ -597,13 +597,13 @@ def main(argv=None):
     mixer.add_argument("--mixer", choices=["attention", "gated_deltanet"], default="attention")
     mixer.add_argument("--planning", action="store_true")
     chosen, rest = mixer.parse_known_args(argv)
-    if chosen.planning:  # host time to plan one layer's attention, no launch (tools/bench_planning.py)
-        from paddle_cp.tools import bench_planning
+    if chosen.planning:  # host time to plan one layer's attention, no launch (bench/planning.py)
+        from paddle_cp.tools.bench import planning as bench_planning
 
         bench_planning.main(rest)
         return
-    if chosen.mixer == "gated_deltanet":  # a Gated DeltaNet layer instead (tools/bench_gdn.py)
-        from paddle_cp.tools import bench_gdn
+    if chosen.mixer == "gated_deltanet":  # a Gated DeltaNet layer instead (bench/gdn.py)
+        from paddle_cp.tools.bench import gdn as bench_gdn
 
         bench_gdn.main(rest)
         return

@@ -2,26 +2,28 @@
 
     pcp-memory --layouts "dp2 ring2 l3@dp" "tp2 ring2" "pp2 ring2 m2" --seq 1024 --json out.json
 
-Each layout is named as pcp-plan names it (plan_layout.Layout.parse) and must use the same number of
+Each layout is named as pcp-plan names it (cost/candidate.py's Layout.parse) and must use the same number of
 ranks; one launch of that many CPU ranks trains pcp-memory's PaddleFormers Llama (its size flags, fp32,
 unfused RMSNorm) one step per layout and length, with the config pcp-plan writes for the layout
-(plan_config: the parallelize YAML and the PaddleFormers fields), and reports per rank, the largest over
+(plan/config.py: the parallelize YAML and the PaddleFormers fields), and reports per rank, the largest over
 ranks, what pcp-memory reports (params, optimizer, activations, logits, peak; a pipeline runs its
 forward and backward inside one call, so it has a peak only) and the host memory held: for `offload`
 layouts the most bytes OffloadRecomputeInputs kept there at once, for `host-optimizer` ones the optimizer state
 (dp_config offload_optimizer) after the step. The launching process puts the planner's
-estimate for the same layout (memory_model.memory, fp32) beside each figure and their ratio.
+estimate for the same layout (cost/memory.py's memory, fp32) beside each figure and their ratio.
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from paddle_cp.tools.memory_model import measured_parts, memory
-from paddle_cp.tools.model_shape import ModelShape
-from paddle_cp.tools.plan_layout import Layout
+from paddle_cp.cost.memory import measured_parts, memory
+from paddle_cp.cost.model_shape import ModelShape
+from paddle_cp.cost.candidate import Layout
 from paddle_cp.tools.text import ruled_table
 
 PARTS = ("params", "optimizer", "activations", "logits", "peak", "host")
+MEMORY_SCRIPT = Path(__file__).with_name("cli.py")  # pcp-memory's ranks run it and come back here (--layouts)
 MIB = 2 ** 20
 FP32 = 4
 
@@ -53,8 +55,8 @@ def measure(args, layout, seq):
 
     import paddle_cp as pcp
     from paddle_cp.tools.allocator import allocated
-    from paddle_cp.tools.memory import build_llama, step_parts
-    from paddle_cp.tools.plan_config import model_config, parallelize_config
+    from paddle_cp.tools.memory.step import build_llama, step_parts
+    from paddle_cp.tools.plan.config import model_config, parallelize_config
 
     gc.collect()
     start = allocated()
@@ -83,7 +85,7 @@ def run_ranks(args):
     import paddle.distributed as dist
 
     from paddle_cp.tools.launcher import progress
-    from paddle_cp.tools.memory import max_over_ranks
+    from paddle_cp.tools.memory.step import max_over_ranks
 
     paddle.set_device("cpu")
     dist.init_parallel_env()
@@ -113,15 +115,9 @@ def with_estimates(args, rows):
 def collect(args, argv):
     from paddle_cp.tools.launcher import launch
 
-    rows = launch(argparse.Namespace(nproc=layouts(args)[0].devices), argv, script=_memory_script())
+    rows = launch(argparse.Namespace(nproc=layouts(args)[0].devices), argv, script=MEMORY_SCRIPT)
     return {"config": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
             "rows": with_estimates(args, rows)}
-
-
-def _memory_script():
-    from paddle_cp.tools import memory
-
-    return memory.__file__
 
 
 def table(result):
