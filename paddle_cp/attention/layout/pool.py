@@ -1,0 +1,66 @@
+"""One pool over dp x sep: a global batch laid out over every dp x sep rank at once (numpy only).
+
+Fixed dp x sep gives each replica its own rows and lays them out over its sep group: a replica whose rows hold
+long documents is slower than one whose rows hold short ones, and a row's documents are cut over sep ranks even
+where a whole document would fit on one rank of another replica. The pool (Megatron-Core's dynamic context
+parallel, ByteScale's data-aware DP/CP, chosen per batch here) sees the global batch, every replica's rows, on
+every rank: its B rows of S tokens are joined end to end into one packed sequence of B x S tokens (a row's end
+ends its last document), and the packed-layout chooser (cost/packed_layout.py, priced with the links) lays
+that sequence out over all R = dp x sep ranks as one ring: a document short enough stays whole on one rank, a
+long one is cut over several (the pieces of a cut document on one node when the ring spans nodes). The planned
+exchange (exchange_plan.py) then moves only the k/v rows other ranks' tiles read: documents whole on a rank
+move nothing, whichever replica they came from.
+
+A rank's tokens are positions of the joined sequence, position p being token p % S of row p // S of the global
+batch. Ranks hold different token counts: each weights its mean loss by its share of the pool's tokens
+(sequence/loss.py's loss_weight over the dp x sep group), which makes the averaged gradients one card's on the
+global batch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..masks.block_mask import Documents
+
+
+def joined_documents(documents, batch, seq_len):
+    """The Documents of a [batch, seq_len] batch's rows joined into one row of batch x seq_len tokens: each
+    row's documents (None: each row one document), shifted by the row's offset; no document crosses a row's end."""
+    offset = (np.arange(batch, dtype=np.int64) * seq_len)[:, None]  # [batch, 1]
+    if documents is None:
+        start = np.broadcast_to(offset, (batch, seq_len))
+        end = start + seq_len
+        causal_only = False
+    else:
+        rows = np.broadcast_to(documents.start, (batch, seq_len))
+        start = np.clip(rows, 0, seq_len) + offset
+        end = np.clip(np.broadcast_to(documents.end, (batch, seq_len)), 0, seq_len) + offset
+        causal_only = documents.causal_only
+    return Documents(np.ascontiguousarray(start).reshape(1, -1), np.ascontiguousarray(end).reshape(1, -1),
+                     causal_only)
+
+
+def joined_valid(valid, batch, seq_len):
+    """Padding of the joined row ([1, batch x seq_len] bool), from the batch's [batch, seq_len] (None: none)."""
+    return None if valid is None else np.broadcast_to(valid, (batch, seq_len)).reshape(1, -1)
+
+
+def pool_layout(layout, documents, batch, seq_len, split="documents"):
+    """The layout of the joined row over the pool: `layout` (a SequenceLayout of the p2p ring over the pool's R
+    ranks, its links the pool's) for the batch's `documents` (Documents of [batch, seq_len], or None)."""
+    return layout.for_batch(joined_documents(documents, batch, seq_len), split)
+
+
+def row_positions(layout, batch, seq_len, index):
+    """(rows, positions within their rows) of rank `index`'s tokens in the pool's `layout`, in local order: the
+    global batch's [row, position] of each token the rank holds (its RoPE positions are the second)."""
+    joined = layout.positions(batch * seq_len, index)
+    return joined // seq_len, joined % seq_len
+
+
+def token_counts(layout, batch, seq_len, counted=None):
+    """int64 [R]: the tokens each pool rank holds; with `counted` ([batch, seq_len] bool: e.g. labels not
+    ignored) only those. Their sum is the global batch's: loss_weight's denominator."""
+    flat = None if counted is None else np.broadcast_to(counted, (batch, seq_len)).reshape(-1)
+    return np.array([len(p) if flat is None else int(flat[p].sum())
+                     for p in (layout.positions(batch * seq_len, r) for r in range(layout.world))], np.int64)
