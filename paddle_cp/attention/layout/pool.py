@@ -18,9 +18,16 @@ global batch.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
+from ...cost.packed_layout import segments, token_cap, whole_cost
+from ...cost.tiles import tile_counts
 from ..masks.block_mask import Documents
+from .sequence_layout import DocumentSplit
+
+MOVES_TRIED = 32  # whole documents a batch's rebalancing prices at most (~1 ms each at 64K tokens over 8 ranks)
 
 
 def joined_documents(documents, batch, seq_len):
@@ -47,8 +54,71 @@ def joined_valid(valid, batch, seq_len):
 
 def pool_layout(layout, documents, batch, seq_len, split="documents"):
     """The layout of the joined row over the pool: `layout` (a SequenceLayout of the p2p ring over the pool's R
-    ranks, its links the pool's) for the batch's `documents` (Documents of [batch, seq_len], or None)."""
-    return layout.for_batch(joined_documents(documents, batch, seq_len), split)
+    ranks, its links the pool's) for the batch's `documents` (Documents of [batch, seq_len], or None): the
+    chooser's, its whole documents then moved off the slowest rank while that makes it faster (`rebalanced`)."""
+    joined = joined_documents(documents, batch, seq_len)
+    chosen = layout.for_batch(joined, split)
+    if chosen.split.name != "documents":
+        return chosen
+    total = batch * seq_len
+    groups = np.empty(total, np.int64)
+    for g, positions in enumerate(chosen.ring_positions(total)):
+        groups[positions] = g
+    better = rebalanced(groups, np.clip(joined.end, 0, total), layout.ring, layout.links)
+    if better is groups:
+        return chosen
+    moved = copy.copy(chosen)
+    moved.split, moved.windows = DocumentSplit(better, joined.keys_seen(), layout.ring), {}
+    return moved
+
+
+def rebalanced(groups, end, ring, links, tries=MOVES_TRIED):
+    """`groups` (the ring group of every position) with whole documents moved from the slowest rank to one of
+    the two fastest, or swapped with a shorter one there, within the memory bound (packed_layout.token_cap),
+    each change kept only if the slowest rank's predicted ms (tiles and exchange on `links`, cost/links.py)
+    falls: the chooser places whole documents by a cost estimate at a random tile offset, and the tiles they
+    really make leave a few percent between ranks. The change tried first is the one whose estimated cost
+    shift is nearest half the gap. Returns `groups` itself when none helped. Numpy only: the same on every rank."""
+    starts, lengths = segments(end)
+    cost = whole_cost(lengths)
+    cap = token_cap(len(groups), ring)
+    rank_ms = links.rank_ms(tile_counts(groups, end, ring))
+    owner = _whole_owner(groups, starts, lengths)
+    tried = set()
+    current = groups
+    for _ in range(tries):
+        slowest, tokens = int(np.argmax(rank_ms)), np.bincount(current, minlength=ring)
+        mine = np.flatnonzero(owner == slowest)
+        options = []
+        for g in [g for g in np.argsort(rank_ms) if g != slowest][:2]:
+            half_gap = (rank_ms[slowest] - rank_ms[g]) / 2
+            theirs = np.flatnonzero(owner == g)
+            for d in mine:
+                if tokens[g] + lengths[d] <= cap and (d, g, -1) not in tried:
+                    options.append((abs(cost[d] - half_gap), d, g, -1))
+                for e in theirs[lengths[theirs] < lengths[d]]:
+                    if tokens[g] + lengths[d] - lengths[e] <= cap and (d, g, e) not in tried:
+                        options.append((abs(cost[d] - cost[e] - half_gap), d, g, e))
+        if not options:
+            break
+        _, d, g, e = min(options)
+        tried.add((d, g, e))
+        trial = current.copy()
+        trial[starts[d]:starts[d] + lengths[d]] = g
+        if e >= 0:
+            trial[starts[e]:starts[e] + lengths[e]] = slowest
+        trial_ms = links.rank_ms(tile_counts(trial, end, ring))
+        if trial_ms.max() < rank_ms.max():
+            current, rank_ms = trial, trial_ms
+            owner = _whole_owner(current, starts, lengths)
+    return current
+
+
+def _whole_owner(groups, starts, lengths):
+    """int64 [documents]: the group holding each document whole, -1 for one cut over several."""
+    first = groups[starts]
+    same = np.minimum.reduceat(groups, starts) == np.maximum.reduceat(groups, starts)
+    return np.where(same, first, -1)
 
 
 def row_positions(layout, batch, seq_len, index):
