@@ -242,6 +242,7 @@ class Pool:
         group = mesh_lib.mesh_group(mesh, ["dp", "sep"], p2p=True)
         self.layout = SequenceLayout("p2p", group.size, links=LinkCost.of_ranks(list(group.ranks), plan.links))
         self.groups = resolve_groups(self.layout, group=group)
+        self.replicas = mesh_lib.dim_size(mesh, "dp") if "dp" in mesh.dim_names else 1
 
     @property
     def index(self):
@@ -250,7 +251,7 @@ class Pool:
     def batch_layout(self, documents, batch, seq_len):
         """The layout of a [batch, seq_len] global batch with `documents` (or None) joined over the pool."""
         self.layout.check_length(batch * seq_len, what="the global batch's (rows x length)")
-        return pool_layout(self.layout, documents, batch, seq_len, self.plan.layout)
+        return pool_layout(self.layout, documents, batch, seq_len, self.plan.layout, self.replicas)
 
     @staticmethod
     def joined(value, batch, seq_dim=1):

@@ -71,7 +71,7 @@ def compare(position_ids, dp, sep, ranks_per_node=None, kv_row_bytes=None):
         fixed.append(_priced(layout, seq_len, documents, link, kv_row_bytes))
     link = LinkCost.of_ranks(np.arange(dp * sep), links)
     documents = Documents.from_position_ids(position_ids)
-    layout = pool_layout(SequenceLayout("p2p", dp * sep, links=link), documents, rows, seq_len)
+    layout = pool_layout(SequenceLayout("p2p", dp * sep, links=link), documents, rows, seq_len, replicas=dp)
     pool = _priced(layout, rows * seq_len, joined_documents(documents, rows, seq_len), link, kv_row_bytes)
     joined = {key: np.concatenate([f[key] for f in fixed]) for key in pool if key != "candidate"}
     joined["candidate"] = "/".join(f["candidate"] for f in fixed)

@@ -22,10 +22,11 @@ import copy
 
 import numpy as np
 
+from ...cost.links import LinkCost
 from ...cost.packed_layout import segments, token_cap, whole_cost
 from ...cost.tiles import tile_counts
 from ..masks.block_mask import Documents
-from .sequence_layout import DocumentSplit
+from .sequence_layout import DocumentSplit, SequenceLayout
 
 MOVES_TRIED = 32  # whole documents a batch's rebalancing prices at most (~1 ms each at 64K tokens over 8 ranks)
 
@@ -52,24 +53,53 @@ def joined_valid(valid, batch, seq_len):
     return None if valid is None else np.broadcast_to(valid, (batch, seq_len)).reshape(1, -1)
 
 
-def pool_layout(layout, documents, batch, seq_len, split="documents"):
+def pool_layout(layout, documents, batch, seq_len, split="documents", replicas=1):
     """The layout of the joined row over the pool: `layout` (a SequenceLayout of the p2p ring over the pool's R
-    ranks, its links the pool's) for the batch's `documents` (Documents of [batch, seq_len], or None): the
-    chooser's, its whole documents then moved off the slowest rank while that makes it faster (`rebalanced`)."""
+    ranks, its links the pool's) for the batch's `documents` (Documents of [batch, seq_len], or None). Of the
+    chooser's layout (its whole documents then moved off the slowest rank while that makes it faster:
+    `rebalanced`) and, with `replicas` (dp) dividing the rows, fixed dp x sep's (replica d's rows laid out over
+    ranks d x sep .. (d + 1) x sep - 1, as without the pool), the one whose slowest rank the tile model and the
+    links predict faster: the pool is never predicted slower than the replicas it replaces."""
     joined = joined_documents(documents, batch, seq_len)
-    chosen = layout.for_batch(joined, split)
-    if chosen.split.name != "documents":
-        return chosen
     total = batch * seq_len
-    groups = np.empty(total, np.int64)
-    for g, positions in enumerate(chosen.ring_positions(total)):
-        groups[positions] = g
-    better = rebalanced(groups, np.clip(joined.end, 0, total), layout.ring, layout.links)
-    if better is groups:
+    end = np.clip(joined.end, 0, total)
+    chosen = layout.for_batch(joined, split)
+    groups = _groups_of(chosen, total)
+    options = [rebalanced(groups, end, layout.ring, layout.links) if chosen.split.name == "documents" else groups]
+    if split == "documents" and replicas > 1 and batch % replicas == 0:
+        options.append(_replica_groups(layout, documents, batch, seq_len, replicas))
+    step = [layout.links.rank_ms(tile_counts(option, end, layout.ring)).max() for option in options]
+    best = options[int(np.argmin(step))]
+    if best is groups:
         return chosen
-    moved = copy.copy(chosen)
-    moved.split, moved.windows = DocumentSplit(better, joined.keys_seen(), layout.ring), {}
-    return moved
+    laid = copy.copy(chosen)
+    laid.split, laid.windows, laid._last_batch = DocumentSplit(best, joined.keys_seen(), layout.ring), {}, None
+    return laid
+
+
+def _groups_of(layout, total):
+    """int64 [total]: the ring group of every position of `layout`."""
+    groups = np.empty(total, np.int64)
+    for g, positions in enumerate(layout.ring_positions(total)):
+        groups[positions] = g
+    return groups
+
+
+def _replica_groups(layout, documents, batch, seq_len, replicas):
+    """Fixed dp x sep as a layout of the joined row: replica d's batch / replicas rows over its sep ranks, each row
+    split alike (one layout serves a replica's rows), by the documents layout on that replica's links."""
+    sep, rows = layout.ring // replicas, batch // replicas
+    groups = np.empty(batch * seq_len, np.int64)
+    for d in range(replicas):
+        mine = None
+        if documents is not None:
+            picked = [np.broadcast_to(a, (batch, seq_len))[d * rows:(d + 1) * rows] for a in (documents.start, documents.end)]
+            mine = Documents(*picked, documents.causal_only)
+        links = LinkCost(layout.links.nodes[d * sep:(d + 1) * sep], layout.links.links)
+        replica = SequenceLayout("p2p", sep, links=links).for_batch(mine)
+        row = _groups_of(replica, seq_len) + d * sep
+        groups[d * rows * seq_len:(d + 1) * rows * seq_len] = np.tile(row, rows)
+    return groups
 
 
 def rebalanced(groups, end, ring, links, tries=MOVES_TRIED):
