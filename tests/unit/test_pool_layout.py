@@ -83,3 +83,38 @@ def test_planned_exchange_moves_3x_the_rows_read(held_out):
     for case, figures in held_out.items():
         for layout in ("pool", "fixed"):
             assert figures[layout]["planned_over_read"] <= 1.10, (case, layout, figures[layout])
+
+
+def test_pool_plan_refusals():
+    """What the pool cannot run raises before any collective, naming the fix: another backend, a pipeline, a
+    dense mask (checked with the batch), a linear-attention or convolution mixer (under a pool's batch)."""
+    import paddle
+    import paddle.distributed as dist
+
+    import paddle_cp as pcp
+    from paddle_cp.attention.dispatch import context, routing
+    from paddle_cp.plans.context_parallel import _refuse_dense_masks
+
+    with pytest.raises(ValueError, match="use backend='p2p'"):
+        pcp.PrepareContextParallel("hybrid", 2, pool=True)
+    with pytest.raises(TypeError, match="pool must be True or False"):
+        pcp.PrepareContextParallel(pool="yes")
+    pipeline = dist.ProcessMesh([[0], [1]], dim_names=["pp", "sep"])
+    with pytest.raises(ValueError, match="without pp_config"):
+        pcp.PrepareContextParallel(pool=True).check(paddle.nn.Linear(2, 2), pipeline)
+    with pytest.raises(ValueError, match="dense"):
+        _refuse_dense_masks([paddle.zeros([2, 1, 8, 8])], 8)
+
+    class Plan:  # a ContextParallel layer's run, p2p over 2 ranks
+        layout = SequenceLayout("p2p", 2)
+
+    with context.published(context.SequenceInfo(SequenceLayout("p2p", 8), 64, groups=object())):
+        with pytest.raises(ValueError, match="train this model without pool=True"):
+            routing.sequence(Plan(), 8)
+
+
+def test_bench_pool_table(capsys):
+    rows = bench_pool.main(["--seq", "4096", "--batch", "1", "--documents", "uniform"])
+    assert [r["layout"] for r in rows] == ["fixed", "pool"]
+    out = capsys.readouterr().out
+    assert "tiles max/mean" in out and "uniform" in out and "pool" in out
