@@ -59,7 +59,8 @@ def pool_layout(layout, documents, batch, seq_len, split="documents", replicas=1
     chooser's layout (its whole documents then moved off the slowest rank while that makes it faster:
     `rebalanced`) and, with `replicas` (dp) dividing the rows, fixed dp x sep's (replica d's rows laid out over
     ranks d x sep .. (d + 1) x sep - 1, as without the pool), the one whose slowest rank the tile model and the
-    links predict faster: the pool is never predicted slower than the replicas it replaces."""
+    links predict faster. (Fixed dp x sep's layout priced as this joined row can cost more than the replicas'
+    separate rows: pieces of two rows meet mid-tile on a rank.)"""
     joined = joined_documents(documents, batch, seq_len)
     total = batch * seq_len
     end = np.clip(joined.end, 0, total)
