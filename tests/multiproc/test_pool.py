@@ -16,11 +16,13 @@ def reports():
 
 def test_pool_trains_like_one_card_on_the_global_batch(reports):
     """Loss, first-step gradients and parameters after 3 AdamW steps within 1e-5 of one card; the labels
-    shard_sequence split unshard to the global batch's."""
+    shard_sequence split unshard to the global batch's; rows without documents, left-padded, give one card's
+    loss (0.059 off with the padding keys left visible)."""
     assert_close(reports)
     for report in reports:
         for case in ("short", "long"):
             assert {f"{case}.{kind}" for kind in ("loss", "grad", "param", "unshard")} <= set(report["max_abs"])
+        assert "padded.loss" in report["max_abs"]
 
 
 def test_ranks_hold_the_global_batch_by_documents(reports):

@@ -6,7 +6,8 @@ attention, fp32) trains 3 AdamW steps (epsilon 1e-3), each rank's mean loss weig
 against one card given the same 4 rows with their documents as attn_mask_startend_row_indices. Also: the labels
 split by shard_sequence equal those the plan's hook splits and unshard back to the global batch; each rank's
 token count; the planned exchange's bytes against what the exchange plan predicts; one rank passing a different
-batch (its replica's half, as a data-parallel loader gives it) refused on every rank, naming the fix.
+batch (its replica's half, as a data-parallel loader gives it) refused on every rank, naming the fix; rows
+without documents and with padding (a 2-D attention_mask) give one card's loss.
 """
 import numpy as np
 import paddle
@@ -104,6 +105,27 @@ def record_plan(report, name, case, prepare, mesh, config):
     report.value(f"{name}.rows_read", plan.counts.tolist())
 
 
+def padded(report, mesh):
+    """No documents (each row one causal document) and padding at the rows' starts (a 2-D attention_mask, its labels
+    ignored): the pool's weighted losses sum to one card's loss on the global batch (one forward)."""
+    rows, seq = 4, 77
+    rng = np.random.RandomState(3)
+    tokens = rng.randint(0, llama().config.vocab_size, [rows, seq + 1])
+    mask = np.ones([rows, seq], np.int64)
+    for row, pad in enumerate([0, 9, 30, 3]):
+        mask[row, :pad] = 0  # left padding: keys every valid query would see unless masked
+    ids, mask = paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(mask)
+    labels = paddle.to_tensor(np.where(mask.numpy() == 1, tokens[:, 1:], -100))
+    want = float(llama()(input_ids=ids, labels=labels, attention_mask=mask)[0])
+    prepare = pcp.PrepareContextParallel("p2p", pool=True)
+    plan = {"": prepare, "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
+    model, _ = pcp.parallelize(llama(), None, mesh, {"cp_config": {"parallelize_plan": plan}})
+    local = pcp.shard_sequence(labels, backend=prepare, mesh=mesh)
+    weight = pcp.loss_weight(int((local != -100).sum()), mesh)
+    loss = model(input_ids=ids, labels=labels, attention_mask=mask)[0] * weight
+    report.diff("padded.loss", np.array(mean_over_ranks([loss], mesh)), np.array([want]))
+
+
 def refusals(report, mesh):
     """A rank passing its replica's rows instead of the global batch: every rank raises, naming the fix."""
     prepare = pcp.PrepareContextParallel("p2p", documents="position_ids", pool=True)
@@ -121,6 +143,7 @@ def main(report):
     mesh = dist.ProcessMesh(np.arange(world).reshape(2, world // 2).tolist(), dim_names=["dp", "sep"])
     pooled(report, mesh, "short", SHORT)
     pooled(report, mesh, "long", LONG)
+    padded(report, mesh)
     refusals(report, mesh)
 
 
