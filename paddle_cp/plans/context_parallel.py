@@ -181,7 +181,7 @@ class PrepareContextParallel(_SepPlan):
     def check(self, layer, mesh, param_names=()):
         super().check(layer, mesh, param_names)
         _check_rope(layer)
-        if self.pool and "pp" in mesh.dim_names and mesh_lib.dim_size(mesh, "pp") > 1:
+        if self.pool and mesh_lib.dim_size(mesh, "pp") > 1:
             raise ValueError("PrepareContextParallel(pool=True) joins the global batch into one sequence, which a "
                              "pipeline's micro-batches would cut: train with pool=True without pp_config, or drop pool")
 
@@ -242,7 +242,7 @@ class Pool:
         group = mesh_lib.mesh_group(mesh, ["dp", "sep"], p2p=True)
         self.layout = SequenceLayout("p2p", group.size, links=LinkCost.of_ranks(list(group.ranks), plan.links))
         self.groups = resolve_groups(self.layout, group=group)
-        self.replicas = mesh_lib.dim_size(mesh, "dp") if "dp" in mesh.dim_names else 1
+        self.replicas = mesh_lib.dim_size(mesh, "dp")
 
     @property
     def index(self):
