@@ -83,6 +83,9 @@ def check_parity(model, reference=None, **inputs):
     if len(state.prepare) > 1:
         raise ValueError("check_parity: the model has several PrepareContextParallel plans; give it one")
     prepare, prepared_layer = (state.prepare[0][0], state.prepare[0][1]()) if state.prepare else (None, None)
+    if getattr(prepare, "pool", False):
+        raise ValueError("check_parity compares a sep group's split against one card; a PrepareContextParallel(pool=True) "
+                         "splits the global batch over every dp x sep rank: check the model's plan without pool=True")
     split = _BatchSplit(prepare, state.mesh, inputs) if prepare is not None else None
     whole_inputs = split.one_card_inputs(model, inputs) if split is not None else inputs
     parallel_inputs, labels = dict(inputs), inputs.get("labels")

@@ -11,6 +11,7 @@ from ..activations import recompute
 from ..attention import Documents, SequenceLayout, adapters, check_rotation, mixers, resolve_groups
 from ..attention.dispatch import context, routing
 from ..attention import resolve_group, ulysses_size
+from ..attention.layout.pool import joined_documents, joined_valid, pool_layout, row_positions
 from ..attention.layout.sequence_layout import check_split
 from ..cost.links import LinkCost, Links
 from .base import Plan, refuse_param_plan
@@ -92,7 +93,8 @@ class _SepPlan(Plan):
         ulysses_size(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
 
     def groups_needed(self, layer, mesh):
-        return sep_groups_needed(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
+        pool = (("pairs", "data"),) if getattr(self, "pool", False) else ()
+        return sep_groups_needed(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree) + pool
 
     def _join_sep_group(self, layer, dims, param_names):
         """The SepRun this plan's hooks on `layer` run with (collective where the groups are not made yet)."""
@@ -156,10 +158,25 @@ class PrepareContextParallel(_SepPlan):
     per node from PADDLE_LOCAL_SIZE (paddle.distributed.launch's processes per node), 300 GB/s within a
     node, 25 GB/s across. Across nodes it keeps documents whole where the bytes would cost more than the
     tiles they balance.
+
+    `pool`: one pool over dp x sep (dynamic context parallelism). Every rank of the pool passes the
+    global batch (every replica's rows, the same on every rank: checked, as a sep group's batch is);
+    its rows are joined end to end into one packed sequence (a row's end ends its documents) laid out
+    over all dp x sep ranks as one ring by the documents layout, priced with `links`: a short document
+    stays whole on one rank, a long one spans several. Each rank's inputs are then [1, its tokens, ...];
+    split labels with `shard_sequence(labels, backend=this plan, ...)` and weight each rank's mean loss
+    by `loss_weight(its tokens)`: gradients are then one card's on the global batch. Ring attention
+    (`p2p`) with softmax attention only.
     """
 
-    def __init__(self, backend="p2p", ulysses_degree=None, documents=None, layout="documents", links=None):
+    def __init__(self, backend="p2p", ulysses_degree=None, documents=None, layout="documents", links=None,
+                 pool=False):
         super().__init__(backend, ulysses_degree)
+        if not isinstance(pool, bool):
+            raise TypeError(f"pool must be True or False, got {pool!r}")
+        if pool and backend != "p2p":
+            raise ValueError(f"PrepareContextParallel(pool=True) lays the global batch out over one ring of every dp x "
+                             f"sep rank: use backend='p2p' (and ContextParallel('p2p')), not {backend!r}")
         if documents is not None and not isinstance(documents, str):
             raise TypeError(f"documents must be 'position_ids' or an input name, got {documents!r}")
         if isinstance(links, dict) and set(links) <= set(Links._fields):  # a YAML config's mapping
@@ -170,14 +187,19 @@ class PrepareContextParallel(_SepPlan):
         self.documents = documents
         self.layout = check_split(layout)
         self.links = (links or Links()).check()
+        self.pool = pool
 
     def check(self, layer, mesh, param_names=()):
         super().check(layer, mesh, param_names)
         _check_rope(layer)
+        if self.pool and mesh_lib.dim_size(mesh, "pp") > 1:
+            raise ValueError("PrepareContextParallel(pool=True) joins the global batch into one sequence, which a "
+                             "pipeline's micro-batches would cut: train with pool=True without pp_config, or drop pool")
 
     def apply(self, layer, dims, param_names=()):
         sep = self._join_sep_group(layer, dims, param_names)
-        run = _PreparedRun(self, sep, mesh_lib.dims_of(dims), layer)
+        dims = mesh_lib.dims_of(dims)
+        run = _PreparedRun(self, sep, dims, layer, Pool(self, dims) if self.pool else None)
         adapters.install(layer)  # attention reached outside every ContextParallel layer then raises, not runs locally
         layer.register_forward_pre_hook(run.split_inputs, with_kwargs=True)
         return layer.register_forward_post_hook(run.forget_batch, always_call=True)
@@ -204,27 +226,73 @@ class PrepareContextParallel(_SepPlan):
         return layout.for_batch(documents, self.layout)
 
     def shard_layout(self, layout, position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
-        """The layout shard_sequence splits a batch's tensors with, given the batch's document inputs.
-        Row indices the plan was not told about decide a batch's split only at the model call: a call
-        here without them, once a forward had them, would split labels unlike the inputs."""
+        """The layout shard_sequence splits a batch's tensors with, given the batch's document inputs."""
+        return self.batch_layout(layout, self.shard_documents(position_ids, doc_ids, attn_mask_startend_row_indices))
+
+    def shard_documents(self, position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
+        """The batch's Documents for shard_sequence, from the batch's document inputs. Row indices the plan was
+        not told about decide a batch's split only at the model call: a call here without them, once a forward
+        had them, would split labels unlike the inputs."""
         if self.documents is None and attn_mask_startend_row_indices is None and runtime.plan_notes(self).startend_seen:
             raise ValueError(
                 "this PrepareContextParallel's batches carry attn_mask_startend_row_indices, by whose documents each "
                 "batch is split: pass them to shard_sequence too (or build the plan with layout='chunks')")
-        return self.batch_layout(layout, self.documents_of(position_ids, doc_ids, attn_mask_startend_row_indices))
+        return self.documents_of(position_ids, doc_ids, attn_mask_startend_row_indices)
 
     def record_split(self, layout):
         """shard_sequence split a tensor of the coming batch in `layout`: checked at its forward."""
         runtime.plan_notes(self).sharded.add(layout.split.name)
 
 
+class Pool:
+    """The dp x sep pool of a PrepareContextParallel(pool=True): one p2p ring over every dp x sep rank (mesh
+    order: a replica's sep ranks adjacent, so on one node), and the global batch's layout over it
+    (attention/layout/pool.py). Made at apply and by shard_sequence (collective the first time: the groups)."""
+
+    def __init__(self, plan, dims):
+        self.plan = plan
+        group = dims.with_pairs("data")
+        self.layout = SequenceLayout("p2p", group.size, links=LinkCost.of_ranks(list(group.ranks), plan.links))
+        self.groups = resolve_groups(self.layout, group=group)
+        self.replicas = dims.dp.size
+
+    @property
+    def index(self):
+        return self.groups.sep.index
+
+    def batch_layout(self, documents, batch, seq_len):
+        """The layout of a [batch, seq_len] global batch with `documents` (or None) joined over the pool."""
+        self.layout.check_length(batch * seq_len, what="the global batch's (rows x length)")
+        return pool_layout(self.layout, documents, batch, seq_len, self.plan.layout, self.replicas)
+
+    @staticmethod
+    def joined(value, batch, seq_dim=1):
+        """[batch or 1, seq, ...] -> [1, batch x seq, ...]: the global batch's rows end to end."""
+        if seq_dim != 1 or value.ndim < 2:
+            raise ValueError("PrepareContextParallel(pool=True) splits [batch, seq, ...] tensors on dim 1: give "
+                             f"shard_sequence seq_dim=1 and a tensor of the global batch, not shape {list(value.shape)}")
+        if value.shape[0] not in (1, batch):
+            raise ValueError(f"PrepareContextParallel(pool=True): a tensor of shape {list(value.shape)} in a global "
+                             f"batch of {batch} rows; give every [batch, seq, ...] input all {batch} rows")
+        if value.shape[0] != batch:
+            value = value.expand([batch, *value.shape[1:]])
+        return value.reshape([1, batch * value.shape[1], *value.shape[2:]])
+
+
+def _refuse_dense_masks(values, seq_len):
+    if any(_split_dim(value, seq_len) == 2 for value in values):
+        raise ValueError("PrepareContextParallel(pool=True) joins the global batch's rows into one sequence: a dense "
+                         "[batch, 1|h, seq, seq] mask cannot follow them; give documents (position_ids, document ids "
+                         "or attn_mask_startend_row_indices) and padding as a 2-D attention_mask, or drop pool=True")
+
+
 class _PreparedRun:
     """A PrepareContextParallel applied to one model layer: its hooks, and what they keep between forwards
-    (the batch check's answers, the positions of the last layout)."""
+    (the batch check's answers, the positions of the last layout); `pool`: its Pool under pool=True."""
 
-    def __init__(self, plan, sep, dims, layer):
-        self.plan, self.sep = plan, sep
-        self.check_batch = BatchCheck(dims)
+    def __init__(self, plan, sep, dims, layer, pool=None):
+        self.plan, self.sep, self.pool = plan, sep, pool
+        self.check_batch = BatchCheck(dims, pool=pool is not None)
         self.signature = inspect.signature(layer.forward)
         self._positions = (None, None)  # ((seq_len, index), int64 positions on the device): made once per length
 
@@ -259,12 +327,16 @@ class _PreparedRun:
         doc_ids = kwargs.pop(extra, None) if extra else None
         refusal = documents = None
         try:  # checks that depend on this replica's batch: agreed over the ranks by the batch check
-            self.sep.layout.check_length(seq_len, what="input sequence")
             documents = plan.documents_of(bound.arguments.get("position_ids"), doc_ids, bound.arguments.get(_STARTEND))
             if documents is not None and documents.seq_len != seq_len:
                 raise ValueError(f"the documents given cover {documents.seq_len} tokens, the input sequence {seq_len}: "
                                  "give position ids / document ids / row indices of the whole [batch, seq] input")
-            layout = plan.batch_layout(self.sep.layout, documents)
+            if self.pool is None:
+                self.sep.layout.check_length(seq_len, what="input sequence")
+                layout = plan.batch_layout(self.sep.layout, documents)
+            else:
+                layout = self.pool.batch_layout(documents, batch, seq_len)
+                _refuse_dense_masks(named.values(), seq_len)
             self._check_sharded(layout)
         except ValueError as error:
             refusal = error
@@ -275,11 +347,14 @@ class _PreparedRun:
         valid = _padding(bound.arguments.get("attention_mask"), batch, seq_len)
         if _STARTEND in bound.arguments:
             bound.arguments[_STARTEND] = None  # the attention applies it, from `documents`
-        index = self.sep.groups.sep.index
+        pool = self.pool
+        index = self.sep.groups.sep.index if pool is None else pool.index
 
         def split(value):
             dim = _split_dim(value, seq_len)
-            return value if dim is None else layout.shard(value, dim, index)
+            if dim is None:
+                return value
+            return layout.shard(value, dim, index) if pool is None else layout.shard(pool.joined(value, batch), 1, index)
 
         for name, value in bound.arguments.items():
             kind = signature.parameters[name].kind
@@ -289,6 +364,13 @@ class _PreparedRun:
                 bound.arguments[name] = tuple(split(v) for v in value)
             else:
                 bound.arguments[name] = split(value)
+        if pool is not None:  # one row: the joined sequence
+            if "position_ids" in signature.parameters and bound.arguments.get("position_ids") is None:
+                positions = row_positions(layout, batch, seq_len, index)[1]  # each token's place in its row
+                bound.arguments["position_ids"] = paddle.to_tensor(positions, dtype="int64").unsqueeze(0)
+            context.publish(context.SequenceInfo(layout, batch * seq_len, joined_documents(documents, batch, seq_len),
+                                                 joined_valid(valid, batch, seq_len), groups=pool.groups))
+            return bound.args, bound.kwargs
         if "position_ids" in signature.parameters and bound.arguments.get("position_ids") is None:
             positions = self._positions_of(layout, seq_len, index, documents)
             bound.arguments["position_ids"] = positions.unsqueeze(0).expand([batch, positions.shape[0]])

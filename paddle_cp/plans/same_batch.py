@@ -46,10 +46,15 @@ class BatchCheck:
     """The groups a PrepareContextParallel's inputs are compared over, and what one model's forwards left
     to read. Made at apply (collective); one per parallelized model."""
 
-    def __init__(self, dims):
+    def __init__(self, dims, pool=False):
+        """`pool`: every rank of the stage passes the same global batch (PrepareContextParallel(pool=True)): the
+        stage's ranks are compared as one replica, with and without gradients."""
         self.stage = dims.stage
         self.replica_group = dims.replica
         self.replica = dims.dp.index  # this rank's coordinate along dp (0 without a dp dim)
+        self.pool = pool
+        if pool:
+            self.replica_group, self.replica = self.stage, 0
         self._agreed = None  # (group ranks, header) this rank passed at the last check every rank answered
         self._header = (None, None)  # (header, its int64 tensor): made once per layout, not uploaded per forward
         self._pending = None  # (DeferredRead of the last forward's rows, group ranks, input names)
@@ -78,17 +83,17 @@ class BatchCheck:
             memo[id(self)] = True
         if read_now or refusal is not None or self._agreed != (group.ranks, header):
             self._agreed = None  # until every rank's answer is in: after an error the next forward reads at once
-            _raise_for(gathered.numpy().tolist(), group.ranks, names, refusal)
+            _raise_for(gathered.numpy().tolist(), group.ranks, names, refusal, self.pool)
             self._agreed = (group.ranks, header)
         else:
-            self._pending = (DeferredRead(gathered), group.ranks, names)
+            self._pending = (DeferredRead(gathered), group.ranks, names, self.pool)
 
     def settle(self):
         """Read the rows the last forward gathered without waiting for them: raise as it would have."""
         if self._pending is not None:
-            (rows, ranks, names), self._pending = self._pending, None
+            (rows, ranks, names, pool), self._pending = self._pending, None
             try:
-                _raise_for(rows.result().tolist(), ranks, names)
+                _raise_for(rows.result().tolist(), ranks, names, pool=pool)
             except ValueError:
                 self._agreed = None
                 raise
@@ -99,14 +104,14 @@ class BatchCheck:
         return self._header[1]
 
 
-def _raise_for(rows, ranks, names, refusal=None):
+def _raise_for(rows, ranks, names, refusal=None, pool=False):
     """The verdict on the gathered `rows` (one per rank of `ranks`, mesh order), the same on every rank:
     raise this rank's `refusal`, or an error naming the ranks that differ or refused."""
     replicas = {}
     for rank, row in zip(ranks, rows):  # {replica: [(rank, row after replica and refusal)]}, mesh order
         replicas.setdefault(row[0], []).append((rank, row[2:]))
     for members in replicas.values():
-        _raise_unless_equal(members, names)
+        _raise_unless_equal(members, names, POOL_FIX if pool else REPLICA_FIX)
     refused = [rank for rank, row in zip(ranks, rows) if row[1]]
     if refusal is not None:
         raise refusal
@@ -115,8 +120,17 @@ def _raise_for(rows, ranks, names, refusal=None):
                          "rank stops too, so that none waits for them in a collective")
 
 
-def _raise_unless_equal(members, names):
-    """`members`: [(rank, row)] of one replica."""
+REPLICA_FIX = ("the ranks of a data-parallel replica", "Every rank of a replica (its sep and mp ranks) must pass the same "
+               "full batch, which PrepareContextParallel splits; give each data-parallel replica its own batch over a "
+               "`dp` mesh dim (pcp.shard_dataloader / pcp.shard_batch) and the same batch to the ranks of its sep group")
+POOL_FIX = ("the ranks of a PrepareContextParallel(pool=True) pool", "Every rank of the dp x sep pool must pass the "
+            "global batch (every replica's rows, the same on every rank), which the pool lays out over all of them: "
+            "do not shard the data over dp (no pcp.shard_dataloader / shard_batch), or drop pool=True")
+
+
+def _raise_unless_equal(members, names, fix=REPLICA_FIX):
+    """`members`: [(rank, row)] of one replica; `fix`: (who they are, what they must do)."""
+    who, must = fix
     first = members[0][1]
     if all(row[0] == first[0] for _, row in members):
         differ = sorted({name for _, row in members for i, name in enumerate(names)
@@ -124,17 +138,10 @@ def _raise_unless_equal(members, names):
         if not differ:
             return
         ranks = [rank for rank, row in members if row != first]
-        raise ValueError(
-            f"context parallel: the ranks of a data-parallel replica passed different values of {differ} (ranks "
-            f"{ranks} differ from rank {members[0][0]}). Every rank of a replica (its sep and mp ranks) must pass "
-            "the same full batch, which PrepareContextParallel splits; give each data-parallel replica its own batch "
-            "over a `dp` mesh dim (pcp.shard_dataloader / pcp.shard_batch) and the same batch to the ranks of its "
-            "sep group")
+        raise ValueError(f"context parallel: {who} passed different values of {differ} (ranks {ranks} differ from "
+                         f"rank {members[0][0]}). {must}")
     shapes = ", ".join(f"rank {rank}: batch {row[1]} x {row[2]} tokens" for rank, row in members)
-    raise ValueError(
-        f"context parallel: the ranks of a data-parallel replica passed inputs of different names, shapes or dtypes "
-        f"({shapes}). Every rank of a replica (its sep and mp ranks) must pass the same full batch, which "
-        "PrepareContextParallel splits")
+    raise ValueError(f"context parallel: {who} passed inputs of different names, shapes or dtypes ({shapes}). {must}")
 
 
 @contextlib.contextmanager

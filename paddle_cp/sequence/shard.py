@@ -15,9 +15,10 @@ import paddle.distributed as dist
 
 from .. import runtime
 from ..attention import SequenceLayout, resolve_group
-from ..attention.dispatch.lengths import agreed_seq_len
+from ..attention.dispatch.lengths import agreed_seq_len, held_lengths
 from ..comm.autograd import gather_replicated
-from ..plans.context_parallel import PrepareContextParallel, plan_layout
+from .. import mesh as mesh_lib
+from ..plans.context_parallel import Pool, PrepareContextParallel, plan_layout
 
 
 def _layout(backend, ulysses_degree, mesh, group, **documents):
@@ -34,9 +35,26 @@ def _layout(backend, ulysses_degree, mesh, group, **documents):
     return SequenceLayout(backend, group.size, ulysses_degree), group
 
 
+def _pool(plan, mesh, group):
+    """The Pool of a PrepareContextParallel(pool=True) given to shard_sequence / unshard_sequence, else None."""
+    if not getattr(plan, "pool", False):
+        return None
+    if group is not None:
+        raise ValueError("a PrepareContextParallel(pool=True) splits over its mesh's dp x sep ranks: pass mesh=, not group=")
+    return Pool(plan, mesh_lib.dims_of(mesh))
+
+
 def shard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None, *, position_ids=None,
                    doc_ids=None, attn_mask_startend_row_indices=None):
-    """This rank's part of `x` (full sequence on dim `seq_dim`), in PrepareContextParallel's layout."""
+    """This rank's part of `x` (full sequence on dim `seq_dim`), in PrepareContextParallel's layout. Under a
+    PrepareContextParallel(pool=True), `x` is a [batch, seq, ...] tensor of the global batch and the part
+    [1, this rank's tokens, ...] of its rows joined (the model's inputs' split)."""
+    pool = _pool(backend, mesh, group)
+    if pool is not None:
+        documents = backend.shard_documents(position_ids, doc_ids, attn_mask_startend_row_indices)
+        layout = pool.batch_layout(documents, x.shape[0], x.shape[seq_dim])
+        backend.record_split(layout)
+        return layout.shard(pool.joined(x, x.shape[0], seq_dim), 1, pool.index)
     layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
                             attn_mask_startend_row_indices=attn_mask_startend_row_indices)
     layout.check_length(x.shape[seq_dim])
@@ -58,6 +76,10 @@ def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses
     same thing from the result), so the backward keeps this rank's slice of the
     gradient.
     """
+    pool = _pool(backend, mesh, group)
+    if pool is not None:
+        return _unshard_pool(pool, x, seq_dim, seq_len, backend.shard_documents(position_ids, doc_ids,
+                                                                                attn_mask_startend_row_indices))
     layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
                             attn_mask_startend_row_indices=attn_mask_startend_row_indices)
     seq_len = agreed_seq_len(layout, group, x.shape[seq_dim], seq_len, seq_dim)
@@ -66,9 +88,28 @@ def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses
     return paddle.index_select(gathered, paddle.to_tensor(layout.restore_order(seq_len)), axis=seq_dim)
 
 
+def _unshard_pool(pool, x, seq_dim, seq_len, documents):
+    """The [batch, seq_len, ...] global batch from each pool rank's [1, tokens, ...] part of its joined rows."""
+    if seq_dim != 1 or seq_len is None:
+        raise ValueError("unshard_sequence under PrepareContextParallel(pool=True) puts the global batch's rows back: "
+                         "give seq_dim=1 and seq_len=<tokens a row of the global batch>")
+    held = held_lengths(x.shape[1], pool.groups.sep)
+    batch = sum(held) // seq_len
+    layout = pool.batch_layout(documents, batch, seq_len) if batch * seq_len == sum(held) else None
+    if layout is None or layout.lengths(batch * seq_len) != held:
+        raise ValueError(f"the pool's ranks hold {held} tokens, which no global batch of rows of {seq_len} tokens "
+                         "splits so: pass the seq_len and the document inputs the tensor was split with")
+    gathered = gather_replicated(x, pool.groups.sep, 1, held)  # [1, batch x seq_len, ...], rank after rank
+    joined = paddle.index_select(gathered, paddle.to_tensor(layout.restore_order(batch * seq_len)), axis=1)
+    return joined.reshape([batch, seq_len, *joined.shape[2:]])
+
+
 def sequence_positions(seq_len, backend="p2p", mesh=None, group=None, ulysses_degree=None, *, position_ids=None,
                        doc_ids=None, attn_mask_startend_row_indices=None):
     """Global positions of this rank's tokens (int64 [s_local]): position ids for RoPE."""
+    if getattr(backend, "pool", False):
+        raise ValueError("PrepareContextParallel(pool=True) gives the model each token's position in its row itself: "
+                         "pass no position ids, or the global batch's [batch, seq] position_ids to the model")
     layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
                             attn_mask_startend_row_indices=attn_mask_startend_row_indices)
     return paddle.to_tensor(layout.positions(seq_len, group.index), dtype="int64")

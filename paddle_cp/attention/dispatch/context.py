@@ -22,12 +22,15 @@ from ..masks.block_mask import Documents
 @dataclass(frozen=True)
 class SequenceInfo:
     """`valid`: [batch, seq_len] bool (numpy) from the 2-D attention_mask the model was given:
-    False for padding keys, which no query sees (None: no padding)."""
+    False for padding keys, which no query sees (None: no padding). `groups`: the CPGroups the batch is laid
+    out over when they are not the ContextParallel plan's sep group (PrepareContextParallel(pool=True)'s dp x
+    sep ring), else None."""
 
     layout: SequenceLayout
     seq_len: int
     documents: Documents | None = None
     valid: np.ndarray | None = None
+    groups: object = None
 
     def micro_batch(self, index, count):
         """The facts of rows [index * b, (index + 1) * b) of `count` equal micro-batches (a pipeline's)."""
@@ -40,7 +43,7 @@ class SequenceInfo:
         documents = self.documents
         if documents is not None:
             documents = Documents(rows(documents.start), rows(documents.end), documents.causal_only)
-        return SequenceInfo(self.layout, self.seq_len, documents, rows(self.valid))
+        return SequenceInfo(self.layout, self.seq_len, documents, rows(self.valid), self.groups)
 
 
 def publish(info):

@@ -138,6 +138,11 @@ def sequence(plan, local_len):
     info = batch(plan)
     if info is None:
         return plan.layout, agreed_seq_len(plan.layout, plan.groups.sep, local_len)
+    if info.groups is not None:
+        raise ValueError(
+            "PrepareContextParallel(pool=True) lays the global batch out over every dp x sep rank for softmax "
+            "attention's ring; this layer's token mixing (linear attention, a convolution over the sequence) is not "
+            "supported there: train this model without pool=True")
     check_local_length(info.layout, info.seq_len, plan.groups.sep.index, local_len)
     return info.layout, info.seq_len
 
@@ -154,7 +159,8 @@ def attend(plan, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         valid = info.valid if padding else None
     else:  # shards the script split: their length agreed by the ranks, which may hold a token more or less
         layout, seq_len = sequence(plan, query.shape[1])
-    out = context_parallel_attention(layout, plan.groups, query, key, value, attn_mask, dropout_p,
+    groups = plan.groups if info is None or info.groups is None else info.groups  # the pool's dp x sep ring
+    out = context_parallel_attention(layout, groups, query, key, value, attn_mask, dropout_p,
                                      is_causal, training, scale, seq_len, documents, plan.rotate,
                                      enable_gqa=enable_gqa, window=window, sinks=sinks, valid=valid)
     mark_ran()

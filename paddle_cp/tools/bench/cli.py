@@ -3,6 +3,7 @@
     pcp-bench --nproc 2 --seq 2048 --backend p2p --causal --json out.json
     pcp-bench --mixer gated_deltanet --nproc 2 4 --seq 2048    (a Gated DeltaNet layer: bench/gdn.py)
     pcp-bench --planning --nproc 8 --seq 131072 --documents lognormal   (host planning: bench/planning.py)
+    pcp-bench --pool --dp 2 --sep 4 --seq 64K --documents lognormal   (dp x sep pool against fixed: bench/pool.py)
 
 Launches N CPU ranks itself (`python -m paddle.distributed.launch`, one thread per
 rank), or runs as one of them when started inside a launch (PADDLE_TRAINER_ID set).
@@ -596,7 +597,13 @@ def main(argv=None):
     mixer = argparse.ArgumentParser(add_help=False)
     mixer.add_argument("--mixer", choices=["attention", "gated_deltanet"], default="attention")
     mixer.add_argument("--planning", action="store_true")
+    mixer.add_argument("--pool", action="store_true")
     chosen, rest = mixer.parse_known_args(argv)
+    if chosen.pool:  # the dp x sep pool against fixed dp x sep, priced by the tile model (bench/pool.py)
+        from paddle_cp.tools.bench import pool as bench_pool
+
+        bench_pool.main(rest)
+        return
     if chosen.planning:  # host time to plan one layer's attention, no launch (bench/planning.py)
         from paddle_cp.tools.bench import planning as bench_planning
 

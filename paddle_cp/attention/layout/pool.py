@@ -1,0 +1,167 @@
+"""One pool over dp x sep: a global batch laid out over every dp x sep rank at once (numpy only).
+
+Fixed dp x sep gives each replica its own rows and lays them out over its sep group: a replica whose rows hold
+long documents is slower than one whose rows hold short ones, and a row's documents are cut over sep ranks even
+where a whole document would fit on one rank of another replica. The pool (Megatron-Core's dynamic context
+parallel, ByteScale's data-aware DP/CP, chosen per batch here) sees the global batch, every replica's rows, on
+every rank: its B rows of S tokens are joined end to end into one packed sequence of B x S tokens (a row's end
+ends its last document), and the packed-layout chooser (cost/packed_layout.py, priced with the links) lays
+that sequence out over all R = dp x sep ranks as one ring: a document short enough stays whole on one rank, a
+long one is cut over several (the pieces of a cut document on one node when the ring spans nodes). The planned
+exchange (exchange_plan.py) then moves only the k/v rows other ranks' tiles read: documents whole on a rank
+move nothing, whichever replica they came from.
+
+A rank's tokens are positions of the joined sequence, position p being token p % S of row p // S of the global
+batch. Ranks hold different token counts: each weights its mean loss by its share of the pool's tokens
+(sequence/loss.py's loss_weight over the dp x sep group), which makes the averaged gradients one card's on the
+global batch.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from ...cost.links import LinkCost
+from ...cost.packed_layout import segments, token_cap, whole_cost
+from ...cost.tiles import tile_counts
+from ..masks.block_mask import Documents
+from .sequence_layout import DocumentSplit, SequenceLayout
+
+MOVES_TRIED = 8  # moves a batch's rebalancing prices at most (1-6 ms each at 64K-256K tokens over 8 ranks; more gained <0.2%)
+
+
+def joined_documents(documents, batch, seq_len):
+    """The Documents of a [batch, seq_len] batch's rows joined into one row of batch x seq_len tokens: each
+    row's documents (None: each row one document), shifted by the row's offset; no document crosses a row's end."""
+    offset = (np.arange(batch, dtype=np.int64) * seq_len)[:, None]  # [batch, 1]
+    if documents is None:
+        start = np.broadcast_to(offset, (batch, seq_len))
+        end = start + seq_len
+        causal_only = False
+    else:
+        rows = np.broadcast_to(documents.start, (batch, seq_len))
+        start = np.clip(rows, 0, seq_len) + offset
+        end = np.clip(np.broadcast_to(documents.end, (batch, seq_len)), 0, seq_len) + offset
+        causal_only = documents.causal_only
+    return Documents(np.ascontiguousarray(start).reshape(1, -1), np.ascontiguousarray(end).reshape(1, -1),
+                     causal_only)
+
+
+def joined_valid(valid, batch, seq_len):
+    """Padding of the joined row ([1, batch x seq_len] bool), from the batch's [batch, seq_len] (None: none)."""
+    return None if valid is None else np.broadcast_to(valid, (batch, seq_len)).reshape(1, -1)
+
+
+def pool_layout(layout, documents, batch, seq_len, split="documents", replicas=1):
+    """The layout of the joined row over the pool: `layout` (a SequenceLayout of the p2p ring over the pool's R
+    ranks, its links the pool's) for the batch's `documents` (Documents of [batch, seq_len], or None). Of the
+    chooser's layout (its whole documents then moved off the slowest rank while that makes it faster:
+    `rebalanced`) and, with `replicas` (dp) dividing the rows, fixed dp x sep's (replica d's rows laid out over
+    ranks d x sep .. (d + 1) x sep - 1, as without the pool), the one whose slowest rank the tile model and the
+    links predict faster. (Fixed dp x sep's layout priced as this joined row can cost more than the replicas'
+    separate rows: pieces of two rows meet mid-tile on a rank.)"""
+    joined = joined_documents(documents, batch, seq_len)
+    total = batch * seq_len
+    end = np.clip(joined.end, 0, total)
+    chosen = layout.for_batch(joined, split)
+    groups = _groups_of(chosen, total)
+    options = [rebalanced(groups, end, layout.ring, layout.links) if chosen.split.name == "documents" else groups]
+    if split == "documents" and replicas > 1 and batch % replicas == 0:
+        options.append(_replica_groups(layout, documents, batch, seq_len, replicas))
+    step = [layout.links.rank_ms(tile_counts(option, end, layout.ring)).max() for option in options]
+    best = options[int(np.argmin(step))]
+    if best is groups:
+        return chosen
+    laid = copy.copy(chosen)
+    laid.split, laid.windows, laid._last_batch = DocumentSplit(best, joined.keys_seen(), layout.ring), {}, None
+    return laid
+
+
+def _groups_of(layout, total):
+    """int64 [total]: the ring group of every position of `layout`."""
+    groups = np.empty(total, np.int64)
+    for g, positions in enumerate(layout.ring_positions(total)):
+        groups[positions] = g
+    return groups
+
+
+def _replica_groups(layout, documents, batch, seq_len, replicas):
+    """Fixed dp x sep as a layout of the joined row: replica d's batch / replicas rows over its sep ranks, each row
+    split alike (one layout serves a replica's rows), by the documents layout on that replica's links."""
+    sep, rows = layout.ring // replicas, batch // replicas
+    groups = np.empty(batch * seq_len, np.int64)
+    for d in range(replicas):
+        mine = None
+        if documents is not None:
+            picked = [np.broadcast_to(a, (batch, seq_len))[d * rows:(d + 1) * rows] for a in (documents.start, documents.end)]
+            mine = Documents(*picked, documents.causal_only)
+        links = LinkCost(layout.links.nodes[d * sep:(d + 1) * sep], layout.links.links)
+        replica = SequenceLayout("p2p", sep, links=links).for_batch(mine)
+        row = _groups_of(replica, seq_len) + d * sep
+        groups[d * rows * seq_len:(d + 1) * rows * seq_len] = np.tile(row, rows)
+    return groups
+
+
+def rebalanced(groups, end, ring, links, tries=MOVES_TRIED):
+    """`groups` (the ring group of every position) with whole documents moved from the slowest rank to one of
+    the two fastest, or swapped with a shorter one there, within the memory bound (packed_layout.token_cap),
+    each change kept only if the slowest rank's predicted ms (tiles and exchange on `links`, cost/links.py)
+    falls: the chooser places whole documents by a cost estimate at a random tile offset, and the tiles they
+    really make leave a few percent between ranks. The change tried first is the one whose estimated cost
+    shift is nearest half the gap. Returns `groups` itself when none helped. Numpy only: the same on every rank."""
+    starts, lengths = segments(end)
+    cost = whole_cost(lengths)
+    cap = token_cap(len(groups), ring)
+    rank_ms = links.rank_ms(tile_counts(groups, end, ring))
+    owner = _whole_owner(groups, starts, lengths)
+    tried = set()
+    current = groups
+    for _ in range(tries):
+        slowest, tokens = int(np.argmax(rank_ms)), np.bincount(current, minlength=ring)
+        mine = np.flatnonzero(owner == slowest)
+        options = []
+        for g in [g for g in np.argsort(rank_ms) if g != slowest][:2]:
+            half_gap = (rank_ms[slowest] - rank_ms[g]) / 2
+            theirs = np.flatnonzero(owner == g)
+            for d in mine:
+                if tokens[g] + lengths[d] <= cap and (d, g, -1) not in tried:
+                    options.append((abs(cost[d] - half_gap), d, g, -1))
+                for e in theirs[lengths[theirs] < lengths[d]]:
+                    if tokens[g] + lengths[d] - lengths[e] <= cap and (d, g, e) not in tried:
+                        options.append((abs(cost[d] - cost[e] - half_gap), d, g, e))
+        if not options:
+            break
+        _, d, g, e = min(options)
+        tried.add((d, g, e))
+        trial = current.copy()
+        trial[starts[d]:starts[d] + lengths[d]] = g
+        if e >= 0:
+            trial[starts[e]:starts[e] + lengths[e]] = slowest
+        trial_ms = links.rank_ms(tile_counts(trial, end, ring))
+        if trial_ms.max() < rank_ms.max():
+            current, rank_ms = trial, trial_ms
+            owner = _whole_owner(current, starts, lengths)
+    return current
+
+
+def _whole_owner(groups, starts, lengths):
+    """int64 [documents]: the group holding each document whole, -1 for one cut over several."""
+    first = groups[starts]
+    same = np.minimum.reduceat(groups, starts) == np.maximum.reduceat(groups, starts)
+    return np.where(same, first, -1)
+
+
+def row_positions(layout, batch, seq_len, index):
+    """(rows, positions within their rows) of rank `index`'s tokens in the pool's `layout`, in local order: the
+    global batch's [row, position] of each token the rank holds (its RoPE positions are the second)."""
+    joined = layout.positions(batch * seq_len, index)
+    return joined // seq_len, joined % seq_len
+
+
+def token_counts(layout, batch, seq_len, counted=None):
+    """int64 [R]: the tokens each pool rank holds; with `counted` ([batch, seq_len] bool: e.g. labels not
+    ignored) only those. Their sum is the global batch's: loss_weight's denominator."""
+    flat = None if counted is None else np.broadcast_to(counted, (batch, seq_len)).reshape(-1)
+    return np.array([len(p) if flat is None else int(flat[p].sum())
+                     for p in (layout.positions(batch * seq_len, r) for r in range(layout.world))], np.int64)
