@@ -251,6 +251,7 @@ class Pool:
 
     def __init__(self, plan, dims):
         self.plan = plan
+        dims = mesh_lib.dims_of(dims)
         group = dims.with_pairs("data")
         self.layout = SequenceLayout("p2p", group.size, links=LinkCost.of_ranks(list(group.ranks), plan.links))
         self.groups = resolve_groups(self.layout, group=group)
