@@ -14,7 +14,7 @@ from ..attention import resolve_group, ulysses_size
 from ..attention.layout.sequence_layout import check_split
 from ..cost.links import LinkCost, Links
 from .base import Plan, refuse_param_plan
-from .same_batch import BatchCheck
+from .same_batch import BATCH_CHECK_GROUPS, BatchCheck
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
 _STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed-document input
@@ -174,6 +174,9 @@ class PrepareContextParallel(_SepPlan):
     def check(self, layer, mesh, param_names=()):
         super().check(layer, mesh, param_names)
         _check_rope(layer)
+
+    def groups_needed(self, layer, mesh):
+        return super().groups_needed(layer, mesh) + BATCH_CHECK_GROUPS
 
     def apply(self, layer, dims, param_names=()):
         sep = self._join_sep_group(layer, dims, param_names)

@@ -40,16 +40,17 @@ from ..comm.fingerprint import fingerprint
 
 SLOTS = 4  # value fingerprints per rank: inputs in name order share slot i % SLOTS
 TAG = "cp_batch_check"  # its bytes in paddle_cp.bytes_sent()
+BATCH_CHECK_GROUPS = (("group", "stage"), ("group", "replica"))  # what BatchCheck reads (ParallelDims.build's needs)
 
 
 class BatchCheck:
     """The groups a PrepareContextParallel's inputs are compared over, and what one model's forwards left
-    to read. Made at apply (collective); one per parallelized model."""
+    to read. Made at apply (its groups from `dims`, a mesh.ParallelDims); one per parallelized model."""
 
     def __init__(self, dims):
         self.stage = dims.stage
         self.replica_group = dims.replica
-        self.replica = dims.dp.index  # this rank's coordinate along dp (0 without a dp dim)
+        self.replica = dims.position("dp")  # this rank's coordinate along dp (0 without a dp dim)
         self._agreed = None  # (group ranks, header) this rank passed at the last check every rank answered
         self._header = (None, None)  # (header, its int64 tensor): made once per layout, not uploaded per forward
         self._pending = None  # (DeferredRead of the last forward's rows, group ranks, input names)
