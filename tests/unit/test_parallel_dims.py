@@ -1,5 +1,6 @@
-"""ParallelDims: every named group of a mesh made once, in one fixed order, before any plan applies; the plans
-take their groups from it. Paddle's new_group is recorded here (rank 0 of 8, no process started)."""
+"""ParallelDims: the groups a run declares made once, in one fixed order, before any plan applies, and no
+others; the plans, the pipeline, completion and sharding take their groups from it. Paddle's new_group is
+recorded here (rank 0 of 8 or 16, no process started)."""
 import paddle.distributed as dist
 import pytest
 
