@@ -161,3 +161,22 @@ def test_the_sites_read_their_groups_from_parallel_dims(created, monkeypatch):
     assert batch.stage is dims.stage and batch.replica_group is dims.replica and batch.replica == 0
     assert dims.stage.ranks == tuple(range(8)) and dims.replica.ranks == (0, 1, 2, 3)
     assert created == built
+
+
+def test_experts_folded_on_part_of_the_data_dims_declare_the_rest_for_completion(created, monkeypatch):
+    """Experts folded over sep only: completion averages them over dp, a group the expert plan declares."""
+    import paddle
+
+    from paddle_cp.params import Partial, complete_placements, record_of
+    from paddle_cp.plans.expert_parallel import ExpertFold, ExpertParallel
+
+    mesh = dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["dp", "sep", "mp"])
+    plan = ExpertParallel().folded(ExpertFold(2, ("sep",)))
+    assert ("group", ("dp",)) in plan.groups_needed(None, mesh)
+    dims = _parallel_dims(mesh, [(plan, None, ())])
+    inner, outer = dims.fold(("sep",), 2)
+    expert = paddle.create_parameter([2, 4], "float32")
+    record_of(expert).place(Partial(outer, "avg"))
+    monkeypatch.setattr(mesh_lib, "ensure_initialized", lambda: pytest.fail("a group made after the build"))
+    complete_placements(expert, dims)
+    assert [p.group for p in record_of(expert).find(Partial)] == [outer, dims.dp] and dims.dp.ranks == (0, 4)
