@@ -54,5 +54,5 @@ def step_timeline(model):
     return list(pipeline.timeline)
 
 
-__all__ = ["SplitPoint", "LossFactorAgreement", "plan_pipeline", "pipeline_groups_needed", "apply_pipeline", "keep_own_parameters", "step_timeline",
-           "recompute_boundary"]
+__all__ = ["SplitPoint", "LossFactorAgreement", "plan_pipeline", "pipeline_groups_needed", "apply_pipeline",
+           "keep_own_parameters", "step_timeline", "recompute_boundary"]
