@@ -193,59 +193,113 @@ def _slice_group(key, mesh_array, axes, p2p, dims):
 
 
 class ParallelDims:
-    """Every named process group of one mesh, made once, in one fixed order on every rank (torchtitan's
-    ParallelDims): `parallelize` builds it after its checks with what the plans declare they need
-    (`Plan.groups_needed`), the function API on its first call (`dims_of`); runtime.installed keeps it.
-    Plans and the front door read its fields instead of cutting the mesh by dim names themselves.
+    """The named process groups of one mesh, each made once (torchtitan's ParallelDims). `parallelize` builds
+    what its run declares (`Plan.groups_needed`, the pipeline's, sharding's and placement completion's needs)
+    in one sorted order on every rank before any plan applies (new_group is collective); runtime.installed
+    keeps it (`dims_of`). Plans and the front door read its groups instead of cutting the mesh by dim names.
+    A group nothing declared is made on first use: the function API's path, where every rank calls at the
+    same point.
 
-    A dim the mesh lacks gives a one-rank group (a dim of size 1 in effect). `world` spans every dim; `data`
-    dp x sep (the ranks sharing a token mean, expert folding, sharding); `stage` every dim but pp (one
-    pipeline stage); `replica` every dim but pp and dp (one data-parallel replica of a stage)."""
+    A need is a tuple: ("group", dims) with dims a field name below or a tuple of mesh dim names;
+    ("pairs", name) the group `name` with gloo's pair groups; ("sep_parts", ulysses); ("fold", dims, degree);
+    ("line", dim, positions). A dim the mesh lacks is left out (a one-rank group in effect). The fields:
+    `world` every dim; `data` dp x sep (the ranks sharing a token mean, expert folding, sharding); `dp`,
+    `sep`, `mp`, `pp` one dim; `stage` every dim but pp (one pipeline stage); `replica` every dim but pp
+    and dp (one data-parallel replica of a stage)."""
 
     def __init__(self, mesh):
         self.mesh = mesh
-        # the order of creation, the same on every rank: the groups placements use most first
-        self.data = mesh_group(mesh, ["dp", "sep"])
-        self.dp = mesh_group(mesh, ["dp"])
-        self.sep = mesh_group(mesh, ["sep"])
-        self.mp = mesh_group(mesh, ["mp"])
-        self.world = mesh_group(mesh, list(mesh.dim_names))
-        self.pp = mesh_group(mesh, ["pp"])
-        self.stage = mesh_group(mesh, [d for d in mesh.dim_names if d != "pp"])
-        self.replica = mesh_group(mesh, [d for d in mesh.dim_names if d not in ("pp", "dp")])
-        self._pairs = {}  # name -> the group with gloo's pair groups (made on request)
-        self._sep_parts = {}  # Ulysses degree -> (ulysses, ring) MeshGroups
-        self._folds = {}  # (dims, degree) -> (inner, outer) MeshGroups
+        self._made = {}  # canonical need -> what it made
 
     def build(self, needs):
-        """Make the groups `needs` names (("pairs", name), ("sep_parts", degree), ("fold", dims, degree)),
-        in one order whatever order the plans gave them in."""
-        for need in sorted(set(needs), key=repr):
-            kind, *args = need
-            {"pairs": self.with_pairs, "sep_parts": self.sep_parts, "fold": self.fold}[kind](*args)
+        """Make the groups `needs` names, in one order whatever order they were given in."""
+        for key in sorted({self._canonical(need) for need in needs}, key=repr):
+            self._get(key)
         return self
+
+    def built(self):
+        """The canonical needs made so far, in their order of creation."""
+        return list(self._made)
+
+    def group(self, dims):
+        """The MeshGroup over `dims` (a field name or mesh dim names)."""
+        return self._get(self._canonical(("group", dims)))
+
+    world = property(lambda self: self.group("world"))
+    data = property(lambda self: self.group("data"))
+    dp = property(lambda self: self.group("dp"))
+    sep = property(lambda self: self.group("sep"))
+    mp = property(lambda self: self.group("mp"))
+    pp = property(lambda self: self.group("pp"))
+    stage = property(lambda self: self.group("stage"))
+    replica = property(lambda self: self.group("replica"))
 
     def with_pairs(self, name):
         """The group `name` (sep, mp, data) with the pair groups gloo's point-to-point traffic needs."""
-        if name not in self._pairs:
-            self._pairs[name] = mesh_group(self.mesh, _NAMED_DIMS[name], p2p=True)
-        return self._pairs[name]
+        return self._get(self._canonical(("pairs", name)))
 
     def sep_parts(self, ulysses):
         """(ulysses, ring): sep cut into blocks of `ulysses` consecutive ranks (inner) and across them (outer)."""
-        if ulysses not in self._sep_parts:
-            self._sep_parts[ulysses] = split_dim_groups(self.mesh, "sep", ulysses)
-        return self._sep_parts[ulysses]
+        return self._get(("sep_parts", ulysses))
 
     def fold(self, dims, degree):
         """(inner, outer) of mesh dims `dims` folded and cut into blocks of `degree` (fold_groups)."""
-        key = (tuple(dims), degree)
-        if key not in self._folds:
-            self._folds[key] = fold_groups(self.mesh, list(dims), degree)
-        return self._folds[key]
+        return self._get(self._canonical(("fold", dims, degree)))
+
+    def line(self, dim, positions):
+        """This rank's group over `positions` of its line along `dim`, or None when it is not among them."""
+        return self._get(self._canonical(("line", dim, positions)))
+
+    def position(self, dim):
+        """This rank's coordinate along `dim` (0 when the mesh lacks it); no group needed."""
+        found = find_dim(self.mesh, dim)
+        return 0 if found is None else coordinates(self.mesh)[self.mesh.dim_names.index(found)]
+
+    def _dims(self, dims):
+        """Mesh dim names (a field name or names; aliases resolved, missing dropped) in mesh order."""
+        names = self.mesh.dim_names
+        if isinstance(dims, str):
+            dims = _FIELD_DIMS[dims](names) if dims in _FIELD_DIMS else (dims,)
+        return tuple(names[a] for a in _axes(self.mesh, dims))
+
+    def _canonical(self, need):
+        kind, *args = need
+        if kind in ("group", "pairs"):
+            return (kind, self._dims(args[0]))
+        if kind == "fold":
+            return (kind, self._dims(tuple(args[0])), args[1])
+        if kind == "line":
+            return (kind, self._dims(args[0])[0], tuple(args[1]))
+        if kind == "sep_parts":
+            return (kind, args[0])
+        raise ValueError(f"unknown group need {need!r}")
+
+    def _get(self, key):
+        if key not in self._made:
+            self._made[key] = self._make(*key)
+        return self._made[key]
+
+    def _make(self, kind, *args):
+        if kind == "group":
+            return mesh_group(self.mesh, list(args[0]))
+        if kind == "pairs":
+            made = mesh_group(self.mesh, list(args[0]), p2p=True)
+            self._made.setdefault(("group", args[0]), made)  # the plain group is the same slice
+            return made
+        if kind == "sep_parts":
+            return split_dim_groups(self.mesh, "sep", args[0])
+        if kind == "fold":
+            return fold_groups(self.mesh, list(args[0]), args[1])
+        return line_subgroups(self.mesh, args[0], [args[1]])[args[1]]
 
 
-_NAMED_DIMS = MappingProxyType({"sep": ("sep",), "mp": ("mp",), "data": ("dp", "sep")})
+# the dims of ParallelDims' named fields, from the mesh's dim names
+_FIELD_DIMS = MappingProxyType({
+    "world": lambda names: tuple(names),
+    "data": lambda names: ("dp", "sep"),
+    "stage": lambda names: tuple(d for d in names if d != "pp"),
+    "replica": lambda names: tuple(d for d in names if d not in ("pp", "dp")),
+})
 
 
 def mesh_of(dims):
@@ -254,8 +308,8 @@ def mesh_of(dims):
 
 
 def dims_of(mesh):
-    """The ParallelDims of `mesh` (or of the global mesh), made on first use (collective: every rank calls it
-    at the same point) and kept in runtime.installed; a ParallelDims is returned as it is."""
+    """The ParallelDims of `mesh` (or of the global mesh), made on first use and kept in runtime.installed
+    (its groups are made when built or first read); a ParallelDims is returned as it is."""
     if isinstance(mesh, ParallelDims):
         return mesh
     mesh = resolve_mesh(mesh)

@@ -28,7 +28,7 @@ pretrained load and export and lazy initialization follow without change.
 `complete_placements` closes a record at parallelize: it accounts for every mesh dim no placement
 names (the data dims dp and sep as one Partial "avg" group, any other as Replicate). A plan that
 places a parameter over part of the data dims places the rest itself. Experts, for instance, with
-`inner, outer = mesh.fold_groups(mesh, ["dp", "sep"], E)`: stacked experts [E, H, 2I] are
+`inner, outer = dims.fold(["dp", "sep"], E)` (mesh.ParallelDims): stacked experts [E, H, 2I] are
 `shard_parameter(p, 0, inner, allow_uneven=True)` plus `Partial(outer, "avg")`; an expert of a
 LayerList is `hold_parameter(p, inner, [its position])` plus `Partial(outer, "avg")`. Completion
 then adds nothing over dp and sep; sharding levels shard over `outer` (its Partial "avg"), the
@@ -45,7 +45,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import paddle
 
-from .mesh import MeshGroup, find_dim, mesh_group
+from .mesh import MeshGroup, find_dim
 
 _ATTR = "_pcp_record"
 DATA_DIMS = ("dp", "sep")  # each rank of these feeds its own samples or tokens: gradients averaged
@@ -387,19 +387,29 @@ def find_record(tensor):
     return getattr(tensor, _ATTR, None)
 
 
-def complete_placements(param, mesh):
+def complete_placements(param, dims):
     """Account for every mesh dim no placement of `param` names: the data dims (dp, sep) together as one
-    Partial "avg" group (their ranks feed different tokens), every other dim as Replicate. Collective on
-    first use of each group (mesh_group): every rank calls it for the same parameters in the same order."""
+    Partial "avg" group (their ranks feed different tokens), every other dim as Replicate. The groups from
+    `dims` (a mesh.ParallelDims; `placement_groups_needed` declares them)."""
     record = record_of(param)
+    mesh = dims.mesh
     covered = {dim for p in record.placements for dim in p.group.dims}
     data = [find_dim(mesh, d) for d in DATA_DIMS if find_dim(mesh, d) not in (None, *covered)]
     if data:
-        record.place(Partial(mesh_group(mesh, data), "avg"))
+        record.place(Partial(dims.group(tuple(data)), "avg"))
     for dim in mesh.dim_names:
         if dim not in covered and dim not in data:
-            record.place(Replicate(mesh_group(mesh, [dim])))
+            record.place(Replicate(dims.group((dim,))))
     return record
+
+
+def placement_groups_needed(mesh):
+    """The groups `complete_placements` places parameters over where no plan did (ParallelDims.build's needs):
+    the data dims together, every other dim alone. A plan placing parameters over part of the data dims
+    declares the rest itself."""
+    data = (("group", "data"),) if any(find_dim(mesh, d) for d in DATA_DIMS) else ()
+    data_names = {find_dim(mesh, d) for d in DATA_DIMS}
+    return data + tuple(("group", (dim,)) for dim in mesh.dim_names if dim not in data_names)
 
 
 def local_boxes(param):

@@ -2,9 +2,10 @@
 
 `state` (RuntimeState): what hooks and collectives record while models run (the batch running, counters,
 the collectives in flight, pending deferred facts, the replays running, the host copies of offloaded
-recompute inputs). `installed` (Installed): what paddle_cp puts into the
-process for the models parallelized in it: process groups, the modules each ContextParallel covers, token
-mixers and the attention classes model libraries register, MoE block kinds, fused-weight rules, recompute
+recompute inputs, the user hooks a plan's check resolved for its apply). `installed` (Installed): what
+paddle_cp puts into the process for the models parallelized in it: process groups, the modules each
+ContextParallel covers and the layers each token mixer is attached to, the sequence-parallel Begin layers that
+split at the blocks, token mixers and the attention classes model libraries register, MoE block kinds, fused-weight rules, recompute
 carriers and the wrapping of Paddle's recompute, the flash kernels' seed tensor, classes derived from the
 models' layer classes, patches of Paddle's and PaddleFormers' functions, the collective timeout and its watchdog thread. A run's own state (a plan applied to one model: its groups, batch check, positions) lives in
 the hooks `parallelize` registered on that model, not here and not on the plan objects.
@@ -12,8 +13,8 @@ the hooks `parallelize` registered on that model, not here and not on the plan o
 `reset()` (a test, or a new training run in the same process) forgets every record and derived class.
 It keeps what it cannot or need not remake: process groups and ParallelDims (made collectively, by every rank in one
 order; Paddle cannot destroy a gloo group without its peers, and a later parallelize of the same ranks
-reuses them); mixers, attention classes, block kinds, fused-weight rules, recompute carriers and Paddle's
-wrapped recompute (registered once, at import or by the user), the flash kernels' seed tensor (a constant); the plans of modules (weak: they go with their models); patches (held by live models, undone
+reuses them); the layers mixers are attached to and the Begin layers that split at the blocks (weak); mixers,
+attention classes, block kinds, fused-weight rules, recompute carriers and Paddle's wrapped recompute (registered once, at import or by the user), the flash kernels' seed tensor (a constant); the plans of modules (weak: they go with their models); patches (held by live models, undone
 when the last is released, or by unpatch_paddle); the timeout set_timeout gave and the watchdog thread. An async checkpoint save still writing makes it raise (wait_checkpoint() first).
 """
 from __future__ import annotations
@@ -73,6 +74,9 @@ class RuntimeState:
     replay_depth: int = 0
     # activations/host_offload.py: OffloadRecomputeInputs plan -> the HostCheckpoints its layers share
     host_checkpoints: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    # plans/layer_hooks.py: layer -> {user-hook plan: (mesh, the hook its factory returned)}, from the plan's
+    # check until its apply registers the hook (the factory is called once)
+    resolved_hooks: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
 
 @dataclass
@@ -90,9 +94,13 @@ class Installed:
     def __init__(self):
         self.groups = {}  # mesh slice key -> this rank's MeshGroup (mesh.py)
         self.process_groups = {}  # sorted ranks -> Paddle's group over them, made once (mesh.py)
-        self.parallel_dims = {}  # (ranks, shape, dim names) -> the mesh's ParallelDims, every named group (mesh.py)
+        self.parallel_dims = {}  # (ranks, shape, dim names) -> the mesh's ParallelDims, its named groups (mesh.py)
         self.started_communicators = set()  # sorted ranks of the groups whose NCCL communicator p2p.shift started
         self.planned = weakref.WeakKeyDictionary()  # module -> the SepRun of the ContextParallel covering it
+        # attention/mixers/base.py: layer -> {token mixer: the SepRun it was attached under}
+        self.mixer_runs = weakref.WeakKeyDictionary()
+        # plans/sequence_parallel.py: the SequenceParallelBegin layers whose split waits for the region's blocks
+        self.split_at_blocks = weakref.WeakKeyDictionary()
         self.mixers = []  # TokenMixer instances, looked up in order (attention/mixers/registry.py)
         self.recompute_captures = []  # activations/recompute.py: state a recompute replay needs again
         self.recompute_wrappers = []  # activations/recompute.py: around every whole recompute call

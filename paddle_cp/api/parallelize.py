@@ -27,11 +27,12 @@ from typing import Optional
 from .. import mesh as mesh_lib
 from ..comm import collectives
 from ..activations import recompute
-from ..pipeline import LossFactorAgreement, apply_pipeline, keep_own_parameters, plan_pipeline, recompute_boundary
+from ..pipeline import (LossFactorAgreement, apply_pipeline, keep_own_parameters, pipeline_groups_needed, plan_pipeline,
+                        recompute_boundary)
 from ..data_parallel.buckets import bucket_size_mb, plan_buckets
 from ..data_parallel.host_optimizer import HostOptimizer, check_offloadable, offload_requested
 from ..data_parallel.optimizer import ParallelOptimizer, optimizer_parameters
-from ..params import castable_placeholders, complete_placements, is_lazy, record_of
+from ..params import castable_placeholders, complete_placements, is_lazy, placement_groups_needed, record_of
 from .expert_config import expert_applications
 from .lazy_init import defer_initialization, require_initialized
 from .mixer_check import check_mixers_routed
@@ -41,7 +42,7 @@ from .plan_keys import resolve_plan
 from ..plans.context_parallel import PrepareContextParallel
 from ..plans.sequence_parallel import is_sequence_plan, split_at_blocks, watch_partial_gradients
 from ..plans.sharded_inputs import require_sharded_inputs
-from ..data_parallel.sharding import Sharding, check_level, shard_parameters, sharding_dims
+from ..data_parallel.sharding import Sharding, check_level, shard_parameters, sharding_dims, sharding_groups_needed
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config", "ep_config")
 _STATE_ATTR = "_pcp_parallelized"
@@ -98,10 +99,14 @@ def broadcast_parameters(model, mesh_group):
             collectives.broadcast(mesh_group, param, 0, tag="param_broadcast")
 
 
-def _parallel_dims(mesh, applications):
-    """Every named group of the mesh and every group the plans declare (Plan.groups_needed), made now in one
-    fixed order on every rank (new_group is collective); the plans read them from it."""
-    needs = [need for plan, layer, _ in applications for need in plan.groups_needed(layer, mesh)]
+def _parallel_dims(mesh, applications, annotation=None, pipeline_needs=(), sharding_needs=()):
+    """The mesh's ParallelDims with every group this run uses made now, in one sorted order on every rank
+    (new_group is collective): the whole mesh's, what the plans declare (Plan.groups_needed), the plan
+    annotation's, the pipeline's and sharding's, and what placement completion needs; the plans read them
+    from it."""
+    needs = [("group", "world"), *placement_groups_needed(mesh), *pipeline_needs, *sharding_needs]
+    needs += annotation.groups_needed() if annotation is not None else ()
+    needs += [need for plan, layer, _ in applications for need in plan.groups_needed(layer, mesh)]
     return mesh_lib.dims_of(mesh).build(needs)
 
 
@@ -161,7 +166,10 @@ def parallelize_model(model, mesh=None, config=None):
     experts = expert_applications(model, config, mesh)
     applications += experts  # after mp's plans: tensor parallel inside experts first
     # nothing has changed so far; from here on every rank runs the same collectives
-    dims = _parallel_dims(mesh, applications)
+    sharded_over = sharding_dims(config.get("dp_config"))
+    pipeline_needs = pipeline_groups_needed(model, pipeline[1]) if pipeline else ()
+    dims = _parallel_dims(mesh, applications, annotation, pipeline_needs,
+                          sharding_groups_needed(level, mesh, sharded_over))
     world = dims.world
     lazy = defer_initialization(model, world)
     broadcast_parameters(model, world)
@@ -173,17 +181,16 @@ def parallelize_model(model, mesh=None, config=None):
         split_at_blocks(model, applications)
     loss_factor = None
     if pipeline:
-        apply_pipeline(model, mesh, *pipeline)  # keeps this stage's only
+        apply_pipeline(model, dims, *pipeline)  # keeps this stage's only
         recompute.install()  # recompute calls around stage boundaries ask the running stage
         recompute.around_calls(recompute_boundary)
         loss_factor = LossFactorAgreement(world, mesh, experts_span_dp=bool(experts))
     else:
         require_sharded_inputs(model, dims, applications)  # ContextParallel without PrepareContextParallel
     for param in model.parameters():
-        complete_placements(param, mesh)
-    dims = sharding_dims(config.get("dp_config"))
+        complete_placements(param, dims)
     held = [p for p in model.parameters() if record_of(p).held_here()]
-    sharding = shard_parameters(level, held, mesh, dims)
+    sharding = shard_parameters(level, held, dims, sharded_over)
     # a pipeline reduces in step() (optimizer.py), in one bucket: its stages hold different parameters, and cut
     # by size, a tied weight would fall in a different bucket on each stage that sums it
     size_mb = math.inf if pipeline else bucket_size_mb(config.get("dp_config"))
@@ -195,7 +202,7 @@ def parallelize_model(model, mesh=None, config=None):
     castable_placeholders(model)
     prepare = tuple((plan, weakref.ref(layer)) for plan, layer, _ in applications
                     if isinstance(plan, PrepareContextParallel))
-    state = _Parallelized(mesh, level, dims, world, sharding, prepare, loss_factor, buckets)
+    state = _Parallelized(mesh, level, sharded_over, world, sharding, prepare, loss_factor, buckets)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)
     return model

@@ -35,6 +35,10 @@ class PlanAnnotation:
     head_counts: list = field(default_factory=list)  # (layer, attribute, local value)
     partial_gradients: list = field(default_factory=list)  # parameters whose gradients are summed over mp
 
+    def groups_needed(self):
+        """The groups `apply` uses (ParallelDims.build's needs)."""
+        return (("group", "mp"),) if self.partial_gradients else ()
+
     def apply(self, dims):
         """Write it onto the layers and records (the mp group from `dims`, a ParallelDims)."""
         for layer, info in self.columns:

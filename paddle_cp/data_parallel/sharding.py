@@ -83,10 +83,12 @@ def data_replicas(record):
     return next((p for p in record.find(Partial) if p.reduce == "avg"), None)
 
 
-def split_replicas(mesh, replicas, dims):
+def split_replicas(parallel_dims, replicas, dims):
     """(shard group, rest) of a replica group: its ranks along the mesh dims `dims` and along its other dims
     (None when `dims` span it all). A group folded from dims (not a whole slice of them) is sharded whole
-    when `dims` cover them, else not at all (shard group None). Collective on first use of each group."""
+    when `dims` cover them, else not at all (shard group None). The groups from `parallel_dims`
+    (declared by `sharding_groups_needed`)."""
+    mesh = parallel_dims.mesh
     chosen = [d for d in replicas.group.dims if d in {mesh_lib.find_dim(mesh, n) for n in dims}]
     if len(chosen) == len(replicas.group.dims):
         return replicas.group, None
@@ -94,7 +96,17 @@ def split_replicas(mesh, replicas, dims):
     if not chosen or not whole:
         return None, None
     others = [d for d in replicas.group.dims if d not in chosen]
-    return mesh_lib.mesh_group(mesh, chosen), mesh_lib.mesh_group(mesh, others)
+    return parallel_dims.group(tuple(chosen)), parallel_dims.group(tuple(others))
+
+
+def sharding_groups_needed(level, mesh, dims):
+    """The groups `split_replicas` cuts the whole data replicas (dp x sep) into when `dims` choose part of
+    them (ParallelDims.build's needs); the parts of a single dim or of a fold are never cut."""
+    data = {mesh_lib.find_dim(mesh, d) for d in DATA_DIMS} - {None}
+    chosen = {mesh_lib.find_dim(mesh, d) for d in dims} & data
+    if level == 0 or not chosen or chosen == data:
+        return ()
+    return (("group", tuple(chosen)), ("group", tuple(data - chosen)))
 
 
 def owned(param):
@@ -102,12 +114,14 @@ def owned(param):
     return next(iter(record_of(param).find(Owned)), None)
 
 
-def shard_parameters(level, params, mesh, dims):
-    """The Sharding of `params` at `level` over the mesh dims `dims`, or None: at level 0, and with a warning
-    naming why when no parameter has more than one replica there (every rank would keep everything)."""
+def shard_parameters(level, params, parallel_dims, dims):
+    """The Sharding of `params` at `level` over the mesh dims `dims` (groups from `parallel_dims`), or None: at
+    level 0, and with a warning naming why when no parameter has more than one replica there (every rank
+    would keep everything)."""
     if level == 0:
         return None
-    sharding = Sharding(level, params, mesh, dims)
+    mesh = parallel_dims.mesh
+    sharding = Sharding(level, params, parallel_dims, dims)
     if sharding.sharded:
         return sharding
     sizes = ", ".join(f"{d}={mesh_lib.dim_size(mesh, d)}" for d in dims)
@@ -123,7 +137,7 @@ def shard_parameters(level, params, mesh, dims):
 class Sharding:
     """The level's reduce/update steps; each parameter's owner is in its record (an Owned placement)."""
 
-    def __init__(self, level, params, mesh, dims=DATA_DIMS):
+    def __init__(self, level, params, parallel_dims, dims=DATA_DIMS):
         self.level, self.params = level, list(params)
         # frozen parameters (a LoRA model's base weights) have no gradient and never change: they are left
         # out of the gradient and update traffic, and balanced apart so the trained ones' state is balanced too
@@ -133,7 +147,7 @@ class Sharding:
             by_group = {}  # shard group's ranks -> (shard group, [(param, replicas, rest)])
             for param in part:
                 replicas = data_replicas(record_of(param))
-                shard_group, rest = split_replicas(mesh, replicas, dims) if replicas else (None, None)
+                shard_group, rest = split_replicas(parallel_dims, replicas, dims) if replicas else (None, None)
                 if shard_group is not None and shard_group.size > 1:
                     by_group.setdefault(shard_group.ranks, (shard_group, []))[1].append((param, replicas, rest))
             for shard_group, members in by_group.values():

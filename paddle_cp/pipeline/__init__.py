@@ -17,19 +17,31 @@ def plan_pipeline(model, mesh, pp_config):
     return settings, build_stage_plan(model, settings.split_spec, settings.global_spec, stages, settings.vpp_degree)
 
 
-def apply_pipeline(model, mesh, settings, plan):
+def _neighbours(plan):
+    """The stage pairs that send activations and gradients to each other (a ring when virtual stages wrap)."""
+    p = plan.stages
+    return sorted({tuple(sorted((s, (s + 1) % p))) for s in range(p - (plan.chunks == 1))})
+
+
+def pipeline_groups_needed(model, plan):
+    """The groups `apply_pipeline` uses (ParallelDims.build's needs): pp, a pair group per neighbouring stages,
+    a group per set of several stages holding one parameter."""
+    holder_sets = {stages for _, stages in holders(model, plan).values() if len(stages) > 1}
+    return (("group", "pp"),) + tuple(("line", "pp", positions) for positions in {*_neighbours(plan), *holder_sets})
+
+
+def apply_pipeline(model, dims, settings, plan):
     """Keep this rank's stage: place every parameter on its stages (freeing the rest), run the model's
-    forward as a pipeline. Collective (groups are made)."""
-    pp_group = mesh_lib.mesh_group(mesh, ["pp"])
-    stage, p = pp_group.index, plan.stages
-    neighbours = sorted({tuple(sorted((s, (s + 1) % p))) for s in range(p - (plan.chunks == 1))})
-    pairs = mesh_lib.line_subgroups(mesh, "pp", neighbours)
+    forward as a pipeline. The groups from `dims` (a mesh.ParallelDims)."""
+    pp_group = dims.pp
+    stage = pp_group.index
     peers = {}
-    for positions, group in pairs.items():
+    for positions in _neighbours(plan):
+        group = dims.line("pp", positions)
         if group is not None:
             other = [r for r in group.ranks if r != group.ranks[group.index]][0]
             peers[positions[0] if positions[1] == stage else positions[1]] = mesh_lib.Peer(other, group.group)
-    place_on_stages(mesh, holders(model, plan), pp_group)
+    place_on_stages(dims, holders(model, plan), pp_group)
     Pipeline(model, plan, settings, stage, peers, pp_group)
 
 
@@ -42,5 +54,5 @@ def step_timeline(model):
     return list(pipeline.timeline)
 
 
-__all__ = ["SplitPoint", "LossFactorAgreement", "plan_pipeline", "apply_pipeline", "keep_own_parameters", "step_timeline",
-           "recompute_boundary"]
+__all__ = ["SplitPoint", "LossFactorAgreement", "plan_pipeline", "pipeline_groups_needed", "apply_pipeline",
+           "keep_own_parameters", "step_timeline", "recompute_boundary"]

@@ -10,7 +10,6 @@ the parameter in the global gradient norm and writes it to checkpoints.
 """
 from __future__ import annotations
 
-from .. import mesh as mesh_lib
 from ..params import hold_parameter, record_of
 
 
@@ -26,13 +25,11 @@ def holders(model, plan):
     return {k: (p, tuple(sorted(s))) for k, (p, s) in held.items()}
 
 
-def place_on_stages(mesh, held, pp_group):
-    """Place every parameter as held by its stages (freeing the others'). Collective: the groups over
-    each set of several holders are made on every rank, in one order."""
-    sets = sorted({stages for _, stages in held.values() if len(stages) > 1})
-    groups = mesh_lib.line_subgroups(mesh, "pp", sets)
+def place_on_stages(dims, held, pp_group):
+    """Place every parameter as held by its stages (freeing the others'), with the group over each set of
+    several holders from `dims` (a mesh.ParallelDims: pipeline_groups_needed declares them)."""
     for param, stages in held.values():
-        hold_parameter(param, pp_group, stages, groups.get(stages))
+        hold_parameter(param, pp_group, stages, dims.line("pp", stages) if len(stages) > 1 else None)
 
 
 def keep_own_parameters(optimizer):

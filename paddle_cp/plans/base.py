@@ -10,8 +10,8 @@ class Plan:
         """Raise on a bad target before parallelize runs any collective."""
 
     def groups_needed(self, layer, mesh):
-        """The process groups beyond ParallelDims' fields that `apply` will use (ParallelDims.build's needs):
-        parallelize makes them all, in one order, before any plan applies."""
+        """The process groups `apply` will read from ParallelDims (ParallelDims.build's needs, e.g.
+        ("group", "mp")): parallelize makes what the run declares, in one order, before any plan applies."""
         return ()
 
     def apply(self, layer, dims, param_names=()):

@@ -15,7 +15,7 @@ from ..attention.layout.pool import joined_documents, joined_valid, pool_layout,
 from ..attention.layout.sequence_layout import check_split
 from ..cost.links import LinkCost, Links
 from .base import Plan, refuse_param_plan
-from .same_batch import BatchCheck
+from .same_batch import BATCH_CHECK_GROUPS, BatchCheck
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
 _STARTEND = "attn_mask_startend_row_indices"  # PaddleFormers' packed-document input
@@ -93,8 +93,7 @@ class _SepPlan(Plan):
         ulysses_size(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
 
     def groups_needed(self, layer, mesh):
-        pool = (("pairs", "data"),) if getattr(self, "pool", False) else ()
-        return sep_groups_needed(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree) + pool
+        return sep_groups_needed(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
 
     def _join_sep_group(self, layer, dims, param_names):
         """The SepRun this plan's hooks on `layer` run with (collective where the groups are not made yet)."""
@@ -196,6 +195,10 @@ class PrepareContextParallel(_SepPlan):
             raise ValueError("PrepareContextParallel(pool=True) joins the global batch into one sequence, which a "
                              "pipeline's micro-batches would cut: train with pool=True without pp_config, or drop pool")
 
+    def groups_needed(self, layer, mesh):
+        pool = (("pairs", "data"),) if self.pool else ()  # the pool's ring over dp x sep
+        return super().groups_needed(layer, mesh) + BATCH_CHECK_GROUPS + pool
+
     def apply(self, layer, dims, param_names=()):
         sep = self._join_sep_group(layer, dims, param_names)
         dims = mesh_lib.dims_of(dims)
@@ -255,7 +258,7 @@ class Pool:
         group = dims.with_pairs("data")
         self.layout = SequenceLayout("p2p", group.size, links=LinkCost.of_ranks(list(group.ranks), plan.links))
         self.groups = resolve_groups(self.layout, group=group)
-        self.replicas = dims.dp.size
+        self.replicas = mesh_lib.dim_size(dims.mesh, "dp")
 
     @property
     def index(self):

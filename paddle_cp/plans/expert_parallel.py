@@ -8,7 +8,7 @@ from ..experts.blocks import check_block, find_moe_block, known_blocks
 from ..experts.layout import ExpertLayout
 from ..experts.local import HeldExperts
 from ..experts.router_statistics import gather_router_logits
-from ..params import Partial, hold_parameter, mark_fetch_unit, record_of, shard_parameter
+from ..params import DATA_DIMS, Partial, hold_parameter, mark_fetch_unit, record_of, shard_parameter
 from .base import Plan, refuse_param_plan
 
 
@@ -52,7 +52,11 @@ class ExpertParallel(Plan):
 
     def groups_needed(self, layer, mesh):
         fold = (("fold", tuple(self._fold.dims), self._fold.degree),)
-        return fold + ((("pairs", "data"),) if self._gathers_router_logits(layer) else ())
+        # the data dims the fold leaves out: placement completion averages the experts over them
+        folded = {mesh_lib.find_dim(mesh, d) for d in self._fold.dims}
+        rest = tuple(d for d in (mesh_lib.find_dim(mesh, d) for d in DATA_DIMS) if d is not None and d not in folded)
+        completion = (("group", rest),) if rest else ()
+        return fold + completion + ((("pairs", "data"),) if self._gathers_router_logits(layer) else ())
 
     def _gathers_router_logits(self, layer):
         return self._fold.gather_router_logits and find_moe_block(layer).kind.router_output

@@ -1,8 +1,7 @@
 """User hooks as plans: `fn(process_mesh=mesh)` returns the hook to register."""
 from __future__ import annotations
 
-import weakref
-
+from .. import runtime
 from ..mesh import mesh_of
 from .base import Plan, refuse_param_plan
 
@@ -19,7 +18,6 @@ class _UserHook(Plan):
             raise TypeError(f"{type(self).__name__} needs a callable fn(process_mesh) returning a hook, "
                             f"got {type(fn).__name__}")
         self.fn = fn
-        self._hooks = weakref.WeakKeyDictionary()  # layer -> (mesh, hook) resolved by check, taken by apply
 
     def check(self, layer, mesh, param_names=()):
         """Call the user's factory now, so a bad hook fails before parallelize changes anything."""
@@ -28,14 +26,15 @@ class _UserHook(Plan):
         if not callable(hook):
             raise TypeError(f"{type(self).__name__}: fn(process_mesh=...) must return a hook "
                             f"(a callable), got {type(hook).__name__}")
-        self._hooks[layer] = (mesh, hook)
+        runtime.state.resolved_hooks.setdefault(layer, {})[self] = (mesh, hook)
 
     def apply(self, layer, dims, param_names=()):
         mesh = mesh_of(dims)
-        checked_mesh, _ = self._hooks.get(layer, (None, None))
+        resolved = runtime.state.resolved_hooks
+        checked_mesh, _ = resolved.get(layer, {}).get(self, (None, None))
         if checked_mesh is not mesh:  # applied directly, not after parallelize's check
             self.check(layer, mesh, param_names)
-        _, hook = self._hooks.pop(layer)
+        _, hook = resolved[layer].pop(self)
         return self._register(layer, hook)
 
 

@@ -40,18 +40,19 @@ from ..comm.fingerprint import fingerprint
 
 SLOTS = 4  # value fingerprints per rank: inputs in name order share slot i % SLOTS
 TAG = "cp_batch_check"  # its bytes in paddle_cp.bytes_sent()
+BATCH_CHECK_GROUPS = (("group", "stage"), ("group", "replica"))  # what BatchCheck reads (ParallelDims.build's needs)
 
 
 class BatchCheck:
     """The groups a PrepareContextParallel's inputs are compared over, and what one model's forwards left
-    to read. Made at apply (collective); one per parallelized model."""
+    to read. Made at apply (its groups from `dims`, a mesh.ParallelDims); one per parallelized model."""
 
     def __init__(self, dims, pool=False):
         """`pool`: every rank of the stage passes the same global batch (PrepareContextParallel(pool=True)): the
         stage's ranks are compared as one replica, with and without gradients."""
         self.stage = dims.stage
         self.replica_group = dims.replica
-        self.replica = dims.dp.index  # this rank's coordinate along dp (0 without a dp dim)
+        self.replica = dims.position("dp")  # this rank's coordinate along dp (0 without a dp dim)
         self.pool = pool
         if pool:
             self.replica_group, self.replica = self.stage, 0

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import paddle
 
 from .. import mesh as mesh_lib
+from .. import runtime
 from ..activations import recompute
 from ..comm.autograd import gather_replicated, split_to_group
 from ..params import record_of
@@ -65,18 +66,36 @@ class _SequencePlan(Plan):
         refuse_param_plan(self, param_names)
         mesh_lib.require_dim(mesh, "mp", type(self).__name__)
 
+    def groups_needed(self, layer, mesh):
+        return (("group", "mp"),)
+
     def apply(self, layer, dims, param_names=()):
         self.check(layer, mesh_lib.mesh_of(dims), param_names)
-        self._group = mesh_lib.dims_of(dims).mp
-        return self._register(layer)
+        return self._register(layer, _Region(mesh_lib.dims_of(dims).mp, self.need_transpose))
 
-    def _split_output(self, layer, inputs, output):
+
+@dataclass(frozen=True)
+class _Region:
+    """A sequence plan applied to one layer: the mp group its hooks split and gather over."""
+
+    group: object
+    need_transpose: bool
+
+    def split_output(self, layer, inputs, output):
         state.sequence_split = True
-        return replace_first(output, _to_split(first_tensor(output), self._group, self.need_transpose))
+        return replace_first(output, _to_split(first_tensor(output), self.group, self.need_transpose))
 
-    def _whole_input(self, layer, args, kwargs):
+    def whole_input(self, layer, args, kwargs):
         state.sequence_split = False
-        return map_first_input(args, kwargs, lambda x: _to_whole(x, self._group, self.need_transpose))
+        return map_first_input(args, kwargs, lambda x: _to_whole(x, self.group, self.need_transpose))
+
+    def split_input(self, layer, args, kwargs):
+        state.sequence_split = True
+        return map_first_input(args, kwargs, lambda x: _to_split(x, self.group, self.need_transpose))
+
+    def whole_output(self, layer, inputs, output):
+        state.sequence_split = False
+        return replace_first(output, _to_whole(first_tensor(output), self.group, self.need_transpose))
 
 
 class SequenceParallelBegin(_SequencePlan):
@@ -85,18 +104,15 @@ class SequenceParallelBegin(_SequencePlan):
     enters the region's first block (`split_at_blocks`), or right away when the plan
     names no blocks."""
 
-    _at_blocks = False  # set by split_at_blocks
-
-    def _register(self, layer):
-        return layer.register_forward_post_hook(self._begin)
-
-    def _begin(self, layer, inputs, output):
-        if not self._at_blocks:
-            return self._split_output(layer, inputs, output)
-        whole = first_tensor(output)
-        _check_3d(whole)
-        state.pending_split = _PendingSplit(tuple(whole.shape), self._group, self.need_transpose)
-        return None
+    def _register(self, layer, region):
+        def begin(layer, inputs, output):
+            if layer not in runtime.installed.split_at_blocks:
+                return region.split_output(layer, inputs, output)
+            whole = first_tensor(output)
+            _check_3d(whole)
+            state.pending_split = _PendingSplit(tuple(whole.shape), region.group, region.need_transpose)
+            return None
+        return layer.register_forward_post_hook(begin)
 
 
 @dataclass(frozen=True)
@@ -144,21 +160,20 @@ class SequenceParallelEnd(_SequencePlan):
     """On the first layer after the region: its input [s/mp, b, h] becomes
     [b, s, h] (or [s, b, h] with need_transpose=False)."""
 
-    def _register(self, layer):
-        return layer.register_forward_pre_hook(self._end, with_kwargs=True, prepend=True)
-
-    def _end(self, layer, args, kwargs):
-        state.sequence_whole_shape = None  # the region is over (a later model must not inherit its shape)
-        return self._whole_input(layer, args, kwargs)
+    def _register(self, layer, region):
+        def end(layer, args, kwargs):
+            state.sequence_whole_shape = None  # the region is over (a later model must not inherit its shape)
+            return region.whole_input(layer, args, kwargs)
+        return layer.register_forward_pre_hook(end, with_kwargs=True, prepend=True)
 
 
 class SequenceParallelDisable(_SequencePlan):
     """A layer inside the region that needs the whole sequence (attention, or an MLP
     between column and row splits): gathered before it, split again after."""
 
-    def _register(self, layer):
-        layer.register_forward_pre_hook(self._whole_input, with_kwargs=True, prepend=True)
-        return layer.register_forward_post_hook(self._split_output)
+    def _register(self, layer, region):
+        layer.register_forward_pre_hook(region.whole_input, with_kwargs=True, prepend=True)
+        return layer.register_forward_post_hook(region.split_output)
 
 
 class SequenceParallelEnable(_SequencePlan):
@@ -168,17 +183,9 @@ class SequenceParallelEnable(_SequencePlan):
     def __init__(self):
         super().__init__(need_transpose=True)
 
-    def _register(self, layer):
-        layer.register_forward_pre_hook(self._split_input, with_kwargs=True, prepend=True)
-        return layer.register_forward_post_hook(self._whole_output)
-
-    def _split_input(self, layer, args, kwargs):
-        state.sequence_split = True
-        return map_first_input(args, kwargs, lambda x: _to_split(x, self._group, True))
-
-    def _whole_output(self, layer, inputs, output):
-        state.sequence_split = False
-        return replace_first(output, _to_whole(first_tensor(output), self._group, True))
+    def _register(self, layer, region):
+        layer.register_forward_pre_hook(region.split_input, with_kwargs=True, prepend=True)
+        return layer.register_forward_post_hook(region.whole_output)
 
 
 def is_sequence_plan(plan):
@@ -235,8 +242,8 @@ def split_at_blocks(model, applications):
         if block is layer:
             return
         blocks[id(block)] = block
-    for plan, _ in begins:
-        plan._at_blocks = True
+    for _, layer in begins:
+        runtime.installed.split_at_blocks[layer] = True
     recompute.install()  # a recomputed block splits its input again in backward
     for block in blocks.values():
         block.register_forward_pre_hook(_split_pending, with_kwargs=True, prepend=True)

@@ -33,6 +33,9 @@ class _TensorParallel(Plan):
 
     AXIS_BY_RANK = {}  # a named parameter's split axis by its number of dims (Paddle's placements)
 
+    def groups_needed(self, layer, mesh):
+        return (("group", "mp"),)
+
     @staticmethod
     def on_whole_layer(param_names):
         """Whether the key names the layer (or its weight, which the layer's forward needs split the same

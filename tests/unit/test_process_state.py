@@ -165,3 +165,91 @@ def test_the_scan_finds_each_kind_of_state(tmp_path, monkeypatch):
         "global _last",
         "cached keeps a cache",
     ])
+
+
+PLAN_BASES = frozenset({"Plan", "TokenMixer"})
+
+
+def _plan_classes(trees):
+    """Every class of the package deriving from a plan base (by name, through the package's classes)."""
+    classes = [(path, node) for path, tree in trees for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    derived, grew = set(PLAN_BASES), True
+    while grew:
+        grew = False
+        for _, node in classes:
+            if node.name not in derived and {_named(base) for base in node.bases} & derived:
+                derived.add(node.name)
+                grew = True
+    return [(path, node) for path, node in classes if node.name in derived]
+
+
+def _self_attribute(node):
+    """`x` for `self.x` (bare, or under subscripts: `self.x[k]`), else None."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _writes_to_self(function):
+    """(line, attribute) of each change a function makes to `self` or to a container `self` holds."""
+    for node in ast.walk(function):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            targets = [node.func.value]
+        elif isinstance(node, ast.Call) and _named(node.func) in ("setattr", "delattr") and node.args:
+            if isinstance(node.args[0], ast.Name) and node.args[0].id == "self":
+                name = node.args[1] if len(node.args) > 1 else None
+                yield node.lineno, name.value if isinstance(name, ast.Constant) else "<computed>"
+        for target in targets:
+            for part in ast.walk(target) if isinstance(target, ast.Tuple) else [target]:
+                attribute = _self_attribute(part)
+                if attribute is not None:
+                    yield node.lineno, attribute
+
+
+def state_on_plan_objects(trees=None):
+    """Where a plan or token mixer keeps state on itself: a write to `self` outside __init__. A plan object
+    is a description (its arguments), applied to any number of models; what one application needs lives in
+    the hooks it registers or in runtime."""
+    found = []
+    for path, node in _plan_classes(trees or _modules()):
+        for method in node.body:
+            if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name != "__init__":
+                for line, attribute in _writes_to_self(method):
+                    found.append(f"{pathlib.Path(path).name}:{line}: {node.name}.{method.name} sets self.{attribute}")
+    return found
+
+
+def test_plans_keep_no_state_on_themselves():
+    found = state_on_plan_objects()
+    assert not found, ("state kept on plan objects (put what one application needs in the hooks it registers, "
+                       "or in runtime.state / runtime.installed):\n" + "\n".join(found))
+
+
+def test_the_plan_scan_finds_each_kind_of_write():
+    planted = ast.parse(
+        "class Base(Plan):\n"
+        "    def __init__(self, fn):\n        self.fn = fn\n        self._seen = {}\n\n"
+        "class Planted(Base):\n"
+        "    def apply(self, layer, dims):\n"
+        "        self.group = dims.mp\n"
+        "        self._seen[layer] = 1\n"
+        "        self._seen.setdefault(layer, 2)\n"
+        "        self.count += 1\n"
+        "        setattr(self, 'x', 1)\n"
+        "        def hook(layer, inputs):\n            self.last = inputs\n"
+        "        return hook\n\n"
+        "class Mixer(TokenMixer):\n"
+        "    def attach(self, layer, plan):\n        del self._runs[layer]\n\n"
+        "class Unrelated:\n    def apply(self):\n        self.x = 1\n")
+    found = [line.split(": ", 1)[1] for line in state_on_plan_objects([(pathlib.Path("planted.py"), planted)])]
+    assert sorted(found) == sorted(["Planted.apply sets self.group", "Planted.apply sets self._seen",
+                                    "Planted.apply sets self._seen", "Planted.apply sets self.count",
+                                    "Planted.apply sets self.x", "Planted.apply sets self.last",
+                                    "Mixer.attach sets self._runs"])

@@ -57,3 +57,37 @@ def test_padding_mask_and_full_recompute():
     mask[1, -3:] = 0
     ids = paddle.randint(0, 128, [2, 12])
     _assert_same(model, reference, input_ids=ids, labels=paddle.randint(0, 128, [2, 12]), attention_mask=mask)
+
+
+def test_one_begin_plan_splits_each_model_where_its_own_region_starts(monkeypatch):
+    """A plan object is a description: the same SequenceParallelBegin on a model whose region starts at its
+    blocks waits for them, and on a lone layer splits its output at once."""
+    from paddle_cp import runtime
+    from paddle_cp.plans.sequence_parallel import split_at_blocks
+
+    class Block(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.attn = paddle.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.attn(x)
+
+    class Model(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.embed = paddle.nn.Linear(4, 4)
+            self.layers = paddle.nn.LayerList([Block()])
+
+    for name in ("pending_split", "sequence_split", "sequence_whole_shape"):  # restored after, and none pending now
+        monkeypatch.setattr(runtime.state, name, None if name == "pending_split" else getattr(runtime.state, name))
+    mesh = dist.ProcessMesh([0], dim_names=["mp"])
+    begin, disable = pcp.SequenceParallelBegin(), pcp.SequenceParallelDisable()
+    model, lone = Model(), paddle.nn.Linear(4, 4)
+    applications = [(begin, model.embed, ()), (disable, model.layers[0].attn, ())]
+    for plan, layer, _ in applications + [(begin, lone, ())]:
+        plan.apply(layer, mesh)
+    split_at_blocks(model, applications)
+    x = paddle.randn([2, 3, 4])  # [b, s, h]
+    assert lone(x).shape == [3, 2, 4] and runtime.state.pending_split is None  # [s/mp, b, h] at once
+    assert model.embed(x).shape == [2, 3, 4] and runtime.state.pending_split.shape == (2, 3, 4)  # waits

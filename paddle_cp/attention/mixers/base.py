@@ -1,12 +1,12 @@
 """What a token mixer is to ContextParallel: a kind of layer that mixes tokens along the sequence,
 recognised by what the layer is, checked before any collective and attached to the layer.
 
-A mixer is stateless apart from which layer it is attached to under which plan (a layer is
+A mixer is stateless: which layer it is attached to under which plan is in runtime.installed (a layer is
 attached once: the hooks and wrappers it installs must not stack).
 """
 from __future__ import annotations
 
-import weakref
+from ... import runtime
 
 
 class TokenMixer:
@@ -17,9 +17,6 @@ class TokenMixer:
     name = "token mixer"  # what such a layer is, in messages
     routable = True  # False: it mixes tokens, but paddle_cp has no context-parallel form of it
 
-    def __init__(self):
-        self._attached = weakref.WeakKeyDictionary()  # layer -> the plan it runs under
-
     def claims(self, layer):
         """Whether `layer` is of this mixer's kind."""
         raise NotImplementedError
@@ -29,13 +26,14 @@ class TokenMixer:
 
     def attach(self, layer, plan):
         """Run `layer`'s mixing under `plan` (a ContextParallel's SepRun: its layout and groups) from now on."""
-        attached = self._attached.get(layer)
+        runs = runtime.installed.mixer_runs.setdefault(layer, {})
+        attached = runs.get(self)
         if attached is plan:
             return
         if attached is not None:
             raise ValueError(f"{type(layer).__name__} ({layer.full_name()}) is covered by two ContextParallel plans: "
                              "key ContextParallel on one of its enclosing layers only")
-        self._attached[layer] = plan
+        runs[self] = plan
         self._route(layer, plan)
 
     def _route(self, layer, plan):
