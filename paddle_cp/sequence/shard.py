@@ -6,45 +6,44 @@ splits batches by their documents (the default whenever it knows them) needs
 the batch's document inputs here too, as the model gets them: `position_ids`
 for `documents="position_ids"`, `doc_ids` for a named document-id input,
 `attn_mask_startend_row_indices` when the model is given PaddleFormers' row
-indices.
+indices. Called after the batch's forward, it splits in that forward's layout
+(its Batch); called before, the forward checks that its inputs are split alike.
 """
 from __future__ import annotations
 
 import paddle
 import paddle.distributed as dist
 
-from .. import runtime
 from ..attention import SequenceLayout, resolve_group
+from ..attention.dispatch.batch import Batch, record_shard
 from ..attention.dispatch.lengths import agreed_seq_len
 from ..comm.autograd import gather_replicated
-from ..plans.context_parallel import PrepareContextParallel, plan_layout
+from ..plans.context_parallel import PrepareContextParallel
 
 
-def _layout(backend, ulysses_degree, mesh, group, **documents):
-    """(the batch's SequenceLayout, the sep MeshGroup); `documents`: the document inputs given."""
+def _batch(backend, ulysses_degree, mesh, group, seq_len, **documents):
+    """The Batch whose layout splits a batch's tensors of `seq_len` tokens (None: not known yet) over the sep
+    group; `documents`: the document inputs given."""
     group = resolve_group(mesh, group)
     if isinstance(backend, PrepareContextParallel):
-        return backend.shard_layout(plan_layout(backend, group.ranks), **documents), group
+        return backend.shard_batch(group, seq_len, **documents)
     if any(value is not None for value in documents.values()):
         given = [name for name, value in documents.items() if value is not None]
         raise ValueError(f"{', '.join(given)} given with backend={backend!r}: the layout of a batch follows its "
                          "documents only under a plan; pass backend=<the PrepareContextParallel plan>")
     if isinstance(backend, dist.PrepareContextParallel):  # Paddle's has no Ulysses degree and no documents
         backend = backend.backend
-    return SequenceLayout(backend, group.size, ulysses_degree), group
+    return Batch(SequenceLayout(backend, group.size, ulysses_degree), seq_len, group=group)
 
 
 def shard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None, *, position_ids=None,
                    doc_ids=None, attn_mask_startend_row_indices=None):
     """This rank's part of `x` (full sequence on dim `seq_dim`), in PrepareContextParallel's layout."""
-    layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
-                            attn_mask_startend_row_indices=attn_mask_startend_row_indices)
-    layout.check_length(x.shape[seq_dim])
-    if isinstance(backend, PrepareContextParallel):
-        backend.record_split(layout)
-    else:
-        runtime.state.split_by_backend_name.add(group.ranks)
-    return layout.shard(x, seq_dim, group.index)
+    batch = _batch(backend, ulysses_degree, mesh, group, x.shape[seq_dim], position_ids=position_ids, doc_ids=doc_ids,
+                   attn_mask_startend_row_indices=attn_mask_startend_row_indices)
+    batch.layout.check_length(x.shape[seq_dim])
+    record_shard(batch)  # the batch's forward checks that its inputs are split alike
+    return batch.layout.shard(x, seq_dim, batch.group.index)
 
 
 def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None, seq_len=None, *,
@@ -58,8 +57,9 @@ def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses
     same thing from the result), so the backward keeps this rank's slice of the
     gradient.
     """
-    layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
-                            attn_mask_startend_row_indices=attn_mask_startend_row_indices)
+    batch = _batch(backend, ulysses_degree, mesh, group, seq_len, position_ids=position_ids, doc_ids=doc_ids,
+                   attn_mask_startend_row_indices=attn_mask_startend_row_indices)
+    layout, group = batch.layout, batch.group
     seq_len = agreed_seq_len(layout, group, x.shape[seq_dim], seq_len, seq_dim)
     lengths = layout.lengths(seq_len)
     gathered = gather_replicated(x, group, seq_dim, lengths)
@@ -69,6 +69,6 @@ def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses
 def sequence_positions(seq_len, backend="p2p", mesh=None, group=None, ulysses_degree=None, *, position_ids=None,
                        doc_ids=None, attn_mask_startend_row_indices=None):
     """Global positions of this rank's tokens (int64 [s_local]): position ids for RoPE."""
-    layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
-                            attn_mask_startend_row_indices=attn_mask_startend_row_indices)
-    return paddle.to_tensor(layout.positions(seq_len, group.index), dtype="int64")
+    batch = _batch(backend, ulysses_degree, mesh, group, seq_len, position_ids=position_ids, doc_ids=doc_ids,
+                   attn_mask_startend_row_indices=attn_mask_startend_row_indices)
+    return paddle.to_tensor(batch.layout.positions(seq_len, batch.group.index), dtype="int64")
