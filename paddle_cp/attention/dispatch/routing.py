@@ -136,9 +136,7 @@ def attend(plan, query, key, value, mask, dropout_p=0.0, training=True, scale=No
     call's Mask (api.call_mask), over the batch's documents and, with `padding` (the one-card call carried a
     mask built from it), its padding keys; in the batch's layout over its groups, rotated as `plan` says."""
     check_inputs(query, key, value, dropout_p, training, enable_gqa)
-    current = batch.current()
-    if current is None:  # shards the script split: their length agreed by the ranks
-        current = sequence(plan, query.shape[1])
+    current = batch.current() or sequence(plan, query.shape[1])  # else shards the script split
     mask = mask.of_batch(current.documents, current.valid if padding else None)
     out = api.attend(current.layout, current.groups, query, key, value, mask, current.seq_len, scale, plan.rotate,
                      sinks)
