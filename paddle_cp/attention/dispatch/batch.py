@@ -28,7 +28,9 @@ class Batch:
     `valid`: [batch, seq_len] bool (numpy) from the 2-D attention_mask the model was given: False for
     padding keys, which no query sees (None: no padding); `run`: the SepRun of the plan that split the
     model's inputs (its backend's ring and Ulysses groups; None for a Batch shard_sequence made);
-    `plan`: the PrepareContextParallel whose layout it follows (None: a backend name's 2N chunks)."""
+    `plan`: the PrepareContextParallel whose layout it follows (None: a backend name's 2N chunks). The masks
+    and exchange plans its layers share are kept by its layout (`layout.plans`, layout/batch_plans.py), made
+    by its first attention layer from these facts."""
 
     layout: SequenceLayout
     seq_len: int
