@@ -26,6 +26,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class BatchRecords:
+    """The batches of attention/dispatch/batch.py, by who reads them."""
+
+    running: list = field(default_factory=list)  # Batch of each top layer whose forward runs (innermost last)
+    # sep group ranks -> the Batches shard_sequence split tensors in since the group's last forward (labels)
+    sharded: dict = field(default_factory=dict)
+    last: dict = field(default_factory=dict)  # sep group ranks -> the Batch the last forward over them split
+
+
+@dataclass
 class RuntimeState:
     sequence_split: bool = False  # is the sequence split over mp at this point of the forward?
     # SequenceParallelBegin's split, waiting for the first block of the region (plans/sequence_parallel.py)
@@ -37,8 +47,8 @@ class RuntimeState:
     collectives_issued: defaultdict = field(default_factory=lambda: defaultdict(int))  # collectives, by tag
     emulating_collective: bool = False  # gloo's point-to-point rounds of one collective are running
     widened_float16: defaultdict = field(default_factory=lambda: defaultdict(int))  # gloo fp16 all-reduces, by tag
-    # SequenceInfo of the batches whose top layer is running (innermost last), from PrepareContextParallel
-    batches: list = field(default_factory=list)
+    # the Batches PrepareContextParallel and shard_sequence made (attention/dispatch/batch.py)
+    batches: BatchRecords = field(default_factory=BatchRecords)
     # routing.Frame of each ContextParallel layer whose forward is running (innermost last)
     running: list = field(default_factory=list)
     # query-key pairs computed and skipped by attention forwards
@@ -59,11 +69,6 @@ class RuntimeState:
     grad_scaler: object = None
     # pipeline: the Pipeline (pipeline/runner.py) whose stage forward is running: recompute calls ask it
     pipeline_running: object = None
-    # the sep groups (their ranks) whose tensors shard_sequence split by a backend name since their plan's
-    # last forward: a batch the plan splits by its documents refuses them (labels in another layout)
-    split_by_backend_name: set = field(default_factory=set)
-    # PrepareContextParallel plan -> PlanNotes: what its batches showed, for shard_sequence given that plan
-    plan_notes: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     pending_save: object = None  # the async checkpoint save whose files are still being written
     # bytes this process read from and wrote to checkpoint and pretrained-weight files (checkpoint/io_bytes.py)
     io_bytes: dict = field(default_factory=lambda: {"read": 0, "written": 0})
@@ -77,12 +82,6 @@ class RuntimeState:
     # plans/layer_hooks.py: layer -> {user-hook plan: (mesh, the hook its factory returned)}, from the plan's
     # check until its apply registers the hook (the factory is called once)
     resolved_hooks: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
-
-
-@dataclass
-class PlanNotes:
-    sharded: set = field(default_factory=set)  # splits shard_sequence used since the plan's last forward
-    startend_seen: bool = False  # a forward split a batch by attn_mask_startend_row_indices it was not told of
 
 
 state = RuntimeState()
@@ -149,11 +148,6 @@ class Installed:
 
 
 installed = Installed()
-
-
-def plan_notes(plan):
-    """The notes kept for `plan` (made on first use): the plan object itself holds only its arguments."""
-    return state.plan_notes.setdefault(plan, PlanNotes())
 
 
 def reset():

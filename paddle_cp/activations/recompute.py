@@ -2,7 +2,7 @@
 
 Paddle's recompute (`fleet.utils.recompute`, reentrant or not, and the hybrid
 `recompute_hybrid`) runs a function in forward and again in backward, after the
-state it first ran under is gone: the batch's SequenceInfo ends with the top
+state it first ran under is gone: the batch's Batch ends with the top
 layer's forward, and ContextParallel's SDPA interception with the attention
 layer's. Every recompute call made while such state exists captures it, and its
 replay runs under it again, so each call replays with its own batch's facts

@@ -39,7 +39,7 @@ from .mixer_check import check_mixers_routed
 from .plan_annotation import annotate_plan
 from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
-from ..plans.context_parallel import PrepareContextParallel
+from ..plans.context_parallel import PrepareContextParallel, check_backends_agree
 from ..plans.sequence_parallel import is_sequence_plan, split_at_blocks, watch_partial_gradients
 from ..plans.sharded_inputs import require_sharded_inputs
 from ..data_parallel.sharding import Sharding, check_level, shard_parameters, sharding_dims, sharding_groups_needed
@@ -118,6 +118,7 @@ def _validated_plan(model, config, mesh):
     for _, layer, plans, params in matched:
         for plan in plans:
             plan.check(layer, mesh, params)
+    check_backends_agree([plan for _, _, plans, _ in matched for plan in plans])
     check_mixers_routed(model, matched)  # after each plan's own checks: a plan that cannot apply says why first
     applications = [(plan, layer, params) for _, layer, plans, params in matched for plan in plans]
     applications.sort(key=lambda item: item[0].order)  # stable; see Plan.order

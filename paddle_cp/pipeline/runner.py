@@ -204,7 +204,7 @@ class Pipeline:
         runtime.state.pipeline_running = self
         # as the root's hooks left it, not the previous chunk
         runtime.state.sequence_split, runtime.state.sequence_whole_shape = self._initial
-        batches = runtime.state.batches
+        batches = runtime.state.batches.running
         depth = len(batches)
         if micro[1] > 1 and batches:  # the whole batch's facts (documents, padding) as this micro-batch's rows
             batches.append(batches[-1].micro_batch(*micro))

@@ -9,7 +9,8 @@ from .. import mesh as mesh_lib
 from .. import runtime
 from ..activations import recompute
 from ..attention import Documents, SequenceLayout, adapters, check_rotation, mixers, resolve_groups
-from ..attention.dispatch import context, routing
+from ..attention.dispatch import batch as batch_context
+from ..attention.dispatch import routing
 from ..attention import resolve_group, ulysses_size
 from ..attention.layout.pool import joined_documents, joined_valid, pool_layout, row_positions
 from ..attention.layout.sequence_layout import check_split
@@ -81,7 +82,10 @@ def sep_groups_needed(backend, sep_size, ulysses_degree):
 
 
 class _SepPlan(Plan):
-    """A context-parallel plan: a backend (with its Ulysses degree), a whole layer, the mesh's `sep` slice."""
+    """A context-parallel plan: a backend (with its Ulysses degree), a whole layer, the mesh's `sep` slice.
+    The backend's shape over the sep ranks is checked once, at check (with the mesh), and a model's
+    PrepareContextParallel and ContextParallel plans must give the same (`check_backends_agree`): the
+    attention reads it from the batch PrepareContextParallel made."""
 
     def __init__(self, backend="p2p", ulysses_degree=None):
         ulysses_size(backend, 0, ulysses_degree)  # a known backend, with a degree iff hybrid
@@ -90,14 +94,15 @@ class _SepPlan(Plan):
     def check(self, layer, mesh, param_names=()):
         refuse_param_plan(self, param_names)
         mesh_lib.require_dim(mesh, "sep", type(self).__name__)
-        ulysses_size(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
+        return SequenceLayout(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
 
     def groups_needed(self, layer, mesh):
         return sep_groups_needed(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree)
 
     def _join_sep_group(self, layer, dims, param_names):
-        """The SepRun this plan's hooks on `layer` run with (collective where the groups are not made yet)."""
-        self.check(layer, mesh_lib.mesh_of(dims), param_names)
+        """The SepRun this plan's hooks on `layer` run with (collective where the groups are not made yet);
+        `check` ran first."""
+        mesh_lib.require_dim(mesh_lib.mesh_of(dims), "sep", type(self).__name__)  # applied by hand, unchecked
         recompute.install()  # recomputed layers replay with this batch's layout and plans
         return SepRun(self, mesh_lib.dims_of(dims))
 
@@ -118,10 +123,22 @@ def plan_layout(plan, sep_ranks):
     """The SequenceLayout of `plan`'s backend and Ulysses degree over the sep group's global ranks `sep_ranks`,
     its ring's links (ring member g holds sep positions gU .. gU+U-1, one node) at `plan.links` (a
     PrepareContextParallel's) or Links' defaults."""
-    world = len(sep_ranks)
-    ulysses = ulysses_size(plan.backend, world, plan.ulysses_degree)
-    links = LinkCost.of_ranks(list(sep_ranks)[::ulysses], getattr(plan, "links", None) or Links())
-    return SequenceLayout(plan.backend, world, plan.ulysses_degree, links=links)
+    layout = SequenceLayout(plan.backend, len(sep_ranks), plan.ulysses_degree)
+    layout.links = LinkCost.of_ranks(list(sep_ranks)[::layout.ulysses], getattr(plan, "links", None) or Links())
+    return layout
+
+
+def check_backends_agree(plans):
+    """One backend (and Ulysses degree) for a model's context-parallel plans: the attention runs in the layout
+    PrepareContextParallel split the inputs in. Raised at check, on every rank, before any collective."""
+    prepare = next((p for p in plans if isinstance(p, PrepareContextParallel)), None)
+    for plan in plans:
+        if (prepare is not None and isinstance(plan, _SepPlan)
+                and (plan.backend, plan.ulysses_degree) != (prepare.backend, prepare.ulysses_degree)):
+            raise ValueError(
+                f"inputs are split by PrepareContextParallel(backend={prepare.backend!r}, ulysses_degree="
+                f"{prepare.ulysses_degree}) but {type(plan).__name__} uses backend={plan.backend!r}, ulysses_degree="
+                f"{plan.ulysses_degree}: give both plans the same backend and ulysses_degree")
 
 
 class PrepareContextParallel(_SepPlan):
@@ -228,23 +245,25 @@ class PrepareContextParallel(_SepPlan):
         """`layout` (this plan's backend over a sep group) for a batch with `documents`."""
         return layout.for_batch(documents, self.layout)
 
-    def shard_layout(self, layout, position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
-        """The layout shard_sequence splits a batch's tensors with, given the batch's document inputs."""
-        return self.batch_layout(layout, self.shard_documents(position_ids, doc_ids, attn_mask_startend_row_indices))
-
-    def shard_documents(self, position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
-        """The batch's Documents for shard_sequence, from the batch's document inputs. Row indices the plan was
-        not told about decide a batch's split only at the model call: a call here without them, once a forward
-        had them, would split labels unlike the inputs."""
-        if self.documents is None and attn_mask_startend_row_indices is None and runtime.plan_notes(self).startend_seen:
+    def shard_batch(self, group, seq_len, position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
+        """The Batch shard_sequence splits a batch's tensors of `seq_len` tokens (None: unshard_sequence agrees
+        on it) over the sep `group` with, given the batch's document inputs: in the layout of the last forward
+        this plan split over `group` when these are its documents, else chosen here. Row indices the plan was
+        not told about decide a batch's split only at the model call: a call here without them, after a
+        forward they split, would split labels unlike the inputs."""
+        last = batch_context.last_split(group)
+        last = last if last is not None and last.plan is self else None
+        if (self.documents is None and attn_mask_startend_row_indices is None and last is not None
+                and last.layout.split.name == "documents"):
             raise ValueError(
                 "this PrepareContextParallel's batches carry attn_mask_startend_row_indices, by whose documents each "
                 "batch is split: pass them to shard_sequence too (or build the plan with layout='chunks')")
-        return self.documents_of(position_ids, doc_ids, attn_mask_startend_row_indices)
-
-    def record_split(self, layout):
-        """shard_sequence split a tensor of the coming batch in `layout`: checked at its forward."""
-        runtime.plan_notes(self).sharded.add(layout.split.name)
+        documents = self.documents_of(position_ids, doc_ids, attn_mask_startend_row_indices)
+        if last is not None and last.same_documents(documents):
+            layout = last.layout
+        else:
+            layout = self.batch_layout(plan_layout(self, group.ranks), documents)
+        return batch_context.Batch(layout, seq_len, documents, group=group, plan=self)
 
 
 class Pool:
@@ -268,6 +287,22 @@ class Pool:
         """The layout of a [batch, seq_len] global batch with `documents` (or None) joined over the pool."""
         self.layout.check_length(batch * seq_len, what="the global batch's (rows x length)")
         return pool_layout(self.layout, documents, batch, seq_len, self.plan.layout, self.replicas)
+
+    def batch(self, layout, documents, valid, batch, seq_len, run=None):
+        """The Batch of a [batch, seq_len] global batch laid out as `layout`: its rows joined into one."""
+        return batch_context.Batch(layout, batch * seq_len, joined_documents(documents, batch, seq_len),
+                                   joined_valid(valid, batch, seq_len), self.groups.sep, run, self.plan,
+                                   pool_groups=self.groups)
+
+    def shard_batch(self, batch, seq_len, documents):
+        """The Batch shard_sequence splits a global batch's tensors with: the last forward's over the pool
+        when these are its documents (no second layout choice), else laid out here."""
+        last = batch_context.last_split(self.groups.sep)
+        joined = joined_documents(documents, batch, seq_len)
+        if (last is not None and last.plan is self.plan and last.seq_len == batch * seq_len
+                and last.same_documents(joined)):
+            return last
+        return self.batch(self.batch_layout(documents, batch, seq_len), documents, None, batch, seq_len)
 
     @staticmethod
     def joined(value, batch, seq_dim=1):
@@ -302,11 +337,9 @@ class _PreparedRun:
 
     def _check_sharded(self, layout):
         """The model's inputs and what shard_sequence split for this batch (labels) share one layout."""
-        notes = runtime.plan_notes(self.plan)
-        sharded, notes.sharded = notes.sharded, set()
-        by_name = runtime.state.split_by_backend_name
-        if self.sep.groups.sep.ranks in by_name:
-            by_name.discard(self.sep.groups.sep.ranks)
+        shards = batch_context.take_shards(self.sep.groups.sep if self.pool is None else self.pool.groups.sep)
+        sharded = {shard.layout.split.name for shard in shards if shard.plan is not None}
+        if any(shard.plan is None for shard in shards):
             if layout.split.name != "chunks":
                 raise ValueError(
                     f"shard_sequence split this batch's tensors by a backend name, in 2N chunks; the model's inputs "
@@ -346,8 +379,6 @@ class _PreparedRun:
             refusal = error
         self.check_batch({name: v for name, v in named.items() if _of_batch(v, batch, seq_len)}, batch, seq_len,
                          refusal, read_now=documents is not None)
-        if plan.documents is None and layout.split.name == "documents":
-            runtime.plan_notes(plan).startend_seen = True
         valid = _padding(bound.arguments.get("attention_mask"), batch, seq_len)
         if _STARTEND in bound.arguments:
             bound.arguments[_STARTEND] = None  # the attention applies it, from `documents`
@@ -372,13 +403,16 @@ class _PreparedRun:
             if "position_ids" in signature.parameters and bound.arguments.get("position_ids") is None:
                 positions = row_positions(layout, batch, seq_len, index)[1]  # each token's place in its row
                 bound.arguments["position_ids"] = paddle.to_tensor(positions, dtype="int64").unsqueeze(0)
-            context.publish(context.SequenceInfo(layout, batch * seq_len, joined_documents(documents, batch, seq_len),
-                                                 joined_valid(valid, batch, seq_len), groups=pool.groups))
+            made = self.pool.batch(layout, documents, valid, batch, seq_len, run=self.sep)
+            batch_context.record_split(made)
+            batch_context.publish(made)
             return bound.args, bound.kwargs
         if "position_ids" in signature.parameters and bound.arguments.get("position_ids") is None:
             positions = self._positions_of(layout, seq_len, index, documents)
             bound.arguments["position_ids"] = positions.unsqueeze(0).expand([batch, positions.shape[0]])
-        context.publish(context.SequenceInfo(layout, seq_len, documents, valid))
+        made = batch_context.Batch(layout, seq_len, documents, valid, self.sep.groups.sep, self.sep, plan)
+        batch_context.record_split(made)
+        batch_context.publish(made)
         return bound.args, bound.kwargs
 
     def _positions_of(self, layout, seq_len, index, documents):
@@ -392,7 +426,7 @@ class _PreparedRun:
 
     def forget_batch(self, layer, inputs, outputs):
         if not runtime.state.context_parallel_paused:
-            context.retract()
+            batch_context.retract()
 
 
 class ContextParallel(_SepPlan):
@@ -412,8 +446,7 @@ class ContextParallel(_SepPlan):
         self.rotate = check_rotation(rotate)
 
     def check(self, layer, mesh, param_names=()):
-        super().check(layer, mesh, param_names)
-        mixers.check(layer, SequenceLayout(self.backend, mesh_lib.dim_size(mesh, "sep"), self.ulysses_degree))
+        mixers.check(layer, super().check(layer, mesh, param_names))
 
     def apply(self, layer, dims, param_names=()):
         run = self._join_sep_group(layer, dims, param_names)

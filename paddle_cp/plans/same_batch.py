@@ -157,7 +157,7 @@ def _checking_once(memo):
 def _capture():
     """A recompute call made outside any batch (around a whole model) shares one memo between its
     forward and its replay; one made inside a model's forward cannot re-run that model's check."""
-    if runtime.state.batches:
+    if runtime.state.batches.running:
         return None
     memo = {}
     return lambda: _checking_once(memo)

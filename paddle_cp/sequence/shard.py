@@ -6,33 +6,35 @@ splits batches by their documents (the default whenever it knows them) needs
 the batch's document inputs here too, as the model gets them: `position_ids`
 for `documents="position_ids"`, `doc_ids` for a named document-id input,
 `attn_mask_startend_row_indices` when the model is given PaddleFormers' row
-indices.
+indices. Called after the batch's forward, it splits in that forward's layout
+(its Batch); called before, the forward checks that its inputs are split alike.
 """
 from __future__ import annotations
 
 import paddle
 import paddle.distributed as dist
 
-from .. import runtime
 from ..attention import SequenceLayout, resolve_group
+from ..attention.dispatch.batch import Batch, record_shard
 from ..attention.dispatch.lengths import agreed_seq_len, held_lengths
 from ..comm.autograd import gather_replicated
 from .. import mesh as mesh_lib
-from ..plans.context_parallel import Pool, PrepareContextParallel, plan_layout
+from ..plans.context_parallel import Pool, PrepareContextParallel
 
 
-def _layout(backend, ulysses_degree, mesh, group, **documents):
-    """(the batch's SequenceLayout, the sep MeshGroup); `documents`: the document inputs given."""
+def _batch(backend, ulysses_degree, mesh, group, seq_len, **documents):
+    """The Batch whose layout splits a batch's tensors of `seq_len` tokens (None: not known yet) over the sep
+    group; `documents`: the document inputs given."""
     group = resolve_group(mesh, group)
     if isinstance(backend, PrepareContextParallel):
-        return backend.shard_layout(plan_layout(backend, group.ranks), **documents), group
+        return backend.shard_batch(group, seq_len, **documents)
     if any(value is not None for value in documents.values()):
         given = [name for name, value in documents.items() if value is not None]
         raise ValueError(f"{', '.join(given)} given with backend={backend!r}: the layout of a batch follows its "
                          "documents only under a plan; pass backend=<the PrepareContextParallel plan>")
     if isinstance(backend, dist.PrepareContextParallel):  # Paddle's has no Ulysses degree and no documents
         backend = backend.backend
-    return SequenceLayout(backend, group.size, ulysses_degree), group
+    return Batch(SequenceLayout(backend, group.size, ulysses_degree), seq_len, group=group)
 
 
 def _pool(plan, mesh, group):
@@ -51,18 +53,15 @@ def shard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_d
     [1, this rank's tokens, ...] of its rows joined (the model's inputs' split)."""
     pool = _pool(backend, mesh, group)
     if pool is not None:
-        documents = backend.shard_documents(position_ids, doc_ids, attn_mask_startend_row_indices)
-        layout = pool.batch_layout(documents, x.shape[0], x.shape[seq_dim])
-        backend.record_split(layout)
-        return layout.shard(pool.joined(x, x.shape[0], seq_dim), 1, pool.index)
-    layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
-                            attn_mask_startend_row_indices=attn_mask_startend_row_indices)
-    layout.check_length(x.shape[seq_dim])
-    if isinstance(backend, PrepareContextParallel):
-        backend.record_split(layout)
-    else:
-        runtime.state.split_by_backend_name.add(group.ranks)
-    return layout.shard(x, seq_dim, group.index)
+        batch = pool.shard_batch(x.shape[0], x.shape[seq_dim], backend.documents_of(
+            position_ids, doc_ids, attn_mask_startend_row_indices))
+        record_shard(batch)  # the batch's forward checks that its inputs are split alike
+        return batch.layout.shard(pool.joined(x, x.shape[0], seq_dim), 1, pool.index)
+    batch = _batch(backend, ulysses_degree, mesh, group, x.shape[seq_dim], position_ids=position_ids, doc_ids=doc_ids,
+                   attn_mask_startend_row_indices=attn_mask_startend_row_indices)
+    batch.layout.check_length(x.shape[seq_dim])
+    record_shard(batch)  # the batch's forward checks that its inputs are split alike
+    return batch.layout.shard(x, seq_dim, batch.group.index)
 
 
 def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses_degree=None, seq_len=None, *,
@@ -78,10 +77,11 @@ def unshard_sequence(x, seq_dim=1, backend="p2p", mesh=None, group=None, ulysses
     """
     pool = _pool(backend, mesh, group)
     if pool is not None:
-        return _unshard_pool(pool, x, seq_dim, seq_len, backend.shard_documents(position_ids, doc_ids,
-                                                                                attn_mask_startend_row_indices))
-    layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
-                            attn_mask_startend_row_indices=attn_mask_startend_row_indices)
+        return _unshard_pool(pool, x, seq_dim, seq_len, backend.documents_of(position_ids, doc_ids,
+                                                                             attn_mask_startend_row_indices))
+    batch = _batch(backend, ulysses_degree, mesh, group, seq_len, position_ids=position_ids, doc_ids=doc_ids,
+                   attn_mask_startend_row_indices=attn_mask_startend_row_indices)
+    layout, group = batch.layout, batch.group
     seq_len = agreed_seq_len(layout, group, x.shape[seq_dim], seq_len, seq_dim)
     lengths = layout.lengths(seq_len)
     gathered = gather_replicated(x, group, seq_dim, lengths)
@@ -95,7 +95,7 @@ def _unshard_pool(pool, x, seq_dim, seq_len, documents):
                          "give seq_dim=1 and seq_len=<tokens a row of the global batch>")
     held = held_lengths(x.shape[1], pool.groups.sep)
     batch = sum(held) // seq_len
-    layout = pool.batch_layout(documents, batch, seq_len) if batch * seq_len == sum(held) else None
+    layout = pool.shard_batch(batch, seq_len, documents).layout if batch * seq_len == sum(held) else None
     if layout is None or layout.lengths(batch * seq_len) != held:
         raise ValueError(f"the pool's ranks hold {held} tokens, which no global batch of rows of {seq_len} tokens "
                          "splits so: pass the seq_len and the document inputs the tensor was split with")
@@ -110,6 +110,6 @@ def sequence_positions(seq_len, backend="p2p", mesh=None, group=None, ulysses_de
     if getattr(backend, "pool", False):
         raise ValueError("PrepareContextParallel(pool=True) gives the model each token's position in its row itself: "
                          "pass no position ids, or the global batch's [batch, seq] position_ids to the model")
-    layout, group = _layout(backend, ulysses_degree, mesh, group, position_ids=position_ids, doc_ids=doc_ids,
-                            attn_mask_startend_row_indices=attn_mask_startend_row_indices)
-    return paddle.to_tensor(layout.positions(seq_len, group.index), dtype="int64")
+    batch = _batch(backend, ulysses_degree, mesh, group, seq_len, position_ids=position_ids, doc_ids=doc_ids,
+                   attn_mask_startend_row_indices=attn_mask_startend_row_indices)
+    return paddle.to_tensor(batch.layout.positions(seq_len, batch.group.index), dtype="int64")

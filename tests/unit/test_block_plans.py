@@ -5,6 +5,7 @@ import pytest
 from workers.visibility import visible
 
 from paddle_cp.attention.dispatch.api import ring_masks
+from paddle_cp.attention.masks.mask import Mask
 from paddle_cp.attention.layout.batch_plans import BatchPlans
 from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 from paddle_cp.attention.masks.block_mask import BlockMask, Documents
@@ -100,11 +101,11 @@ def test_batch_plans_keep_a_batchs_masks_for_its_layers():
     positions = packing.packed_position_ids(np.array([5, 9, 2, 30, 7]), 64, 1)
     documents = Documents.from_position_ids(positions)
     layout = SequenceLayout("p2p", 2).for_batch(documents)
-    masks = ring_masks(layout, 64, 0, True, documents)
-    assert ring_masks(layout, 64, 0, True, documents) is masks  # every layer of the batch
+    masks = ring_masks(layout, 64, 0, Mask(True, documents=documents))
+    assert ring_masks(layout, 64, 0, Mask(True, documents=documents)) is masks  # every layer of the batch
     assert masks.block(1) is masks.block(1)  # each ring step's mask made once
-    assert ring_masks(layout, 64, 0, True, Documents.from_position_ids(positions)) is not masks  # the next batch
-    assert ring_masks(layout, 64, 0, True, documents, window=8) is not masks
+    assert ring_masks(layout, 64, 0, Mask(True, documents=Documents.from_position_ids(positions))) is not masks  # the next batch
+    assert ring_masks(layout, 64, 0, Mask(True, 8, documents)) is not masks
 
 
 def test_planning_bench_counts_one_call_per_visible_ring_step():

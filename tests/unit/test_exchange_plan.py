@@ -160,11 +160,12 @@ def test_dense_masks_share_the_batchs_exchange_plan():
     import paddle
 
     from paddle_cp.attention.dispatch.api import ring_masks
+    from paddle_cp.attention.masks.mask import Mask
 
     layout, seq = SequenceLayout("p2p", 4), 64
     rows = len(layout.ring_positions(seq)[1])
     dense = [paddle.ones([1, 1, rows, seq], "bool") for _ in range(2)]
-    first, second = (ring_masks(layout, seq, 1, False, dense=d) for d in dense)
-    assert first is not second and first.dense is dense[0] and second.dense is dense[1]
-    assert first.exchange() is second.exchange() is ring_masks(layout, seq, 1, False).exchange()
+    first, second = (ring_masks(layout, seq, 1, Mask(dense=d)) for d in dense)
+    assert first is not second and first.mask.dense is dense[0] and second.mask.dense is dense[1]
+    assert first.exchange() is second.exchange() is ring_masks(layout, seq, 1, Mask()).exchange()
     assert len(layout.plans) == 1

@@ -198,6 +198,7 @@ def test_tiles_gather_short_runs_and_flashmask_takes_them(emulated_gpu):
     from paddle_cp.attention.layout.sequence_layout import SequenceLayout
     from paddle_cp.attention.masks.block_mask import tiles
     from paddle_cp.attention.algorithms.ring import RingMasks
+    from paddle_cp.attention.masks.mask import Mask
     from paddle_cp.tools import packing
 
     assert tiles([(0, 3), (3, 5), (5, 100), (100, 102)], 40, fragment=4) == [
@@ -214,13 +215,13 @@ def test_tiles_gather_short_runs_and_flashmask_takes_them(emulated_gpu):
     results = {}
     for name, kernel, fragment in (("flashmask", "flashmask", 16), ("blockwise", "blockwise", 16),
                                    ("per_run", "blockwise", 0)):
-        mask = RingMasks(groups, 0, True, documents, cuts=layout.chunk_starts(80), fragment=fragment).block(1)
+        mask = RingMasks(groups, 0, Mask(True, documents=documents), layout.chunk_starts(80), fragment).block(1)
         inputs = [t.detach() for t in (q, k, v)]
         for t in inputs:
             t.stop_gradient = False
         out = kernels.local_attention(*inputs, True, 0.25, kernel=KERNEL[kernel](), mask=mask)
         results[name] = [out, *paddle.grad([out], inputs, [paddle.ones_like(out)])]
-    assert len(mask.q_runs()) > len(RingMasks(groups, 0, True, documents, fragment=16).block(1).q_tiles())
+    assert len(mask.q_runs()) > len(RingMasks(groups, 0, Mask(True, documents=documents), fragment=16).block(1).q_tiles())
     for name in ("flashmask", "blockwise"):
         for got, want in zip(results[name], results["per_run"]):
             assert _relative(got, want) < BF16_TOL, name

@@ -93,7 +93,7 @@ def test_pool_plan_refusals():
     import paddle.distributed as dist
 
     import paddle_cp as pcp
-    from paddle_cp.attention.dispatch import context, routing
+    from paddle_cp.attention.dispatch import batch, routing
     from paddle_cp.plans.context_parallel import _refuse_dense_masks
 
     with pytest.raises(ValueError, match="use backend='p2p'"):
@@ -109,7 +109,7 @@ def test_pool_plan_refusals():
     class Plan:  # a ContextParallel layer's run, p2p over 2 ranks
         layout = SequenceLayout("p2p", 2)
 
-    with context.published(context.SequenceInfo(SequenceLayout("p2p", 8), 64, groups=object())):
+    with batch.published(batch.Batch(SequenceLayout("p2p", 8), 64, pool_groups=object())):
         with pytest.raises(ValueError, match="train this model without pool=True"):
             routing.sequence(Plan(), 8)
 

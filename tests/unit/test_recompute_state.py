@@ -5,7 +5,7 @@ from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from paddle_cp.activations import recompute
 from paddle_cp.attention import SequenceLayout
-from paddle_cp.attention.dispatch import context
+from paddle_cp.attention.dispatch import batch as batch_context
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -14,16 +14,16 @@ def test_each_replay_sees_its_own_batch_after_the_forwards_ended(reentrant):
     seen = []
 
     def layer(x):
-        seen.append(context.current().seq_len if context.current() else None)
+        seen.append(batch_context.current().seq_len if batch_context.current() else None)
         return paddle.tanh(x) * 2
 
     losses = []
     for seq_len in (7, 9):  # two forwards of different batches before one backward
         x = paddle.randn([3, 4])
         x.stop_gradient = False
-        with context.published(context.SequenceInfo(SequenceLayout("p2p", 2), seq_len)):
+        with batch_context.published(batch_context.Batch(SequenceLayout("p2p", 2), seq_len)):
             losses.append(fleet_recompute(layer, x, use_reentrant=reentrant).sum())
-    assert context.current() is None and seen == [7, 9]
+    assert batch_context.current() is None and seen == [7, 9]
     paddle.add_n(losses).backward()
     assert sorted(seen[2:]) == [7, 9]  # each replay under its own batch, in whatever order backward runs them
 
@@ -45,7 +45,7 @@ def test_a_whole_model_recompute_shares_one_inputs_check_between_forward_and_rep
     outside(paddle.ones([1]))
     outside(paddle.ones([1]))
     assert len(memos[0]) == 1 and memos[0][0] is memos[1][0]
-    with context.published(context.SequenceInfo(SequenceLayout("p2p", 2), 5)):
+    with batch_context.published(batch_context.Batch(SequenceLayout("p2p", 2), 5)):
         inside = recompute.with_current_state(layer)
     inside(paddle.ones([1]))
     assert memos[2] == []

@@ -13,6 +13,7 @@ from workers import emulated_flash
 from paddle_cp.attention import kernels
 from paddle_cp.attention.algorithms import ring, rotation
 from paddle_cp.attention.dispatch.api import ring_masks
+from paddle_cp.attention.masks.mask import Mask
 from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 from paddle_cp.attention.masks.block_mask import Documents
 from paddle_cp.attention.algorithms.merge import merge
@@ -123,7 +124,7 @@ def test_backward_skips_the_blocks_forward_skips(monkeypatch, path):
         empty_blocks = 0
         for index in range(RING):
             calls.clear()
-            masks = ring_masks(layout, SEQ, index, True, documents, window=window)
+            masks = ring_masks(layout, SEQ, index, Mask(True, window, documents))
             group = SimpleNamespace(size=RING, index=index)
             out, lse = ring.ring_forward(qs[index], ks[index], vs[index], group, masks, SCALE, "planned")
             dq, dk, dv = ring.ring_backward(douts[index], qs[index], ks[index], vs[index], out.astype(dtype), lse,

@@ -23,14 +23,14 @@ def test_reset_counters_keeps_other_state():
 
 
 def test_reset_forgets_batches_running_layers_and_attention_work():
-    from paddle_cp.attention.dispatch import context
+    from paddle_cp.attention.dispatch import batch as batch_context
     from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 
-    context.publish(context.SequenceInfo(SequenceLayout("p2p", 2), 8))
+    batch_context.publish(batch_context.Batch(SequenceLayout("p2p", 2), 8))
     runtime.state.attention_work["computed"] += 5
     runtime.state.running.append(object())
     runtime.reset()
-    assert context.current() is None and pcp.attention_work()["computed"] == 0 and not runtime.state.running
+    assert batch_context.current() is None and pcp.attention_work()["computed"] == 0 and not runtime.state.running
 
 
 def test_the_sdpa_patch_lasts_while_a_parallelized_layer_lives():

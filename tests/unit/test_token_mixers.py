@@ -4,7 +4,7 @@ import paddle
 import pytest
 
 from paddle_cp import runtime
-from paddle_cp.attention.dispatch import context
+from paddle_cp.attention.dispatch import batch as batch_context
 from paddle_cp.attention import mixers
 from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 from paddle_cp.attention.mixers.gated_delta import _routed_conv, _routed_rule
@@ -80,7 +80,7 @@ def test_attention_outside_every_plan_while_a_batch_is_split_raises():
     holder = paddle.nn.Layer()  # patched while it lives
     adapters.install(holder)
     q = paddle.randn([1, 2, 6, 8])  # [b, h, s, d]
-    context.publish(context.SequenceInfo(SequenceLayout("p2p", 2), 12))
+    batch_context.publish(batch_context.Batch(SequenceLayout("p2p", 2), 12))
     try:
         with pytest.raises(ValueError, match="outside every ContextParallel layer"):
             interface.ALL_ATTENTION_FUNCTIONS["eager"](paddle.nn.Layer(), q, q, q, attention_mask=None, scaling=0.5)

@@ -34,6 +34,8 @@ from __future__ import annotations
 import sys
 
 from ..dispatch import routing
+from ..dispatch.api import call_mask
+from ..dispatch.batch import current as current_batch
 
 INTERFACE_MODULE = "paddleformers.nn.attention.interface"
 NAME = "paddle_cp"
@@ -66,13 +68,13 @@ def _attend(plan, implementation, module, query, key, value, attention_mask=None
     query, key, value = (x.transpose([0, 2, 1, 3]) for x in (query, key, value))
     scale = None if implementation == "flashmask" and sink is None else scaling
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    info = routing.batch(plan)
-    seq_len = info.seq_len if info is not None else query.shape[1] * plan.layout.world
-    documents = info.documents if info is not None else None
+    batch = current_batch()
+    seq_len = batch.seq_len if batch is not None else query.shape[1] * plan.layout.world
+    documents = batch.documents if batch is not None else None
     causal, dense, padding = one_card_semantics(implementation, module, attention_mask, is_causal, seq_len,
                                                 documents)
-    out = routing.attend(plan, query, key, value, dense, dropout, causal, module.training, scale,
-                         window=window if causal else None, sinks=sink, padding=padding)
+    mask = call_mask(dense, causal, window if causal else None)
+    out = routing.attend(plan, query, key, value, mask, dropout, module.training, scale, sinks=sink, padding=padding)
     b, s, h, dv = out.shape
     return out.reshape([b, s, h * dv]), None  # [b, s, h, dv] -> [b, s, h * dv]
 

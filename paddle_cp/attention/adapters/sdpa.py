@@ -11,6 +11,7 @@ import paddle.nn.functional as F
 
 from ...runtime import installed
 from ..dispatch import routing
+from ..dispatch.api import call_mask
 
 
 def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True, backend=None,
@@ -21,8 +22,8 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
         return installed.sdpa_original(query, key, value, attn_mask, dropout_p, is_causal, training, backend, scale, enable_gqa,
                          name)
     # a call with no mask attends padding keys too, as Paddle's SDPA does on one card
-    return routing.attend(plan, query, key, value, attn_mask, dropout_p, is_causal, training, scale, enable_gqa,
-                          padding=attn_mask is not None)
+    return routing.attend(plan, query, key, value, call_mask(attn_mask, is_causal), dropout_p, training, scale,
+                          enable_gqa, padding=attn_mask is not None)
 
 
 def install():

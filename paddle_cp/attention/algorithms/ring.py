@@ -27,24 +27,21 @@ class RingMasks:
     """BlockMasks of this member's queries against each ring member's keys, each made once (the
     forward and backward of every layer of a batch read the same; api.py keeps them per batch).
 
-    `positions[i]`: global positions of member i's tokens; `dense`: this
-    member's rows of a dense mask, [b, 1|h, len(positions[index]), seq_len];
-    `cuts`: the layout's chunk starts; `window`, `valid`, `fragment`: as BlockMask's.
+    `positions[i]`: global positions of member i's tokens; `mask`: the call's Mask (masks/mask.py), its
+    dense mask holding this member's rows, [b, 1|h, len(positions[index]), seq_len];
+    `cuts`: the layout's chunk starts; `fragment`: as BlockMask's.
     """
 
-    def __init__(self, positions, index, causal, documents=None, dense=None, cuts=(), window=None, valid=None,
-                 fragment=0):
+    def __init__(self, positions, index, mask, cuts=(), fragment=0):
         self.positions, self.index, self.cuts = positions, index, cuts
-        self.causal, self.documents, self.dense = causal, documents, dense
-        self.window, self.valid, self.fragment = window, valid, fragment
+        self.mask, self.fragment = mask, fragment
         self._blocks, self._exchange = {}, None
         self._exchange_of = None  # the masks without the dense mask whose exchange plan these share
 
     def with_dense(self, dense):
         """These masks with this member's rows of a dense mask (a layer's tensor: made per call), sharing this
         one's exchange plan, which reads only the row bounds (made once per batch)."""
-        masks = RingMasks(self.positions, self.index, self.causal, self.documents, dense, self.cuts, self.window,
-                          self.valid, self.fragment)
+        masks = RingMasks(self.positions, self.index, self.mask.with_dense(dense), self.cuts, self.fragment)
         masks._exchange_of = self
         return masks
 
@@ -54,8 +51,9 @@ class RingMasks:
     def block(self, src):
         if src not in self._blocks:
             keys = self.positions[src]
-            self._blocks[src] = BlockMask(self.positions[self.index], keys, self.causal, self.documents,
-                                          self._columns(keys), self.cuts, self.window, self.valid, self.fragment)
+            mask = self.mask
+            self._blocks[src] = BlockMask(self.positions[self.index], keys, mask.causal, mask.documents,
+                                          self._columns(keys), self.cuts, mask.window, mask.valid, self.fragment)
         return self._blocks[src]
 
     def exchange(self):
@@ -63,14 +61,16 @@ class RingMasks:
         if self._exchange_of is not None:
             return self._exchange_of.exchange()
         if self._exchange is None:
-            plan = ExchangePlan(self.positions, self.causal, self.documents, self.window, self.valid)
+            mask = self.mask
+            plan = ExchangePlan(self.positions, mask.causal, mask.documents, mask.window, mask.valid)
             self._exchange = MemberExchange(plan, self.index)
         return self._exchange
 
     def _columns(self, keys):
-        if self.dense is None:
+        dense = self.mask.dense
+        if dense is None:
             return None
-        parts = [self.dense[:, :, :, int(keys[a]):int(keys[b - 1]) + 1] for a, b in runs(keys)]
+        parts = [dense[:, :, :, int(keys[a]):int(keys[b - 1]) + 1] for a, b in runs(keys)]
         return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=3)
 
 

@@ -13,6 +13,7 @@ from .groups import resolve_group, resolve_groups
 from ..layout.sequence_layout import SequenceLayout
 from .lengths import agreed_seq_len
 from ..masks.block_mask import Documents
+from ..masks.mask import Mask
 from ..algorithms.ring import RingMasks, ring_attention_local
 from ..algorithms.rotation import check_rotation
 from ..algorithms.ulysses import gather_heads, gather_mask_rows, head_split, scatter_heads
@@ -30,51 +31,62 @@ def context_parallel_attention(
     `valid`: [b, seq_len] bool (numpy), False for padding keys no query sees.
     """
     check_inputs(query, key, value, dropout_p, training, enable_gqa)
+    mask = call_mask(attn_mask, is_causal, window).of_batch(documents, valid)
+    # The global length: given, else the documents', else an even split (the functional APIs agree on it first).
+    seq_len = seq_len or (documents.seq_len if documents is not None else query.shape[1] * layout.world)
+    return attend(layout, groups, query, key, value, mask, seq_len, scale, rotate, sinks)
+
+
+def call_mask(attn_mask, is_causal, window=None):
+    """The Mask an SDPA-style call asks for (its batch's documents and padding added by `Mask.of_batch`)."""
+    check_window(window, is_causal)
+    if attn_mask is not None and is_causal:
+        warnings.warn("attn_mask is ignored when is_causal=True (as in Paddle's SDPA)", stacklevel=4)
+        attn_mask = None
+    return Mask(bool(is_causal), window, dense=attn_mask)
+
+
+def attend(layout, groups, query, key, value, mask, seq_len, scale=None, rotate="planned", sinks=None):
+    """Attention of this rank's [b, s_local, h, d] q/k/v (checked by check_inputs) under `mask` (a Mask)
+    over the `seq_len` tokens `layout` splits over `groups`: Ulysses inside groups, then the ring."""
     check_rotation(rotate)
     check_sinks(sinks, query)
-    check_window(window, is_causal)
-    # The global length: given, else the documents', else an even split (the plan path, whose
-    # PrepareContextParallel publishes the length; the functional APIs agree on it first).
-    seq_len = seq_len or (documents.seq_len if documents is not None else query.shape[1] * layout.world)
     layout.check_length(seq_len)
     check_local_length(layout, seq_len, groups.sep.index, query.shape[1])
-    check_padding(valid, query.shape[0], seq_len)
-    if documents is not None and documents.seq_len != seq_len:
-        raise ValueError(f"documents cover {documents.seq_len} tokens, the sequence has {seq_len}")
-    if attn_mask is not None and is_causal:
-        warnings.warn("attn_mask is ignored when is_causal=True (as in Paddle's SDPA)", stacklevel=3)
-        attn_mask = None
-    if attn_mask is not None:
-        check_mask(attn_mask, query, seq_len)
+    check_padding(mask.valid, query.shape[0], seq_len)
+    if mask.documents is not None and mask.documents.seq_len != seq_len:
+        raise ValueError(f"documents cover {mask.documents.seq_len} tokens, the sequence has {seq_len}")
+    if mask.dense is not None:
+        check_mask(mask.dense, query, seq_len)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
 
     ring_index = groups.sep.index // layout.ulysses
     if groups.ulysses.size > 1:
         lengths = layout.group_lengths(seq_len, ring_index)
         split = head_split(query.shape[2], key.shape[2], groups.ulysses.size)
-        if attn_mask is not None:
-            attn_mask = gather_mask_rows(attn_mask, groups.ulysses, split, lengths, query.shape[2])
+        if mask.dense is not None:
+            mask = mask.with_dense(gather_mask_rows(mask.dense, groups.ulysses, split, lengths, query.shape[2]))
         if sinks is not None:
             start = sum(split.q_counts[:groups.ulysses.index])  # this rank's query heads after the trade
             sinks = sinks[start:start + split.q_counts[groups.ulysses.index]]
         query, key, value = scatter_heads(query, key, value, groups.ulysses, split, lengths)
-    masks = ring_masks(layout, seq_len, ring_index, bool(is_causal), documents, attn_mask, window, valid)
+    masks = ring_masks(layout, seq_len, ring_index, mask)
     out = ring_attention_local(query, key, value, groups.ring, masks, scale, rotate, sinks)
     if groups.ulysses.size > 1:
         out = gather_heads(out, groups.ulysses, split, lengths)
     return out
 
 
-def ring_masks(layout, seq_len, ring_index, causal, documents=None, dense=None, window=None, valid=None):
+def ring_masks(layout, seq_len, ring_index, mask):
     """The RingMasks of ring group `ring_index`'s queries for a batch: made by its first layer and read by the
     others from `layout.plans`; a dense mask is a layer's tensor, so masks with one are made per call, sharing
     the batch's exchange plan (which does not read it)."""
     def make():
-        return RingMasks(layout.ring_positions(seq_len), ring_index, causal, documents, None,
-                         layout.chunk_starts(seq_len), window, valid, layout.split.fragment)
+        return RingMasks(layout.ring_positions(seq_len), ring_index, mask.without_dense(),
+                         layout.chunk_starts(seq_len), layout.split.fragment)
 
-    masks = layout.plans.get((layout.split, seq_len, ring_index, causal, window, documents, valid), make)
-    return masks if dense is None else masks.with_dense(dense)
+    masks = layout.plans.get((layout.split, seq_len, ring_index, *mask.batch_facts()), make)
+    return masks if mask.dense is None else masks.with_dense(mask.dense)
 
 
 def _functional(backend):

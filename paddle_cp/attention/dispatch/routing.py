@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 from ... import runtime
 from ...activations import recompute
-from . import context
-from .api import context_parallel_attention
+from . import api, batch
 from .lengths import agreed_seq_len
-from .validation import check_local_length
+from .validation import check_inputs, check_local_length
 
 
 
@@ -78,7 +77,7 @@ def mark_ran():
 def refuse_unrouted(what):
     """Raise if a split batch is running: an unrouted mixing call would see this rank's tokens only.
     Called by the adapters before they run an original function."""
-    if context.current() is None:
+    if batch.current() is None:
         return
     raise ValueError(
         f"{what} ran outside every ContextParallel layer while PrepareContextParallel had split the sequence, "
@@ -118,50 +117,33 @@ def plan_for(module=None):
     return plan
 
 
-def batch(plan):
-    """The current batch's SequenceInfo (None when no PrepareContextParallel published one), checked
-    against `plan`'s layout."""
-    info = context.current()
-    if info is not None and (info.layout.backend, info.layout.ulysses) != (plan.layout.backend, plan.layout.ulysses):
-        raise ValueError(
-            f"inputs were split by PrepareContextParallel(backend={info.layout.backend!r}, ulysses_degree="
-            f"{info.layout.ulysses}) but ContextParallel uses backend={plan.backend!r}, ulysses_degree="
-            f"{plan.layout.ulysses}: give both plans the same backend and ulysses_degree"
-        )
-    return info
-
-
 def sequence(plan, local_len):
-    """(layout, global length) of the sequence this rank holds `local_len` tokens of: the batch's (its
-    split may follow its documents), else the plan's layout and a length agreed with the other ranks (one
-    tiny all-gather); checked against the layout on every rank."""
-    info = batch(plan)
-    if info is None:
-        return plan.layout, agreed_seq_len(plan.layout, plan.groups.sep, local_len)
-    if info.groups is not None:
+    """The Batch this rank holds `local_len` tokens of: the running one (PrepareContextParallel's: its split may
+    follow its documents), else one over `plan`'s layout of a length agreed with the other ranks (one tiny
+    all-gather; shards the script split, which may hold a token more or less); checked against the layout
+    on every rank."""
+    current = batch.current()
+    if current is None:
+        seq_len = agreed_seq_len(plan.layout, plan.groups.sep, local_len)
+        return batch.Batch(plan.layout, seq_len, group=plan.groups.sep, run=plan)
+    if current.pool_groups is not None:
         raise ValueError(
             "PrepareContextParallel(pool=True) lays the global batch out over every dp x sep rank for softmax "
             "attention's ring; this layer's token mixing (linear attention, a convolution over the sequence) is not "
             "supported there: train this model without pool=True")
-    check_local_length(info.layout, info.seq_len, plan.groups.sep.index, local_len)
-    return info.layout, info.seq_len
+    check_local_length(current.layout, current.seq_len, current.groups.sep.index, local_len)
+    return current
 
 
-def attend(plan, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True, scale=None,
-           enable_gqa=True, window=None, sinks=None, padding=True):
-    """Context-parallel attention of [b, s_local, h, d] q/k/v under `plan` for the current batch
-    (its layout, length, documents and padding, published by PrepareContextParallel). `padding`: whether the
-    batch's padding keys are masked (the one-card call carried a mask built from it)."""
-    info = batch(plan)
-    documents = valid = None
-    if info is not None:  # the batch's layout: its split may follow its documents
-        layout, seq_len, documents = info.layout, info.seq_len, info.documents
-        valid = info.valid if padding else None
-    else:  # shards the script split: their length agreed by the ranks, which may hold a token more or less
-        layout, seq_len = sequence(plan, query.shape[1])
-    groups = plan.groups if info is None or info.groups is None else info.groups  # the pool's dp x sep ring
-    out = context_parallel_attention(layout, groups, query, key, value, attn_mask, dropout_p,
-                                     is_causal, training, scale, seq_len, documents, plan.rotate,
-                                     enable_gqa=enable_gqa, window=window, sinks=sinks, valid=valid)
+def attend(plan, query, key, value, mask, dropout_p=0.0, training=True, scale=None, enable_gqa=True, sinks=None,
+           padding=True):
+    """Context-parallel attention of [b, s_local, h, d] q/k/v under `plan` for the current batch: `mask`, the
+    call's Mask (api.call_mask), over the batch's documents and, with `padding` (the one-card call carried a
+    mask built from it), its padding keys; in the batch's layout over its groups, rotated as `plan` says."""
+    check_inputs(query, key, value, dropout_p, training, enable_gqa)
+    current = batch.current() or sequence(plan, query.shape[1])  # else shards the script split
+    mask = mask.of_batch(current.documents, current.valid if padding else None)
+    out = api.attend(current.layout, current.groups, query, key, value, mask, current.seq_len, scale, plan.rotate,
+                     sinks)
     mark_ran()
     return out

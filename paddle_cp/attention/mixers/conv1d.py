@@ -60,8 +60,8 @@ def sequence_geometry(layer):
 
 def windows_for(plan, local_len, before, after):
     """The RunWindows of this rank for the batch `plan` runs (its length agreed if no batch is published)."""
-    layout, seq_len = routing.sequence(plan, local_len)
-    return run_windows(layout, seq_len, plan.groups.sep.index, before, after)
+    batch = routing.sequence(plan, local_len)
+    return run_windows(batch.layout, batch.seq_len, batch.groups.sep.index, before, after)
 
 
 class Conv1DOverSequence(TokenMixer):

@@ -72,8 +72,8 @@ def gated_delta_across(plan, rule, q, k, v, g, beta):
     """Outputs [b, s_local, h, dv] of `rule` over the whole sequence for this rank's [b, s_local, ...] inputs.
 
     `rule(q, k, v, g, beta, initial_state=None)` -> (outputs, final state): the model's rule, bound."""
-    groups = plan.groups
-    layout, seq_len = routing.sequence(plan, q.shape[1])
+    batch = routing.sequence(plan, q.shape[1])
+    layout, seq_len, groups = batch.layout, batch.seq_len, batch.groups
     ring_index = groups.sep.index // layout.ulysses
     inputs = (q, k, v, g, beta)
     if groups.ulysses.size > 1:

@@ -33,8 +33,9 @@ def plan_layer(layout, seq_len, documents, ring_index, batch=1, tiles=False):
     """One layer's attention plan for ring group `ring_index`, as the attention makes it: the forward op calls
     of each ring step (0 or 1) and, with `tiles`, the blockwise kernel's visited tiles."""
     from paddle_cp.attention.dispatch.api import ring_masks
+    from paddle_cp.attention.masks.mask import Mask
 
-    masks = ring_masks(layout, seq_len, ring_index, True, documents)
+    masks = ring_masks(layout, seq_len, ring_index, Mask(True, documents=documents))
     calls, visited = [], 0
     for step in range(layout.ring):
         mask = masks.block((ring_index - step) % layout.ring)

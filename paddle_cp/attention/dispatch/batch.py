@@ -1,0 +1,121 @@
+"""A batch's facts, made once where its inputs are split, read by the attention, the mixers and shard_sequence.
+
+PrepareContextParallel makes the Batch of each forward from the inputs of its top layer (its length,
+layout and documents, which no rank can see from its own tokens, and its padding) and publishes it while
+that layer runs; ContextParallel's attention and token mixers read it (`current()`). A recompute call made
+meanwhile carries it into its replay in backward (paddle_cp/activations/recompute.py); a pipeline stage
+publishes each micro-batch's rows of it. shard_sequence, given the plan, splits the batch's other tensors
+(labels) in its layout: after the forward it reuses that forward's Batch, before it makes one that the
+forward then checks. The functional APIs take the same facts as arguments. All of it lives in
+`runtime.state.batches` (runtime.BatchRecords).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ... import runtime
+from ...activations import recompute
+from ..layout.sequence_layout import SequenceLayout
+from ..masks.block_mask import Documents
+
+
+@dataclass(frozen=True)
+class Batch:
+    """`layout`: the batch's (its split may follow its documents), over the sep ranks `group` (a MeshGroup);
+    `valid`: [batch, seq_len] bool (numpy) from the 2-D attention_mask the model was given: False for
+    padding keys, which no query sees (None: no padding); `run`: the SepRun of the plan that split the
+    model's inputs (its backend's ring and Ulysses groups; None for a Batch shard_sequence made);
+    `plan`: the PrepareContextParallel whose layout it follows (None: a backend name's 2N chunks);
+    `pool_groups`: the CPGroups of a PrepareContextParallel(pool=True)'s ring over every dp x sep rank, whose
+    global batch this is (its rows joined into one), else None. The masks
+    and exchange plans its layers share are kept by its layout (`layout.plans`, layout/batch_plans.py), made
+    by its first attention layer from these facts."""
+
+    layout: SequenceLayout
+    seq_len: int
+    documents: Documents | None = None
+    valid: np.ndarray | None = None
+    group: object = None
+    run: object = None
+    plan: object = None
+    pool_groups: object = None
+
+    @property
+    def groups(self):
+        """The sep group (a pool's dp x sep ring) and its Ulysses and ring parts the attention of this batch runs over."""
+        return self.pool_groups if self.pool_groups is not None else self.run.groups
+
+    def same_documents(self, documents):
+        """Whether `documents` (a Documents or None) are this batch's."""
+        mine = self.documents
+        if mine is None or documents is None:
+            return mine is documents
+        return (mine.causal_only == documents.causal_only and np.array_equal(mine.start, documents.start)
+                and np.array_equal(mine.end, documents.end))
+
+    def micro_batch(self, index, count):
+        """The facts of rows [index * b, (index + 1) * b) of `count` equal micro-batches (a pipeline's)."""
+        def rows(array):
+            if array is None or array.shape[0] == 1:
+                return array
+            size = array.shape[0] // count
+            return array[index * size:(index + 1) * size]
+
+        documents = self.documents
+        if documents is not None:
+            documents = Documents(rows(documents.start), rows(documents.end), documents.causal_only)
+        return replace(self, documents=documents, valid=rows(self.valid))
+
+
+def publish(batch):
+    runtime.state.batches.running.append(batch)
+
+
+def retract():
+    runtime.state.batches.running.pop()
+
+
+def current():
+    running = runtime.state.batches.running
+    return running[-1] if running else None
+
+
+@contextlib.contextmanager
+def published(batch):
+    publish(batch)
+    try:
+        yield
+    finally:
+        retract()
+
+
+def record_split(batch):
+    """A forward split `batch` over its group: shard_sequence, given the same plan and documents, reuses it."""
+    runtime.state.batches.last[batch.group.ranks] = batch
+
+
+def last_split(group):
+    """The Batch the last forward over the sep `group` split (None before any)."""
+    return runtime.state.batches.last.get(group.ranks)
+
+
+def record_shard(batch):
+    """shard_sequence split a tensor of the coming batch over `batch.group` in `batch.layout`: checked at its
+    forward (`take_shards`)."""
+    runtime.state.batches.sharded.setdefault(batch.group.ranks, []).append(batch)
+
+
+def take_shards(group):
+    """The Batches shard_sequence split tensors in over `group` since its last forward, forgotten."""
+    return runtime.state.batches.sharded.pop(group.ranks, [])
+
+
+def _capture():
+    batch = current()
+    return None if batch is None else lambda: published(batch)
+
+
+recompute.carry(_capture)
