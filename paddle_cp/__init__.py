@@ -38,10 +38,6 @@ from .plans import (
 from .sequence.shard import sequence_positions, shard_sequence, unshard_sequence
 from .checkpoint.full_state import full_state_dict
 
-from .integrations.paddleformers import models as _paddleformers_models
-
-_paddleformers_models.register()  # PaddleFormers' attention classes, MoE blocks, fused weights (no import of it)
-
 __version__ = "0.1.0"
 
 __all__ = [

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..activations.host_offload import HostCheckpoints, offload_recompute_inputs
+from ..activations.recompute_settings import recompute_setting
 from .base import Plan, refuse_param_plan
 
 
@@ -9,8 +10,9 @@ class OffloadRecomputeInputs(Plan):
     """`{"model.layers.*": OffloadRecomputeInputs()}`: the inputs each recompute call of these layers saves
     (hidden states, rotary tables) are copied to host memory after its forward and brought back for its
     backward replay, the next layer's ahead of time (activations/host_offload.py). Needs recomputation of
-    these layers (PaddleFormers' recompute_granularity="full"); a forward that records a graph without it
-    raises. One store serves every layer the key matches: `self.store` counts bytes and copies."""
+    these layers (as the model library's config says: activations/recompute_settings.py); a forward that
+    records a graph without it raises. One store serves every layer the key matches: `self.store` counts bytes
+    and copies."""
 
     must_match = True
 
@@ -23,12 +25,11 @@ class OffloadRecomputeInputs(Plan):
 
     def check(self, layer, mesh, param_names=()):
         refuse_param_plan(self, param_names)
-        config = getattr(layer, "config", None)
-        if config is not None and hasattr(config, "recompute_granularity") and config.recompute_granularity != "full":
+        setting = recompute_setting(layer)
+        if setting is not None and not setting.whole_layers:
             raise ValueError(f"OffloadRecomputeInputs on {type(layer).__name__}: its model does not recompute whole "
-                             f"layers (recompute_granularity={config.recompute_granularity!r}), so nothing waits "
-                             "for a replay to offload; set recompute_granularity='full', recompute_method='uniform', "
-                             "recompute_num_layers=1, or drop the plan")
+                             f"layers ({setting.current}), so nothing waits for a replay to offload; set "
+                             f"{setting.turn_on}, or drop the plan")
 
     def apply(self, layer, mesh, param_names=()):
         self.check(layer, mesh, param_names)
