@@ -82,3 +82,10 @@ print(column_info(layer.self_attn.qkv_proj).parts, column_info(layer.mlp.gate_up
       "paddle_cp.integrations" in sys.modules)
 """)
     assert out == "(16, 16, 16) (24, 24) False", out
+
+
+def test_architecture_shows_a_family_file_as_it_is():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    path = "paddle_cp/integrations/paddleformers/families/glm4_moe.py"
+    shown = text[text.index(f"# {path}\n") + len(path) + 3:]
+    assert shown[:shown.index("```")] == (PACKAGE.parent / path).read_text()
