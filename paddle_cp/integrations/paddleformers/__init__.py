@@ -14,9 +14,8 @@ family's MoE block: families/);
 `parallelize`, `load_pretrained` and `export_pretrained` import it on meeting a PaddleFormers model
 (paddle_cp/libraries.py). PaddleFormers itself is imported only when Trainer or TrainingArguments is asked for.
 """
-from ...attention.adapters import register_adapter
-from ...activations.recompute_settings import register_recompute_setting
-from ...checkpoint.weight_formats import register_weight_format
+import paddle_cp as pcp
+
 from . import attention, families, models, recompute, weights
 
 __all__ = ["Trainer", "TrainingArguments"]
@@ -24,9 +23,9 @@ __all__ = ["Trainer", "TrainingArguments"]
 
 def register():
     models.register()
-    register_adapter(attention.ADAPTER, attention.install, attention.uninstall)
-    register_weight_format(weights.WEIGHT_FORMAT)
-    register_recompute_setting(recompute.recompute_setting)
+    pcp.register_adapter(attention.ADAPTER, attention.install, attention.uninstall)
+    pcp.register_weight_format(weights.WEIGHT_FORMAT)
+    pcp.register_recompute_setting(recompute.recompute_setting)
     families.register_all()
 
 

@@ -3,7 +3,7 @@ decoder layers with `recompute_granularity="full"` in its config; the Trainer's 
 fields are written here."""
 from __future__ import annotations
 
-from ...activations.recompute_settings import RecomputeSetting
+from paddle_cp import RecomputeSetting
 
 # the config fields that recompute each decoder layer whole, one layer per recompute call
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

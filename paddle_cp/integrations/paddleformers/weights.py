@@ -8,7 +8,8 @@ import os
 
 import paddle
 
-from ...checkpoint.weight_formats import PLAIN, AdapterFormat, WeightFormat
+from paddle_cp import AdapterFormat, WeightFormat
+from paddle_cp.checkpoint.weight_formats import PLAIN
 
 PREFIX = "model."  # LoRAModel holds the model as .model; its files name parameters as the model does
 
