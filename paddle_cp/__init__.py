@@ -14,6 +14,9 @@ from .api.paddle_compat import patch_paddle, unpatch_paddle
 from .api.parity import check_parity
 from .api.plan_annotation import register_fused_weights
 from .experts.blocks import BlockKind, register_block_kind
+from .attention.adapters import register_adapter
+from .checkpoint.weight_formats import AdapterFormat, WeightFormat, register_weight_format
+from .activations.recompute_settings import RecomputeSetting, register_recompute_setting
 from .data_parallel.scaler import shard_scaler
 from .pipeline import SplitPoint
 from .sequence.batches import shard_batch, shard_dataloader
@@ -38,17 +41,14 @@ from .plans import (
 from .sequence.shard import sequence_positions, shard_sequence, unshard_sequence
 from .checkpoint.full_state import full_state_dict
 
-from .integrations.paddleformers import models as _paddleformers_models
-
-_paddleformers_models.register()  # PaddleFormers' attention classes, MoE blocks, fused weights (no import of it)
-
 __version__ = "0.1.0"
 
 __all__ = [
     "parallelize", "parallelize_model", "parallelize_optimizer", "patch_paddle", "unpatch_paddle", "check_parity",
     "set_mesh", "get_mesh", "SplitPoint",
     "PrepareContextParallel", "Links", "ContextParallel", "TokenWise", "TokenMixer", "register_mixer",
-    "register_attention_class", "BlockKind", "register_block_kind", "register_fused_weights",
+    "register_attention_class", "BlockKind", "register_block_kind", "register_fused_weights", "register_adapter",
+    "WeightFormat", "AdapterFormat", "register_weight_format", "RecomputeSetting", "register_recompute_setting",
     "ColWiseParallel", "RowWiseParallel", "ConvParallel", "ExpertParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
     "SequenceTiled", "OffloadRecomputeInputs",

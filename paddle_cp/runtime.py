@@ -113,6 +113,9 @@ class Installed:
         self.sdpa_original = None  # attention/adapters/sdpa.py: Paddle's SDPA while the routed one replaces it
         self.fused_weight_rules = []  # api/plan_annotation.py: factories model -> parts, registered by model libraries
         self.block_kinds = []  # experts/blocks.py: BlockKind, in registration order
+        self.recompute_settings = []  # activations/recompute_settings.py: rules registered by model libraries
+        self.weight_formats = []  # checkpoint/weight_formats.py: WeightFormat, registered by model libraries
+        self.attention_adapters = {}  # attention/adapters: name -> (install, uninstall), registered by model libraries
         self.collective_timeout = None  # comm/watchdog.py: seconds set by set_timeout, else None
         self.watchdog = None  # comm/watchdog.py: its thread, once started
         self.collective_tokens = itertools.count()  # comm/watchdog.py: keys of the collectives in flight

@@ -33,6 +33,7 @@ from .. import runtime
 from . import recompute
 from ..comm.counters import nbytes
 from ..host_memory import NumpyHost
+from .recompute_settings import recompute_setting
 from .replay import in_replay, replaying
 
 
@@ -192,10 +193,10 @@ def _offloading(run, function, args, reentrant):
 
 def _refuse_unrecomputed(layer, inputs):
     if paddle.is_grad_enabled() and not in_replay():
+        setting = recompute_setting(layer)
         raise ValueError(f"{type(layer).__name__} has OffloadRecomputeInputs but ran its forward without "
                          "recomputation (its activations would stay on the device): turn recomputation on "
-                         "(PaddleFormers: recompute_granularity='full', recompute_method='uniform', "
-                         "recompute_num_layers=1) or drop the plan")
+                         f"{f'({setting.turn_on}) ' if setting is not None else ''}or drop the plan")
 
 
 def _capture_replay():

@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import mesh as mesh_lib
+from .. import libraries, mesh as mesh_lib
 from ..comm import collectives
 from ..activations import recompute
 from ..pipeline import (LossFactorAgreement, apply_pipeline, keep_own_parameters, pipeline_groups_needed, plan_pipeline,
@@ -157,6 +157,7 @@ def parallelize_model(model, mesh=None, config=None):
     """Parallelize `model` in place (Paddle's first step); build the optimizer from its parameters after."""
     config = dict(config or {})
     level = _check_config(config)
+    libraries.load_integrations(model)  # its library's attention classes, MoE blocks and fused weights
     if mesh is not None:
         mesh_lib.set_mesh(mesh)
     if not any(config.get(key) for key in CONFIG_KEYS):

@@ -3,7 +3,7 @@
 Paddle keeps global shapes and reshards whatever a consumer needs; with local
 tensors a ColWise output stays split only when a sibling layer is RowWise
 (q/k/v -> o, gate/up -> down), a fused weight (qkv, gate_up) is split per part
-as its model library's registered rule says (register_fused_weights),
+as its model library's registered rule says (register_fused_weights), else by its name,
 and the parent of split attention projections must reshape by its local head
 counts (its per-head norms then see this rank's heads: their gradients are summed). Plans keyed on a single parameter (LoRA factors) must fit their layer's
 plan, and some make gradients partial over `mp` (parameter_plans.py). `annotate_plan`
@@ -56,19 +56,35 @@ def _parent(name):
 
 
 def register_fused_weights(factory):
-    """How a model library's fused projections split: `factory(model)` returns `parts(name, layer, parent)`, the
-    column sizes of the fused weight of ColWise layer `name` (q | k | v, gate | up), each split on its own, or
-    None where the weight splits plainly (the first rule to answer decides). PaddleFormers' rules:
-    paddle_cp/integrations/paddleformers/models.py."""
+    """How a model library's fused projections split: `factory(model)` returns, for a model of its library (None
+    for another's), `parts(name, layer, parent)`: the column sizes of the fused weight of ColWise layer `name`
+    (q | k | v, gate | up), each split on its own, or None where the weight splits plainly. The first factory
+    taking the model decides; a model none takes gets `fused_parts_by_name`. PaddleFormers' rule is
+    registered by its integration (paddle_cp/integrations/)."""
     if not callable(factory):
         raise TypeError(f"register_fused_weights takes a factory model -> parts(name, layer, parent), got {factory!r}")
     if factory not in installed.fused_weight_rules:
         installed.fused_weight_rules.append(factory)
 
 
-def _fused_parts(name, layer, parent, rules):
-    """Column sizes of a fused projection by the registered rules; None for a plain one."""
-    return next((parts for rule in rules if (parts := rule(name, layer, parent)) is not None), None)
+def fused_parts_by_name(name, layer, parent):
+    """Fused projections by their names (Paddle's intermediate-API example model's): `gate_up_proj` /
+    `up_gate_proj` are gate | up halves, a `qkv_proj` is q | k | v, sized by its parent's head counts; None for
+    any other weight (split plainly)."""
+    leaf = name.rpartition(".")[2]
+    out = layer.weight.shape[1]
+    if "gate" in leaf and "up" in leaf:
+        return (out // 2, out // 2)
+    if "qkv" not in leaf:
+        return None
+    heads = getattr(parent, "num_heads", None) or getattr(parent, "num_attention_heads", None)
+    kv_heads = getattr(parent, "num_key_value_heads", None) or getattr(parent, "num_kv_heads", None) or heads
+    head_dim = getattr(parent, "head_dim", None)
+    if not (heads and head_dim) or (heads + 2 * kv_heads) * head_dim != out:
+        raise ValueError(f"ColWiseParallel on fused projection {name!r}: cannot tell its q/k/v sizes (its parent "
+                         "needs num_heads, num_key_value_heads and head_dim matching the weight); split it into "
+                         "q_proj/k_proj/v_proj or leave it unplanned")
+    return (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
 
 
 def _check_parts(name, parts, size):
@@ -98,13 +114,14 @@ def annotate_plan(model, matched, mesh):
                    if any(isinstance(p, RowWiseParallel) and p.is_input_parallel for p in plans)}
     size = mesh_lib.dim_size(mesh, "mp")
     annotation, split_parents = PlanAnnotation(partial_gradients=partial_gradients), []
-    rules = [factory(model) for factory in installed.fused_weight_rules]
+    parts_of = next((rule for factory in installed.fused_weight_rules if (rule := factory(model)) is not None),
+                    fused_parts_by_name)
     for name, layer, plans, _ in matched:
         weight = getattr(layer, "weight", None)
         if not any(isinstance(p, ColWiseParallel) for p in plans) or not isinstance(weight, paddle.Tensor):
             continue
         feeds_row = _parent(name) in row_parents
-        parts = _fused_parts(name, layer, layers.get(_parent(name), model), rules)
+        parts = parts_of(name, layer, layers.get(_parent(name), model))
         if parts and weight.ndim == 2:
             _check_parts(name, parts, size)
         annotation.columns.append((layer, ColumnInfo(feeds_row, parts)))

@@ -1,16 +1,16 @@
 """`export_pretrained(model, directory, max_shard_size)`: the single-card weights as PaddleFormers'
-`save_pretrained` writes them (Hugging Face names and layouts from the model class's inverse AOA
-config, sharded safetensors `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`,
-config.json), for `ModelClass.from_pretrained(directory)`. Collective.
+`save_pretrained` writes them (Hugging Face names and layouts from the mapping its library's weight
+format gives, checkpoint/weight_formats.py; sharded safetensors `model-0000i-of-0000N.safetensors` with
+`model.safetensors.index.json`, config.json), for `ModelClass.from_pretrained(directory)`. Collective.
 
 No rank holds the model: the output tensors are produced one at a time, each from the full values
 of the parameters it is made of (gathered by every rank, `full_state.full_value`), and rank 0
 streams it into its file (`safetensors_writer`), so a rank holds at most a parameter and the
 tensor made from it on top of its share, whatever `max_shard_size` is.
 
-A PaddleFormers `LoRAModel` exports its adapter as its `save_pretrained(directory,
-save_checkpoint_format="unified")` writes it on one card (only the trained lora_A / lora_B are
-gathered), for `LoRAModel.from_pretrained(model, directory)`; with `merge_lora=True`, the wrapped
+A LoRA wrapper (PaddleFormers' `LoRAModel`: the format's adapter) exports its adapter as its
+`save_pretrained(directory, save_checkpoint_format="unified")` writes it on one card (only the trained
+lora_A / lora_B are gathered), for `LoRAModel.from_pretrained(model, directory)`; with `merge_lora=True`, the wrapped
 model with the adapter merged into its weights, for its class's `from_pretrained` (merging needs each
 weight beside its factors: rank 0 then holds the whole wrapped model's state).
 """
@@ -25,18 +25,21 @@ import paddle
 import paddle.distributed as dist
 from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
 
+from ..libraries import load_integrations
 from . import layout, restore
 from .agree import count_failures
 from .full_state import full_state_dict, full_value
-from .lora_export import PREFIX, is_lora_model, merged_lora_state, save_lora_adapter
 from .pretrained import SAFE_INDEX, delivered_dtype, postprocess, whole_desc, whole_descs
 from .safetensors_writer import StreamingFile, nbytes
+from .weight_formats import adapter_of, format_of
 
 
 def _check(model, directory, max_shard_size, merge_lora):
     if not isinstance(directory, (str, os.PathLike)) or not str(directory):
         raise TypeError(f"export_pretrained(model, directory) takes a directory path, got {directory!r}")
-    if not callable(getattr(model, "save_pretrained", None)) or getattr(model, "config", None) is None:
+    load_integrations(model)  # its library's weight format
+    weight_format = format_of(model)
+    if weight_format is None:
         raise TypeError(f"export_pretrained needs a PaddleFormers PretrainedModel (with .config and "
                         f".save_pretrained), got {type(model).__name__}: save a plain Layer with "
                         "pcp.save_checkpoint")
@@ -44,13 +47,11 @@ def _check(model, directory, max_shard_size, merge_lora):
         raise ValueError(f"export directory {directory} is a file: pass a directory path")
     if not isinstance(merge_lora, bool):
         raise TypeError(f"merge_lora must be True or False, got {merge_lora!r}")
-    if merge_lora and not is_lora_model(model):
+    if merge_lora and adapter_of(model) is None:
         raise TypeError(f"merge_lora=True needs a PaddleFormers LoRAModel, got {type(model).__name__}: "
                         "export it without merge_lora")
-    from paddleformers.transformers.utils import convert_file_size_to_int
-
     try:
-        limit = convert_file_size_to_int(max_shard_size)
+        limit = weight_format.shard_size(max_shard_size)
     except (ValueError, AttributeError) as exc:
         raise ValueError(f"max_shard_size must be a number of bytes or a size like '5GB', got {max_shard_size!r}") from exc
     if not isinstance(limit, int) or limit <= 0:
@@ -58,19 +59,9 @@ def _check(model, directory, max_shard_size, merge_lora):
     return limit
 
 
-def inverse_mapping(model):
-    """The AOA statements save_pretrained applies (derived from the loading ones when the class has no inverse)."""
-    cls = type(model)
-    if hasattr(cls, "_gen_inv_aoa_config"):
-        return cls._gen_inv_aoa_config(model.config)
-    if hasattr(cls, "_gen_aoa_config"):
-        return dict(cls._gen_aoa_config(model.config), aoa_config_reverse=True)
-    return {"aoa_statements": []}
-
-
 def _outputs(model):
     """[(file key, shape, dtype, engine)] of what save_pretrained writes, from the model's global specs."""
-    engine = AOAEngine(inverse_mapping(model), whole_descs(restore.expected_model_specs(model)), None)
+    engine = AOAEngine(format_of(model).saving(model), whole_descs(restore.expected_model_specs(model)), None)
     return engine, [(key, tuple(var.shape), delivered_dtype(var)) for key, var in sorted(engine.output_vars.items())
                     if var is not None]
 
@@ -125,25 +116,26 @@ def _clear(directory):
             os.remove(os.path.join(directory, name))
 
 
-def _export_lora(model, directory, merge_lora):
-    """A LoRAModel's adapter, or with `merge_lora` the merged wrapped model, written by rank 0."""
+def _export_lora(model, adapter, directory, merge_lora):
+    """A LoRA wrapper's adapter, or with `merge_lora` the merged wrapped model, written by rank 0."""
     if merge_lora:
         values = full_state_dict(model)
     else:  # only what LoRA trains
-        trained = {PREFIX + name for name, value in model.model.state_dict().items() if not value.stop_gradient}
+        trained = {adapter.prefix + name for name, value in model.model.state_dict().items()
+                   if not value.stop_gradient}
         values = {key: full_value(value) for key, value in model.state_dict().items() if key in trained}
     error = None
     if dist.get_rank() == 0:
         tensors = {key: paddle.to_tensor(np.ascontiguousarray(value)) for key, value in values.items()}
         try:
             if merge_lora:
-                target, tensors = merged_lora_state(model, tensors)
+                target, tensors = adapter.merged(model, tensors)
                 # the state_dict path of save_pretrained (its flex-checkpoint path saves the local shards and is
                 # collective)
                 target.save_pretrained(directory, state_dict=tensors, safe_serialization=True,
                                        save_checkpoint_format="unified")
             else:
-                save_lora_adapter(model, tensors, directory)
+                adapter.save(model, tensors, directory)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not wait for rank 0
             error = exc
     return error
@@ -151,8 +143,9 @@ def _export_lora(model, directory, merge_lora):
 
 def export_pretrained(model, directory, max_shard_size="10GB", merge_lora=False):
     limit = _check(model, directory, max_shard_size, merge_lora)
-    if is_lora_model(model):
-        _raise_if_failed(_export_lora(model, directory, merge_lora), directory)
+    adapter = adapter_of(model)
+    if adapter is not None:
+        _raise_if_failed(_export_lora(model, adapter, directory, merge_lora), directory)
         return
     engine, outputs = _outputs(model)
     files = shard_files(outputs, limit)

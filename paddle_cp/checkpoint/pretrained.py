@@ -4,7 +4,8 @@ each rank reading only the slices it keeps.
 
 The files hold Hugging Face names and layouts (Linear weights `[out, in]`, Phi3's q/k/v heads in
 their own order); `from_pretrained` maps them onto the model with the model class's
-`_gen_aoa_config` through Paddle's AOA engine. So does this: for each box of the single-card
+`_gen_aoa_config` through Paddle's AOA engine. So does this (the mapping its library's registered
+weight format gives, checkpoint/weight_formats.py): for each box of the single-card
 tensor this rank holds (`params.local_boxes`: its tensor-parallel pieces, nothing on a level-3
 non-owner or another pipeline stage), the engine names the file slices that fill it and the
 transpose to apply; safetensors reads just those slices. Loading issues no collective except
@@ -21,12 +22,14 @@ import paddle
 from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
 
+from ..libraries import load_integrations
 from ..params import store_local_value
 from . import layout, restore
 from .agree import count_failures
 from .format import numpy_dtype
 from .io_bytes import count
 from .safetensors_writer import DTYPES
+from .weight_formats import loading_mapping
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 _REBUILD = "build the model from the config saved with the weights (ModelClass(AutoConfig.from_pretrained(directory)))"
@@ -98,12 +101,6 @@ class SafetensorsFiles:
     def shard_info(self):
         """The files' tensors as the AOA engine's source description (each one whole shard)."""
         return whole_descs(self.specs)
-
-
-def name_mapping(model):
-    """The AOA statements from_pretrained applies for this model class (none: names and layouts as stored)."""
-    generate = getattr(type(model), "_gen_aoa_config", None)
-    return generate(model.config) if generate is not None else {"aoa_statements": []}
 
 
 def whole_desc(key, shape, dtype):
@@ -194,12 +191,13 @@ def load_pretrained(model, directory):
         raise TypeError(f"load_pretrained(model, directory) takes a paddle.nn.Layer, got {type(model).__name__}")
     if not isinstance(directory, (str, os.PathLike)) or not str(directory):
         raise TypeError(f"load_pretrained(model, directory) takes a directory path, got {directory!r}")
+    load_integrations(model)  # its library's weight names
     state = model.state_dict()
     specs = restore.expected_model_specs(model)
     problem, files, engine = None, None, None
     try:
         files = SafetensorsFiles(str(directory))
-        engine = _engine(files, specs, name_mapping(model), directory)
+        engine = _engine(files, specs, loading_mapping(model), directory)
     except ValueError as exc:
         problem = exc
     failed = count_failures(layout.world_group(), problem is None, "pretrained_checked")

@@ -1,11 +1,11 @@
 """MoE blocks recognized by class: where the routed experts are, how they are stored, and the call through
 which their output is computed (the seam ExpertParallel takes over).
 
-A model library registers the kinds of block it ships (`register_block_kind`); PaddleFormers' are in
-paddle_cp/integrations/paddleformers/models.py. Every kind computes `sum_j w[t, j] * expert_{i[t, j]}(x_t)`
-from a router's top-k indices and weights through its `experts` layer: `experts(hidden [T, H], indices [T, k],
-weights [T, k])` when the block's `fd_fallback` is set (stacked experts; a list of expert layers is given that
-call by the plan), or, with `dense_weights`, `experts(hidden [b, s, H], router_indices=[T, k],
+A model library registers the kinds of block it ships (`register_block_kind`; PaddleFormers' through its
+integration, paddle_cp/integrations/). Every kind computes `sum_j w[t, j] * expert_{i[t, j]}(x_t)` from a
+router's top-k indices and weights through its `experts` layer: `experts(hidden [T, H], indices [T, k],
+weights [T, k])` when the block's attribute `fallback_flag` is set (stacked experts; a list of expert layers is
+given that call by the plan), or, with `dense_weights`, `experts(hidden [b, s, H], router_indices=[T, k],
 routing_weights=[T, E])`.
 """
 from __future__ import annotations
@@ -24,6 +24,10 @@ class BlockKind:
     runs_idle_experts: bool     # one card runs each listed expert in training even on no token (zero gradient)
     router_output: bool         # its (hidden, router logits) output reaches the model's aux loss
     dense_weights: bool         # the experts call takes weights [T, E] (gpt-oss), else [T, k]
+    # the block's attribute that, set, makes it call experts(hidden, indices [T, k], weights [T, k]); None: it
+    # always calls its experts layer that way or, with dense_weights, with the router's dense weights
+    fallback_flag: Optional[str] = None
+    shared_experts: tuple = ()  # attribute names of the block's dense part run on every token, if it has one
 
 
 def register_block_kind(kind):
@@ -54,8 +58,10 @@ class MoEBlock:
         """(name, parameter) of stacked experts, each [E, ...] (expert first)."""
         return [(n, p) for n, p in self.experts.named_parameters() if p is not None]
 
-    def uses_fallback_seam(self):
-        return not self.kind.dense_weights
+    def shared_experts(self):
+        """(attribute name, layer) of the block's shared experts, or None."""
+        return next(((name, layer) for name in self.kind.shared_experts
+                     if isinstance(layer := getattr(self.layer, name, None), paddle.nn.Layer)), None)
 
 
 def _kind_of(layer):

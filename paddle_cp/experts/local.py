@@ -57,8 +57,8 @@ class HeldExperts:
         experts = self.block.experts
         experts._pcp_held_experts = self
         experts.__class__ = _expert_parallel_class(type(experts))
-        if self.block.uses_fallback_seam():     # the block then calls experts(hidden, indices, weights)
-            self.block.layer.fd_fallback = True
+        if self.block.kind.fallback_flag:       # the block then calls experts(hidden, indices, weights)
+            setattr(self.block.layer, self.block.kind.fallback_flag, True)
 
     def __call__(self, experts, hidden, *args, **kwargs):
         if self.block.kind.dense_weights:       # gpt-oss: (hidden, router_indices=[T, k], routing_weights=[T, E])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..activations.host_offload import checkpoints_of, offload_recompute_inputs
+from ..activations.recompute_settings import recompute_setting
 from ..mesh import mesh_of
 from .base import Plan, refuse_param_plan
 
@@ -22,12 +23,11 @@ class OffloadRecomputeInputs(Plan):
 
     def check(self, layer, mesh, param_names=()):
         refuse_param_plan(self, param_names)
-        config = getattr(layer, "config", None)
-        if config is not None and hasattr(config, "recompute_granularity") and config.recompute_granularity != "full":
+        setting = recompute_setting(layer)
+        if setting is not None and not setting.whole_layers:
             raise ValueError(f"OffloadRecomputeInputs on {type(layer).__name__}: its model does not recompute whole "
-                             f"layers (recompute_granularity={config.recompute_granularity!r}), so nothing waits "
-                             "for a replay to offload; set recompute_granularity='full', recompute_method='uniform', "
-                             "recompute_num_layers=1, or drop the plan")
+                             f"layers ({setting.current}), so nothing waits for a replay to offload; set "
+                             f"{setting.turn_on}, or drop the plan")
 
     def apply(self, layer, dims, param_names=()):
         self.check(layer, mesh_of(dims), param_names)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import functools
 
-import paddle
-
 from ..activations.sequence_tiles import run_tiled
 from ..attention.mixers.registry import claimed_within
 from ..experts.blocks import find_moe_block
@@ -12,10 +10,6 @@ from ..params import mark_fetch_unit
 from ..mesh import mesh_of
 from .base import Plan, refuse_param_plan
 from .hook_args import first_input
-
-
-# a MoE block's dense part, by its attribute in PaddleFormers' families (DeepSeek-V3, GLM4-MoE; Qwen2-MoE)
-SHARED_EXPERTS = ("shared_experts", "shared_expert")
 
 
 class SequenceTiled(Plan):
@@ -40,8 +34,9 @@ class SequenceTiled(Plan):
             raise ValueError(f"SequenceTiled applies to a layer acting on each token alone (an MLP); "
                              f"{type(layer).__name__} mixes tokens along the sequence ({type(sub).__name__}: "
                              f"{mixer.name}): key its MLP, e.g. 'model.layers.*.mlp'")
-        if find_moe_block(layer) is not None:
-            dense = [name for name in SHARED_EXPERTS if isinstance(getattr(layer, name, None), paddle.nn.Layer)]
+        block = find_moe_block(layer)
+        if block is not None:
+            dense = block.shared_experts()
             fix = (f"key its shared experts, its dense part, instead (e.g. 'model.layers.*.mlp.{dense[0]}')" if dense
                    else "leave it untiled")
             raise ValueError(f"SequenceTiled does not tile a MoE block ({type(layer).__name__}): its router's "

@@ -10,14 +10,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "paddle_cp"
 ABOVE_THE_CORE = {"integrations/", "train.py", "tools/"}  # the rooms that may use integrations/
 
-# Today's violations, each an import (importer, imported) that another change in flight removes; emptied when it
-# lands. An entry that no longer violates fails the test, so the list cannot outlive its reason.
-KNOWN = {
-    # paddle_cp/__init__.py registers PaddleFormers' models by importing integrations/ (a core room importing
-    # above itself, and a cycle with models.py's `import paddle_cp`): registration moves to integrations/.
-    ("paddle_cp", "paddle_cp.integrations.paddleformers.models"),
-}
-
 
 def _modules():
     """{dotted name: (path, is a package)} of every module of paddle_cp."""
@@ -164,19 +156,12 @@ def test_every_room_is_placed_in_the_documented_order():
 
 
 def test_no_import_cycle_at_module_level():
-    module_level = {edge for edge, top in EDGES.items() if top and edge not in KNOWN}
+    module_level = {edge for edge, top in EDGES.items() if top}
     assert _cycles(module_level) == []
 
 
 def test_rooms_import_only_downwards_and_the_core_nothing_from_integrations():
-    assert _violations(EDGES, ORDER) - KNOWN == set()
-
-
-def test_every_known_violation_still_occurs():
-    """A KNOWN entry whose import is gone (or no longer violates) is taken out of KNOWN."""
-    still = _violations(EDGES, ORDER) | {(a, b) for cycle in _cycles({e for e, top in EDGES.items() if top})
-                                         for a in cycle for b in cycle if (a, b) in EDGES}
-    assert KNOWN <= still, f"no longer violated, drop from KNOWN: {sorted(KNOWN - still)}"
+    assert _violations(EDGES, ORDER) == set()
 
 
 def test_the_checks_see_what_they_check():

@@ -8,7 +8,8 @@ The rule, for each name bound at module level or in a class body of any module b
   assignment, or mutating method call such as append/update/setdefault/add/pop/clear naming it, bare or as an
   attribute); `__all__` passes;
 - anything else that holds state fails: a lowercase name bound to a container, a weak dictionary, a counter,
-  threading.local, a lock, an instance of a paddle_cp class (its attributes change), a `global` statement,
+  threading.local, a lock, an instance of a paddle_cp class (its attributes change; frozen dataclasses and
+  NamedTuples excepted), a `global` statement,
   a functools cache.
 A registry filled by calls (at import, by model libraries or by users) is state: it lives in
 runtime.installed, so `runtime.reset()` decides what it keeps, and the scan sees no module-level list.
@@ -99,9 +100,19 @@ def _constant_name(name):
     return bool(stripped) and stripped.upper() == stripped and any(c.isalpha() for c in stripped)
 
 
+def _frozen(node):
+    """A class whose instances cannot change: @dataclass(frozen=True) or a NamedTuple."""
+    for decorator in node.decorator_list:
+        if (isinstance(decorator, ast.Call) and _named(decorator.func) == "dataclass"
+                and any(k.arg == "frozen" and getattr(k.value, "value", False) is True for k in decorator.keywords)):
+            return True
+    return any(_named(base) == "NamedTuple" or getattr(base, "id", None) == "NamedTuple" for base in node.bases)
+
+
 def process_state_outside_runtime():
     trees = _modules()
-    package_classes = {node.name for _, tree in trees for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    package_classes = {node.name for _, tree in trees for node in ast.walk(tree)
+                       if isinstance(node, ast.ClassDef) and not _frozen(node)}
     mutated = _mutated_names(trees)
     found = []
     for path, tree in trees:

@@ -57,7 +57,7 @@ def test_rule_and_conv_calls_asking_for_document_resets_or_caches_are_refused():
 
 
 def test_routed_paddleformers_calls_mean_what_one_card_computes():
-    from paddle_cp.attention.adapters.paddleformers import one_card_semantics
+    from paddle_cp.integrations.paddleformers.attention import one_card_semantics
 
     module = paddle.nn.Layer()
     local = paddle.zeros([1, 1, 4, 4])

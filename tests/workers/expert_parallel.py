@@ -20,10 +20,11 @@ from pipeline import as_fp32, cast_after_parallelize
 from report import mean_over_ranks, run
 
 import paddle_cp as pcp
+import paddle_cp.integrations.paddleformers  # noqa: F401 - its MoE blocks known before parallelize meets one
+from paddle_cp.experts.blocks import find_moe_block
 from paddle_cp.experts.layout import ExpertLayout
 from paddle_cp.mesh import fold_groups
 from paddle_cp.params import record_of
-from paddle_cp.plans.sequence_tiled import SHARED_EXPERTS
 from paddle_cp.tools.memory.io_phases import measure
 
 STEPS = 3
@@ -308,8 +309,8 @@ def check_bad_configs(report):
 
 def shared_experts(model):
     """The attribute name of the model's MoE blocks' shared experts."""
-    block = next(layer for layer in model.sublayers() if hasattr(layer, "experts"))
-    return next(name for name in SHARED_EXPERTS if hasattr(block, name))
+    block = next(block for layer in model.sublayers() if (block := find_moe_block(layer)) is not None)
+    return block.shared_experts()[0]
 
 
 def count_calls(layers):

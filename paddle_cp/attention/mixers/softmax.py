@@ -1,10 +1,10 @@
 """Softmax attention: ring, Ulysses or both (attention/dispatch/api.py), reached through the adapters.
 
-The attention calls made under a ContextParallel layer (Paddle's SDPA, PaddleFormers'
-ALL_ATTENTION_FUNCTIONS) are routed to paddle_cp (attention/dispatch/routing.py). Every ContextParallel layer
-gets this mixer (a custom layer calling SDPA is recognised only when it calls it); the layers it
-claims are the attention modules a model library registers (`register_attention_class`; PaddleFormers'
-in paddle_cp/integrations/paddleformers/models.py), which parallelize refuses outside a plan.
+The attention calls made under a ContextParallel layer (Paddle's SDPA, and the attention functions a model
+library's integration registers as an adapter: attention/adapters/) are routed to paddle_cp
+(attention/dispatch/routing.py). Every ContextParallel layer gets this mixer (a custom layer calling SDPA is recognised
+only when it calls it); the layers it claims are the attention modules a model library registers
+(`register_attention_class`; PaddleFormers' in paddle_cp/integrations/), which parallelize refuses outside a plan.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""paddle_cp plans for a PaddleFormers decoder model, derived from its layer names.
+"""paddle_cp plans for a PaddleFormers decoder model, derived from its layer names: the one writer of them, for
+the Trainer (from a built model) and for pcp-plan (from the layer names every such model shares).
 
 PaddleFormers' decoder models (Llama, Qwen, Gemma3, gpt-oss, DeepSeek-V3, Phi3,
 ...) share one layout: `model.embed_tokens`, `model.layers.<i>.self_attn` with
@@ -11,12 +12,18 @@ split): MLA attention (DeepSeek-V3), attention with per-head parameters of its o
 fused experts) keep their weights under tensor parallel; shared experts are split
 like any MLP. With `expert_model_parallel_size` the routed experts are split over
 expert groups instead (ep_config, `ExpertParallel` on every decoder layer's `mlp`).
+
+The writers (`*_plan_spec`, `pipeline_config`, `expert_config`) take the model's `DecoderNames` and return plans
+in load_config's form (a name, `{Name: {argument: value}}`, or a list of those): YAML for pcp-plan, built into
+plan objects for the Trainer (`parallelize_config`).
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-import paddle_cp as pcp
+from ...api.config import build_plans
+from ...plans import PrepareContextParallel
 
 # the token mixers of a decoder layer: softmax attention, and linear attention (Qwen3-Next's Gated DeltaNet)
 MIXERS = ("self_attn", "linear_attn")
@@ -29,74 +36,98 @@ COLUMN_PROJECTIONS = {"q_proj": "o_proj", "k_proj": "o_proj", "v_proj": "o_proj"
                       "up_gate_proj": "down_proj"}
 
 
+@dataclass(frozen=True)
+class DecoderNames:
+    """What the writers read of a model: its sublayer names, and those holding per-head parameters of their own."""
+
+    model: str                  # the model's class name, for errors
+    names: tuple                # every sublayer name, sorted
+    with_own_parameters: frozenset = frozenset()
+
+    @classmethod
+    def of(cls, model):
+        layers = dict(model.named_sublayers())
+        return cls(type(model).__name__, tuple(sorted(layers)),
+                   frozenset(name for name, layer in layers.items() if _holds_per_head_parameters(layer)))
+
+    @classmethod
+    def standard(cls, prefix="model"):
+        """The names every PaddleFormers decoder model with separate q/k/v and gate/up projections has (one layer
+        shown: plans key every layer alike)."""
+        layer = f"{prefix}.layers.0"
+        names = [f"{prefix}.embed_tokens", f"{prefix}.layers", layer, f"{layer}.self_attn", f"{layer}.mlp",
+                 *(f"{layer}.self_attn.{p}_proj" for p in "qkvo"),
+                 *(f"{layer}.mlp.{p}_proj" for p in ("gate", "up", "down")), f"{prefix}.norm",
+                 f"{prefix}.rotary_emb", "lm_head"]
+        return cls("a decoder model", tuple(sorted(names)))
+
+
 def _pattern(name):
     """`model.layers.3.mlp.up_proj` -> `model.layers.*.mlp.up_proj` (Paddle's key syntax: a full regex match)."""
     return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
-def decoder_stack(model):
+def decoder_stack(names):
     """The name of the decoder-layer list (`model.layers`); a ValueError when the model has none."""
-    stacks = {m.group("stack") for name, _ in model.named_sublayers() if (m := MIXER.fullmatch(name))}
+    stacks = {m.group("stack") for name in names.names if (m := MIXER.fullmatch(name))}
     if len(stacks) != 1:
         raise ValueError(
-            f"{type(model).__name__}: cannot derive paddle_cp plans, expected one list of decoder layers with "
+            f"{names.model}: cannot derive paddle_cp plans, expected one list of decoder layers with "
             f"'<list>.<i>.self_attn' (or linear_attn) sublayers (PaddleFormers' decoder models), found "
             f"{sorted(stacks) or 'none'}; "
             "give your own plans in TrainingArguments(paddle_cp_config=<YAML path or dict>)")
     return stacks.pop()
 
 
-def mixers(model):
+def mixers(names):
     """The token mixers the decoder layers hold (`self_attn`, and `linear_attn` in hybrid models), in MIXERS order."""
-    found = {m.group("mixer") for name, _ in model.named_sublayers() if (m := MIXER.fullmatch(name))}
+    found = {m.group("mixer") for name in names.names if (m := MIXER.fullmatch(name))}
     return [mixer for mixer in MIXERS if mixer in found]
 
 
-def context_parallel_plan(model, degrees):
+def context_parallel_plan_spec(names, backend, ulysses_degree=None):
     """`PrepareContextParallel` on the model itself (splits inputs and labels) and `ContextParallel`
     on every decoder layer's token mixer (attention, and linear attention in hybrid models)."""
-    backend = degrees.backend
-    ulysses = degrees.ulysses if backend == "hybrid" else None
-    stack = decoder_stack(model)
-    plan = {"": pcp.PrepareContextParallel(backend, ulysses_degree=ulysses)}
-    for mixer in mixers(model):
-        plan[f"{stack}.*.{mixer}"] = pcp.ContextParallel(backend, ulysses_degree=ulysses)
+    args = {"backend": backend, **({"ulysses_degree": ulysses_degree} if backend == "hybrid" else {})}
+    stack = decoder_stack(names)
+    plan = {"": {"PrepareContextParallel": dict(args)}}
+    for mixer in mixers(names):
+        plan[f"{stack}.*.{mixer}"] = {"ContextParallel": dict(args)}
     return plan
 
 
-def tensor_parallel_plan(model, sequence_parallel):
+def tensor_parallel_plan_spec(names, sequence_parallel):
     """Column/row splits of the attention and MLP projections, the embedding and lm_head; with
     `sequence_parallel` the sequence is split over mp between the embedding and lm_head, the token
     mixers and MLPs seeing it whole. Linear attention (no q/k/v/o projections) stays whole."""
-    stack = decoder_stack(model)
-    layers = dict(model.named_sublayers())
-    names = set(layers)
+    stack = decoder_stack(names)
+    present = set(names.names)
     plan = {}
-    for name in sorted(names):
+    for name in names.names:
         parent, _, leaf = name.rpartition(".")
         row = COLUMN_PROJECTIONS.get(leaf)
-        if row and f"{parent}.{row}" in names and name.startswith(stack + ".") and not ROUTED_EXPERT.search(name) \
-                and not _holds_per_head_parameters(layers[parent]):
-            plan[_pattern(name)] = pcp.ColWiseParallel()
-            plan[_pattern(f"{parent}.{row}")] = pcp.RowWiseParallel()
+        if row and f"{parent}.{row}" in present and name.startswith(stack + ".") and not ROUTED_EXPERT.search(name) \
+                and parent not in names.with_own_parameters:
+            plan[_pattern(name)] = "ColWiseParallel"
+            plan[_pattern(f"{parent}.{row}")] = "RowWiseParallel"
     if not plan:
-        raise ValueError(f"{type(model).__name__}: no q/k/v/o or gate/up/down projections to split for "
+        raise ValueError(f"{names.model}: no q/k/v/o or gate/up/down projections to split for "
                          "tensor_model_parallel_size > 1; give your own plans in paddle_cp_config")
     embedding = f"{stack.rpartition('.')[0]}.embed_tokens".lstrip(".")
-    head = "lm_head" if "lm_head" in names else None
-    if embedding in names:
-        plan[embedding] = [pcp.ColWiseParallel()]
+    head = "lm_head" if "lm_head" in present else None
+    if embedding in present:
+        plan[embedding] = ["ColWiseParallel"]
     if head:
-        plan[f"{head}.weight"] = pcp.ColWiseParallel()
+        plan[f"{head}.weight"] = "ColWiseParallel"
     if sequence_parallel:
-        if embedding not in names or not head:
-            raise ValueError(f"{type(model).__name__}: sequence_parallel needs '{embedding}' and 'lm_head' layers "
+        if embedding not in present or not head:
+            raise ValueError(f"{names.model}: sequence_parallel needs '{embedding}' and 'lm_head' layers "
                              "to begin and end the split sequence; give your own plans in paddle_cp_config")
-        plan[embedding].append(pcp.SequenceParallelBegin())
-        for mixer in mixers(model):  # they mix the whole sequence
-            plan[f"{stack}.*.{mixer}"] = pcp.SequenceParallelDisable()
-        plan[f"{stack}.*.mlp"] = pcp.SequenceParallelDisable(need_transpose=False)
-        plan[head] = pcp.SequenceParallelEnd()
+        plan[embedding].append("SequenceParallelBegin")
+        for mixer in mixers(names):  # they mix the whole sequence
+            plan[f"{stack}.*.{mixer}"] = "SequenceParallelDisable"
+        plan[f"{stack}.*.mlp"] = {"SequenceParallelDisable": {"need_transpose": False}}
+        plan[head] = "SequenceParallelEnd"
     return plan
 
 
@@ -106,28 +137,59 @@ def _holds_per_head_parameters(layer):
     return any(p is not None for p in layer._parameters.values())
 
 
-def pipeline_config(model, degrees, schedule_mode, micro_batches):
+def pipeline_config(names, schedule_mode, micro_batches, vpp_degree=None):
     """Split at the decoder layers; the rotary layer (tables computed before the layer loop) runs on every stage."""
-    stack = decoder_stack(model)
-    config = {"split_spec": stack, "schedule_mode": schedule_mode, "accumulate_steps": micro_batches}
-    rotary = [name for name, _ in model.named_sublayers() if name.endswith("rotary_emb") and "layers." not in name]
+    config = {"split_spec": decoder_stack(names), "schedule_mode": schedule_mode, "accumulate_steps": micro_batches}
+    rotary = [name for name in names.names if name.endswith("rotary_emb") and "layers." not in name]
     if rotary:
         config["global_spec"] = rotary[0] if len(rotary) == 1 else rotary
+    if vpp_degree:
+        config["vpp_degree"] = vpp_degree
     return config
+
+
+def expert_config(names, degree):
+    """ep_config: the key matches every layer's mlp; ExpertParallel takes the MoE blocks among them."""
+    return {"degree": degree, "parallelize_plan": {f"{decoder_stack(names)}.*.mlp": "ExpertParallel"}}
+
+
+def memory_plan_spec(names, offload_recompute_inputs, mlp_tile_tokens):
+    """The decoder layers' activation-memory plans: their recompute inputs in host memory, their MLPs over the
+    sequence in tiles."""
+    plans = {}
+    if mlp_tile_tokens:
+        plans[f"{decoder_stack(names)}.*.mlp"] = {"SequenceTiled": {"tokens": mlp_tile_tokens}}
+    if offload_recompute_inputs:
+        plans[f"{decoder_stack(names)}.*"] = "OffloadRecomputeInputs"
+    return plans
+
+
+def built(plan):
+    """A plan spec's plan objects (load_config's builder)."""
+    return {key: build_plans(key, spec) for key, spec in plan.items()}
+
+
+def context_parallel_plan(model, degrees):
+    return built(context_parallel_plan_spec(DecoderNames.of(model), degrees.backend, degrees.ulysses))
+
+
+def tensor_parallel_plan(model, sequence_parallel):
+    return built(tensor_parallel_plan_spec(DecoderNames.of(model), sequence_parallel))
 
 
 def parallelize_config(model, degrees, schedule_mode="1F1B", micro_batches=1):
     """paddle_cp.parallelize's config for `model` on `degrees`."""
+    names = DecoderNames.of(model)
     config = {}
     if degrees.sep > 1:
         config["cp_config"] = {"parallelize_plan": context_parallel_plan(model, degrees)}
     if degrees.mp > 1:
-        config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, degrees.sequence_parallel)}
+        config["mp_config"] = {"parallelize_plan": built(tensor_parallel_plan_spec(names, degrees.sequence_parallel))}
     if degrees.pp > 1:
-        config["pp_config"] = pipeline_config(model, degrees, schedule_mode, micro_batches)
-    if degrees.ep > 1:  # the key matches every layer's mlp; ep_config takes the MoE blocks among them
-        config["ep_config"] = {"degree": degrees.ep,
-                               "parallelize_plan": {f"{decoder_stack(model)}.*.mlp": pcp.ExpertParallel()}}
+        config["pp_config"] = pipeline_config(names, schedule_mode, micro_batches)
+    if degrees.ep > 1:
+        ep_config = expert_config(names, degrees.ep)
+        config["ep_config"] = {**ep_config, "parallelize_plan": built(ep_config["parallelize_plan"])}
     config["dp_config"] = {"sharding_level": degrees.sharding_level}
     if degrees.sharding_mesh_dim is not None:
         config["dp_config"]["sharding_mesh_dim"] = degrees.sharding_mesh_dim
@@ -135,13 +197,8 @@ def parallelize_config(model, degrees, schedule_mode="1F1B", micro_batches=1):
 
 
 def with_memory_plans(config, model, offload_recompute_inputs, mlp_tile_tokens):
-    """`config` with the decoder layers' activation-memory plans added to its cp_config: their recompute inputs
-    in host memory, their MLPs over the sequence in tiles."""
-    plans = {}
-    if mlp_tile_tokens:
-        plans[f"{decoder_stack(model)}.*.mlp"] = pcp.SequenceTiled(tokens=mlp_tile_tokens)
-    if offload_recompute_inputs:
-        plans[f"{decoder_stack(model)}.*"] = pcp.OffloadRecomputeInputs()
+    """`config` with the decoder layers' activation-memory plans added to its cp_config."""
+    plans = built(memory_plan_spec(DecoderNames.of(model), offload_recompute_inputs, mlp_tile_tokens))
     if not plans:
         return config
     section = dict(config.get("cp_config") or {})
@@ -161,6 +218,6 @@ def prepare_plan(config):
     for section in ("cp_config", "mp_config"):
         for plans in ((config.get(section) or {}).get("parallelize_plan") or {}).values():
             for plan in plans if isinstance(plans, (list, tuple)) else [plans]:
-                if isinstance(plan, pcp.PrepareContextParallel):
+                if isinstance(plan, PrepareContextParallel):
                     return plan
     return None

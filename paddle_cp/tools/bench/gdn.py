@@ -26,8 +26,6 @@ records `oversubscribed`).
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib.util
 import json
 import os
 import sys
@@ -36,11 +34,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by the launch: import the package from its root
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from paddle_cp.integrations import zoo  # noqa: E402
 from paddle_cp.tools.launcher import THREAD_VARS, gather, launch, median_time, progress  # noqa: E402
 
 TABLE = ("efficiency", "bytes_per_rank", "bytes_min", "bytes_ratio")
-RULE_MODULE = "paddleformers.transformers.qwen3_next.modeling"
-RULE = "paddle_chunk_gated_delta_rule"
 
 
 def parse_args(argv=None):
@@ -80,26 +77,6 @@ def _check(parser, args):
                 parser.error(f"--backend {backend} on {n} ranks: {error}")
 
 
-def models_rule():
-    """PaddleFormers' gated delta rule, the one Qwen3-Next calls. Its module imports GPU-fleet packages
-    (paddlefleet_ops) that CPU installs lack; then its two functions are read from that file, unchanged."""
-    try:
-        return getattr(importlib.import_module(RULE_MODULE), RULE)
-    except ImportError:
-        pass
-    import paddle
-
-    package = importlib.util.find_spec("paddleformers")
-    if package is None:
-        raise SystemExit("pcp-bench --mixer gated_deltanet needs PaddleFormers (pip install paddleformers)")
-    path = Path(package.submodule_search_locations[0]) / "transformers" / "qwen3_next" / "modeling.py"
-    tree = ast.parse(path.read_text())
-    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in ("l2norm", RULE)]
-    namespace = {"paddle": paddle, "F": paddle.nn.functional, "Tensor": paddle.Tensor}
-    exec(compile(ast.Module(functions, type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102
-    return namespace[RULE]
-
-
 def gated_delta_layer(args):
     """A layer shaped like Qwen3-Next's Gated DeltaNet, built from the global random state."""
     import paddle
@@ -107,7 +84,7 @@ def gated_delta_layer(args):
 
     heads, dim, kernel = args.heads, args.head_dim, args.kernel
     channels = 3 * heads * dim
-    rule = models_rule()
+    rule = zoo.gated_delta_rule()
 
     class GatedDeltaLayer(paddle.nn.Layer):
         def __init__(self):

@@ -67,7 +67,9 @@ def parse_args(argv=None):
 # ---- the rank side ----------------------------------------------------------------
 
 def _model(args):
-    import paddleformers.transformers as pf
+    from paddle_cp.integrations import zoo
+
+    pf = zoo.transformers()
 
     return pf.GptOssForCausalLM(pf.GptOssConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.expert_intermediate,

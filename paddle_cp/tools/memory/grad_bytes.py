@@ -42,7 +42,9 @@ def lazy_parameters(config_path):
     """The trained parameters of PaddleFormers' causal LM for the config.json at `config_path`, in the model's
     order, shapes only."""
     import paddle
-    import paddleformers.transformers as models
+    from paddle_cp.integrations import zoo
+
+    models = zoo.transformers()
 
     architecture = (json.loads(Path(config_path).read_text()).get("architectures") or [None])[0]
     if not hasattr(models, str(architecture)):

@@ -46,7 +46,9 @@ def parse_args(argv=None):
 
 
 def config(args):
-    import paddleformers.transformers as pf
+    from paddle_cp.integrations import zoo
+
+    pf = zoo.transformers()
 
     sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                  num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4, fuse_rms_norm=False)

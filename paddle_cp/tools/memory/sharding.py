@@ -72,10 +72,11 @@ def purpose(tag):
 
 def _build(args):
     import paddle
-    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+    from paddle_cp.integrations import zoo
 
+    pf = zoo.transformers()
     paddle.seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+    model = pf.LlamaForCausalLM(pf.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                                          intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                                          num_attention_heads=4, num_key_value_heads=2, fuse_rms_norm=False))
     return model, paddle.optimizer.AdamW(learning_rate=1e-4, parameters=model.parameters())

@@ -7,11 +7,13 @@ from paddle_cp.tools.allocator import allocated, peak, reset_peak
 
 def build_llama(args, **fields):
     """PaddleFormers' Llama of the flags' sizes, unfused RMSNorm (CPU), Paddle's SDPA unless `fields` say."""
-    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+    from paddle_cp.integrations import zoo
 
+    pf = zoo.transformers()
     sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
-    return LlamaForCausalLM(LlamaConfig(**sizes, fuse_rms_norm=False, **{"_attn_implementation": "sdpa", **fields}))
+    return pf.LlamaForCausalLM(pf.LlamaConfig(**sizes, fuse_rms_norm=False,
+                                              **{"_attn_implementation": "sdpa", **fields}))
 
 
 def step_parts(model, opt, inputs, start, params):

@@ -1,47 +1,38 @@
 """What runs a planned layout: paddle_cp.parallelize's config (YAML-able, for paddle_cp.load_config) and the
 PaddleFormers config fields it needs (recomputation, chunked loss, the attention kernel, fused kernels) and the
-TrainingArguments that turn its memory savers on. Pure, no Paddle.
+TrainingArguments that turn its memory savers on.
 
-Plan keys are those of PaddleFormers' decoder models (`<prefix>.layers.<i>.self_attn.q_proj`, ...; see
-integrations/paddleformers/plans.py, which derives the same plans from a built model).
+The plans are written by the integration's writer of decoder-model plans (integrations/zoo.py's
+`decoder_plans`, the one the Trainer derives its plans with), from the layer names every PaddleFormers decoder
+model shares (`<prefix>.layers.<i>.self_attn.q_proj`, ...).
 """
 from __future__ import annotations
 
+from ...integrations.zoo import decoder_plans, decoder_recompute
 from ...cost.memory import fuses
 from ...cost.candidate import RECOMPUTE_FULL, SHARD_DIMS
 
 
 def parallelize_config(layout, model_prefix="model"):
     """The config (see paddle_cp.api.config.load_config) that runs `layout`."""
+    names = decoder_plans.DecoderNames.standard(model_prefix)
     dims = [(name, size) for name, size in (("pp", layout.pp), ("dp", layout.dp), ("sep", layout.cp), ("mp", layout.tp))
             if size > 1] or [("dp", 1)]
     config = {"mesh": {"shape": [s for _, s in dims], "dim_names": [n for n, _ in dims]},
               "dp_config": _dp_config(layout)}
-    layers = f"{model_prefix}.layers.*"
-    if layout.pp > 1:  # PaddleFormers computes its rotary tables before the layer loop
-        config["pp_config"] = {"split_spec": f"{model_prefix}.layers", "global_spec": f"{model_prefix}.rotary_emb",
-                               "schedule_mode": "VPP" if layout.vpp > 1 else "1F1B", "accumulate_steps": layout.micro}
-        if layout.vpp > 1:
-            config["pp_config"]["vpp_degree"] = layout.vpp
-    if layout.tp > 1:
-        config["mp_config"] = {"parallelize_plan": _tensor_sequence_plan(model_prefix, layers)}
+    if layout.pp > 1:
+        config["pp_config"] = decoder_plans.pipeline_config(names, "VPP" if layout.vpp > 1 else "1F1B", layout.micro,
+                                                            vpp_degree=layout.vpp if layout.vpp > 1 else None)
+    if layout.tp > 1:  # Megatron's split and the sequence split over mp between the embedding and lm_head
+        config["mp_config"] = {"parallelize_plan": decoder_plans.tensor_parallel_plan_spec(names, True)}
     if layout.cp > 1:
-        args = {"backend": layout.backend}
-        if layout.backend == "hybrid":
-            args["ulysses_degree"] = layout.ulysses
-        config["cp_config"] = {"parallelize_plan": {
-            "": {"PrepareContextParallel": dict(args)},  # the model itself: splits input_ids and labels
-            f"{layers}.self_attn": [{"ContextParallel": dict(args)}],
-        }}
-    memory_plans = {}
-    if layout.mlp_tile:
-        memory_plans[f"{layers}.mlp"] = [{"SequenceTiled": {"tokens": layout.mlp_tile}}]
-    if layout.offload:
-        memory_plans[layers] = "OffloadRecomputeInputs"
+        config["cp_config"] = {"parallelize_plan": decoder_plans.context_parallel_plan_spec(
+            names, layout.backend, layout.ulysses)}
+    memory_plans = decoder_plans.memory_plan_spec(names, layout.offload, layout.mlp_tile)
     if memory_plans:
         config.setdefault("cp_config", {"parallelize_plan": {}})["parallelize_plan"].update(memory_plans)
-    if layout.ep > 1:  # ep_config: the MoE block of every layer, experts folded onto dp x sep
-        config["ep_config"] = {"degree": layout.ep, "parallelize_plan": {f"{layers}.mlp": "ExpertParallel"}}
+    if layout.ep > 1:  # the MoE block of every layer, experts folded onto dp x sep
+        config["ep_config"] = decoder_plans.expert_config(names, layout.ep)
     return config
 
 
@@ -56,30 +47,15 @@ def _dp_config(layout):
     return dp_config
 
 
-def _tensor_sequence_plan(prefix, layers):
-    """Megatron's split (q/k/v and gate/up by columns, o and down by rows), the embedding and lm_head split too,
-    and the sequence split over mp between the embedding and lm_head (sequence parallelism)."""
-    plan = {f"{prefix}.embed_tokens": ["ColWiseParallel", "SequenceParallelBegin"]}
-    plan.update({f"{layers}.self_attn.{p}_proj": "ColWiseParallel" for p in "qkv"})
-    plan[f"{layers}.self_attn.o_proj"] = "RowWiseParallel"
-    plan.update({f"{layers}.mlp.{p}_proj": "ColWiseParallel" for p in ("gate", "up")})
-    plan[f"{layers}.mlp.down_proj"] = "RowWiseParallel"
-    plan[f"{layers}.self_attn"] = "SequenceParallelDisable"
-    plan[f"{layers}.mlp"] = {"SequenceParallelDisable": {"need_transpose": False}}
-    plan["lm_head"] = "SequenceParallelEnd"
-    plan["lm_head.weight"] = "ColWiseParallel"
-    return plan
-
-
 def model_config(layout):
     """PaddleFormers config fields the layout assumes (set them before building the model): its
     recomputation and chunked loss, and on GPU flash attention where no ContextParallel replaces the
     model's own (`gpu_attention_fields`)."""
     fields = {}
     if layout.recompute == RECOMPUTE_FULL:
-        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        fields.update(decoder_recompute.FULL)
     elif layout.selective:
-        fields.update(recompute_granularity="selective", recompute_modules=list(layout.selective))
+        fields.update(decoder_recompute.selective(layout.selective))
     if layout.loss_chunk:
         fields.update(use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=layout.loss_chunk)
     return fields

@@ -1,12 +1,44 @@
-"""A PaddleFormers LoRAModel's files, from whole tensors on rank 0: its adapter as LoRAModel writes it on
-one card, or the wrapped model with the adapter merged into its weights."""
+"""PaddleFormers' weight files (checkpoint/weight_formats.py's seam): the AOA configs its `from_pretrained` and
+`save_pretrained` apply (the model class's `_gen_aoa_config` / `_gen_inv_aoa_config`), its shard-size parser, and
+a LoRAModel's files from whole tensors on rank 0: its adapter as LoRAModel writes it on one card, or the wrapped
+model with the adapter merged into its weights."""
 from __future__ import annotations
 
 import os
 
 import paddle
 
+from paddle_cp import AdapterFormat, WeightFormat
+from paddle_cp.checkpoint.weight_formats import PLAIN
+
 PREFIX = "model."  # LoRAModel holds the model as .model; its files name parameters as the model does
+
+
+def is_pretrained_model(model):
+    """A PretrainedModel (or a LoRAModel around one): what save_pretrained and from_pretrained take."""
+    return callable(getattr(model, "save_pretrained", None)) and getattr(model, "config", None) is not None
+
+
+def loading_mapping(model):
+    """The AOA statements from_pretrained applies for this model class (none: names and layouts as stored)."""
+    generate = getattr(type(model), "_gen_aoa_config", None)
+    return generate(model.config) if generate is not None else PLAIN
+
+
+def saving_mapping(model):
+    """The AOA statements save_pretrained applies (derived from the loading ones when the class has no inverse)."""
+    cls = type(model)
+    if hasattr(cls, "_gen_inv_aoa_config"):
+        return cls._gen_inv_aoa_config(model.config)
+    if hasattr(cls, "_gen_aoa_config"):
+        return dict(cls._gen_aoa_config(model.config), aoa_config_reverse=True)
+    return PLAIN
+
+
+def shard_size(max_shard_size):
+    from paddleformers.transformers.utils import convert_file_size_to_int
+
+    return convert_file_size_to_int(max_shard_size)
 
 
 def is_lora_model(model):
@@ -37,3 +69,9 @@ def merged_lora_state(lora_model, tensors):
             if not (layer.merged or layer.disable_lora):  # merged: the weight holds it; disabled: unused
                 state[f"{name}.weight"] = state[f"{name}.weight"] + layer.get_delta_weight(lora_a, lora_b)
     return lora_model.model, state
+
+
+WEIGHT_FORMAT = WeightFormat(claims=is_pretrained_model, loading=loading_mapping, saving=saving_mapping,
+                             shard_size=shard_size,
+                             adapter=AdapterFormat(is_adapter=is_lora_model, prefix=PREFIX, save=save_lora_adapter,
+                                                   merged=merged_lora_state))

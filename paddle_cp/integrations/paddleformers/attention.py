@@ -7,7 +7,8 @@ with [b, heads, s, d] tensors, returning ([b, s, heads * d_v], None). Each entry
 ("eager", "sdpa", "flashmask", any registered one) is wrapped so a routed call
 (routing.plan_for) runs paddle_cp and any other the original; "paddle_cp" is
 registered too. PaddleFormers is never imported here: the wrap happens when
-it already is (a model of it exists), else paddle_cp works without it.
+it already is (a model of it exists), else paddle_cp works without it. Registered
+with the core as the attention adapter ADAPTER (attention/adapters/__init__.py).
 
 Semantics of a routed call: what the original function computes for the same
 call on one card, from the module and the batch paddle_cp knows (one_card_semantics).
@@ -33,12 +34,13 @@ from __future__ import annotations
 
 import sys
 
-from ..dispatch import routing
-from ..dispatch.api import call_mask
-from ..dispatch.batch import current as current_batch
+from ...attention.dispatch import routing
+from ...attention.dispatch.api import call_mask
+from ...attention.dispatch.batch import current as current_batch
 
 INTERFACE_MODULE = "paddleformers.nn.attention.interface"
 NAME = "paddle_cp"
+ADAPTER = "paddleformers_attention"  # the name its patch is held under
 
 
 def one_card_semantics(implementation, module, attention_mask, is_causal, seq_len, documents):
