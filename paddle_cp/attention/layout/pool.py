@@ -31,6 +31,7 @@ from .sequence_layout import DocumentSplit, SequenceLayout
 
 MOVES_TRIED = 8  # whole-run changes a rebalancing prices at most (1-6 ms each at 64K-256K tokens over 8 ranks)
 TAILS_TRIED = 4  # then tail cuts
+REFINED = 2  # starting layouts refined (of the chooser's, the placement's, fixed dp x sep's: the cheapest)
 
 
 def joined_documents(documents, batch, seq_len):
@@ -75,8 +76,10 @@ def pool_layout(layout, documents, batch, seq_len, split="documents", replicas=1
         options.append(placed_groups(starts, lengths, total, layout.ring, nodes))
         if replicas > 1 and batch % replicas == 0:
             options.append(_replica_groups(layout, documents, batch, seq_len, replicas))
-    if split == "documents":
-        options = [rebalanced(option, end, layout.ring, layout.links) for option in options]
+    if split == "documents":  # the two cheapest refined
+        scores = [_priced(option, end, layout.ring, layout.links)[2] for option in options]
+        options = [rebalanced(options[i], end, layout.ring, layout.links)
+                   for i in sorted(range(len(options)), key=scores.__getitem__)[:REFINED]]
     scores = [_priced(option, end, layout.ring, layout.links)[2] for option in options]
     best = options[min(range(len(options)), key=scores.__getitem__)]
     if best is groups:
