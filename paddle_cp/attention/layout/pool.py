@@ -5,8 +5,8 @@ long documents is slower than one whose rows hold short ones, and a row's docume
 where a whole document would fit on one rank of another replica. The pool (Megatron-Core's dynamic context
 parallel, ByteScale's data-aware DP/CP, chosen per batch here) sees the global batch, every replica's rows, on
 every rank: its B rows of S tokens are joined end to end into one packed sequence of B x S tokens (a row's end
-ends its last document), and the packed-layout chooser (cost/packed_layout.py, priced with the links) lays
-that sequence out over all R = dp x sep ranks as one ring: a document short enough stays whole on one rank, a
+ends its last document), laid out over all R = dp x sep ranks as one ring by predicted cost (`pool_layout`, tiles
+and exchange priced with the links): a document short enough stays whole on one rank, a
 long one is cut over several (the pieces of a cut document on one node when the ring spans nodes). The planned
 exchange (exchange_plan.py) then moves only the k/v rows other ranks' tiles read: documents whole on a rank
 move nothing, whichever replica they came from.
@@ -58,12 +58,14 @@ def joined_valid(valid, batch, seq_len):
 
 def pool_layout(layout, documents, batch, seq_len, split="documents", replicas=1):
     """The layout of the joined row over the pool: `layout` (a SequenceLayout of the p2p ring over the pool's R
-    ranks, its links the pool's) for the batch's `documents` (Documents of [batch, seq_len], or None). Of the
-    chooser's layout (its whole documents then moved off the slowest rank while that makes it faster:
-    `rebalanced`) and, with `replicas` (dp) dividing the rows, fixed dp x sep's (replica d's rows laid out over
-    ranks d x sep .. (d + 1) x sep - 1, as without the pool), the one whose slowest rank the tile model and the
-    links predict faster. (Fixed dp x sep's layout priced as this joined row can cost more than the replicas'
-    separate rows: pieces of two rows meet mid-tile on a rank.)"""
+    ranks, its links the pool's) for the batch's `documents` (Documents of [batch, seq_len], or None). Starting
+    layouts: the chooser's (packed_layout.py over the joined row), with `split` 'documents' a placement by
+    predicted cost (cost/pool_placement.py) and, with `replicas` (dp) dividing the rows, fixed dp x sep's
+    (replica d's rows laid out over ranks d x sep .. (d + 1) x sep - 1, as without the pool); the REFINED
+    cheapest refined (`rebalanced`), and of those the one whose slowest rank the tile model and the links
+    predict faster (then its slowest rank's tiles). Fixed dp x sep's layout run as this one row can cost more
+    than the replicas' separate rows: a row's piece not a multiple of a tile leaves the next row's pieces on a
+    rank off the tile grid, as a flashmask or flex kernel given one row would have them."""
     joined = joined_documents(documents, batch, seq_len)
     total = batch * seq_len
     end = np.clip(joined.end, 0, total)
