@@ -78,12 +78,11 @@ def pool_layout(layout, documents, batch, seq_len, split="documents", replicas=1
         options.append(placed_groups(starts, lengths, total, layout.ring, nodes))
         if replicas > 1 and batch % replicas == 0:
             options.append(_replica_groups(layout, documents, batch, seq_len, replicas))
-    if split == "documents":  # the two cheapest refined
-        scores = [_priced(option, end, layout.ring, layout.links)[2] for option in options]
-        options = [rebalanced(options[i], end, layout.ring, layout.links)
-                   for i in sorted(range(len(options)), key=scores.__getitem__)[:REFINED]]
-    scores = [_priced(option, end, layout.ring, layout.links)[2] for option in options]
-    best = options[min(range(len(options)), key=scores.__getitem__)]
+    priced = [(option, _priced(option, end, layout.ring, layout.links)) for option in options]
+    if split == "documents":  # the cheapest refined
+        priced = [_refined(*start, end, layout.ring, layout.links)
+                  for start in sorted(priced, key=lambda start: start[1][2])[:REFINED]]
+    best = min(priced, key=lambda option: option[1][2])[0]
     if best is groups:
         return chosen
     laid = copy.copy(chosen)
@@ -127,8 +126,12 @@ def rebalanced(groups, end, ring, links, tries=MOVES_TRIED):
     random tile offset, and the tiles they really make leave a few percent between ranks. The change tried
     first is the one whose estimated work shift (its queries' keys, priced as packed_layout.whole_cost) is
     nearest half the gap. Returns `groups` itself when none helped. Numpy only: the same on every rank."""
+    return _refined(groups, _priced(groups, end, ring, links), end, ring, links, tries)[0]
+
+
+def _refined(groups, priced, end, ring, links, tries=MOVES_TRIED):
+    """`rebalanced`'s (groups, _priced of them), from `groups` and their `priced`."""
     cap = token_cap(len(groups), ring)
-    priced = _priced(groups, end, ring, links)
     tried = set()
     current = groups
     runs = _runs(current, end)
@@ -169,7 +172,7 @@ def rebalanced(groups, end, ring, links, tries=MOVES_TRIED):
         if trial_priced[2] < priced[2]:
             current, priced = trial, trial_priced
             runs = _runs(current, end)
-    return current
+    return current, priced
 
 
 def _priced(groups, end, ring, links):
