@@ -286,6 +286,10 @@ class Pool:
     def batch_layout(self, documents, batch, seq_len):
         """The layout of a [batch, seq_len] global batch with `documents` (or None) joined over the pool."""
         self.layout.check_length(batch * seq_len, what="the global batch's (rows x length)")
+        made = batch_context.split_alike(self.groups.sep, self.plan, batch * seq_len,
+                                         joined_documents(documents, batch, seq_len))
+        if made is not None:  # shard_sequence's for the coming forward, or the last forward's
+            return made.layout
         return pool_layout(self.layout, documents, batch, seq_len, self.plan.layout, self.replicas)
 
     def batch(self, layout, documents, valid, batch, seq_len, run=None):
@@ -297,11 +301,10 @@ class Pool:
     def shard_batch(self, batch, seq_len, documents):
         """The Batch shard_sequence splits a global batch's tensors with: the last forward's over the pool
         when these are its documents (no second layout choice), else laid out here."""
-        last = batch_context.last_split(self.groups.sep)
-        joined = joined_documents(documents, batch, seq_len)
-        if (last is not None and last.plan is self.plan and last.seq_len == batch * seq_len
-                and last.same_documents(joined)):
-            return last
+        made = batch_context.split_alike(self.groups.sep, self.plan, batch * seq_len,
+                                         joined_documents(documents, batch, seq_len))
+        if made is not None:
+            return made
         return self.batch(self.batch_layout(documents, batch, seq_len), documents, None, batch, seq_len)
 
     @staticmethod
@@ -370,7 +373,8 @@ class _PreparedRun:
                                  "give position ids / document ids / row indices of the whole [batch, seq] input")
             if self.pool is None:
                 self.sep.layout.check_length(seq_len, what="input sequence")
-                layout = plan.batch_layout(self.sep.layout, documents)
+                made = batch_context.split_alike(self.sep.groups.sep, plan, seq_len, documents)
+                layout = made.layout if made is not None else plan.batch_layout(self.sep.layout, documents)
             else:
                 layout = self.pool.batch_layout(documents, batch, seq_len)
                 _refuse_dense_masks(named.values(), seq_len)

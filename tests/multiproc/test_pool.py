@@ -32,6 +32,14 @@ def test_ranks_hold_the_global_batch_by_documents(reports):
         assert sum(tokens) == rows * seq and len(set(tokens)) > 1, (case, tokens)
 
 
+def test_a_step_chooses_its_layout_once(reports):
+    """shard_sequence lays the labels out before the forward; the forward takes that layout (the chooser runs
+    once in the step, not twice)."""
+    for report in reports:
+        for case in ("short", "long"):
+            assert report["values"][f"{case}.layouts_chosen"] == 1, report["values"][f"{case}.layouts_chosen"]
+
+
 def test_ring_moves_what_the_plan_reads(reports):
     """Short documents all whole on their ranks: the ring sends nothing; documents longer than a rank's share, cut
     over ranks: exactly the planned exchange's bytes (the k/v rows other ranks' tiles read, forward and backward,

@@ -5,7 +5,8 @@ dp2 x sep(N/2): every rank passes the global batch (4 rows of 61 tokens, packed 
 attention, fp32) trains 3 AdamW steps (epsilon 1e-3), each rank's mean loss weighted by loss_weight of its tokens,
 against one card given the same 4 rows with their documents as attn_mask_startend_row_indices. Also: the labels
 split by shard_sequence equal those the plan's hook splits and unshard back to the global batch; each rank's
-token count; the planned exchange's bytes against what the exchange plan predicts; one rank passing a different
+token count; the planned exchange's bytes against what the exchange plan predicts; the layout chosen once in
+a step (by shard_sequence, the forward taking it); one rank passing a different
 batch (its replica's half, as a data-parallel loader gives it) refused on every rank, naming the fix; rows
 without documents and with padding (a 2-D attention_mask) give one card's loss.
 """
@@ -20,6 +21,7 @@ import paddle_cp as pcp
 from paddle_cp.attention import Documents
 from paddle_cp.attention.layout.exchange_plan import ExchangePlan, exchange_bytes
 from paddle_cp.attention.layout.pool import joined_documents
+from paddle_cp.plans import context_parallel
 from paddle_cp.tools import packing
 
 STEPS = 3
@@ -66,6 +68,8 @@ def pooled(report, mesh, name, case):
     model = llama()
     model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
     losses, grads = [], None
+    chooser, chosen = context_parallel.pool_layout, []
+    context_parallel.pool_layout = lambda *args, **kwargs: chosen.append(1) or chooser(*args, **kwargs)
     for step, (ids, labels, positions, _) in enumerate(batches(case)):
         local = pcp.shard_sequence(labels, backend=prepare, mesh=mesh, position_ids=positions)  # [1, my tokens]
         if step == 0:
@@ -77,10 +81,12 @@ def pooled(report, mesh, name, case):
         loss.backward()
         if step == 0:
             report.value(f"{name}.ring_bytes", pcp.bytes_sent().get("ring", 0))
+            report.value(f"{name}.layouts_chosen", len(chosen))  # shard_sequence's layout serves the forward
         opt.step()  # averages the gradients over dp x sep first
         grads = grads or {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
         opt.clear_grad()
         losses.append(loss)
+    context_parallel.pool_layout = chooser
     report.training(name, (mean_over_ranks(losses, mesh), grads, {n: p.numpy() for n, p in model.named_parameters()}),
                     reference(case))
     record_plan(report, name, case, prepare, mesh, model.config)

@@ -113,6 +113,17 @@ def take_shards(group):
     return runtime.state.batches.sharded.pop(group.ranks, [])
 
 
+def split_alike(group, plan, seq_len, documents):
+    """A Batch `plan` split over `group` for `documents` (joined rows under a pool) and `seq_len` tokens: the
+    latest shard_sequence made for the coming forward, else the last forward's (None: neither). Its layout
+    serves again: a batch's layout is chosen once a step."""
+    state = runtime.state.batches
+    for made in [*reversed(state.sharded.get(group.ranks, [])), state.last.get(group.ranks)]:
+        if made is not None and made.plan is plan and made.seq_len == seq_len and made.same_documents(documents):
+            return made
+    return None
+
+
 def _capture():
     batch = current()
     return None if batch is None else lambda: published(batch)

@@ -5,8 +5,8 @@ long documents is slower than one whose rows hold short ones, and a row's docume
 where a whole document would fit on one rank of another replica. The pool (Megatron-Core's dynamic context
 parallel, ByteScale's data-aware DP/CP, chosen per batch here) sees the global batch, every replica's rows, on
 every rank: its B rows of S tokens are joined end to end into one packed sequence of B x S tokens (a row's end
-ends its last document), and the packed-layout chooser (cost/packed_layout.py, priced with the links) lays
-that sequence out over all R = dp x sep ranks as one ring: a document short enough stays whole on one rank, a
+ends its last document), laid out over all R = dp x sep ranks as one ring by predicted cost (`pool_layout`, tiles
+and exchange priced with the links): a document short enough stays whole on one rank, a
 long one is cut over several (the pieces of a cut document on one node when the ring spans nodes). The planned
 exchange (exchange_plan.py) then moves only the k/v rows other ranks' tiles read: documents whole on a rank
 move nothing, whichever replica they came from.
@@ -24,11 +24,14 @@ import numpy as np
 
 from ...cost.links import LinkCost
 from ...cost.packed_layout import segments, token_cap, whole_cost
-from ...cost.tiles import tile_counts
+from ...cost.pool_placement import placed_groups
+from ...cost.tiles import TILE, tile_counts
 from ..masks.block_mask import Documents
 from .sequence_layout import DocumentSplit, SequenceLayout
 
-MOVES_TRIED = 8  # moves a batch's rebalancing prices at most (1-6 ms each at 64K-256K tokens over 8 ranks; more gained <0.2%)
+MOVES_TRIED = 8  # whole-run changes a rebalancing prices at most (1-6 ms each at 64K-256K tokens over 8 ranks)
+TAILS_TRIED = 4  # then tail cuts
+REFINED = 2  # starting layouts refined (of the chooser's, the placement's, fixed dp x sep's: the cheapest)
 
 
 def joined_documents(documents, batch, seq_len):
@@ -55,22 +58,31 @@ def joined_valid(valid, batch, seq_len):
 
 def pool_layout(layout, documents, batch, seq_len, split="documents", replicas=1):
     """The layout of the joined row over the pool: `layout` (a SequenceLayout of the p2p ring over the pool's R
-    ranks, its links the pool's) for the batch's `documents` (Documents of [batch, seq_len], or None). Of the
-    chooser's layout (its whole documents then moved off the slowest rank while that makes it faster:
-    `rebalanced`) and, with `replicas` (dp) dividing the rows, fixed dp x sep's (replica d's rows laid out over
-    ranks d x sep .. (d + 1) x sep - 1, as without the pool), the one whose slowest rank the tile model and the
-    links predict faster. (Fixed dp x sep's layout priced as this joined row can cost more than the replicas'
-    separate rows: pieces of two rows meet mid-tile on a rank.)"""
+    ranks, its links the pool's) for the batch's `documents` (Documents of [batch, seq_len], or None). Starting
+    layouts: the chooser's (packed_layout.py over the joined row), with `split` 'documents' a placement by
+    predicted cost (cost/pool_placement.py) and, with `replicas` (dp) dividing the rows, fixed dp x sep's
+    (replica d's rows laid out over ranks d x sep .. (d + 1) x sep - 1, as without the pool); the REFINED
+    cheapest refined (`rebalanced`), and of those the one whose slowest rank the tile model and the links
+    predict faster (then its slowest rank's tiles). Fixed dp x sep's layout run as this one row can cost more
+    than the replicas' separate rows: a row's piece not a multiple of a tile leaves the next row's pieces on a
+    rank off the tile grid, as a flashmask or flex kernel given one row would have them."""
     joined = joined_documents(documents, batch, seq_len)
     total = batch * seq_len
     end = np.clip(joined.end, 0, total)
     chosen = layout.for_batch(joined, split)
     groups = _groups_of(chosen, total)
-    options = [rebalanced(groups, end, layout.ring, layout.links) if chosen.split.name == "documents" else groups]
-    if split == "documents" and replicas > 1 and batch % replicas == 0:
-        options.append(_replica_groups(layout, documents, batch, seq_len, replicas))
-    step = [layout.links.rank_ms(tile_counts(option, end, layout.ring)).max() for option in options]
-    best = options[int(np.argmin(step))]
+    options = [groups]
+    if split == "documents":
+        starts, lengths = segments(end)
+        nodes = layout.links.nodes if layout.links.nodes_spanned > 1 else None
+        options.append(placed_groups(starts, lengths, total, layout.ring, nodes))
+        if replicas > 1 and batch % replicas == 0:
+            options.append(_replica_groups(layout, documents, batch, seq_len, replicas))
+    priced = [(option, _priced(option, end, layout.ring, layout.links)) for option in options]
+    if split == "documents":  # the cheapest refined
+        priced = [_refined(*start, end, layout.ring, layout.links)
+                  for start in sorted(priced, key=lambda start: start[1][2])[:REFINED]]
+    best = min(priced, key=lambda option: option[1][2])[0]
     if best is groups:
         return chosen
     laid = copy.copy(chosen)
@@ -104,52 +116,94 @@ def _replica_groups(layout, documents, batch, seq_len, replicas):
 
 
 def rebalanced(groups, end, ring, links, tries=MOVES_TRIED):
-    """`groups` (the ring group of every position) with whole documents moved from the slowest rank to one of
-    the two fastest, or swapped with a shorter one there, within the memory bound (packed_layout.token_cap),
-    each change kept only if the slowest rank's predicted ms (tiles and exchange on `links`, cost/links.py)
-    falls: the chooser places whole documents by a cost estimate at a random tile offset, and the tiles they
-    really make leave a few percent between ranks. The change tried first is the one whose estimated cost
-    shift is nearest half the gap. Returns `groups` itself when none helped. Numpy only: the same on every rank."""
-    starts, lengths = segments(end)
-    cost = whole_cost(lengths)
+    """`groups` (the ring group of every position) with work moved from the slowest rank (by predicted ms, and by
+    tile ms where that is another) to one of the three fastest, a run at a time (a run: a document's positions
+    one rank holds consecutively, a whole document or a piece of a cut one): a run moved, or swapped with one of
+    less work there, or its last tile-aligned tokens cut off to it (their queries see the rest: the most work
+    per token moved, where documents are coarse beside a rank's share), within the memory bound
+    (packed_layout.token_cap), each change kept only if the slowest rank's predicted ms (tiles and exchange on
+    `links`, cost/links.py) falls, or stays and the slowest rank's tiles fall: placements price documents at a
+    random tile offset, and the tiles they really make leave a few percent between ranks. The change tried
+    first is the one whose estimated work shift (its queries' keys, priced as packed_layout.whole_cost) is
+    nearest half the gap. Returns `groups` itself when none helped. Numpy only: the same on every rank."""
+    return _refined(groups, _priced(groups, end, ring, links), end, ring, links, tries)[0]
+
+
+def _refined(groups, priced, end, ring, links, tries=MOVES_TRIED):
+    """`rebalanced`'s (groups, _priced of them), from `groups` and their `priced`."""
     cap = token_cap(len(groups), ring)
-    rank_ms = links.rank_ms(tile_counts(groups, end, ring))
-    owner = _whole_owner(groups, starts, lengths)
     tried = set()
     current = groups
-    for _ in range(tries):
-        slowest, tokens = int(np.argmax(rank_ms)), np.bincount(current, minlength=ring)
-        mine = np.flatnonzero(owner == slowest)
+    runs = _runs(current, end)
+    for cutting in [False] * tries + [True] * TAILS_TRIED:  # whole runs first; a few tail cuts after
+        start, length, owner, before = runs
+        work = whole_cost(before + length) - whole_cost(before)
+        tokens = np.bincount(current, minlength=ring)
         options = []
-        for g in [g for g in np.argsort(rank_ms) if g != slowest][:2]:
-            half_gap = (rank_ms[slowest] - rank_ms[g]) / 2
-            theirs = np.flatnonzero(owner == g)
-            for d in mine:
-                if tokens[g] + lengths[d] <= cap and (d, g, -1) not in tried:
-                    options.append((abs(cost[d] - half_gap), d, g, -1))
-                for e in theirs[lengths[theirs] < lengths[d]]:
-                    if tokens[g] + lengths[d] - lengths[e] <= cap and (d, g, e) not in tried:
-                        options.append((abs(cost[d] - cost[e] - half_gap), d, g, e))
+        for by in priced[:2]:  # each rank's ms, its tile ms
+            slowest = int(np.argmax(by))
+            mine = np.flatnonzero(owner == slowest)
+            for g in [g for g in np.argsort(by) if g != slowest][:3]:
+                half_gap = (by[slowest] - by[g]) / 2
+                theirs = np.flatnonzero(owner == g)
+                for d in mine:
+                    key = (start[d], length[d], g)
+                    if cutting:
+                        tail = _tail_for(before[d], length[d], half_gap, cap - tokens[g])
+                        if tail and (*key, -1, tail) not in tried:
+                            shift = whole_cost(before[d] + length[d]) - whole_cost(before[d] + length[d] - tail)
+                            options.append((abs(shift - half_gap), *key, -1, tail, slowest))
+                        continue
+                    if tokens[g] + length[d] <= cap and (*key, -1, 0) not in tried:
+                        options.append((abs(work[d] - half_gap), *key, -1, 0, slowest))
+                    for e in theirs[work[theirs] < work[d]]:
+                        if tokens[g] + length[d] - length[e] <= cap and (*key, start[e], 0) not in tried:
+                            options.append((abs(work[d] - work[e] - half_gap), *key, start[e], 0, slowest))
         if not options:
-            break
-        _, d, g, e = min(options)
-        tried.add((d, g, e))
+            continue
+        _, at, size, g, swapped, tail, slowest = min(options)
+        tried.add((at, size, g, swapped, tail))
         trial = current.copy()
-        trial[starts[d]:starts[d] + lengths[d]] = g
-        if e >= 0:
-            trial[starts[e]:starts[e] + lengths[e]] = slowest
-        trial_ms = links.rank_ms(tile_counts(trial, end, ring))
-        if trial_ms.max() < rank_ms.max():
-            current, rank_ms = trial, trial_ms
-            owner = _whole_owner(current, starts, lengths)
-    return current
+        trial[at + (size - tail if tail else 0):at + size] = g
+        if swapped >= 0:
+            e = int(np.searchsorted(start, swapped))
+            trial[swapped:swapped + length[e]] = slowest
+        trial_priced = _priced(trial, end, ring, links)
+        if trial_priced[2] < priced[2]:
+            current, priced = trial, trial_priced
+            runs = _runs(current, end)
+    return current, priced
 
 
-def _whole_owner(groups, starts, lengths):
-    """int64 [documents]: the group holding each document whole, -1 for one cut over several."""
-    first = groups[starts]
-    same = np.minimum.reduceat(groups, starts) == np.maximum.reduceat(groups, starts)
-    return np.where(same, first, -1)
+def _priced(groups, end, ring, links):
+    """(each rank's predicted ms, its tile ms, the score a change must lower: the slowest rank's ms, then the
+    slowest rank's tile ms, where the exchange or the fixed cost leaves the first flat)."""
+    counts = tile_counts(groups, end, ring)
+    rank_ms, tile_ms = links.rank_ms(counts), counts.step_ms().sum(axis=1)
+    return rank_ms, tile_ms, (round(float(rank_ms.max()), 6), float(tile_ms.max()))
+
+
+def _runs(groups, end):
+    """(start, length, rank, positions of its document before it) of each run: consecutive positions of one
+    document on one rank, int64 [runs] each."""
+    doc_starts, _ = segments(end)
+    first = np.zeros(len(groups), bool)
+    first[doc_starts] = True
+    first[1:] |= groups[1:] != groups[:-1]
+    start = np.flatnonzero(first)
+    length = np.diff(np.append(start, len(groups)))
+    doc_start = doc_starts[np.searchsorted(doc_starts, start, side="right") - 1]
+    return start, length, groups[start], start - doc_start
+
+
+def _tail_for(before, length, half_gap, room):
+    """Tokens (a multiple of TILE, 0: none) at the end of a run of `length` positions after `before` of its
+    document whose queries, cut off to another rank, shift the work nearest `half_gap` there, within `room`."""
+    tails = np.arange(TILE, min(length, room + 1), TILE)
+    if not len(tails):
+        return 0
+    shift = whole_cost(before + length) - whole_cost(before + length - tails)
+    return int(tails[np.argmin(np.abs(shift - half_gap))])
 
 
 def row_positions(layout, batch, seq_len, index):
