@@ -35,7 +35,8 @@ if __package__ in (None, ""):  # run as a script by the launch: import the packa
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from paddle_cp.integrations import zoo  # noqa: E402
-from paddle_cp.tools.launcher import THREAD_VARS, gather, launch, median_time, progress  # noqa: E402
+from paddle_cp.tools.launcher import THREAD_VARS, launch, progress  # noqa: E402
+from paddle_cp.tools.ranks import gather, median_time, sep_mesh, start_cpu_ranks  # noqa: E402
 
 TABLE = ("efficiency", "bytes_per_rank", "bytes_min", "bytes_ratio")
 
@@ -148,10 +149,8 @@ def run_ranks(args):
     import paddle_cp as pcp
     from paddle_cp.plans import same_batch
 
-    paddle.set_device("cpu")
-    dist.init_parallel_env()
-    world = dist.get_world_size()
-    mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
+    world = start_cpu_ranks()
+    mesh = sep_mesh(world)
     runs = []
     for backend in args.backend:
         paddle.seed(0)
