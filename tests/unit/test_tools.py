@@ -10,12 +10,12 @@ import pytest
 
 from paddle_cp.api.config import load_config
 from paddle_cp.cost import attention as attention_cost
-from paddle_cp.tools import selftest
 from paddle_cp.tools.bench import attention_figures
 from paddle_cp.tools.bench import cli as bench
 from paddle_cp.tools.bench import pp as bench_pp
 from paddle_cp.tools.memory import cli as memory
 from paddle_cp.tools.plan import cli as plan
+from paddle_cp.tools.selftest import cli as selftest
 from paddle_cp.integrations.paddleformers import cli
 from paddle_cp.cost.memory import memory as memory_estimate
 from paddle_cp.cost.model_shape import ModelShape
@@ -211,7 +211,7 @@ def test_bench_documents_model_only_prices_the_layouts_side_by_side(tmp_path, ca
 
 
 @pytest.mark.parametrize("program, name", [("/venv/bin/pcp-selftest", "pcp-selftest"),
-                                           ("/repo/paddle_cp/tools/selftest.py", "pcp-selftest"),
+                                           ("/repo/paddle_cp/tools/selftest/cli.py", "pcp-selftest"),
                                            ("/repo/paddle_cp/tools/bench/cli.py", "pcp-bench"),
                                            ("/repo/paddle_cp/tools/bench/pp.py", "pcp-bench-pp")])
 def test_progress_lines_carry_the_tools_name(monkeypatch, capsys, program, name):
