@@ -1,5 +1,6 @@
-"""What the launched ranks of every tool share: starting on CPU, the sep mesh over all of them, every rank's
-figures gathered or at their largest, median timings, and every rank's rows written as the launch's result."""
+"""What the launched ranks of every tool share: starting on CPU, the sep mesh over all of them, inputs drawn from a
+seed, every rank's figures gathered or at their largest, median timings, and every rank's rows written as the
+launch's result."""
 from __future__ import annotations
 
 import json
@@ -26,6 +27,15 @@ def sep_mesh(world):
     import paddle.distributed as dist
 
     return dist.ProcessMesh(list(range(world)), dim_names=["sep"])
+
+
+def seeded_normal(seed, *shapes):
+    """Standard-normal tensors of `shapes`, drawn in order after `paddle.seed(seed)`: the same on every rank and
+    in the one-process reference."""
+    import paddle
+
+    paddle.seed(seed)
+    return [paddle.randn(shape) for shape in shapes]
 
 
 def gather(values):

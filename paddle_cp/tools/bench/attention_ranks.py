@@ -12,7 +12,7 @@ import time
 
 from paddle_cp.tools.bench.attention_figures import case_documents, ulysses_degree
 from paddle_cp.tools.launcher import progress
-from paddle_cp.tools.ranks import gather, median_time, sep_mesh, start_cpu_ranks
+from paddle_cp.tools.ranks import gather, median_time, seeded_normal, sep_mesh, start_cpu_ranks
 
 DOCUMENT_LAYOUTS = ("chunks", "documents")  # old beside new
 MATMUL_BLOCK = 512  # BlockwiseKernel's default block: the matmul the kernel really does
@@ -33,7 +33,7 @@ def run_ranks(args):
     rates = gather([_matmul_rate(paddle, args)])
     runs = []
     for seq in args.seq:
-        inputs = _inputs(paddle, args, seq)
+        inputs = _inputs(args, seq)
         for backend in args.backend:
             for split in _layouts(args):
                 progress(f"seq {seq}: {backend}{' ' + split if split else ''} on {world} ranks")
@@ -55,7 +55,7 @@ def measure_single(args):
     single = {"rate": _matmul_rate(paddle, args), "by_seq": {}}
     for seq in args.seq:
         progress(f"seq {seq}: single-process reference")
-        single["by_seq"][seq] = _single(paddle, args, _inputs(paddle, args, seq))
+        single["by_seq"][seq] = _single(paddle, args, _inputs(args, seq))
     return single
 
 
@@ -67,11 +67,10 @@ def _matmul_rate(paddle, args):
     return flops / seconds
 
 
-def _inputs(paddle, args, seq):
-    paddle.seed(seq)
-    q = paddle.randn([args.batch, seq, args.heads, args.head_dim])
-    k, v = (paddle.randn([args.batch, seq, args.kv_heads, args.head_dim]) for _ in range(2))
-    return q, k, v, paddle.randn(q.shape)
+def _inputs(args, seq):
+    """q, k, v and the output's gradient, seeded by the length."""
+    q_shape, kv_shape = [args.batch, seq, args.heads, args.head_dim], [args.batch, seq, args.kv_heads, args.head_dim]
+    return seeded_normal(seq, q_shape, kv_shape, kv_shape, q_shape)
 
 
 def _fwd_bwd(paddle, attention, q, k, v, dout):

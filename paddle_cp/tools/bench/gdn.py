@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script by the launch: import the packa
 
 from paddle_cp.integrations import zoo  # noqa: E402
 from paddle_cp.tools.launcher import THREAD_VARS, launch, progress  # noqa: E402
-from paddle_cp.tools.ranks import gather, median_time, sep_mesh, start_cpu_ranks  # noqa: E402
+from paddle_cp.tools.ranks import gather, median_time, seeded_normal, sep_mesh, start_cpu_ranks  # noqa: E402
 
 TABLE = ("efficiency", "bytes_per_rank", "bytes_min", "bytes_ratio")
 
@@ -117,9 +117,9 @@ def gated_delta_layer(args):
     return Holder()
 
 
-def _inputs(paddle, args, seq):
-    paddle.seed(seq)
-    return paddle.randn([args.batch, seq, args.hidden]), paddle.randn([args.batch, seq, args.hidden])
+def _inputs(args, seq):
+    """The layer's input and its output's gradient, seeded by the length."""
+    return seeded_normal(seq, [args.batch, seq, args.hidden], [args.batch, seq, args.hidden])
 
 
 def _fwd_bwd(paddle, layer, x, dout):
@@ -137,7 +137,7 @@ def measure_single(args):
     times = {}
     for seq in args.seq:
         progress(f"seq {seq}: one process")
-        x, dout = _inputs(paddle, args, seq)
+        x, dout = _inputs(args, seq)
         times[seq] = median_time(lambda: _fwd_bwd(paddle, layer, x, dout), args.iters, args.warmup)
     return times
 
@@ -160,7 +160,7 @@ def run_ranks(args):
         pcp.parallelize(layer, None, mesh, {"cp_config": {"parallelize_plan": plan}})
         for seq in args.seq:
             progress(f"seq {seq}: {backend} on {world} ranks")
-            x, dout = _inputs(paddle, args, seq)
+            x, dout = _inputs(args, seq)
             dout = pcp.shard_sequence(dout, backend=prepare, mesh=mesh)
             pcp.reset_counters()
             _fwd_bwd(paddle, layer, x, dout)
