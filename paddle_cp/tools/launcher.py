@@ -1,5 +1,5 @@
 """Start CPU ranks under `paddle.distributed.launch`: the one launcher of the tools (pcp-bench, pcp-bench-pp,
-pcp-memory, pcp-selftest) and of the test suite (tests/launcher.py), with the ranks' side of it.
+pcp-memory, pcp-selftest) and of the test suite (tests/launcher.py); what the ranks share is tools/ranks.py.
 
 A tool launches its own file as the ranks' script (`launch(args, argv, script=__file__)`); the ranks see
 PADDLE_TRAINER_ID set, measure, and rank 0 writes the result to `--result-file`, which `launch` returns.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -118,41 +117,3 @@ def _follow(proc, log):
         if not running:
             return
         time.sleep(0.5)
-
-
-# ---- the rank side: what the ranks of a launched tool share -----------------------
-
-def write_every_ranks_rows(result_file, rows):
-    """A rank's side of `launch` for a tool whose every rank reports: its rows beside the result file, then
-    rank 0 writes all of them, in rank order, as the result."""
-    import paddle.distributed as dist
-
-    Path(f"{result_file}.{dist.get_rank()}").write_text(json.dumps(rows))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        merged = [row for rank in range(dist.get_world_size())
-                  for row in json.loads(Path(f"{result_file}.{rank}").read_text())]
-        Path(result_file).write_text(json.dumps(merged))
-
-
-def gather(values):
-    """Every rank's list of floats, as a list of lists (float64 keeps byte counts exact)."""
-    import paddle
-    import paddle.distributed as dist
-
-    gathered = []
-    dist.all_gather(gathered, paddle.to_tensor(values, dtype="float64"))
-    return [g.numpy().tolist() for g in gathered]
-
-
-def median_time(step, iters, warmup, before=lambda: None):
-    """The median seconds of `iters` calls of `step` after `warmup` untimed ones (`before` runs untimed
-    ahead of each)."""
-    times = []
-    for i in range(warmup + iters):
-        before()
-        start = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)

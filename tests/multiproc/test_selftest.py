@@ -1,4 +1,4 @@
-"""pcp-selftest (paddle_cp/tools/selftest.py) on 4 CPU ranks. Started by its own launcher (the console script's
+"""pcp-selftest (paddle_cp/tools/selftest/) on 4 CPU ranks. Started by its own launcher (the console script's
 path): it passes and prints its table (fp32 and the blockwise kernel: the CPU matmul takes no bf16). Inside a
 launch (one launch, tests/workers/selftest_in_launch.py): on the GPU path with emulated flash ops (bf16 checks,
 the flash and flashmask kernels), then with a fault planted, where every rank exits non-zero and the table names

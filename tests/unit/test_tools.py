@@ -10,11 +10,12 @@ import pytest
 
 from paddle_cp.api.config import load_config
 from paddle_cp.cost import attention as attention_cost
-from paddle_cp.tools import selftest
+from paddle_cp.tools.bench import attention_figures
 from paddle_cp.tools.bench import cli as bench
 from paddle_cp.tools.bench import pp as bench_pp
 from paddle_cp.tools.memory import cli as memory
 from paddle_cp.tools.plan import cli as plan
+from paddle_cp.tools.selftest import cli as selftest
 from paddle_cp.integrations.paddleformers import cli
 from paddle_cp.cost.memory import memory as memory_estimate
 from paddle_cp.cost.model_shape import ModelShape
@@ -25,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_work_per_rank():
     for n in (2, 3, 4):
-        assert len(set(bench.work_per_rank("p2p", n, 8 * n, 4, causal=True))) == 1
-    assert sum(bench.work_per_rank("p2p", 4, 64, 2, causal=True)) == 2 * 64 * 65 // 2
-    assert bench.work_per_rank("all2all", 2, 16, 3, causal=False) == [2 * 256, 256]  # uneven head split
-    hybrid = bench.work_per_rank("hybrid", 4, 64, 4, causal=True, ulysses_degree=2)
+        assert len(set(attention_figures.work_per_rank("p2p", n, 8 * n, 4, causal=True))) == 1
+    assert sum(attention_figures.work_per_rank("p2p", 4, 64, 2, causal=True)) == 2 * 64 * 65 // 2
+    assert attention_figures.work_per_rank("all2all", 2, 16, 3, causal=False) == [2 * 256, 256]  # uneven head split
+    hybrid = attention_figures.work_per_rank("hybrid", 4, 64, 4, causal=True, ulysses_degree=2)
     assert len(set(hybrid)) == 1 and sum(hybrid) == 4 * 64 * 65 // 2
 
 
@@ -210,7 +211,7 @@ def test_bench_documents_model_only_prices_the_layouts_side_by_side(tmp_path, ca
 
 
 @pytest.mark.parametrize("program, name", [("/venv/bin/pcp-selftest", "pcp-selftest"),
-                                           ("/repo/paddle_cp/tools/selftest.py", "pcp-selftest"),
+                                           ("/repo/paddle_cp/tools/selftest/cli.py", "pcp-selftest"),
                                            ("/repo/paddle_cp/tools/bench/cli.py", "pcp-bench"),
                                            ("/repo/paddle_cp/tools/bench/pp.py", "pcp-bench-pp")])
 def test_progress_lines_carry_the_tools_name(monkeypatch, capsys, program, name):

@@ -3,7 +3,7 @@
 - `emulated.json`: on the GPU path (emulated_flash.py: paddle_cp selects the flash and flashmask kernels, whose
   ops are emulated on CPU with the GPU kernels' bf16 rounding), bf16 taken as the device's: the bf16 checks and
   their bound run, on the kernels a GPU would call;
-- `selftest.json`, through selftest.main (which exits 1 on a failure): with a fault planted, the ranks'
+- `selftest.json`, through cli.main (which exits 1 on a failure): with a fault planted, the ranks'
   point-to-point exchanges carrying floats in bfloat16, as a misconfigured transport might (k/v blocks on
   their way round the ring and, on gloo, the Ulysses all-to-all, whose rounds are such exchanges).
 
@@ -19,7 +19,7 @@ import paddle
 import paddle.distributed as dist
 
 from paddle_cp.comm import p2p
-from paddle_cp.tools import selftest
+from paddle_cp.tools.selftest import checks, cli
 
 MISSING = object()
 
@@ -33,7 +33,7 @@ def emulated_gpu():
         setattr(owner, name, value)
 
     emulated_flash.install(set_attr)
-    set_attr(selftest, "_bf16_matmul_runs", lambda: True)
+    set_attr(checks, "_bf16_matmul_runs", lambda: True)
     try:
         yield
     finally:
@@ -55,9 +55,9 @@ def in_bfloat16(shift):
 flags, reports = sys.argv[1:], os.environ["PCP_REPORT_DIR"]
 dist.init_parallel_env()
 with emulated_gpu():
-    emulated = selftest.run_ranks(selftest.parse_args(flags))
+    emulated = checks.run_ranks(cli.parse_args(flags))
 if dist.get_rank() == 0:
     with open(os.path.join(reports, "emulated.json"), "w") as out:
-        json.dump({**emulated, "table": selftest.table(emulated)}, out)
+        json.dump({**emulated, "table": cli.table(emulated)}, out)
 p2p.shift = in_bfloat16(p2p.shift)
-selftest.main([*flags, "--json", os.path.join(reports, "selftest.json")])
+cli.main([*flags, "--json", os.path.join(reports, "selftest.json")])

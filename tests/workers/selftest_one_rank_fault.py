@@ -1,7 +1,7 @@
 """pcp-selftest inside a launch with a fault planted on rank 1 only (argv: the fault, then the selftest's flags):
 
 - `case`: building the fp32 case (no collectives) raises on rank 1: every rank skips its checks alike;
-  each rank writes `exit<rank>.json` with the code selftest.main exits with, rank 0 the summary;
+  each rank writes `exit<rank>.json` with the code cli.main exits with, rank 0 the summary;
 - `kernel`: the attention kernel raises on rank 1 in the ring check, after its first ring step, while its peers
   wait in that check's exchanges for its next message.
 
@@ -16,7 +16,7 @@ import paddle.distributed as dist
 
 import paddle_cp as pcp
 from paddle_cp.attention import kernels
-from paddle_cp.tools import selftest
+from paddle_cp.tools.selftest import checks, cli
 
 TIMEOUT = 60  # seconds: gloo gives up after its own 30 s first, which the guard reports as "failed after"
 
@@ -27,9 +27,9 @@ rank = dist.get_rank()
 if rank == 1 and fault == "case":
     def failing_case(self, args, dtype):
         raise RuntimeError("planted fault: the case cannot be built on rank 1")
-    selftest.Case.__init__ = failing_case
+    checks.Case.__init__ = failing_case
 if rank == 1 and fault == "kernel":
-    forward, check_backend, calls = kernels.BlockwiseKernel.forward, selftest.check_backend, []
+    forward, check_backend, calls = kernels.BlockwiseKernel.forward, checks.check_backend, []
 
     def failing_forward(self, *args):
         calls.append(1)
@@ -40,9 +40,9 @@ if rank == 1 and fault == "kernel":
     def check_with_fault(pcp_module, mesh, case, backend):
         kernels.BlockwiseKernel.forward = failing_forward
         return check_backend(pcp_module, mesh, case, backend)
-    selftest.check_backend = check_with_fault
+    checks.check_backend = check_with_fault
 try:
-    selftest.main([*flags, "--json", os.path.join(reports, "selftest.json")])
+    cli.main([*flags, "--json", os.path.join(reports, "selftest.json")])
 except SystemExit as exit_:
     with open(os.path.join(reports, f"exit{rank}.json"), "w") as out:
         json.dump({"code": exit_.code}, out)

@@ -35,7 +35,8 @@ if __package__ in (None, ""):  # run as a script by the launch: import the packa
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from paddle_cp.integrations import zoo  # noqa: E402
-from paddle_cp.tools.launcher import THREAD_VARS, gather, launch, median_time, progress  # noqa: E402
+from paddle_cp.tools.launcher import THREAD_VARS, launch, progress  # noqa: E402
+from paddle_cp.tools.ranks import gather, median_time, seeded_normal, sep_mesh, start_cpu_ranks  # noqa: E402
 
 TABLE = ("efficiency", "bytes_per_rank", "bytes_min", "bytes_ratio")
 
@@ -116,9 +117,9 @@ def gated_delta_layer(args):
     return Holder()
 
 
-def _inputs(paddle, args, seq):
-    paddle.seed(seq)
-    return paddle.randn([args.batch, seq, args.hidden]), paddle.randn([args.batch, seq, args.hidden])
+def _inputs(args, seq):
+    """The layer's input and its output's gradient, seeded by the length."""
+    return seeded_normal(seq, [args.batch, seq, args.hidden], [args.batch, seq, args.hidden])
 
 
 def _fwd_bwd(paddle, layer, x, dout):
@@ -136,7 +137,7 @@ def measure_single(args):
     times = {}
     for seq in args.seq:
         progress(f"seq {seq}: one process")
-        x, dout = _inputs(paddle, args, seq)
+        x, dout = _inputs(args, seq)
         times[seq] = median_time(lambda: _fwd_bwd(paddle, layer, x, dout), args.iters, args.warmup)
     return times
 
@@ -148,10 +149,8 @@ def run_ranks(args):
     import paddle_cp as pcp
     from paddle_cp.plans import same_batch
 
-    paddle.set_device("cpu")
-    dist.init_parallel_env()
-    world = dist.get_world_size()
-    mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
+    world = start_cpu_ranks()
+    mesh = sep_mesh(world)
     runs = []
     for backend in args.backend:
         paddle.seed(0)
@@ -161,7 +160,7 @@ def run_ranks(args):
         pcp.parallelize(layer, None, mesh, {"cp_config": {"parallelize_plan": plan}})
         for seq in args.seq:
             progress(f"seq {seq}: {backend} on {world} ranks")
-            x, dout = _inputs(paddle, args, seq)
+            x, dout = _inputs(args, seq)
             dout = pcp.shard_sequence(dout, backend=prepare, mesh=mesh)
             pcp.reset_counters()
             _fwd_bwd(paddle, layer, x, dout)

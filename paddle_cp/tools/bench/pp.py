@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from paddle_cp.tools.launcher import launch, progress  # absolute: the ranks run this file as a script
+from paddle_cp.tools.ranks import start_cpu_ranks
 from paddle_cp.tools.text import show
 
 SCHEDULES = ("FThenB", "1F1B", "VPP")
@@ -150,10 +151,7 @@ def run_ranks(args):
 
     import paddle_cp as pcp
 
-    paddle.set_device("cpu")
-    dist.init_parallel_env()
-    if dist.get_world_size() != args.nproc:
-        raise ValueError(f"launched on {dist.get_world_size()} ranks but --nproc is {args.nproc}")
+    start_cpu_ranks(args.nproc)
     cases = []
     for schedule in args.schedule:
         for m in args.micro:

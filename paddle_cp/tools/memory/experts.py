@@ -22,7 +22,8 @@ import os
 import sys
 
 from paddle_cp.tools.allocator import allocated, peak, reset_peak
-from paddle_cp.tools.launcher import launch, progress, write_every_ranks_rows
+from paddle_cp.tools.launcher import launch, progress
+from paddle_cp.tools.ranks import start_cpu_ranks, write_every_ranks_rows
 from paddle_cp.tools.text import ruled_table, show
 
 CONFIGS = ("ep", "ep+level3", "level3", "replicated")
@@ -163,11 +164,9 @@ def measure(name, args, mesh):
 
 def run_rank(args):
     import numpy as np
-    import paddle
     import paddle.distributed as dist
 
-    paddle.set_device("cpu")
-    dist.init_parallel_env()
+    start_cpu_ranks()
     names = list(args.mesh)
     mesh = dist.ProcessMesh(np.arange(dist.get_world_size()).reshape([args.mesh[n] for n in names]).tolist(),
                             dim_names=names)

@@ -81,14 +81,12 @@ def measure(args, layout, seq):
 
 
 def run_ranks(args):
-    import paddle
     import paddle.distributed as dist
 
     from paddle_cp.tools.launcher import progress
-    from paddle_cp.tools.memory.step import max_over_ranks
+    from paddle_cp.tools.ranks import max_over_ranks, start_cpu_ranks
 
-    paddle.set_device("cpu")
-    dist.init_parallel_env()
+    start_cpu_ranks()
     rows = []
     for name, layout in zip(args.layouts, layouts(args)):
         for seq in args.seq:

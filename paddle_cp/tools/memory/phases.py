@@ -20,7 +20,8 @@ import os
 import sys
 import tempfile
 
-from paddle_cp.tools.launcher import launch, write_every_ranks_rows
+from paddle_cp.tools.launcher import launch
+from paddle_cp.tools.ranks import start_cpu_ranks, write_every_ranks_rows
 from paddle_cp.tools.memory.io_phases import MIB, bound
 from paddle_cp.tools.text import ruled_table, show
 
@@ -117,14 +118,12 @@ def _step(model, optimizer, mesh, vocab):
 
 
 def run_rank(args, scratch):
-    import paddle
     import paddle.distributed as dist
 
     import paddle_cp as pcp
     from paddle_cp.tools.memory.io_phases import measure
 
-    paddle.set_device("cpu")
-    dist.init_parallel_env()
+    start_cpu_ranks()
     cls, model_config = config(args)
     built = {}
 

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from paddle_cp.tools.launcher import launch, progress
+from paddle_cp.tools.ranks import gather, start_cpu_ranks
 from paddle_cp.tools.memory.io_phases import MIB
 from paddle_cp.tools.text import ruled_table, show
 
@@ -124,18 +125,14 @@ def measure_case(args, mesh_name, over, level):
 
 
 def run_ranks(args):
-    import paddle
     import paddle.distributed as dist
 
-    paddle.set_device("cpu")
-    dist.init_parallel_env()
+    start_cpu_ranks()
     results = []
     for mesh_name, over, level in cases(args):
         progress(f"{mesh_name} level {level} over {over}")
         mine, largest = measure_case(args, mesh_name, over, level)
-        gathered = []
-        dist.all_gather(gathered, paddle.to_tensor([float(mine[f]) for f in FIELDS], dtype="float64"))
-        ranks = [dict(zip(FIELDS, (int(v) for v in t.numpy().tolist()))) for t in gathered]
+        ranks = [dict(zip(FIELDS, (int(v) for v in row))) for row in gather([float(mine[f]) for f in FIELDS])]
         results.append({"mesh": mesh_name, "sharded_over": over, "level": level, "largest_parameter": largest,
                         "ranks": ranks})
     return with_ratios(results) if dist.get_rank() == 0 else None

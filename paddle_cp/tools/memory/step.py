@@ -1,5 +1,5 @@
-"""One measured training step, shared by pcp-memory's launches (cli.py) and its planned layouts (layouts.py): the
-model they train, the step's parts from Paddle's host allocator, and each figure's largest over the ranks."""
+"""One measured training step, shared by pcp-memory's ranks (breakdown.py) and its planned layouts (layouts.py):
+the model they train and the step's parts from Paddle's host allocator."""
 from __future__ import annotations
 
 from paddle_cp.tools.allocator import allocated, peak, reset_peak
@@ -48,13 +48,3 @@ def step_parts(model, opt, inputs, start, params):
             "activations": None if pipelined else body_end[-1] - base,
             "logits": None if pipelined else held - body_end[-1], "peak": peak() - start}
 
-
-def max_over_ranks(values):
-    """Each of `values` (numbers) at its largest over the launched ranks."""
-    import paddle
-    import paddle.distributed as dist
-
-    tensor = paddle.to_tensor(values, dtype="float64")
-    if dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.numpy().tolist()

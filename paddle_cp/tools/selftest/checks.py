@@ -1,39 +1,14 @@
-"""pcp-selftest: does context-parallel attention compute, on this machine's devices, what one device does?
-
-    pcp-selftest --nproc 8                      (starts 8 ranks: one per GPU, or CPU ranks on gloo)
-    python -m paddle.distributed.launch --nproc_per_node 8 paddle_cp/tools/selftest.py   (inside a launch)
-
-Run it before a long job. On every rank, from one seed, a batch of packed documents (uneven, crossing the
-ranks' shares) under causal attention with a sliding window, forward and backward (q, k, v gradients) through
-the public API (`pcp.ring_attention`, `pcp.ulysses_attention`, `pcp.hybrid_attention` with U=2 where N >= 4 is
-even), in each dtype the device's kernels take (bf16 and fp32 on a GPU; fp32 on CPU, whose matmul takes no
-bf16: probed, not assumed). Each output and gradient, gathered in token order, is compared with the truth: one
-device's dense attention in float64 on the same (dtype-rounded) inputs, its error taken relative to the
-tensor's largest value (at least 1). The bound is what the dtype allows on this device: 2x one device's own
-error (paddle_cp's kernels on the whole sequence, in the dtype: on a GPU, fp32 matmuls may run in TF32, Paddle's
-default) or a floor, whichever is larger: 1e-5 for fp32, one bf16 rounding (2^-8) for bf16.
-
-Beside each check: the attention kernels paddle_cp called per rank (flash / flashmask / blockwise, forward and
-backward calls, counted through a wrapper of their methods), the Paddle operators run (Paddle's per-dtype
-operator counter: calls, the share in the check's dtype, the flash ops' calls); then the bandwidth of the ring
-exchange (paddle_cp's p2p shift to the next rank) and of the all-to-all (paddle_cp's all_to_all), from a few
-timed exchanges of --exchange-mib per rank, with a check that every rank received what its peers sent. The
-table goes to stdout (--json: everything); the exit code is 1 when any check failed, on every rank.
-
-A failure on one rank only never leaves the others waiting out a collective timeout: building a dtype's case
-(no collectives) is agreed by one all-reduce, so every rank skips that dtype's checks alike and the table names
-the failed ranks; a check that raises inside its exchanges (a kernel failing on one device) ends the run at once
-on that rank, exit 1 with its error on stderr, and its peers' exchanges fail at once or the launcher stops them.
-"""
+"""pcp-selftest's checks, as each rank runs them: the case of each dtype (its truth in float64, one device's
+error), every backend's attention against it with the kernels and operators it called, the exchanges' bandwidth
+(exchanges.py), failures agreed across ranks, and the summary every rank returns."""
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import sys
-import time
-from pathlib import Path
+
+from paddle_cp.tools.ranks import sep_mesh
+from paddle_cp.tools.selftest.exchanges import exchange_bandwidth
 
 FLOOR = {"float32": 1e-5, "bfloat16": 2.0 ** -8}  # bf16: one rounding of a result, relative to its scale
 ONE_DEVICE_FACTOR = 2  # as close to the truth as one device, within this factor
@@ -42,46 +17,6 @@ HYBRID_ULYSSES = 2
 TENSORS = ("out", "dq", "dk", "dv")
 ATTENTION_OPS = ("flash_attn", "flash_attn_grad", "flashmask_attention", "flashmask_attention_grad")
 
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, help="ranks (default: inside a launch its ranks, else every GPU, "
-                                                  "else 2 CPU ranks)")
-    parser.add_argument("--seq", type=int, help="global sequence length (default: 2048 on GPU, 64 x N on CPU)")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--heads", type=int, help="query heads (default: max(8, N))")
-    parser.add_argument("--kv-heads", type=int, help="k/v heads (GQA; default: half the query heads)")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--window", type=int, help="sliding window (default: seq / 8)")
-    parser.add_argument("--exchange-mib", type=float, help="MiB each rank sends per timed exchange "
-                                                           "(default: 64 on GPU, 1 on CPU)")
-    parser.add_argument("--iters", type=int, default=5, help="timed exchanges (after one untimed)")
-    parser.add_argument("--json", help="write every figure here")
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)  # launcher <-> rank 0
-    args = parser.parse_args(argv)
-    args.nproc = args.nproc or _default_ranks()
-    if args.nproc < 1:
-        parser.error("--nproc takes at least 1 rank")
-    heads = args.heads or max(8, args.nproc)
-    kv_heads = args.kv_heads or max(1, heads // 2)
-    if heads % kv_heads:
-        parser.error(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
-    if args.seq is not None and args.seq < 4 * args.nproc:
-        parser.error(f"--seq {args.seq}: give at least 4 tokens per rank ({4 * args.nproc})")
-    args.heads, args.kv_heads = heads, kv_heads
-    return args
-
-
-def _default_ranks():
-    if "PADDLE_TRAINERS_NUM" in os.environ:  # inside a launch
-        return int(os.environ["PADDLE_TRAINERS_NUM"])
-    import paddle
-
-    gpus = paddle.device.cuda.device_count() if paddle.is_compiled_with_cuda() else 0
-    return gpus or 2
-
-
-# ---- what the ranks run ---------------------------------------------------------------------------
 
 class KernelCalls:
     """Forward and backward calls of each attention kernel while active, by kernel name: a wrapper around the
@@ -225,46 +160,6 @@ def check_backend(pcp, mesh, case, backend):
             "kernels": kernels.calls, "ops": ops}
 
 
-def exchange_bandwidth(group, nbytes, iters, synchronize):
-    """{exchange: (bytes this rank sends per exchange, seconds per exchange, delivered)} for the ring shift
-    and the all-to-all, each rank sending `nbytes` in all (the all-to-all keeps 1/N of it home)."""
-    import paddle
-    import paddle.distributed as dist
-
-    from paddle_cp.comm import collectives, p2p
-
-    n, me = group.size, group.index
-    elements = max(n, nbytes // 4 // n * n)  # int32: every value below 2^31 is exact (float32's stop at 2^24)
-    mine = paddle.full([elements], me, "int32")
-    chunks = list(paddle.split(paddle.arange(elements, dtype="int32") + me * elements, n))  # chunk j to position j
-
-    def ring():
-        return p2p.shift(group, mine, 1, tag="selftest").wait()
-
-    def all_to_all():
-        return collectives.all_to_all(group, chunks, tag="selftest")
-
-    received = ring()
-    ring_ok = bool((received == (me - 1) % n).all())
-    parts = all_to_all()
-    size = elements // n
-    expect = [paddle.arange(me * size, (me + 1) * size, dtype="int32") + j * elements for j in range(n)]
-    all_to_all_ok = all(bool((got == want).all()) for got, want in zip(parts, expect))
-
-    def seconds(exchange):
-        dist.barrier()
-        synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
-            exchange()
-        synchronize()
-        return (time.perf_counter() - start) / iters
-
-    sent = elements * 4
-    return {"ring": (sent if n > 1 else 0, seconds(ring), ring_ok),
-            "all_to_all": (sent * (n - 1) // n, seconds(all_to_all), all_to_all_ok)}
-
-
 def _bf16_matmul_runs():
     """Whether this device's matmul takes bfloat16 (CPU builds register none)."""
     import paddle
@@ -295,7 +190,7 @@ def run_ranks(args):
     args.window = args.window or max(1, args.seq // 8)
     mib = args.exchange_mib or (64 if on_gpu else 1)
     synchronize = paddle.device.synchronize if on_gpu else (lambda: None)
-    mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
+    mesh = sep_mesh(world)
     group = resolve_group(mesh)
     dtypes = ["bfloat16", "float32"] if _bf16_matmul_runs() else ["float32"]
     backends = [b for b in BACKENDS if b != "hybrid" or (world >= 2 * HYBRID_ULYSSES and world % HYBRID_ULYSSES == 0)]
@@ -391,77 +286,3 @@ def _op_summary(ops, dtype):
             "in_dtype": sum(c.get(column, 0) for c in ops.values()),
             "operators": len(ops),
             "attention_ops": {op: sum(ops[op].values()) for op in ATTENTION_OPS if op in ops}}
-
-
-# ---- the table ------------------------------------------------------------------------------------
-
-def table(result):
-    from paddle_cp.tools.text import ruled_table  # here: the ranks run this file as a script
-
-    c = result["config"]
-    lines = [f"pcp-selftest: {c['nproc']} rank(s) on {c['device']}; batch {c['batch']} x {c['seq']} tokens of packed "
-             f"documents, causal, window {c['window']}; heads {c['heads']}/{c['kv_heads']} x {c['head_dim']}"]
-    lines += [f"not run: {reason}" for reason in c["not_run"]]
-    head = (f"{'attention':9} {'dtype':8} {'out':>8} {'dq':>8} {'dk':>8} {'dv':>8} {'1 device':>8} {'bound':>8} "
-            f"{'result':6}  kernel calls fwd+bwd and Paddle ops (largest rank)")
-    rows = []
-    for check in result["checks"]:
-        start = f"{check['backend']:9} {check['dtype']:8}"
-        if "error" in check:
-            rows.append(f"{start} FAILED: {check['error'][:200]}")
-            continue
-        errors = " ".join(f"{check['errors'][t]:8.1e}" for t in TENSORS)
-        rows.append(f"{start} {errors} {max(check['one_device'].values()):8.1e} {check['tolerance']:8.1e} "
-                    f"{'ok' if check['passed'] else 'FAILED':6}  {_calls(check)}")
-    exchange_head = f"{'exchange':10} {'MiB/rank':>9} {'GB/s':>9} {'delivered':9}"
-    exchange_rows = [f"{name:10} {e['bytes_per_rank'] / 2 ** 20:9.2f} {e['bytes_per_second'] / 1e9:9.3f} "
-                     f"{'ok' if e['delivered'] else 'FAILED':9}" for name, e in result["exchanges"].items()]
-    verdict = "PASSED" if result["passed"] else "FAILED"
-    return "\n".join([*lines, ruled_table(head, rows), "", ruled_table(exchange_head, exchange_rows), verdict])
-
-
-def _calls(check):
-    """The largest rank's kernel calls and operator figures of a check (the ranks differ by their share)."""
-    kernels = {}
-    for per_rank in check["kernels_per_rank"]:
-        for name, counts in per_rank.items():
-            kernels[name] = max(kernels.get(name, (0, 0)), (counts["forward"], counts["backward"]))
-    ops = max(check["ops_per_rank"], key=lambda o: o["calls"])
-    attention_ops = ", ".join(f"{op} {n}" for op, n in ops["attention_ops"].items())
-    return (", ".join(f"{name} {f}+{b}" for name, (f, b) in sorted(kernels.items())) +
-            f"; {ops['calls']} ops of {ops['operators']} kinds, {ops['in_dtype']} in {check['dtype']}"
-            + (f" ({attention_ops})" if attention_ops else ""))
-
-
-# ---- entry points ---------------------------------------------------------------------------------
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if "PADDLE_TRAINER_ID" not in os.environ:  # start the ranks (bench's launcher: one per GPU when there are)
-        from paddle_cp.tools.launcher import launch
-
-        result = launch(args, argv, script=__file__)
-    else:
-        result = run_ranks(args)
-        if args.result_file:
-            import paddle.distributed as dist
-
-            if dist.get_rank() == 0:
-                Path(args.result_file).write_text(json.dumps(result))
-            return
-    finish(result, args)
-
-
-def finish(result, args):
-    import paddle.distributed as dist
-
-    if "PADDLE_TRAINER_ID" not in os.environ or dist.get_rank() == 0:
-        from paddle_cp.tools.text import show  # here: the ranks run this file as a script
-
-        show(table(result), result, args.json)
-    sys.exit(0 if result["passed"] else 1)
-
-
-if __name__ == "__main__":
-    main()
