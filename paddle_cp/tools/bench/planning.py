@@ -22,7 +22,6 @@ import argparse
 import json
 import time
 
-import numpy as np
 
 from paddle_cp.tools.units import tokens
 

@@ -20,7 +20,6 @@ again in backward, their gradients home) and `read`, 3 x the rows read; `planned
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
