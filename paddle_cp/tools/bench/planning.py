@@ -22,7 +22,6 @@ import argparse
 import json
 import time
 
-
 from paddle_cp.tools.units import tokens
 
 TILE = 512  # the blockwise kernel's default tile
