@@ -24,7 +24,7 @@ from dataclasses import asdict
 
 from .memory import memory, stage_layers
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
-from .step_time import attention_bytes, step_time
+from .step_time import attention_bytes, ring_exchange, step_time
 
 DEFAULT_LOSS_CHUNK = 4096  # tokens per chunk of the chunked loss the search tries
 DEFAULT_MLP_TILE = 4096  # tokens per SequenceTiled tile the search tries (ALST: about the hidden size)
@@ -92,7 +92,8 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=Fa
     attention.PackedRow of the sequences' documents; `elem` and `master_grad`: the precision, by default
     PaddleFormers' bf16 O2 with fp32 master gradients)."""
     mem = memory(model, layout, seq, batch, elem, fused, master_grad)
-    time = step_time(model, layout, cluster, seq, batch, elem, causal, packed, master_grad)
+    exchange = ring_exchange(model, layout, cluster, seq, batch, elem, causal, packed)
+    time = step_time(model, layout, cluster, seq, batch, elem, causal, packed, master_grad, exchange)
     total_time = sum(time.values())
     host_per_node = mem["host"] * min(cluster.devices, cluster.devices_per_node)
     return {
@@ -100,7 +101,7 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=Fa
         "memory": mem, "memory_total": mem["peak"], "host_per_node": host_per_node,
         "fits": mem["peak"] <= cluster.usable_memory and host_per_node <= cluster.host_memory,
         "time": time, "step_time": total_time,
-        "attention_bytes": attention_bytes(model, layout, cluster, seq, batch, elem, causal, packed),
+        "attention_bytes": attention_bytes(model, layout, cluster, seq, batch, elem, exchange=exchange),
         "tokens_per_second": layout.dp * batch * seq / total_time,
     }
 

@@ -36,8 +36,6 @@ member by member on its own links); ring traffic hidden behind attention compute
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from .attention import FP32, attention_flops, attention_traffic, kv_heads_sent
@@ -67,9 +65,10 @@ def _recompute_factor(layout, attention_share):
     return share / 3
 
 
-def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None, master_grad=True):
+def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None, master_grad=True, exchange=None):
     """{term: seconds} of one step (`batch` sequences of `seq` per data-parallel replica); `packed`: an
-    attention.PackedRow when the sequences pack documents; `master_grad`: fp32 gradients below fp32."""
+    attention.PackedRow when the sequences pack documents; `master_grad`: fp32 gradients below fp32; `exchange`:
+    the layout's RingExchange where the caller has it (ring_exchange's)."""
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     tokens = batch * seq / cp  # per rank, all micro-batches
     heads, kv_heads = model.heads // tp, model.kv_heads // tp
@@ -84,13 +83,14 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None
         recompute_dense += 2 * tokens * model.dense_layers * model.dense_mlp_params / tp
     stretch = 1 / (pp * (1 - layout.bubble))  # this stage's share, over the step's busy fraction
     uly, _ = attention_traffic(batch, seq, heads, kv_heads, model.head_dim, layout.ring, layout.ulysses, elem)
-    links = ring_links(cluster, layout)
     attention_seconds = attention / cluster.attention_rate
     if packed is not None:  # tiles, not FLOPs: the layout's slowest rank at the tile model's rates (fwd + bwd)
         attention_seconds = model.layers * batch * packed.seconds(layout.ring, layout.ulysses, heads, model.head_dim,
-                                                                  links)
+                                                                  ring_links(cluster, layout))
     gemm_seconds = dense_flops / cluster.flops
-    ring_seconds = model.layers * ring_exchange(model, layout, links, seq, batch, elem, causal, packed).seconds
+    if exchange is None:
+        exchange = ring_exchange(model, layout, cluster, seq, batch, elem, causal, packed)
+    ring_seconds = model.layers * exchange.seconds
     tp_bytes = model.layers * 4 * 2 * _ring_share(tp) * tokens * model.hidden * elem
     expert_bytes = (model.moe_layers * 4 * model.experts_per_token * tokens / tp * model.hidden * elem
                     * _ring_share(layout.ep))
@@ -115,21 +115,9 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None
 def ring_links(cluster, layout):
     """links.LinkCost of a replica's ring: member g's ranks from g x U x tp on (tensor and Ulysses inside it), nodes
     of `devices_per_node` ranks, the cluster's rates."""
-    return _ring_links(cluster, layout.ring, layout.ulysses * layout.tp)
-
-
-@functools.lru_cache(maxsize=256)  # the search prices thousands of layouts over a few rings
-def _ring_links(cluster, ring, stride):
     rates = Links(ranks_per_node=cluster.devices_per_node, intra_gbps=cluster.intra_bandwidth / 1e9,
                   inter_gbps=cluster.inter_bandwidth / 1e9)
-    return LinkCost.of_ranks(np.arange(ring) * stride, rates)
-
-
-@functools.lru_cache(maxsize=256)
-def _chunk_reads(seq, ring, causal):
-    read = chunk_reads(seq, ring, causal)
-    read.flags.writeable = False  # shared by every layout of this ring
-    return read
+    return LinkCost.of_ranks(np.arange(layout.ring) * layout.ulysses * layout.tp, rates)
 
 
 class RingExchange:
@@ -141,16 +129,17 @@ class RingExchange:
         self.seconds, self.within_node, self.across_nodes = seconds, int(within_node), int(across_nodes)
 
 
-def ring_exchange(model, layout, links, seq, batch, elem, causal=True, packed=None):
-    """RingExchange of `layout`'s ring on `links` (ring_links): the k/v rows other members' tiles read
+def ring_exchange(model, layout, cluster, seq, batch, elem, causal=True, packed=None):
+    """RingExchange of `layout`'s ring on the cluster's links (ring_links): the k/v rows other members' tiles read
     (exchange.chunk_reads for one document in 2R chunks; a PackedRow's chosen layout's TileCounts.read), `batch`
     rows of them, k/v in `elem` bytes, their gradients fp32 (rotation.GRAD_DTYPE); a hybrid rank's share of
     its ring group's heads."""
     if layout.ring == 1:
         return RingExchange()
+    links = ring_links(cluster, layout)
     heads = kv_heads_sent(model.heads // layout.tp, model.kv_heads // layout.tp, layout.ulysses) // layout.ulysses
     row = batch * heads * 2 * model.head_dim  # k and v of one token on one rank
-    read = (_chunk_reads(seq, layout.ring, causal) if packed is None
+    read = (chunk_reads(seq, layout.ring, causal) if packed is None
             else packed.counts(layout.ring, layout.ulysses, links).read)
     received = link_bytes(read, row * elem, row * FP32)  # [R, R]: what member r receives from g
     seconds = links.link_seconds(received)
@@ -159,13 +148,14 @@ def ring_exchange(model, layout, links, seq, batch, elem, causal=True, packed=No
     return RingExchange(float(seconds[busiest]), within[busiest], across[busiest])
 
 
-def attention_bytes(model, layout, cluster, seq, batch, elem, causal=True, packed=None):
+def attention_bytes(model, layout, cluster, seq, batch, elem, causal=True, packed=None, exchange=None):
     """{link: bytes} one rank receives per layer (forward + backward of `batch` sequences) for attention: the
-    ring's planned exchange (its busiest member's) and Ulysses' all-to-alls, within a node and across nodes."""
+    ring's planned exchange (its busiest member's; `exchange`: ring_exchange's where the caller has it) and
+    Ulysses' all-to-alls, within a node and across nodes."""
     heads, kv_heads = model.heads // layout.tp, model.kv_heads // layout.tp
     uly, _ = attention_traffic(batch, seq, heads, kv_heads, model.head_dim, layout.ring, layout.ulysses, elem)
     uly_across = layout.tp * layout.ulysses > cluster.devices_per_node  # _bandwidth's test
-    ring = ring_exchange(model, layout, ring_links(cluster, layout), seq, batch, elem, causal, packed)
+    ring = exchange if exchange is not None else ring_exchange(model, layout, cluster, seq, batch, elem, causal, packed)
     return {"ring_within_node": ring.within_node, "ring_across_nodes": ring.across_nodes,
             "ulysses_within_node": 0 if uly_across else int(uly), "ulysses_across_nodes": int(uly) if uly_across else 0}
 

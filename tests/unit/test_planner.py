@@ -312,7 +312,7 @@ def test_packed_short_documents_send_next_to_nothing():
 def test_a_ring_across_two_nodes_pays_the_network_rate_for_the_rows_from_the_other_node():
     """Ring members 0-3 on one node, 4-7 on the other: what a member receives from the other node comes at the
     network's rate, the rest at NVLink's; the busiest member's sum shows where attention cannot hide it."""
-    from paddle_cp.cost.step_time import attention_bytes, ring_exchange, ring_links
+    from paddle_cp.cost.step_time import attention_bytes, ring_exchange
 
     seq, ring = 32768, 8
     row = SMALL.kv_heads * 2 * SMALL.head_dim
@@ -329,7 +329,7 @@ def test_a_ring_across_two_nodes_pays_the_network_rate_for_the_rows_from_the_oth
     within = sum(received[busiest, g] for g in range(ring) if node[g] == node[busiest])
     assert (got["ring_within_node"], got["ring_across_nodes"]) == (within, received[busiest].sum() - within)
     assert got["ring_across_nodes"] > 0
-    exchange = ring_exchange(SMALL, Layout(ring=ring), ring_links(cluster, Layout(ring=ring)), seq, 1, 2)
+    exchange = ring_exchange(SMALL, Layout(ring=ring), cluster, seq, 1, 2)
     assert exchange.seconds == pytest.approx(seconds[busiest])
     assert step_time(SMALL, Layout(ring=ring), cluster, seq, 1, 2)["ring_exposed"] == pytest.approx(
         SMALL.layers * seconds[busiest])
