@@ -125,7 +125,7 @@ class PackedRow:
 
     def __init__(self, end, keys_seen):
         self.end, self.keys_seen = np.asarray(end), np.asarray(keys_seen)
-        self._chosen = {}  # (ring, ulysses) -> the chosen layout's TileCounts
+        self._chosen = {}  # (ring, ulysses[, nodes, rates]) -> the chosen layout's TileCounts
 
     def counts(self, ring, ulysses, links=None):
         """TileCounts of the layout paddle_cp chooses for the row over `ring` groups of `ulysses` ranks, its

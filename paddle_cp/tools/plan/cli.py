@@ -139,7 +139,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
     parser.add_argument("--documents", metavar="LENGTHS",
                         help="the sequences pack documents of these lengths (pcp-bench's names or a file): attention "
-                             "priced by the GPU tile model in the layout paddle_cp chooses")
+                             "priced by the GPU tile model, and the ring's exchange by the rows its tiles read, in the "
+                             "layout paddle_cp chooses for one row")
     parser.add_argument("--model-prefix", default="model", help="name of the decoder in the model (for plan keys)")
     parser.add_argument("--loss-chunk", type=tokens, default=search.DEFAULT_LOSS_CHUNK,
                         help="tokens per chunk of the chunked loss the search tries")
