@@ -15,7 +15,10 @@ Attention traffic (one attention call; local q [b, s/N, hq, d], k/v [b, s/N, hk,
   the minimum for a head split: ratio 1.
 - hybrid (USP): Ulysses over U ranks on s/R tokens, then the ring over R = N/U
   groups on the head-split k/v (h_k/U heads, repeated first when h_k < U).
-Every figure is the minimum of its algorithm, and what paddle_cp sends.
+Every figure is the minimum of its algorithm, and what paddle_cp sends with whole blocks (the `allgather`
+rotation, or the planned exchange where every tile is read). The planned exchange, paddle_cp's default ring,
+sends only the k/v rows other members' tiles read (cost/exchange.py): the planner prices that
+(step_time.ring_exchange).
 
 Attention memory: activation bytes a rank holds between forward and backward
 (inputs included), the thing context parallelism divides by N:
@@ -122,13 +125,19 @@ class PackedRow:
 
     def __init__(self, end, keys_seen):
         self.end, self.keys_seen = np.asarray(end), np.asarray(keys_seen)
-        self._chosen = {}  # (ring, ulysses) -> the chosen layout's TileCounts
+        self._chosen = {}  # (ring, ulysses[, nodes, rates]) -> the chosen layout's TileCounts
 
-    def seconds(self, ring, ulysses, heads, head_dim):
+    def counts(self, ring, ulysses, links=None):
+        """TileCounts of the layout paddle_cp chooses for the row over `ring` groups of `ulysses` ranks, its
+        exchange priced on `links` (links.LinkCost, as SequenceLayout prices it; None: one node)."""
+        key = (ring, ulysses) if links is None else (ring, ulysses, tuple(links.nodes), links.links)
+        if key not in self._chosen:
+            chosen, _ = packed_layout.choose(self.end, self.keys_seen, ring, ulysses, links)
+            self._chosen[key] = chosen.counts
+        return self._chosen[key]
+
+    def seconds(self, ring, ulysses, heads, head_dim, links=None):
         """The slowest rank's attention, forward + backward of one layer, in seconds: its tiles priced at the
         H200 fit, scaled from the fit's 32 query heads of dim 128 to `heads` (a rank's before Ulysses) x `head_dim`."""
-        if (ring, ulysses) not in self._chosen:
-            chosen, _ = packed_layout.choose(self.end, self.keys_seen, ring, ulysses)
-            self._chosen[ring, ulysses] = chosen.counts
-        counts = self._chosen[ring, ulysses]
+        counts = self.counts(ring, ulysses, links)
         return counts.slowest_ms(ulysses, heads * head_dim / (FIT_HEADS * FIT_HEAD_DIM)) / 1e3

@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .exchange import link_bytes
 from .tiles import FIT_HEAD_DIM, RANK_MS
 
 FIT_KV_HEADS = 8  # the fit's k/v heads (tile_cost: 32 query heads, GQA 4)
@@ -87,4 +88,15 @@ class LinkCost:
 
     def received_bytes(self, counts, ulysses=1):
         """int [R]: bytes a rank of each group receives per forward + backward (fit shape)."""
-        return (2 * KV_ROW_BYTES * counts.read.sum(axis=1) + GRAD_ROW_BYTES * counts.read.sum(axis=0)) // ulysses
+        return link_bytes(counts.read, KV_ROW_BYTES, GRAD_ROW_BYTES).sum(axis=1) // ulysses
+
+    def link_seconds(self, received):
+        """float [R]: seconds each member's `received[r, g]` bytes (exchange.link_bytes) take on the links they
+        come over, one after the other (a member receives from one other member a ring step)."""
+        return (np.asarray(received) * self.ms_per_byte).sum(axis=1) / 1e3
+
+    def by_link(self, received):
+        """(within a node, across nodes): int [R] each, the bytes of `received[r, g]` each member receives."""
+        same = self.nodes[:, None] == self.nodes[None, :]
+        received = np.asarray(received)
+        return np.where(same, received, 0).sum(axis=1), np.where(same, 0, received).sum(axis=1)

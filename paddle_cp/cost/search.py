@@ -7,7 +7,8 @@ models: dividing dp x sep), a sharding level over dp x sep, recomputation (none,
 modules the model's family reads), an unchunked or chunked loss, MLPs tiled over the sequence or not (dense
 models), full recomputation's layer inputs in host memory or not, the optimizer stepped on the host or not.
 Each gets memory.memory (bytes per rank, the busiest stage's peak; its host bytes per node, layer inputs
-and optimizer state, within the cluster's host memory) and step_time.step_time; those that fit (the peak within
+and optimizer state, within the cluster's host memory), step_time.step_time and step_time.attention_bytes (the
+bytes a rank receives per layer for attention, within a node and across nodes); those that fit (the peak within
 the device's memory less the cluster's reserve) come first, fastest first, then the rest by memory.
 `longest_sequence` bisects for the longest sequence some layout fits (`pcp-plan --max-seq`).
 
@@ -23,7 +24,7 @@ from dataclasses import asdict
 
 from .memory import memory, stage_layers
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
-from .step_time import step_time
+from .step_time import attention_bytes, ring_exchange, step_time
 
 DEFAULT_LOSS_CHUNK = 4096  # tokens per chunk of the chunked loss the search tries
 DEFAULT_MLP_TILE = 4096  # tokens per SequenceTiled tile the search tries (ALST: about the hidden size)
@@ -91,7 +92,8 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=Fa
     attention.PackedRow of the sequences' documents; `elem` and `master_grad`: the precision, by default
     PaddleFormers' bf16 O2 with fp32 master gradients)."""
     mem = memory(model, layout, seq, batch, elem, fused, master_grad)
-    time = step_time(model, layout, cluster, seq, batch, elem, causal, packed, master_grad)
+    exchange = ring_exchange(model, layout, cluster, seq, batch, elem, causal, packed)
+    time = step_time(model, layout, cluster, seq, batch, elem, causal, packed, master_grad, exchange)
     total_time = sum(time.values())
     host_per_node = mem["host"] * min(cluster.devices, cluster.devices_per_node)
     return {
@@ -99,6 +101,7 @@ def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=Fa
         "memory": mem, "memory_total": mem["peak"], "host_per_node": host_per_node,
         "fits": mem["peak"] <= cluster.usable_memory and host_per_node <= cluster.host_memory,
         "time": time, "step_time": total_time,
+        "attention_bytes": attention_bytes(model, layout, cluster, seq, batch, elem, exchange=exchange),
         "tokens_per_second": layout.dp * batch * seq / total_time,
     }
 

@@ -3,8 +3,8 @@
 Matmuls at the cluster's GEMM rate, attention at its attention rate (an H200 measured bf16 GEMM at 695-772
 TFLOP/s at Llama-8B shapes, causal attention forward + backward at 287-328 with FlashAttention-2 and 544-577
 with cuDNN: docs/long_context.md); each communication at the bandwidth of the links its group spans (a group
-of `size` ranks `stride` apart stays on one node while stride x size <= devices per node); ring traffic
-hidden behind attention compute, the rest not overlapped. What each term counts:
+of `size` ranks `stride` apart stays on one node while stride x size <= devices per node; the ring's exchange
+member by member on its own links); ring traffic hidden behind attention compute, the rest not overlapped. What each term counts:
 
 - compute: 6 FLOPs per active matmul parameter per token (the lm_head included, top-k experts only) and
   attention.attention_flops, over tp and cp (on packed documents, attention at the GPU tile model's
@@ -13,7 +13,12 @@ hidden behind attention compute, the rest not overlapped. What each term counts:
   stage does 1/pp of it, stretched by the schedule's bubble.
 - tensor_parallel: sequence parallelism's all-gather and reduce-scatter around attention and the MLP, forward
   and backward (the volume of Megatron's two all-reduces per layer each way).
-- ulysses, ring_exposed: attention.py's exact traffic.
+- ulysses: attention.py's all-to-all traffic.
+- ring_exposed: the planned k/v exchange paddle_cp runs (planned_exchange.py), per layer forward + backward the
+  k/v rows other members' tiles read, twice, and their fp32 gradients home (exchange.py), for one causal document
+  in 2R chunks or a PackedRow's chosen layout; each member's bytes at the rate of the link they come over
+  (NVLink within a node, the network across: links.LinkCost on the cluster's rates and nodes), the busiest
+  member's; hidden behind the layer's attention compute (forward + backward): only the part longer than it shows.
 - pipeline_p2p: every micro-batch's activations forward and gradients back, once per chunk (interleaved).
 - expert_all_to_all: each MoE layer sends its tokens' top-k copies to their experts and back, forward and
   backward: 4 k t h bytes x (E-1)/E.
@@ -31,7 +36,11 @@ hidden behind attention compute, the rest not overlapped. What each term counts:
 """
 from __future__ import annotations
 
-from .attention import FP32, attention_flops, attention_traffic
+import numpy as np
+
+from .attention import FP32, attention_flops, attention_traffic, kv_heads_sent
+from .exchange import chunk_reads, link_bytes
+from .links import LinkCost, Links
 from .memory import gradient_elem, recompute_inputs, stage_params, stepped_params
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL
 
@@ -56,9 +65,10 @@ def _recompute_factor(layout, attention_share):
     return share / 3
 
 
-def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None, master_grad=True):
+def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None, master_grad=True, exchange=None):
     """{term: seconds} of one step (`batch` sequences of `seq` per data-parallel replica); `packed`: an
-    attention.PackedRow when the sequences pack documents; `master_grad`: fp32 gradients below fp32."""
+    attention.PackedRow when the sequences pack documents; `master_grad`: fp32 gradients below fp32; `exchange`:
+    the layout's RingExchange where the caller has it (ring_exchange's)."""
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     tokens = batch * seq / cp  # per rank, all micro-batches
     heads, kv_heads = model.heads // tp, model.kv_heads // tp
@@ -72,12 +82,15 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None
     if layout.mlp_tile:
         recompute_dense += 2 * tokens * model.dense_layers * model.dense_mlp_params / tp
     stretch = 1 / (pp * (1 - layout.bubble))  # this stage's share, over the step's busy fraction
-    uly, ring = attention_traffic(batch, seq, heads, kv_heads, model.head_dim, layout.ring, layout.ulysses, elem)
+    uly, _ = attention_traffic(batch, seq, heads, kv_heads, model.head_dim, layout.ring, layout.ulysses, elem)
     attention_seconds = attention / cluster.attention_rate
     if packed is not None:  # tiles, not FLOPs: the layout's slowest rank at the tile model's rates (fwd + bwd)
-        attention_seconds = model.layers * batch * packed.seconds(layout.ring, layout.ulysses, heads, model.head_dim)
+        attention_seconds = model.layers * batch * packed.seconds(layout.ring, layout.ulysses, heads, model.head_dim,
+                                                                  ring_links(cluster, layout))
     gemm_seconds = dense_flops / cluster.flops
-    ring_seconds = model.layers * ring / _bandwidth(cluster, tp * layout.ulysses, layout.ring)
+    if exchange is None:
+        exchange = ring_exchange(model, layout, cluster, seq, batch, elem, causal, packed)
+    ring_seconds = model.layers * exchange.seconds
     tp_bytes = model.layers * 4 * 2 * _ring_share(tp) * tokens * model.hidden * elem
     expert_bytes = (model.moe_layers * 4 * model.experts_per_token * tokens / tp * model.hidden * elem
                     * _ring_share(layout.ep))
@@ -97,6 +110,54 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None
         "host_optimizer": host_optimizer_seconds(model, layout, cluster, elem),
     }
     return times
+
+
+def ring_links(cluster, layout):
+    """links.LinkCost of a replica's ring: member g's ranks from g x U x tp on (tensor and Ulysses inside it), nodes
+    of `devices_per_node` ranks, the cluster's rates."""
+    rates = Links(ranks_per_node=cluster.devices_per_node, intra_gbps=cluster.intra_bandwidth / 1e9,
+                  inter_gbps=cluster.inter_bandwidth / 1e9)
+    return LinkCost.of_ranks(np.arange(layout.ring) * layout.ulysses * layout.tp, rates)
+
+
+class RingExchange:
+    """The planned exchange of one layer's forward + backward on the ring member whose exchange takes longest:
+    `seconds` on its links, `within_node` and `across_nodes` the bytes it receives over each (what the others
+    send it; links are full duplex)."""
+
+    def __init__(self, seconds=0.0, within_node=0, across_nodes=0):
+        self.seconds, self.within_node, self.across_nodes = seconds, int(within_node), int(across_nodes)
+
+
+def ring_exchange(model, layout, cluster, seq, batch, elem, causal=True, packed=None):
+    """RingExchange of `layout`'s ring on the cluster's links (ring_links): the k/v rows other members' tiles read
+    (exchange.chunk_reads for one document in 2R chunks; a PackedRow's chosen layout's TileCounts.read), `batch`
+    rows of them, k/v in `elem` bytes, their gradients fp32 (rotation.GRAD_DTYPE); a hybrid rank's share of
+    its ring group's heads."""
+    if layout.ring == 1:
+        return RingExchange()
+    links = ring_links(cluster, layout)
+    heads = kv_heads_sent(model.heads // layout.tp, model.kv_heads // layout.tp, layout.ulysses) // layout.ulysses
+    row = batch * heads * 2 * model.head_dim  # k and v of one token on one rank
+    read = (chunk_reads(seq, layout.ring, causal) if packed is None
+            else packed.counts(layout.ring, layout.ulysses, links).read)
+    received = link_bytes(read, row * elem, row * FP32)  # [R, R]: what member r receives from g
+    seconds = links.link_seconds(received)
+    busiest = int(np.argmax(seconds))
+    within, across = links.by_link(received)
+    return RingExchange(float(seconds[busiest]), within[busiest], across[busiest])
+
+
+def attention_bytes(model, layout, cluster, seq, batch, elem, causal=True, packed=None, exchange=None):
+    """{link: bytes} one rank receives per layer (forward + backward of `batch` sequences) for attention: the
+    ring's planned exchange (its busiest member's; `exchange`: ring_exchange's where the caller has it) and
+    Ulysses' all-to-alls, within a node and across nodes."""
+    heads, kv_heads = model.heads // layout.tp, model.kv_heads // layout.tp
+    uly, _ = attention_traffic(batch, seq, heads, kv_heads, model.head_dim, layout.ring, layout.ulysses, elem)
+    uly_across = layout.tp * layout.ulysses > cluster.devices_per_node  # _bandwidth's test
+    ring = exchange if exchange is not None else ring_exchange(model, layout, cluster, seq, batch, elem, causal, packed)
+    return {"ring_within_node": ring.within_node, "ring_across_nodes": ring.across_nodes,
+            "ulysses_within_node": 0 if uly_across else int(uly), "ulysses_across_nodes": int(uly) if uly_across else 0}
 
 
 def host_optimizer_seconds(model, layout, cluster, elem):

@@ -34,8 +34,11 @@ def test_issue_cases_fit_with_configs_that_load(tmp_path, capsys, config, seq, d
     out = tmp_path / "plan.json"
     plan.main(["--config", str(tmp_path / "config.json"), "--seq", str(seq), "--devices", str(devices),
                "--memory-gb", "80", "--configs", "3", "--json", str(out)])
-    assert "resembles" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resembles" in printed and "node MB" in printed and "net MB" in printed
     result = json.loads(out.read_text())
+    links = [plan.link_bytes(e["attention_bytes"]) for e in result["estimates"]]
+    assert any(node for node, _ in links) and (any(net for _, net in links) == (devices > 8))  # 8 GPUs a node
     assert len(result["plans"]) == 3 and result["best"]["memory_total"] <= 80e9 - DEFAULT_RESERVE
     for plan_ in result["plans"]:
         path = tmp_path / "layout.yaml"
@@ -249,3 +252,87 @@ def test_max_seq_plans_llama3_8b_beyond_alst_on_8_gpus_of_80_gb(tmp_path, capsys
     plans = config["cp_config"]["parallelize_plan"]
     assert type(plans["model.layers.*.mlp"]).__name__ == "SequenceTiled"
     assert type(plans["model.layers.*"]).__name__ == "OffloadRecomputeInputs"
+
+
+def _exchange_of_one_document(seq, ring, kv_row_bytes, grad_row_bytes, causal=True):
+    """exchange_plan's counts and ExchangeBytes for one document in the layout paddle_cp runs (2R chunks)."""
+    from paddle_cp.attention.layout.exchange_plan import ExchangePlan, exchange_bytes
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+
+    plan_ = ExchangePlan(SequenceLayout("p2p", ring).ring_positions(seq), causal)
+    return plan_, exchange_bytes(plan_, kv_row_bytes, grad_row_bytes)
+
+
+def test_ring_bytes_are_the_planned_exchange_a_quarter_below_whole_blocks_on_one_causal_document():
+    """bf16 k/v, fp32 gradients: on one causal document in 2R chunks member r reads g's whole block for g > r and
+    its first chunk for g < r, so every rank sends and receives 3/4 of the whole-block ring's forward + backward
+    (exchange_plan's numbers); full attention reads every block whole."""
+    from paddle_cp.cost.attention import attention_traffic
+    from paddle_cp.cost.exchange import chunk_reads
+    from paddle_cp.cost.step_time import attention_bytes
+
+    cluster = Cluster(8, 80e9, 400e12, 300e9, 25e9, 8)
+    seq, ring = 32768, 8
+    row = SMALL.kv_heads * 2 * SMALL.head_dim  # one token's k and v heads on a rank (batch 1)
+    plan_, sent = _exchange_of_one_document(seq, ring, row * 2, row * 4)
+    assert (sent.planned * 4 == sent.whole_blocks * 3).all()  # every rank: exactly 0.75
+    assert (chunk_reads(seq, ring) == plan_.counts).all()
+    for odd in (50001, 4099):  # chunks that are not whole tiles: the tiles straddling them are read whole
+        assert (chunk_reads(odd, 3) == _exchange_of_one_document(odd, 3, 1, 1)[0].counts).all()
+    got = attention_bytes(SMALL, Layout(ring=ring), cluster, seq, 1, 2)
+    assert got == {"ring_within_node": int(sent.planned.max()), "ring_across_nodes": 0, "ulysses_within_node": 0,
+                   "ulysses_across_nodes": 0}
+    assert got["ring_within_node"] * 4 == 3 * int(sent.whole_blocks.max())
+    full = attention_bytes(SMALL, Layout(ring=ring), cluster, seq, 1, 2, causal=False)
+    assert full["ring_within_node"] == int(_exchange_of_one_document(seq, ring, row * 2, row * 4, False)[1]
+                                           .whole_blocks.max())
+    # hybrid: the ring part over N/U groups of the head-split k/v (SMALL's 4 k/v heads, 2 a rank under U = 2)
+    hybrid = attention_bytes(SMALL, Layout(ring=4, ulysses=2), cluster, seq, 1, 2)
+    assert hybrid["ring_within_node"] * 2 == attention_bytes(SMALL, Layout(dp=2, ring=4), cluster, seq, 1, 2)[
+        "ring_within_node"]
+    assert hybrid["ulysses_within_node"] == attention_traffic(1, seq, 8, 4, 64, 4, 2, 2)[0] > 0
+
+
+def test_packed_short_documents_send_next_to_nothing():
+    """Short documents kept whole on a rank: their layout's ring reads no other rank's k/v."""
+    import numpy as np
+
+    from paddle_cp.cost.step_time import attention_bytes
+    from paddle_cp.tools import packing
+
+    cluster = Cluster(8, 80e9, 400e12, 300e9, 25e9, 8)
+    seq = 32768
+    one = attention_bytes(SMALL, Layout(dp=2, ring=4), cluster, seq, 1, 2, packed=plan.packed_row(np.arange(seq)))
+    assert one == attention_bytes(SMALL, Layout(dp=2, ring=4), cluster, seq, 1, 2)  # one document: the chunks
+    short = plan.packed_row(packing.batches("lognormal", seq, 1, 1)[0][0])
+    got = attention_bytes(SMALL, Layout(dp=2, ring=4), cluster, seq, 1, 2, packed=short)
+    assert sum(got.values()) <= 0.02 * one["ring_within_node"]
+
+
+def test_a_ring_across_two_nodes_pays_the_network_rate_for_the_rows_from_the_other_node():
+    """Ring members 0-3 on one node, 4-7 on the other: what a member receives from the other node comes at the
+    network's rate, the rest at NVLink's; the busiest member's sum shows where attention cannot hide it."""
+    from paddle_cp.cost.step_time import attention_bytes, ring_exchange
+
+    seq, ring = 32768, 8
+    row = SMALL.kv_heads * 2 * SMALL.head_dim
+    plan_, _ = _exchange_of_one_document(seq, ring, row * 2, row * 4)
+    read = plan_.counts
+    received = 2 * read * row * 2 + read.T * row * 4  # [r, g]: k/v forward and again backward, gradients home
+    node = [g // 4 for g in range(ring)]
+    # no compute to hide behind: ring_exposed is the exchange itself
+    cluster = Cluster(8, 80e9, 400e12, 300e9, 25e9, 4, attention_flops=1e30)
+    seconds = [sum(received[r, g] / (300e9 if node[g] == node[r] else 25e9) for g in range(ring))
+               for r in range(ring)]
+    busiest = max(range(ring), key=seconds.__getitem__)
+    got = attention_bytes(SMALL, Layout(ring=ring), cluster, seq, 1, 2)
+    within = sum(received[busiest, g] for g in range(ring) if node[g] == node[busiest])
+    assert (got["ring_within_node"], got["ring_across_nodes"]) == (within, received[busiest].sum() - within)
+    assert got["ring_across_nodes"] > 0
+    exchange = ring_exchange(SMALL, Layout(ring=ring), cluster, seq, 1, 2)
+    assert exchange.seconds == pytest.approx(seconds[busiest])
+    assert step_time(SMALL, Layout(ring=ring), cluster, seq, 1, 2)["ring_exposed"] == pytest.approx(
+        SMALL.layers * seconds[busiest])
+    one_node = Cluster(8, 80e9, 400e12, 300e9, 25e9, 8, attention_flops=1e30)
+    assert step_time(SMALL, Layout(ring=ring), one_node, seq, 1, 2)["ring_exposed"] == pytest.approx(
+        SMALL.layers * received.sum(axis=1).max() / 300e9)

@@ -15,11 +15,10 @@ Over a batch of several rows a key is read when some row's queries see it (one l
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from ..masks.block_mask import seeing_positions
+from ...cost import exchange as cost_exchange
 from ...cost.tiles import TILE
 
 
@@ -63,25 +62,8 @@ class ExchangePlan:
         return np.array([len(p) for p in self.positions], np.int64)
 
 
-class ExchangeBytes(NamedTuple):
-    """Bytes each ring member sends in one forward + backward of one layer (int64 [R] each): `whole_blocks`
-    with every block going to every member (k/v forward, again in backward, their gradients home: what the
-    `allgather` rotation sends, but its padding to the longest block), `planned` by the planned exchange (the
-    same three, only the rows read), `read`: 3 x the k/v rows of its block the other members' tiles read."""
-
-    whole_blocks: np.ndarray
-    planned: np.ndarray
-    read: np.ndarray
-
-
 def exchange_bytes(plan, kv_row_bytes, grad_row_bytes):
-    """ExchangeBytes of a plan; `kv_row_bytes`: one token's k and v on one member (batch rows, its heads, both
-    head dims, their dtype); `grad_row_bytes`: the same in the gradients' dtype (rotation.GRAD_DTYPE)."""
-    lengths = plan.lengths()
-    sent, received = plan.counts.sum(axis=0), plan.counts.sum(axis=1)
-    # as a ring passing whole blocks along: a member forwards every block but the next member's (whose own it
-    # is) and every block's gradient sum but its own (an all-gather and a reduce-scatter move as much)
-    kv_whole = lengths.sum() - np.roll(lengths, -1)
-    whole_blocks = 2 * kv_whole * kv_row_bytes + (lengths.sum() - lengths) * grad_row_bytes
-    planned = 2 * sent * kv_row_bytes + received * grad_row_bytes
-    return ExchangeBytes(whole_blocks, planned, 3 * sent * kv_row_bytes)
+    """ExchangeBytes of a plan (cost/exchange.py); `kv_row_bytes`: one token's k and v on one member (batch
+    rows, its heads, both head dims, their dtype); `grad_row_bytes`: the same in the gradients' dtype
+    (rotation.GRAD_DTYPE)."""
+    return cost_exchange.exchange_bytes(plan.counts, plan.lengths(), kv_row_bytes, grad_row_bytes)

@@ -28,11 +28,13 @@ from paddle_cp.cost.model_shape import ModelShape
 from paddle_cp.tools.plan.config import (gpu_attention_fields, kernel_fields, model_config, parallelize_config,
                                          rotary_note, trainer_arguments)
 from paddle_cp.cost.candidate import DEFAULT_RESERVE, Cluster, Layout
+from paddle_cp.cost.links import Links
 from paddle_cp.tools.plan.recipes import closest
 from paddle_cp.tools.text import ruled_table
 from paddle_cp.tools.units import UNITS_HELP, format_tokens, tokens
 
 GB = 1e9
+MB = 1e6
 DEFAULT_RESERVE_GB = DEFAULT_RESERVE / GB
 LEGEND = f"""\
 lengths (--seq, --granularity, --loss-chunk, --mlp-tile): a count or a count with K or M ({UNITS_HELP}).
@@ -54,7 +56,11 @@ the table:
   host GB/node  offloaded layer inputs and optimizer state in each node's host memory
   fits          yes: mem GB within --memory-gb less --reserve-gb, and host GB/node within --host-memory-gb
   step s, tok/s the modelled GPU step time and tokens per second (all replicas)
-  time split    compute, tensor_parallel, ulysses, ring_exposed (ring traffic not hidden behind attention),
+  node MB, net MB  attention's bytes one rank receives per layer, forward + backward, within its node (NVLink) and
+                from other nodes (the network), MB (10^6 bytes): Ulysses' all-to-alls and the ring's planned
+                exchange (only the k/v rows other ranks' tiles read, and their gradients; the busiest ring rank)
+  time split    compute, tensor_parallel, ulysses, ring_exposed (the ring's planned exchange at its links' rates,
+                the part not hidden behind the layer's attention compute),
                 pipeline_p2p, expert_all_to_all, gradients, host_offload_exposed, host_optimizer (s)
 """
 
@@ -123,8 +129,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-offload", action="store_true", help="never keep recomputed layers' inputs on the host")
     parser.add_argument("--no-host-optimizer", action="store_true",
                         help="never step the optimizer on the host (dp_config offload_optimizer)")
-    parser.add_argument("--intra-gbps", type=float, default=300.0, help="GB/s per device within a node")
-    parser.add_argument("--inter-gbps", type=float, default=25.0, help="GB/s per device across nodes")
+    parser.add_argument("--intra-gbps", type=float, default=Links().intra_gbps, help="GB/s per device within a node")
+    parser.add_argument("--inter-gbps", type=float, default=Links().inter_gbps, help="GB/s per device across nodes")
     parser.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node")
     parser.add_argument("--dtype-bytes", type=int, default=2,
                         help="parameter and activation bytes: 2 for bf16/fp16 O2 (PaddleFormers' default), 4 for fp32")
@@ -133,7 +139,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
     parser.add_argument("--documents", metavar="LENGTHS",
                         help="the sequences pack documents of these lengths (pcp-bench's names or a file): attention "
-                             "priced by the GPU tile model in the layout paddle_cp chooses")
+                             "priced by the GPU tile model, and the ring's exchange by the rows its tiles read, in the "
+                             "layout paddle_cp chooses for one row")
     parser.add_argument("--model-prefix", default="model", help="name of the decoder in the model (for plan keys)")
     parser.add_argument("--loss-chunk", type=tokens, default=search.DEFAULT_LOSS_CHUNK,
                         help="tokens per chunk of the chunked loss the search tries")
@@ -170,13 +177,21 @@ def model_shape(args):
 
 def table(estimates, top):
     head = (f"{'layout':68} {'backend':8} {'mem GB':>8} {'host GB/node':>12} {'fits':>5} {'step s':>8} "
-            f"{'tok/s':>10}  time split (s)")
+            f"{'tok/s':>10} {'node MB':>8} {'net MB':>8}  time split (s)")
     rows = []
     for e in estimates[:top]:
         split = " ".join(f"{k}={v:.3g}" for k, v in e["time"].items() if v)
+        node, net = link_bytes(e["attention_bytes"])
         rows.append(f"{e['name']:68} {e['backend']:8} {e['memory_total'] / GB:>8.1f} {e['host_per_node'] / GB:>12.0f} "
-                    f"{'yes' if e['fits'] else 'no':>5} {e['step_time']:>8.3f} {e['tokens_per_second']:>10.0f}  {split}")
+                    f"{'yes' if e['fits'] else 'no':>5} {e['step_time']:>8.3f} {e['tokens_per_second']:>10.0f} "
+                    f"{node / MB:>8.0f} {net / MB:>8.0f}  {split}")
     return ruled_table(head, rows)
+
+
+def link_bytes(attention_bytes):
+    """(within a node, across nodes): attention's bytes a rank receives per layer (step_time.attention_bytes)."""
+    return (attention_bytes["ring_within_node"] + attention_bytes["ulysses_within_node"],
+            attention_bytes["ring_across_nodes"] + attention_bytes["ulysses_across_nodes"])
 
 
 def plan_of(estimate, model, seq, model_prefix, fused=()):
