@@ -3,6 +3,8 @@ each mesh slice (made once, in one order, on every rank)."""
 from __future__ import annotations
 
 import itertools
+import socket
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -373,11 +375,45 @@ def _new_group(ranks):
 
 def _rendezvous(ranks):
     with startup_guard("new_group", ranks):  # a rendezvous: waits for every member
-        group = dist.new_group(list(ranks))
-    # gloo's rendezvous mixes up groups created back to back: settle each one.
+        with _own_store(ranks):
+            group = dist.new_group(list(ranks))
+    # every rank leaves each group's creation together: the next rendezvous waits only for itself
     with startup_guard("new_group_barrier", range(dist.get_world_size())):
         dist.barrier()
     return group
+
+
+_rendezvous_count = itertools.count()  # every rank calls _rendezvous in the same order
+
+
+@contextmanager
+def _own_store(ranks):
+    """On gloo, new_group's rendezvous on a store of the group's own. ProcessGroupGloo's constructor connects
+    its members under the unprefixed keys "0".."size-1" of the store it is given, which every group shares with
+    the world group's (never deleted, 952 bytes each on 8 ranks): a member that reads a peer's key before the
+    peer rewrote it gets an earlier group's addresses ("sizeof(impl_) == bytes.size(). 136 vs 317" from the
+    world's, "Connection refused" from a gone pair). A fresh TCPStore per group, served by its first member
+    on a free port published in the default store under a key of this group alone, has no stale keys."""
+    number = next(_rendezvous_count)
+    me = dist.get_rank()
+    if paddle.get_device() != "cpu" or me not in ranks:  # NCCL's keys carry the group id; non-members skip
+        yield
+        return
+    default = dist.collective._default_store
+    key, root = f"paddle_cp/group_store/{number}", min(ranks)
+    if me == root:
+        host = dist.ParallelEnv().current_endpoint.split(":")[0]
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        default.set(key, f"{host}:{port}".encode())
+    default.wait(key)
+    host, port = bytes(default.get(key)).decode().rsplit(":", 1)
+    dist.collective._default_store = paddle.base.core.TCPStore(host, int(port), me == root, len(ranks), 900)  # 900 s: Paddle's own store timeout
+    try:
+        yield
+    finally:
+        dist.collective._default_store = default
 
 
 def _create_groups(slices):
