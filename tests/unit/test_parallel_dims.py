@@ -1,6 +1,8 @@
 """ParallelDims: the groups a run declares made once, in one fixed order, before any plan applies, and no
 others; the plans, the pipeline, completion and sharding take their groups from it. Paddle's new_group is
 recorded here (rank 0 of 8 or 16, no process started)."""
+import contextlib
+
 import paddle.distributed as dist
 import pytest
 
@@ -29,6 +31,7 @@ def created(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "new_group", new_group)
     monkeypatch.setattr(dist, "barrier", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mesh_lib, "_own_store", contextlib.nullcontext)  # no store: new_group is recorded
     for name in ("groups", "process_groups", "parallel_dims"):
         monkeypatch.setattr(runtime.installed, name, {})
     return calls

@@ -1,5 +1,6 @@
 """Startup collectives (the parallel env, each process group's rendezvous) are bounded like every other:
 a rank whose peer never arrives exits after the timeout instead of waiting forever."""
+import contextlib
 import os
 import signal
 import socket
@@ -79,6 +80,7 @@ def test_group_creation_runs_under_the_watchdog(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda: 4)
     monkeypatch.setattr(dist, "new_group", record("new_group"))
     monkeypatch.setattr(dist, "barrier", record("barrier"))
+    monkeypatch.setattr(mesh_lib, "_own_store", contextlib.nullcontext)  # no store: new_group is recorded
     mesh_lib._new_group((0, 1))
     assert seen == [("new_group", [("new_group", ((0, 1), None))]),
                     ("barrier", [("new_group_barrier", ((0, 1, 2, 3), None))])]
