@@ -401,19 +401,28 @@ def _own_store(ranks):
         return
     default = dist.collective._default_store
     key, root = f"paddle_cp/group_store/{number}", min(ranks)
-    if me == root:
+    if me == root:  # serving before publishing its address: no member's connect retries (3 s each)
         host = dist.ParallelEnv().current_endpoint.split(":")[0]
         with socket.socket() as probe:
             probe.bind((host, 0))
             port = probe.getsockname()[1]
+        store = _tcp_store(host, port, True)
         default.set(key, f"{host}:{port}".encode())
-    default.wait(key)
-    host, port = bytes(default.get(key)).decode().rsplit(":", 1)
-    dist.collective._default_store = paddle.base.core.TCPStore(host, int(port), me == root, len(ranks), 900)  # 900 s: Paddle's own store timeout
+    else:
+        default.wait(key)
+        host, port = bytes(default.get(key)).decode().rsplit(":", 1)
+        store = _tcp_store(host, int(port), False)
+    dist.collective._default_store = store
     try:
         yield
     finally:
         dist.collective._default_store = default
+
+
+def _tcp_store(host, port, serve):
+    # 0 workers: the server waits for none at start (new_group's rendezvous waits for the members);
+    # 900 s: Paddle's own store timeout
+    return paddle.base.core.TCPStore(host, port, serve, 0, 900)
 
 
 def _create_groups(slices):
