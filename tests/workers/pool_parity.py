@@ -26,7 +26,7 @@ from paddle_cp.tools import packing
 
 STEPS = 3
 # (rows of the global batch, tokens a row, the document lengths the rows are cut from)
-SHORT = (4, 509, [23, 3, 1, 140, 9, 5, 300, 2, 19, 7, 611, 4, 26, 6, 1, 8, 170, 45, 90])  # every document whole
+SHORT = (4, 509, [23, 3, 1, 140, 9, 5, 300, 2, 19, 7, 611, 4, 26, 6, 1, 8, 170, 45, 90])  # whole on 4 ranks, not on 8
 LONG = (2, 1021, [900, 37, 60, 5, 700, 11, 300])  # two documents longer than a rank's share: cut over ranks
 
 
