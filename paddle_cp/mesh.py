@@ -383,9 +383,6 @@ def _rendezvous(ranks):
     return group
 
 
-_rendezvous_count = itertools.count()  # every rank calls _rendezvous in the same order
-
-
 @contextmanager
 def _own_store(ranks):
     """On gloo, new_group's rendezvous on a store of the group's own. ProcessGroupGloo's constructor connects
@@ -394,7 +391,8 @@ def _own_store(ranks):
     peer rewrote it gets an earlier group's addresses ("sizeof(impl_) == bytes.size(). 136 vs 317" from the
     world's, "Connection refused" from a gone pair). A fresh TCPStore per group, served by its first member
     on a free port published in the default store under a key of this group alone, has no stale keys."""
-    number = next(_rendezvous_count)
+    number = runtime.installed.group_rendezvous  # every rank counts every rendezvous, member or not
+    runtime.installed.group_rendezvous += 1
     me = dist.get_rank()
     if paddle.get_device() != "cpu" or me not in ranks:  # NCCL's keys carry the group id; non-members skip
         yield

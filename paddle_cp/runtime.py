@@ -11,8 +11,8 @@ models' layer classes, patches of Paddle's and PaddleFormers' functions, the col
 the hooks `parallelize` registered on that model, not here and not on the plan objects.
 
 `reset()` (a test, or a new training run in the same process) forgets every record and derived class.
-It keeps what it cannot or need not remake: process groups and ParallelDims (made collectively, by every rank in one
-order; Paddle cannot destroy a gloo group without its peers, and a later parallelize of the same ranks
+It keeps what it cannot or need not remake: process groups, ParallelDims and the count of group rendezvous (made
+collectively, by every rank in one order; Paddle cannot destroy a gloo group without its peers, and a later parallelize of the same ranks
 reuses them); the layers mixers are attached to and the Begin layers that split at the blocks (weak); mixers,
 attention classes, block kinds, fused-weight rules, recompute carriers and Paddle's wrapped recompute (registered once, at import or by the user), the flash kernels' seed tensor (a constant); the plans of modules (weak: they go with their models); patches (held by live models, undone
 when the last is released, or by unpatch_paddle); the timeout set_timeout gave and the watchdog thread. An async checkpoint save still writing makes it raise (wait_checkpoint() first).
@@ -94,6 +94,7 @@ class Installed:
         self.groups = {}  # mesh slice key -> this rank's MeshGroup (mesh.py)
         self.process_groups = {}  # sorted ranks -> Paddle's group over them, made once (mesh.py)
         self.parallel_dims = {}  # (ranks, shape, dim names) -> the mesh's ParallelDims, its named groups (mesh.py)
+        self.group_rendezvous = 0  # new_group rendezvous so far, the same count on every rank: each gloo group's store key (mesh.py)
         self.started_communicators = set()  # sorted ranks of the groups whose NCCL communicator p2p.shift started
         self.planned = weakref.WeakKeyDictionary()  # module -> the SepRun of the ContextParallel covering it
         # attention/mixers/base.py: layer -> {token mixer: the SepRun it was attached under}
