@@ -119,30 +119,49 @@ def cut_and_whole(starts, lengths, seq_len, ring, longer_than, nodes=None):
             node = min(np.unique(nodes), key=lambda n: cost[nodes == n].sum())
             members = np.flatnonzero(nodes == node)
             piece = members[zigzag(length, len(members), turn)]
-        groups[start:start + length] = piece
-        tokens += np.bincount(piece, minlength=ring)
-        pairs = np.bincount(piece, weights=np.arange(1, length + 1), minlength=ring)  # its queries' keys
-        cost += whole_cost(length) * pairs / pairs.sum()
+        place_pieces(groups, start, piece, whole_cost(length), tokens, cost)
     whole = np.flatnonzero(~cut)
-    for d in whole[np.argsort(-lengths[whole], kind="stable")]:
+    place_whole(groups, whole[np.argsort(-lengths[whole], kind="stable")], starts, lengths,
+                lambda d: whole_cost(lengths[d]), tokens, cost, cap)
+    return groups
+
+
+def place_pieces(groups, start, piece, document_cost, tokens, cost):
+    """A document cut: `piece` the group of each of its positions from `start`; its predicted cost shared by
+    the query-key pairs each group computes. `groups`, `tokens`, `cost` updated in place."""
+    groups[start:start + len(piece)] = piece
+    tokens += np.bincount(piece, minlength=len(tokens))
+    pairs = np.bincount(piece, weights=np.arange(1, len(piece) + 1), minlength=len(tokens))  # its queries' keys
+    cost += document_cost * pairs / pairs.sum()
+
+
+def place_whole(groups, order, starts, lengths, cost_of, tokens, cost, cap):
+    """Documents `order` whole, in that order, each on the group of least predicted cost (`cost_of(d)` its
+    own) with room under `cap`; where none has room, the emptiest groups filled in turn, cut at tile
+    boundaries where they can be. `groups`, `tokens`, `cost` updated in place."""
+    for d in order:
         start, length = starts[d], lengths[d]
         room = tokens + length <= cap
         if room.any():
             g = int(np.argmin(np.where(room, cost, np.inf)))
             groups[start:start + length] = g
             tokens[g] += length
-            cost[g] += whole_cost(length)
-            continue
-        for aligned in (True, False):  # no room anywhere: fill the emptiest groups, at tile boundaries if they can
-            for g in np.argsort(tokens, kind="stable"):
-                take = max(0, min(length, cap - tokens[g]))  # a group over the cap by cut pieces takes none
-                if aligned and take < length:
-                    take -= take % TILE
-                groups[start:start + take] = g
-                tokens[g] += take
-                cost[g] += whole_cost(take)
-                start, length = start + take, length - take
-    return groups
+            cost[g] += cost_of(d)
+        else:
+            fill_emptiest(groups, start, length, tokens, cost, cap)
+
+
+def fill_emptiest(groups, start, length, tokens, cost, cap):
+    """A document no group has room for: the emptiest groups filled in turn, at tile boundaries if they can."""
+    for aligned in (True, False):
+        for g in np.argsort(tokens, kind="stable"):
+            take = max(0, min(length, cap - tokens[g]))  # a group over the cap by cut pieces takes none
+            if aligned and take < length:
+                take -= take % TILE
+            groups[start:start + take] = g
+            tokens[g] += take
+            cost[g] += whole_cost(take)
+            start, length = start + take, length - take
 
 
 def segments(end):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .packed_layout import TILE, token_cap, whole_cost, zigzag
+from .packed_layout import TILE, fill_emptiest, place_pieces, place_whole, token_cap, whole_cost, zigzag
 
 
 def placed_groups(starts, lengths, total, ring, nodes=None):
@@ -41,39 +41,13 @@ def placed_groups(starts, lengths, total, ring, nodes=None):
             if members is not None:
                 break
         else:
-            _fill(groups, start, length, tokens, cost, cap)
+            fill_emptiest(groups, start, length, tokens, cost, cap)
             continue
-        piece = members[zigzag(length, k, turn)]
-        groups[start:start + length] = piece
-        tokens += np.bincount(piece, minlength=ring)
-        pairs = np.bincount(piece, weights=np.arange(1, length + 1), minlength=ring)  # its queries' keys
-        cost += each[d] * pairs / pairs.sum()
+        place_pieces(groups, start, members[zigzag(length, k, turn)], each[d], tokens, cost)
     whole = np.flatnonzero(needs <= 1)
-    for d in whole[np.argsort(-each[whole], kind="stable")]:
-        start, length = starts[d], lengths[d]
-        room = tokens + length <= cap
-        if room.any():
-            g = int(np.argmin(np.where(room, cost, np.inf)))
-            groups[start:start + length] = g
-            tokens[g] += length
-            cost[g] += each[d]
-        else:
-            _fill(groups, start, length, tokens, cost, cap)
+    place_whole(groups, whole[np.argsort(-each[whole], kind="stable")], starts, lengths, lambda d: each[d],
+                tokens, cost, cap)
     return groups
-
-
-def _fill(groups, start, length, tokens, cost, cap):
-    """No `k` ranks have room for a document's pieces: the emptiest ranks filled in turn, cut at tile boundaries
-    where they can be (as the packed chooser does)."""
-    for aligned in (True, False):
-        for g in np.argsort(tokens, kind="stable"):
-            take = max(0, min(length, cap - tokens[g]))
-            if aligned and take < length:
-                take -= take % TILE
-            groups[start:start + take] = g
-            tokens[g] += take
-            cost[g] += whole_cost(take)
-            start, length = start + take, length - take
 
 
 def _cheapest(cost, tokens, piece_tokens, k, cap, nodes):
