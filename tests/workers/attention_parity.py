@@ -315,16 +315,16 @@ def check_rank_dependent_gradients(report, mesh, world):
     report.diff("branch.weight", branch.weight, expected)
 
 
-def _planned_against_allgather(report, name, run, layout, seq, shape, causal, documents=None, window=None,
+def _planned_against_allgather(report, name, attend, layout, seq, shape, causal, documents=None, window=None,
                                valid=None):
-    """`run(rotate)` -> [output, gradients...] with rotate='planned' and 'allgather' (whole blocks, the gradients
+    """`attend(rotate)` -> [output, gradients...] with rotate='planned' and 'allgather' (whole blocks, the gradients
     summed by one reduce-scatter, in another order), and the ring bytes the planned exchange sent against
     exchange_plan's count for this rank. `shape`: (batch, q heads, kv heads, v head dim) of the fp32 inputs
     (gradients fp32 too)."""
     results, sent = {}, {}
     for rotate in ("allgather", "planned"):
         before = pcp.bytes_sent().get("ring", 0)
-        results[rotate] = [t.numpy() for t in run(rotate)]
+        results[rotate] = [t.numpy() for t in attend(rotate)]
         sent[rotate] = pcp.bytes_sent().get("ring", 0) - before
     batch, q_heads, kv_heads, v_dim = shape
     rank = dist.get_rank()
@@ -359,7 +359,7 @@ def check_planned_exchange(report, mesh, world):
         attention = {"p2p": pcp.ring_attention, "hybrid": pcp.hybrid_attention}[case.backend]
         extra = {"ulysses_degree": case.degree} if case.degree else {}
 
-        def run(rotate, case=case, doc_ids=doc_ids, local_mask=local_mask, layout=layout, attention=attention,
+        def attend(rotate, case=case, doc_ids=doc_ids, local_mask=local_mask, layout=layout, attention=attention,
                 extra=extra, inputs=(q, k, v, grad_out)):
             local = [pcp.shard_sequence(t, **layout).detach() for t in inputs[:3]]
             for t in local:
@@ -368,8 +368,8 @@ def check_planned_exchange(report, mesh, world):
                             seq_len=case.seq, doc_ids=doc_ids, rotate=rotate, **extra)
             return [out, *paddle.grad([out], local, [pcp.shard_sequence(inputs[3], **layout)])]
         docs = None if doc_ids is None else Documents.from_ids(doc_ids)
-        _planned_against_allgather(report, case.name, run, SequenceLayout(case.backend, world, case.degree), case.seq,
-                              (case.batch, case.q_heads, case.kv_heads, HEAD_DIM), case.causal, docs)
+        _planned_against_allgather(report, case.name, attend, SequenceLayout(case.backend, world, case.degree),
+                                   case.seq, (case.batch, case.q_heads, case.kv_heads, HEAD_DIM), case.causal, docs)
 
     for backend, degree in [("p2p", None)] + ([("hybrid", 2)] if world == 4 else []):
         layout = SequenceLayout(backend, world, degree)

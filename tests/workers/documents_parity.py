@@ -21,7 +21,7 @@ import paddle.distributed as dist
 from amp_emulation import emulated
 from paddleformers_models import build as build_family
 from real_model_parity import adamw
-from report import run
+from report import run, train
 
 import paddle_cp as pcp
 from paddle_cp import mesh as mesh_lib
@@ -55,16 +55,10 @@ def batches():
 @functools.lru_cache(maxsize=None)  # five runs share the plain model's: trained once (results only read)
 def reference(**config):
     model = llama(**config)
-    opt = adamw(model)
-    losses, grads = [], None
-    for ids, labels, positions, ends in batches():
-        loss = model(input_ids=ids, labels=labels, position_ids=positions, attn_mask_startend_row_indices=ends)[0]
-        loss.backward()
-        grads = grads or {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+    losses, grads, params = train(model, adamw(model), (
+        model(input_ids=ids, labels=labels, position_ids=positions, attn_mask_startend_row_indices=ends)[0]
+        for ids, labels, positions, ends in batches()))
+    return [float(x) for x in losses], grads, params
 
 
 def sep_mean(values, mesh):
@@ -78,16 +72,9 @@ def held(model, values):
     return {n: v for n, v in values.items() if dict(model.named_parameters())[n]._is_initialized()}
 
 
-def train(model, opt, step_loss):
-    losses, grads = [], None
-    for batch in batches():
-        loss = step_loss(model, *batch)
-        loss.backward()
-        opt.step()  # averages the gradients over sep first
-        grads = grads or {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, grads, held(model, {n: p.numpy() for n, p in model.named_parameters()})
+def trained(model, opt, step_loss):
+    losses, grads, params = train(model, opt, (step_loss(model, *batch) for batch in batches()))
+    return [float(x) for x in losses], grads, held(model, params)
 
 
 def sequence_parallel(report, mesh, name, backend, degree=None, rows_only=False, **config):
@@ -104,7 +91,7 @@ def sequence_parallel(report, mesh, name, backend, degree=None, rows_only=False,
                 **(dict(attn_mask_startend_row_indices=ends) if rows_only else {}))
         return out[0] * pcp.loss_weight(local.numel(), mesh)
 
-    losses, grads, params = train(model, opt, step_loss)
+    losses, grads, params = trained(model, opt, step_loss)
     report.training(name, (sep_mean(losses, mesh), grads, params), reference(**config))
     record_layout(report, name, prepare, mesh)
 
@@ -138,7 +125,7 @@ def pipeline(report):
                             "loss_fn": weighted_loss}}
     model = llama()
     model, opt = pcp.parallelize(model, adamw(model), mesh, config)
-    losses, grads, params = train(model, opt, lambda m, ids, labels, positions, ends: m(
+    losses, grads, params = trained(model, opt, lambda m, ids, labels, positions, ends: m(
         input_ids=ids, labels=labels, position_ids=positions)[0])
     want_losses, want_grads, want_params = reference()
     report.training("pp2_sep2.p2p", (sep_mean(losses, mesh), held(model, grads), params),
@@ -220,34 +207,22 @@ def script_sharded(report, mesh):
     rng = np.random.RandomState(9)
     steps = [rng.randint(0, VOCAB, [BATCH, SEQ + 1]) for _ in range(STEPS)]
     model = llama()
-    opt = adamw(model)
-    want = [[], None]
-    for tokens in steps:
-        loss = model(input_ids=paddle.to_tensor(tokens[:, :-1]), labels=paddle.to_tensor(tokens[:, 1:]))[0]
-        loss.backward()
-        want[1] = want[1] or {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
-        opt.step()
-        opt.clear_grad()
-        want[0].append(float(loss))
-    want.append({n: p.numpy() for n, p in model.named_parameters()})
+    want = train(model, adamw(model), (model(input_ids=paddle.to_tensor(tokens[:, :-1]),
+                                             labels=paddle.to_tensor(tokens[:, 1:]))[0] for tokens in steps))
     model = llama()
     plan = {"model.layers.*.self_attn": pcp.ContextParallel("p2p")}
     model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
     whole = paddle.to_tensor(steps[0])
     report.expect_error("forgotten_top_layer", lambda: model(input_ids=whole[:, :-1], labels=whole[:, 1:]))
     positions = pcp.sequence_positions(SEQ, backend="p2p", mesh=mesh).unsqueeze(0).expand([BATCH, -1])
-    losses, grads = [], None
-    for tokens in steps:
+
+    def step_loss(tokens):
         ids, labels = (pcp.shard_sequence(paddle.to_tensor(x), backend="p2p", mesh=mesh)
                        for x in (tokens[:, :-1], tokens[:, 1:]))
-        loss = model(input_ids=ids, labels=labels, position_ids=positions)[0] * pcp.loss_weight(labels.numel(), mesh)
-        loss.backward()
-        opt.step()  # averages the gradients over sep
-        grads = grads or {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
-        opt.clear_grad()
-        losses.append(float(loss))
-    report.training("script_sharded", (sep_mean(losses, mesh), grads,
-                                       {n: p.numpy() for n, p in model.named_parameters()}), want)
+        return model(input_ids=ids, labels=labels, position_ids=positions)[0] * pcp.loss_weight(labels.numel(), mesh)
+
+    losses, grads, params = train(model, opt, (step_loss(tokens) for tokens in steps))
+    report.training("script_sharded", (sep_mean([float(x) for x in losses], mesh), grads, params), want)
     # dp2 x sep2, only the first replica passing the same whole batch: the second, given shards, stops too
     replicas = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "sep"])
     model, _ = pcp.parallelize(llama(), None, replicas, {"cp_config": {"parallelize_plan": plan}})

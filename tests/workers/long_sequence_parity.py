@@ -16,7 +16,7 @@ import paddle
 import paddle.distributed as dist
 from batches import make_batch
 from llama_models import build_llama, loss_of
-from pipeline import compare, llama, llama_recompute, model_loss, pp_mesh
+from pipeline import compare, llama_recompute, model_loss, pp_mesh
 from report import mean_over_ranks, run, train_steps
 
 import paddle_cp as pcp

@@ -16,7 +16,7 @@ import paddle
 import paddle.distributed as dist
 from batches import make_batch
 from llama_models import build_llama, loss_of
-from report import mean_over_ranks, run
+from report import mean_over_ranks, run, train
 
 import paddle_cp as pcp
 
@@ -54,18 +54,9 @@ def adamw(model):
 def reference(source, seq, packed):
     paddle.seed(2024)
     model = build_llama(source)
-    opt = adamw(model)
     ids, labels, positions, mask, _ = make_batch(seq, packed)
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = loss_of(model(input_ids=ids, labels=labels, position_ids=positions, attention_mask=mask))
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+    return train(model, adamw(model), (loss_of(model(input_ids=ids, labels=labels, position_ids=positions,
+                                                      attention_mask=mask)) for _ in range(STEPS)))
 
 
 def parallel(source, seq, mesh, spec):
@@ -88,16 +79,9 @@ def parallel(source, seq, mesh, spec):
     if source != "tiny":
         labels = local_labels
     weight = pcp.loss_weight(local_labels.numel(), mesh)
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = loss_of(model(input_ids=ids, labels=labels, position_ids=positions, **extra)) * weight
-        loss.backward()
-        opt.step()  # averages gradients over sep first
-        if step == 0:
-            grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
-        opt.clear_grad()
-        losses.append(loss.detach())
-    return mean_over_ranks(losses, mesh), grads, {n: p.numpy() for n, p in model.named_parameters()}
+    losses, grads, params = train(model, opt, (loss_of(model(input_ids=ids, labels=labels, position_ids=positions,
+                                                             **extra)) * weight for _ in range(STEPS)))
+    return mean_over_ranks(losses, mesh), grads, params
 
 
 def main(report):

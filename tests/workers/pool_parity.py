@@ -15,7 +15,7 @@ import paddle
 import paddle.distributed as dist
 from paddleformers_models import build as build_family
 from real_model_parity import adamw
-from report import mean_over_ranks, run
+from report import mean_over_ranks, run, train
 
 import paddle_cp as pcp
 from paddle_cp.attention import Documents
@@ -50,16 +50,9 @@ def batches(case):
 
 def reference(case):
     model = llama()
-    opt = adamw(model)
-    losses, grads = [], None
-    for ids, labels, positions, ends in batches(case):
-        loss = model(input_ids=ids, labels=labels, position_ids=positions, attn_mask_startend_row_indices=ends)[0]
-        loss.backward()
-        grads = grads or {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+    return train(model, adamw(model), (
+        model(input_ids=ids, labels=labels, position_ids=positions, attn_mask_startend_row_indices=ends)[0]
+        for ids, labels, positions, ends in batches(case)))
 
 
 def pooled(report, mesh, name, case):

@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddleformers_models import build
-from report import mean_over_ranks, run
+from report import mean_over_ranks, run, train
 
 import paddle_cp as pcp
 
@@ -44,25 +44,11 @@ def make_batch(seq, padded, packed):
     return ids, labels, extra
 
 
-def train(model, opt, step_loss):
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = step_loss(model)
-        loss.backward()
-        opt.step()
-        if step == 0:
-            grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
-        opt.clear_grad()
-        losses.append(loss)
-    return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
-
-
 def reference(family, seq, padded, packed):
     paddle.seed(2024)
     model = build(family)
     ids, labels, extra = make_batch(seq, padded, packed)
-    losses, grads, params = train(model, adamw(model), lambda m: m(input_ids=ids, labels=labels, **extra)[0])
-    return [float(x) for x in losses], grads, params
+    return train(model, adamw(model), (model(input_ids=ids, labels=labels, **extra)[0] for _ in range(STEPS)))
 
 
 RECOMPUTE = {  # spec word -> PaddleFormers' own recompute flags (use_cache off: a cached layer re-run in
@@ -86,11 +72,8 @@ def parallel(family, seq, mesh, backend, degree, padded, packed, rotate, impleme
     labels = pcp.shard_sequence(labels, backend=prepare, mesh=mesh,
                                 attn_mask_startend_row_indices=extra.get("attn_mask_startend_row_indices"))
     weight = pcp.loss_weight(int((labels != -100).sum()), mesh)
-
-    def step_loss(m):
-        return m(input_ids=ids, labels=labels, **extra)[0] * weight
-
-    losses, grads, params = train(model, opt, step_loss)
+    losses, grads, params = train(model, opt, (model(input_ids=ids, labels=labels, **extra)[0] * weight
+                                               for _ in range(STEPS)))
     return mean_over_ranks(losses, mesh), grads, params
 
 
@@ -112,20 +95,13 @@ def main(report):
         degree = next((int(x) for x in rest if x.isdigit()), None)
         if (family, padded, packed) not in references:
             references[family, padded, packed] = reference(family, seq, padded, packed)
-        ref_losses, ref_grads, ref_params = references[family, padded, packed]
         rotate = "allgather" if "allgather" in rest else "planned"
         implementation = next((x for x in rest if x in ("sdpa", "flashmask")), "eager")
         recompute = next((x for x in rest if x in RECOMPUTE), None)
-        losses, grads, params = parallel(family, seq, mesh, backend, degree, padded, packed, rotate,
-                                         implementation, recompute)
+        got = parallel(family, seq, mesh, backend, degree, padded, packed, rotate, implementation, recompute)
         names.append(spec)
-        report.value(f"{spec}.losses", losses)
-        report.diff(f"{spec}.loss", np.array(losses), np.array(ref_losses))
-        report.value(f"{spec}.grads_compared", sorted(set(grads) & set(ref_grads)))
-        for param, value in ref_grads.items():
-            report.diff(f"{spec}.grad", grads[param], value)
-        for param, value in ref_params.items():
-            report.diff(f"{spec}.param", params[param], value)
+        report.value(f"{spec}.grads_compared", sorted(set(got[1]) & set(references[family, padded, packed][1])))
+        report.training(spec, got, references[family, padded, packed])
     report.value("runs", names)
     check_length_dependent_rope(report, mesh)
 

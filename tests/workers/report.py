@@ -27,6 +27,7 @@ class Report:
     def training(self, name, got, want):
         """A training run's (losses, first-step gradients, final parameters) against a reference's."""
         (losses, grads, params), (ref_losses, ref_grads, ref_params) = got, want
+        losses, ref_losses = [float(x) for x in losses], [float(x) for x in ref_losses]  # tensors or floats
         self.value(f"{name}.losses", losses)
         self.diff(f"{name}.loss", np.array(losses), np.array(ref_losses))
         for param, value in ref_grads.items():
@@ -66,19 +67,25 @@ def mean_over_ranks(losses, mesh):
     return means
 
 
-def train_steps(model, opt, batches, loss_fn, steps):
-    """`steps` optimizer steps, each one backward of the summed losses of `batches` (every forward before it):
-    (losses, first-step gradients, final parameters), what Report.training compares."""
+def train(model, opt, step_losses):
+    """One optimizer step for each loss `step_losses` yields (a generator computes each step's loss when asked,
+    after the step before): (losses, first-step gradients, final parameters), what Report.training compares.
+    Gradients are read after the step, where a parallel optimizer has reduced them (a pipeline stage's others
+    are None)."""
     losses, grads = [], None
-    for step in range(steps):
-        loss = sum(loss_fn(model, batch) for batch in batches)
+    for loss in step_losses:
         loss.backward()
         opt.step()
-        if step == 0:
-            grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        if grads is None:
+            grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
         opt.clear_grad()
         losses.append(loss)
     return losses, grads, {n: p.numpy() for n, p in model.named_parameters()}
+
+
+def train_steps(model, opt, batches, loss_fn, steps):
+    """`steps` optimizer steps, each one backward of the summed losses of `batches` (every forward before it)."""
+    return train(model, opt, (sum(loss_fn(model, batch) for batch in batches) for _ in range(steps)))
 
 
 def run(main):
