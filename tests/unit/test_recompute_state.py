@@ -49,3 +49,53 @@ def test_a_whole_model_recompute_shares_one_inputs_check_between_forward_and_rep
         inside = recompute.with_current_state(layer)
     inside(paddle.ones([1]))
     assert memos[2] == []
+
+
+class _Saving(paddle.autograd.PyLayer):
+    """Saves a tensor made in its forward (as ring attention saves the k/v it received) and reads it in backward."""
+
+    @staticmethod
+    def forward(ctx, x, made):
+        ctx.save_for_backward(made)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        made, = ctx.saved_tensor()
+        return grad * made
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_ring_keeps_received_rows_only_where_nothing_waits_for_a_later_backward(reentrant):
+    """Both runs of a recompute call are in_replay(); the ring keeps what it received (keeps_received) in the replay,
+    whose backward follows at once, and in a non-reentrant call's first run, whose saved tensors are dropped as soon
+    as they are saved (placeholders); a reentrant call's first run has gradients off and saves nothing; outside a
+    recompute call every layer's would wait for its backward, so nothing is kept."""
+    import weakref
+
+    from paddle_cp.activations.replay import in_replay, replaying
+    from paddle_cp.attention.algorithms.ring import keeps_received
+
+    recompute.install()
+    seen, made = [], []
+
+    def layer(x):
+        seen.append((in_replay(), keeps_received()))
+        made.append(paddle.full([3], 5.0))
+        saved = weakref.ref(made[-1])
+        y = _Saving.apply(x, made.pop())
+        seen.append(saved() is not None)  # still held once the forward saved it
+        return y
+
+    x = paddle.ones([3])
+    x.stop_gradient = False
+    assert not keeps_received()
+    y = fleet_recompute(layer, x, use_reentrant=reentrant)
+    y.sum().backward()
+    first, first_held, replay, _ = seen
+    assert first == (True, not reentrant) and replay == (True, True)
+    assert not first_held  # the first run holds nothing it saved: no-grad (reentrant) or a placeholder (non-reentrant)
+    assert x.grad.numpy().tolist() == [5.0] * 3 and not in_replay()  # the backward read what the replay saved
+    with paddle.no_grad():
+        with replaying():
+            assert not keeps_received()
