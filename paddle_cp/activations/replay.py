@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 
+import paddle
+
 from .. import runtime
 
 
@@ -21,3 +23,11 @@ def replaying():
 
 def in_replay():
     return runtime.state.replay_depth > 0
+
+
+def saved_only_briefly():
+    """Whether what a forward called now saves for its backward is read by a backward that follows at once (a
+    replay) or dropped at once (a non-reentrant recompute's first run saves placeholders), rather than held until
+    the step's backward reaches its layer. Asked before a PyLayer's forward runs (Paddle runs it with gradients
+    off); with gradients off nothing is saved at all."""
+    return paddle.is_grad_enabled() and in_replay()

@@ -336,3 +336,24 @@ def test_a_ring_across_two_nodes_pays_the_network_rate_for_the_rows_from_the_oth
     one_node = Cluster(8, 80e9, 400e12, 300e9, 25e9, 8, attention_flops=1e30)
     assert step_time(SMALL, Layout(ring=ring), one_node, seq, 1, 2)["ring_exposed"] == pytest.approx(
         SMALL.layers * received.sum(axis=1).max() / 300e9)
+
+
+def test_recomputed_attention_moves_the_same_ring_bytes_and_hides_them_behind_its_replay_too():
+    """Under recomputation the ring's backward reads the k/v its replay received: the same bytes a layer as without
+    (k/v twice, gradients once), and the replayed forward's attention (a third of forward + backward) hides them
+    too; recomputing the MLP alone replays no attention, and the backward fetches k/v again."""
+    from paddle_cp.cost.step_time import attention_bytes
+
+    seq, ring = 32768, 8
+    cluster = Cluster(8, 80e9, 400e12, 300e9, 25e9, 4)
+    plain = step_time(SMALL, Layout(ring=ring), cluster, seq, 1, 2)
+    attention_seconds = plain["compute"] - step_time(SMALL, Layout(ring=ring), Cluster(
+        8, 80e9, 400e12, 300e9, 25e9, 4, attention_flops=1e30), seq, 1, 2)["compute"]
+    exchange = plain["ring_exposed"] + attention_seconds
+    assert plain["ring_exposed"] > 0
+    for recompute, hidden in (("full", 4 / 3), ("core_attn", 4 / 3), ("mlp", 1)):
+        layout = Layout(ring=ring, recompute=recompute)
+        assert attention_bytes(SMALL, layout, cluster, seq, 1, 2) == attention_bytes(SMALL, Layout(ring=ring), cluster,
+                                                                                     seq, 1, 2)
+        got = step_time(SMALL, layout, cluster, seq, 1, 2)["ring_exposed"]
+        assert got == pytest.approx(max(0.0, exchange - hidden * attention_seconds)), recompute

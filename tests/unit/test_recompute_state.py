@@ -66,21 +66,20 @@ class _Saving(paddle.autograd.PyLayer):
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_ring_keeps_received_rows_only_where_nothing_waits_for_a_later_backward(reentrant):
-    """Both runs of a recompute call are in_replay(); the ring keeps what it received (keeps_received) in the replay,
-    whose backward follows at once, and in a non-reentrant call's first run, whose saved tensors are dropped as soon
-    as they are saved (placeholders); a reentrant call's first run has gradients off and saves nothing; outside a
-    recompute call every layer's would wait for its backward, so nothing is kept."""
+def test_what_a_recompute_call_saves_is_held_only_briefly_in_both_its_runs(reentrant):
+    """Both runs of a recompute call are in_replay(). What the replay saves is read by the backward that follows
+    at once; a non-reentrant call's first run saves placeholders, dropped at once; a reentrant call's first run has
+    gradients off and saves nothing: saved_only_briefly() says where ring attention may keep the k/v it received.
+    Outside a recompute call every layer's would wait for its backward."""
     import weakref
 
-    from paddle_cp.activations.replay import in_replay, replaying
-    from paddle_cp.attention.algorithms.ring import keeps_received
+    from paddle_cp.activations.replay import in_replay, replaying, saved_only_briefly
 
     recompute.install()
     seen, made = [], []
 
     def layer(x):
-        seen.append((in_replay(), keeps_received()))
+        seen.append((in_replay(), saved_only_briefly()))
         made.append(paddle.full([3], 5.0))
         saved = weakref.ref(made[-1])
         y = _Saving.apply(x, made.pop())
@@ -89,7 +88,7 @@ def test_ring_keeps_received_rows_only_where_nothing_waits_for_a_later_backward(
 
     x = paddle.ones([3])
     x.stop_gradient = False
-    assert not keeps_received()
+    assert not saved_only_briefly()
     y = fleet_recompute(layer, x, use_reentrant=reentrant)
     y.sum().backward()
     first, first_held, replay, _ = seen
@@ -98,4 +97,4 @@ def test_ring_keeps_received_rows_only_where_nothing_waits_for_a_later_backward(
     assert x.grad.numpy().tolist() == [5.0] * 3 and not in_replay()  # the backward read what the replay saved
     with paddle.no_grad():
         with replaying():
-            assert not keeps_received()
+            assert not saved_only_briefly()

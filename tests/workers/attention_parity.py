@@ -22,6 +22,7 @@ from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 from paddle_cp.attention.masks.block_mask import Documents
 from paddle_cp.attention.algorithms.ulysses import head_split
 from paddle_cp.comm import counters
+from paddle_cp.cost import exchange as cost_exchange
 from paddle_cp.tools import packing
 
 HEAD_DIM = 8
@@ -426,14 +427,16 @@ def check_planned_exchange(report, mesh, world):
                                   (1, 2, 2, HEAD_DIM), True, docs)
 
 
-RECOMPUTE_MODES = {"none": None, "reentrant": True, "plain": False}  # fleet.utils.recompute's use_reentrant
+# fleet.utils.recompute's use_reentrant; "refetch": reentrant, the received k/v over the limit a replay holds
+RECOMPUTE_MODES = {"none": None, "reentrant": True, "plain": False, "refetch": True}
 
 
 def check_recompute_exchange(report, mesh, world):
     """Ring attention under fleet.utils.recompute (reentrant and not) against the same call without: its backward
     reads the k/v rows the replay received instead of fetching them again, so each rank sends the ring bytes and
     makes the ring calls the call without recomputation makes (the exchange plan's 3 x rows read, planned),
-    with bit for bit the same output and gradients, within 1e-5 of one process's SDPA."""
+    with bit for bit the same output and gradients, within 1e-5 of one process's SDPA. Past
+    exchange.REPLAY_HOLD_LIMIT (lowered to 0 here) the backward fetches them again: 4 x."""
     cases = [("p2p.causal", "p2p", None, "planned", False), ("p2p.causal.allgather", "p2p", None, "allgather", False),
              ("p2p.docs", "p2p", None, "planned", True)]
     if world == 4:
@@ -468,8 +471,11 @@ def check_recompute_exchange(report, mesh, world):
             for t in local:
                 t.stop_gradient = False
             bytes_before, calls_before = counters.bytes_sent("ring"), counters.collectives_issued("ring")
+            limit, cost_exchange.REPLAY_HOLD_LIMIT = cost_exchange.REPLAY_HOLD_LIMIT, (
+                0 if mode == "refetch" else cost_exchange.REPLAY_HOLD_LIMIT)
             out = call(*local) if reentrant is None else recompute(call, *local, use_reentrant=reentrant)
             (out * local_grad_out).sum().backward()
+            cost_exchange.REPLAY_HOLD_LIMIT = limit
             sent[mode] = {"bytes": counters.bytes_sent("ring") - bytes_before,
                           "calls": counters.collectives_issued("ring") - calls_before}
             results[mode] = [out.numpy()] + [t.grad.numpy() for t in local]
@@ -485,6 +491,7 @@ def check_recompute_exchange(report, mesh, world):
         report.value(f"recompute.{name}", {
             "sent": sent, "ring": plan.ring, "rotate": rotate,
             "planned": int(counted.planned[rank // sequence_layout.ulysses]),
+            "read": int(counted.read[rank // sequence_layout.ulysses]),
             "bitwise": {mode: all(np.array_equal(a, b) for a, b in zip(results["none"], got))
                         for mode, got in results.items()}})
 

@@ -20,23 +20,29 @@ their gradients go home: 3 x the rows read per forward + backward instead of 4 x
 third time: exchange_plan.exchange_bytes), and the backward posts only the gradients'
 N-1 shifts (planned) or one reduce-scatter (allgather) instead of twice as many calls. Held: one layer's
 received rows from its replay to its backward (224 to 448 MB above, beside the ~3 GB of bf16 activations
-the replay of that Llama layer holds anyway). The kernels run the same tiles on the same bytes in the same order:
-results bit for bit those of the backward that fetches again.
+the replay of that Llama layer holds anyway), kept only while the busiest member's fit
+cost.exchange.REPLAY_HOLD_LIMIT (1 GiB: up to ~290K tokens of one document there); past it, where the
+quadratic attention hides a third pass of k/v many times over and memory bounds the sequence, the backward
+fetches them again. The kernels run the same tiles on the same bytes in the same order: results bit for bit
+those of the backward that fetches again.
 """
 from __future__ import annotations
+
+import math
 
 import paddle
 from paddle.autograd import PyLayer
 
 from ...activations import recompute
-from ...activations.replay import in_replay
+from ...activations.replay import saved_only_briefly
+from ...cost import exchange as cost_exchange
 from ..layout.exchange_plan import ExchangePlan
 from ..kernels import saveable, select_kernel
 from ..layout.sequence_layout import runs
 from ..masks.block_mask import BlockMask, record_work
 from .merge import merge
 from .planned_exchange import MemberExchange, PlannedRotation
-from .rotation import AllGatherRotation, check_rotation
+from .rotation import AllGatherRotation, BlockPacking, check_rotation
 
 
 class RingMasks:
@@ -103,12 +109,22 @@ def make_rotation(rotate, group, k, v, masks, received=None):
     return kinds[check_rotation(rotate)](group, k, v, masks, received)
 
 
-def keeps_received():
-    """Whether a ring forward called now keeps the k/v messages it receives for its backward: when what it
-    saves is read by a backward that follows at once (a replay: activations/replay.py) or dropped at once
-    (a non-reentrant recompute's first run saves placeholders). Asked before the forward runs (Paddle runs a
-    PyLayer's forward with gradients off); with gradients off nothing is saved at all."""
-    return paddle.is_grad_enabled() and in_replay()
+def keeps_received(rotate, group, k, v, masks):
+    """Whether a ring forward called now keeps the k/v messages it receives for its backward: where what it saves
+    is held only briefly (activations/replay.py: a replay, whose backward follows at once) and the busiest
+    member's received k/v fit cost.exchange.REPLAY_HOLD_LIMIT, decided alike on every member (from the plan and
+    the blocks' lengths: the backward's shifts pair up) and in both runs of a recompute call."""
+    return group.size > 1 and saved_only_briefly() and cost_exchange.replay_holds(received_bytes(rotate, k, v, masks))
+
+
+def received_bytes(rotate, k, v, masks):
+    """Bytes of k/v [b, s_i, h, d] the busiest member receives in one forward (what its kept messages hold):
+    the rows read (planned), or every whole block padded to the longest (allgather)."""
+    packing = BlockPacking(k, v, masks.lengths())
+    row_bytes = sum(math.prod(shape) for shape in packing.shapes(1)) * k.element_size()
+    if rotate == "planned":
+        return int(cost_exchange.received_rows(masks.exchange().plan.counts).max()) * row_bytes
+    return len(packing.lengths) * max(packing.lengths) * row_bytes
 
 
 def ring_forward(q, k, v, group, masks, scale, rotate, keep=False):
@@ -194,4 +210,5 @@ def ring_attention_local(q, k, v, group, masks, scale, rotate="planned", sinks=N
     """Attention of this member's [b, s_i, h, d] q/k/v shards (v: [b, s_i, h, d_v]) over the ring `group`."""
     recompute.install()  # a recompute call's replay then says so (keeps_received)
     q, k, v = saveable(q, k, v)
-    return RingAttention.apply(q, k, v, sinks, group, masks, scale, rotate, keeps_received())
+    keep = keeps_received(rotate, group, k, v, masks)
+    return RingAttention.apply(q, k, v, sinks, group, masks, scale, rotate, keep)
