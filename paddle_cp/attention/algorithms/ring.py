@@ -140,8 +140,8 @@ def ring_forward(q, k, v, group, masks, scale, rotate, keep=False):
         if sees_nothing(mask):
             record_work(0, q.shape[1] * masks.lengths()[src])
             continue
-        if keep:
-            kept[step] = message
+        if keep and message is not None:
+            kept[step], = saveable(message)  # an all-gather's block may be a view (non-reentrant recompute saves it)
         k_block, v_block = rotation.unpack(message, src)
         block_out, block_lse = select_kernel(q, v, mask).forward(q, k_block, v_block, mask, scale)
         out, lse = merge(out, lse, block_out, block_lse)
