@@ -19,9 +19,9 @@ from .packed_layout import chunk_sizes
 from .tiles import TILE
 
 # Received k/v bytes a ring member's replayed forward may hold for its backward, beside the replay's own activations
-# (Llama-3-8B at 128K tokens over 8 ranks, bf16: 224-448 MiB). Past it (around half a million tokens on 8 ranks
-# for 8 k/v heads of 128), where attention's compute hides a third pass of k/v many times over and memory
-# bounds the sequence, the backward fetches them again.
+# (Llama-3-8B at 128K tokens of one document over 8 ranks, bf16: 224-448 MiB). Past it (~290K tokens there),
+# where attention's compute hides a third pass of k/v many times over and memory bounds the sequence, the
+# backward fetches them again.
 REPLAY_HOLD_LIMIT = 2 ** 30
 
 
