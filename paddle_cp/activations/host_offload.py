@@ -34,7 +34,7 @@ from . import recompute
 from ..comm.counters import nbytes
 from ..host_memory import NumpyHost
 from .recompute_settings import recompute_setting
-from .replay import in_replay, replaying
+from .replay import in_replay
 
 
 class PinnedHost:
@@ -199,15 +199,10 @@ def _refuse_unrecomputed(layer, inputs):
                          f"{f'({setting.turn_on}) ' if setting is not None else ''}or drop the plan")
 
 
-def _capture_replay():
-    return replaying
-
-
 def offload_recompute_inputs(layer, key):
     """Keep the inputs of `layer`'s recompute calls in `checkpoints_of(key)`; its forward outside a recompute
     raises."""
-    recompute.install()
-    recompute.carry(_capture_replay)
+    recompute.install()  # its calls' runs are in_replay()
     recompute.around_saving(_offloading)
     setattr(layer, STORE_ATTR, key)
     return layer.register_forward_pre_hook(_refuse_unrecomputed)

@@ -26,6 +26,7 @@ import functools
 import importlib
 
 from .. import runtime
+from .replay import replaying
 
 
 def carry(capture):
@@ -94,8 +95,14 @@ def _carrying(helper):
     return call
 
 
+def _capture_replay():
+    return replaying
+
+
 def install():
-    """Wrap Paddle's recompute entry points once per process (they stay wrapped: reset keeps them)."""
+    """Wrap Paddle's recompute entry points once per process (they stay wrapped: reset keeps them); every call's
+    runs are then in_replay() (activations/replay.py)."""
+    carry(_capture_replay)
     if runtime.installed.recompute_wrapped:
         return
     # by module path: the package re-exports a function named `recompute` over its module

@@ -1,8 +1,13 @@
-"""Whether a forward now runs as a replay in backward (a recompute call's or a sequence tile's): a layer whose
-activations are meant to be rebuilt may record a graph only then."""
+"""Whether a forward now runs inside a recompute call (activations/recompute.py, once installed: its first run
+and its replay in backward) or as a sequence tile's replay. What such a forward saves for its backward is either
+read by the backward that follows the replay at once, or dropped at once (a reentrant call's first run has
+gradients off; a non-reentrant one's saves placeholders): a layer whose activations are meant to be rebuilt
+may record a graph only there, and ring attention keeps its received k/v there (attention/algorithms/ring.py)."""
 from __future__ import annotations
 
 import contextlib
+
+import paddle
 
 from .. import runtime
 
@@ -18,3 +23,11 @@ def replaying():
 
 def in_replay():
     return runtime.state.replay_depth > 0
+
+
+def saved_only_briefly():
+    """Whether what a forward called now saves for its backward is read by a backward that follows at once (a
+    replay) or dropped at once (a non-reentrant recompute's first run saves placeholders), rather than held until
+    the step's backward reaches its layer. Asked before a PyLayer's forward runs (Paddle runs it with gradients
+    off); with gradients off nothing is saved at all."""
+    return paddle.is_grad_enabled() and in_replay()

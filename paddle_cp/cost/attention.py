@@ -6,9 +6,10 @@ one forward+backward, the quantity paddle_cp.bytes_sent() counts.
 Attention traffic (one attention call; local q [b, s/N, hq, d], k/v [b, s/N, hk, d],
 `e` bytes per element, KV = bytes of the local k and v together):
 - ring (backend p2p): forward passes k/v N-1 hops; backward passes k/v N-1
-  hops again (recomputation instead of holding every block) and dk/dv N-1 hops
-  (the owner keeps its own block's gradient until the sum of the others'
-  arrives): 3(N-1) KV, the algorithm's minimum.
+  hops again (fetched again instead of every layer holding every block; under
+  recomputation the replay's forward passes them and its backward reads those)
+  and dk/dv N-1 hops (the owner keeps its own block's gradient until the sum of
+  the others' arrives): 3(N-1) KV, the algorithm's minimum.
 - Ulysses (backend all2all): all-to-all of q, k, v before and of out after
   attention sends (N-1)/N of each; the backward mirrors it. k/v heads fewer
   than N are repeated before the exchange (that is what travels). This is also
@@ -53,8 +54,8 @@ def kv_heads_sent(heads, kv_heads, ulysses):
 
 
 def ring_bytes(batch, seq, kv_heads, head_dim, ring, elem=FP32):
-    """Bytes one rank sends in ring attention forward+backward: k/v N-1 hops forward, k/v and
-    dk/dv N-1 hops backward, 3(N-1) KV."""
+    """Bytes one rank sends in ring attention forward+backward: k/v N-1 hops forward, k/v (backward, or the
+    replay under recomputation) and dk/dv N-1 hops, 3(N-1) KV."""
     kv = 2 * batch * (seq // ring) * kv_heads * head_dim * elem
     return 3 * (ring - 1) * kv
 

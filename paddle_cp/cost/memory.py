@@ -22,7 +22,9 @@ path and paddle_cp hold it:
   Ulysses' head-split copies included); the MLP's gate, up, activation and product (4 x intermediate/tp);
   MoE layers MOE_TENSORS_PER_EXPERT_WIDTH expert-width tensors per top-k copy, the routing bookkeeping
   (MOE_ROUTER_BYTES_PER_EXPERT per expert), the shared experts' four. Full recomputation keeps each layer's input and the rotary tables it is called with,
-  and rebuilds one layer in backward; selective recomputation drops what its modules hold. Plus the final
+  and rebuilds one layer in backward; selective recomputation drops what its modules hold. A replayed ring
+  attention also holds the k/v rows its forward received until its backward (the busiest member's, one causal
+  document in 2R chunks, up to exchange.REPLAY_HOLD_LIMIT: `ring_replay_held`). Plus the final
   norm. Under a pipeline the first stage holds 1F1B's min(m, p) micro-batches (interleaved: its warm-up's
   chunks).
 - long sequences (docs/long_sequences.md): a SequenceTiled MLP keeps its input alone, its backward adds one tile's
@@ -49,8 +51,9 @@ activation inventory within 1% of PaddleFormers' Llama per layer; the rest check
 """
 from __future__ import annotations
 
-from .attention import FP32, attention_held_bytes
+from .attention import FP32, attention_held_bytes, kv_heads_sent
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL
+from .exchange import chunk_reads, received_rows, replay_holds
 
 MOMENTS_BYTES = 2 * FP32  # AdamW's two moments per parameter, fp32
 CHUNK_TEMPORARIES = 6  # [chunk, vocab] fp32 tensors PaddleFormers' fused head + loss holds at once in backward
@@ -163,6 +166,27 @@ def layer_activations(model, layout, tokens, seq, batch, elem, moe, fused=False)
             "mlp_backward": mlp_backward}
 
 
+def replays_attention(layout):
+    """Whether recomputation runs attention's forward again in backward (full layers, or selective with it)."""
+    return layout.recompute == RECOMPUTE_FULL or bool({"core_attn", "full_attn"} & set(layout.selective))
+
+
+def ring_replay_received(model, layout, seq, batch, elem):
+    """Bytes of k/v the busiest ring member receives in one forward of one layer: `batch` sequences of one causal
+    document in 2R chunks, its share of the k/v heads (0 without a ring)."""
+    if layout.ring == 1:
+        return 0
+    heads = kv_heads_sent(model.heads // layout.tp, model.kv_heads // layout.tp, layout.ulysses) // layout.ulysses
+    return int(received_rows(chunk_reads(seq, layout.ring)).max()) * batch * heads * 2 * model.head_dim * elem
+
+
+def ring_replay_held(model, layout, seq, batch, elem):
+    """Bytes of k/v a rank's replayed ring attention holds from its forward to its backward (ring.py: what it
+    received, where that fits exchange.REPLAY_HOLD_LIMIT); 0 where attention is not replayed."""
+    received = ring_replay_received(model, layout, seq, batch, elem) if replays_attention(layout) else 0
+    return received if replay_holds(received) else 0
+
+
 def norm_bytes(model, layout, tokens, elem, fused=False):
     """An RMSNorm's: its input (an fp32 copy) and normalized value at t/tp, and the output at t, which the
     projections read, or under tensor parallelism each column-split projection's own copy of it (q, k, v;
@@ -221,7 +245,8 @@ def activations(model, layout, seq, batch, elem, stage, fused=False):
         if count:
             parts = layer_activations(model, layout, tokens, seq, sequences, elem, moe, fused)
             held += count * kept_by_layer(model, layout, parts, tokens, elem)
-            rebuilt = parts["attention"] + parts["mlp"] if layout.recompute != NO_RECOMPUTE else 0
+            rebuilt = (parts["attention"] + parts["mlp"] + ring_replay_held(model, layout, seq, sequences, elem)
+                       if layout.recompute != NO_RECOMPUTE else 0)
             working = max(working, rebuilt + parts["mlp_backward"])
     saved_inputs = recompute_inputs(model, layout, tokens, elem)
     host = layers * saved_inputs * in_flight(layout, stage) if layout.offload else 0

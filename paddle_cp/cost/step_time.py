@@ -18,7 +18,10 @@ member by member on its own links); ring traffic hidden behind attention compute
   k/v rows other members' tiles read, twice, and their fp32 gradients home (exchange.py), for one causal document
   in 2R chunks or a PackedRow's chosen layout; each member's bytes at the rate of the link they come over
   (NVLink within a node, the network across: links.LinkCost on the cluster's rates and nodes), the busiest
-  member's; hidden behind the layer's attention compute (forward + backward): only the part longer than it shows.
+  member's; hidden behind the layer's attention compute (forward + backward, and the replayed forward where
+  recomputation replays attention: the k/v's second pass is then the replay's, whose rows the backward reads,
+  not a fetch in backward; past exchange.REPLAY_HOLD_LIMIT the backward fetches them a third time): only the
+  part longer than it shows.
 - pipeline_p2p: every micro-batch's activations forward and gradients back, once per chunk (interleaved).
 - expert_all_to_all: each MoE layer sends its tokens' top-k copies to their experts and back, forward and
   backward: 4 k t h bytes x (E-1)/E.
@@ -39,9 +42,10 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import FP32, attention_flops, attention_traffic, kv_heads_sent
-from .exchange import chunk_reads, link_bytes
+from .exchange import chunk_reads, link_bytes, replay_holds
 from .links import LinkCost, Links
-from .memory import gradient_elem, recompute_inputs, stage_params, stepped_params
+from .memory import (gradient_elem, recompute_inputs, replays_attention, ring_replay_received, stage_params,
+                     stepped_params)
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL
 
 
@@ -60,7 +64,7 @@ def _recompute_factor(layout, attention_share):
         return 0.0
     if layout.recompute == RECOMPUTE_FULL:
         return 1 / 3
-    share = (attention_share if {"core_attn", "full_attn"} & set(layout.selective) else 0) + (
+    share = (attention_share if replays_attention(layout) else 0) + (
         1 - attention_share if "mlp" in layout.selective else 0)
     return share / 3
 
@@ -102,7 +106,9 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None
                                                  (gemm_seconds + attention_seconds) / model.layers) * stretch,
         "tensor_parallel": tp_bytes / _bandwidth(cluster, 1, tp) * stretch,
         "ulysses": model.layers * uly / _bandwidth(cluster, tp, layout.ulysses) * stretch,
-        "ring_exposed": max(0.0, ring_seconds - attention_seconds) * stretch,
+        # the exchange beside the attention that runs: forward + backward, the replayed forward (a third) too
+        "ring_exposed": max(0.0, ring_seconds - attention_seconds * (4 / 3 if replays_attention(layout) else 1))
+                        * stretch,
         "pipeline_p2p": (2 * layout.vpp * tokens * model.hidden * elem / _bandwidth(cluster, cluster.devices // pp, 2)
                          if pp > 1 else 0.0),
         "expert_all_to_all": expert_bytes / _bandwidth(cluster, tp, layout.ep) * stretch if layout.ep > 1 else 0.0,
@@ -133,7 +139,8 @@ def ring_exchange(model, layout, cluster, seq, batch, elem, causal=True, packed=
     """RingExchange of `layout`'s ring on the cluster's links (ring_links): the k/v rows other members' tiles read
     (exchange.chunk_reads for one document in 2R chunks; a PackedRow's chosen layout's TileCounts.read), `batch`
     rows of them, k/v in `elem` bytes, their gradients fp32 (rotation.GRAD_DTYPE); a hybrid rank's share of
-    its ring group's heads."""
+    its ring group's heads; under recomputation of attention, whether its replay holds what it received is
+    decided as for one causal document (exchange.replay_holds)."""
     if layout.ring == 1:
         return RingExchange()
     links = ring_links(cluster, layout)
@@ -141,7 +148,9 @@ def ring_exchange(model, layout, cluster, seq, batch, elem, causal=True, packed=
     row = batch * heads * 2 * model.head_dim  # k and v of one token on one rank
     read = (chunk_reads(seq, layout.ring, causal) if packed is None
             else packed.counts(layout.ring, layout.ulysses, links).read)
-    received = link_bytes(read, row * elem, row * FP32)  # [R, R]: what member r receives from g
+    refetched = replays_attention(layout) and not replay_holds(
+        ring_replay_received(model, layout, seq, batch / layout.micro, elem))  # a call's: one micro-batch's
+    received = link_bytes(read, row * elem, row * FP32, 3 if refetched else 2)  # [R, R]: what member r receives from g
     seconds = links.link_seconds(received)
     busiest = int(np.argmax(seconds))
     within, across = links.by_link(received)

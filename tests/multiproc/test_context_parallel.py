@@ -60,9 +60,10 @@ def test_attention_matches_single_process(world):
     hybrid = world == 4
     for report in reports:
         # functional cases x (out, dq, dk, dv); per backend: window+sinks+MLA x (out, dq, dk, dv, dsinks),
-        # layer plans (plain, docs, dense), unshard and the output without seq_len; a branch only rank 0 takes
+        # layer plans (plain, docs, dense), unshard and the output without seq_len; a branch only rank 0 takes;
+        # the recompute cases x (none, reentrant, plain, refetch) x (out, dq, dk, dv)
         cases = 12 + 3 * hybrid
-        assert len(report["max_abs"]) == 4 * cases + (5 + 3 + 1 + 1) * (2 + hybrid) + 1
+        assert len(report["max_abs"]) == 4 * cases + (5 + 3 + 1 + 1) * (2 + hybrid) + 1 + 16 * (3 + hybrid)
         if world > 1:
             assert report["values"]["bytes"]["ring"] > 0 and report["values"]["bytes"]["ulysses"] > 0
 
@@ -113,6 +114,36 @@ def test_planned_exchange_sends_only_the_rows_read(world):
         packed = next(name for name in names if name.startswith("planned.packed.p2p"))
         runs = [report["values"][packed] for report in reports]
         assert sum(r["planned_bytes"] for r in runs) < 0.7 * sum(r["whole_block_bytes"] for r in runs)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_recomputed_ring_backward_reads_the_replays_rows(world):
+    """Under fleet.utils.recompute (reentrant and not) the ring's backward reads the k/v its replay received: each
+    rank sends what the call without recomputation sends (planned: the exchange plan's 3 x rows read, not 4 x)
+    in as many ring calls (planned: 3 x N-1 shifts), bit for bit the same output and gradients (within 1e-5 of
+    one process: test_attention_matches_single_process). Past the limit a replay holds, the backward fetches
+    them again: 4/3 of those bytes and calls, the same results."""
+    reports = attention_reports(world)
+    names = {name for name in reports[0]["values"] if name.startswith("recompute.")}
+    assert len(names) == 3 + (world == 4)
+    for name in names:
+        for report in reports:
+            case = report["values"][name]
+            sent, ring = case["sent"], case["ring"]
+            assert set(sent) == {"none", "reentrant", "plain", "refetch"}
+            assert all(case["bitwise"].values()), (name, case)
+            for mode in ("reentrant", "plain"):
+                assert sent[mode] == sent["none"], (name, mode, case)
+            assert 3 * sent["refetch"]["calls"] == 4 * sent["none"]["calls"], (name, case)
+            if case["rotate"] == "planned":  # a third pass of the rows others read from this rank (k/v, fp32 as the grads)
+                assert sent["refetch"]["bytes"] == sent["none"]["bytes"] + case["read"] // 3, (name, case)
+            else:  # whole blocks, as many bytes each pass
+                assert 3 * sent["refetch"]["bytes"] == 4 * sent["none"]["bytes"], (name, case)
+            if case["rotate"] == "planned":
+                assert sent["none"]["bytes"] == case["planned"], (name, case)
+                assert sent["none"]["calls"] == 3 * (ring - 1), (name, case)
+            if ring > 1:
+                assert sent["none"]["bytes"] > 0, (name, case)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -336,3 +336,49 @@ def test_a_ring_across_two_nodes_pays_the_network_rate_for_the_rows_from_the_oth
     one_node = Cluster(8, 80e9, 400e12, 300e9, 25e9, 8, attention_flops=1e30)
     assert step_time(SMALL, Layout(ring=ring), one_node, seq, 1, 2)["ring_exposed"] == pytest.approx(
         SMALL.layers * received.sum(axis=1).max() / 300e9)
+
+
+def test_recomputed_attention_moves_the_same_ring_bytes_and_hides_them_behind_its_replay_too():
+    """Under recomputation the ring's backward reads the k/v its replay received: the same bytes a layer as without
+    (k/v twice, gradients once), and the replayed forward's attention (a third of forward + backward) hides them
+    too; recomputing the MLP alone replays no attention, and the backward fetches k/v again."""
+    from paddle_cp.cost.step_time import attention_bytes
+
+    seq, ring = 32768, 8
+    cluster = Cluster(8, 80e9, 400e12, 300e9, 25e9, 4)
+    plain = step_time(SMALL, Layout(ring=ring), cluster, seq, 1, 2)
+    attention_seconds = plain["compute"] - step_time(SMALL, Layout(ring=ring), Cluster(
+        8, 80e9, 400e12, 300e9, 25e9, 4, attention_flops=1e30), seq, 1, 2)["compute"]
+    exchange = plain["ring_exposed"] + attention_seconds
+    assert plain["ring_exposed"] > 0
+    for recompute, hidden in (("full", 4 / 3), ("core_attn", 4 / 3), ("mlp", 1)):
+        layout = Layout(ring=ring, recompute=recompute)
+        assert attention_bytes(SMALL, layout, cluster, seq, 1, 2) == attention_bytes(SMALL, Layout(ring=ring), cluster,
+                                                                                     seq, 1, 2)
+        got = step_time(SMALL, layout, cluster, seq, 1, 2)["ring_exposed"]
+        assert got == pytest.approx(max(0.0, exchange - hidden * attention_seconds)), recompute
+
+
+def test_a_replayed_ring_holds_its_received_kv_up_to_the_limit_and_fetches_them_again_past_it(monkeypatch):
+    """Llama-3-8B, one causal document over ring8, bf16 k/v: under full recomputation the replay holds the k/v its
+    busiest member received (member 0 reads 7 whole blocks of 64 MiB at 128K) in the rebuilt layer's phase; past
+    exchange.REPLAY_HOLD_LIMIT it holds none and the backward fetches them again: a third k/v pass on the links."""
+    from paddle_cp.cost import exchange
+    from paddle_cp.cost.memory import ring_replay_held
+    from paddle_cp.cost.step_time import attention_bytes
+
+    llama, seq = ModelShape.from_config(LLAMA3_8B), 128 * 1024
+    cluster = Cluster(8, 80e9, 700e12, 300e9, 25e9, 8, 300e12)
+    full, plain = Layout(ring=8, recompute="full"), Layout(ring=8)
+    assert ring_replay_held(llama, full, seq, 1, 2) == 7 * 64 * 2 ** 20
+    assert ring_replay_held(llama, Layout(ring=8, recompute="mlp"), seq, 1, 2) == 0  # attention not replayed
+    assert ring_replay_held(llama, plain, seq, 1, 2) == 0
+    assert ring_replay_held(llama, full, 8 * seq, 1, 2) == 0  # 3.5 GiB: past the limit
+    kept = memory(llama, full, seq, 1, 2)["phases"]["layer_backward"]
+    kv_pass = 7 * 64 * 2 ** 20  # member 0 receives 7 whole blocks a pass (causal: it reads every earlier block)
+    assert attention_bytes(llama, full, cluster, seq, 1, 2) == attention_bytes(llama, plain, cluster, seq, 1, 2)
+
+    monkeypatch.setattr(exchange, "REPLAY_HOLD_LIMIT", 0)
+    assert memory(llama, full, seq, 1, 2)["phases"]["layer_backward"] == kept - kv_pass
+    refetched = attention_bytes(llama, full, cluster, seq, 1, 2)
+    assert refetched["ring_within_node"] == attention_bytes(llama, plain, cluster, seq, 1, 2)["ring_within_node"] + kv_pass

@@ -49,3 +49,52 @@ def test_a_whole_model_recompute_shares_one_inputs_check_between_forward_and_rep
         inside = recompute.with_current_state(layer)
     inside(paddle.ones([1]))
     assert memos[2] == []
+
+
+class _Saving(paddle.autograd.PyLayer):
+    """Saves a tensor made in its forward (as ring attention saves the k/v it received) and reads it in backward."""
+
+    @staticmethod
+    def forward(ctx, x, made):
+        ctx.save_for_backward(made)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        made, = ctx.saved_tensor()
+        return grad * made
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_what_a_recompute_call_saves_is_held_only_briefly_in_both_its_runs(reentrant):
+    """Both runs of a recompute call are in_replay(). What the replay saves is read by the backward that follows
+    at once; a non-reentrant call's first run saves placeholders, dropped at once; a reentrant call's first run has
+    gradients off and saves nothing: saved_only_briefly() says where ring attention may keep the k/v it received.
+    Outside a recompute call every layer's would wait for its backward."""
+    import weakref
+
+    from paddle_cp.activations.replay import in_replay, replaying, saved_only_briefly
+
+    recompute.install()
+    seen, made = [], []
+
+    def layer(x):
+        seen.append((in_replay(), saved_only_briefly()))
+        made.append(paddle.full([3], 5.0))
+        saved = weakref.ref(made[-1])
+        y = _Saving.apply(x, made.pop())
+        seen.append(saved() is not None)  # still held once the forward saved it
+        return y
+
+    x = paddle.ones([3])
+    x.stop_gradient = False
+    assert not saved_only_briefly()
+    y = fleet_recompute(layer, x, use_reentrant=reentrant)
+    y.sum().backward()
+    first, first_held, replay, _ = seen
+    assert first == (True, not reentrant) and replay == (True, True)
+    assert not first_held  # the first run holds nothing it saved: no-grad (reentrant) or a placeholder (non-reentrant)
+    assert x.grad.numpy().tolist() == [5.0] * 3 and not in_replay()  # the backward read what the replay saved
+    with paddle.no_grad():
+        with replaying():
+            assert not saved_only_briefly()

@@ -1,7 +1,8 @@
 """Ring attention's kernel calls per ring step, forward and backward (attention/algorithms/ring.py), in one process: each
 ring member's steps are run against a stand-in rotation that serves every member's k/v block and records the
 k/v gradients each step sends home. A block no query sees runs no kernel in either direction; every other
-block runs one each way; results are bit-for-bit those of running the kernel on every block.
+block runs one each way; results are bit-for-bit those of running the kernel on every block, whether the
+backward fetches the blocks again or reads the messages its forward kept (a replay's, ring.keeps_received).
 The exchanges themselves are tested for real in tests/multiproc (test_context_parallel.py, test_gpu_path.py)."""
 from types import SimpleNamespace
 
@@ -25,14 +26,16 @@ SCALE = HEAD_DIM ** -0.5
 
 
 class StandInRotation:
-    """Every member's packed k/v block at hand; the gradient each step sends (packed), kept by the block it is for."""
+    """Every member's packed k/v block at hand (or the messages a forward kept: `received`); the gradient each step
+    sends (packed), kept by the block it is for."""
 
-    def __init__(self, packed, index, packing):
+    def __init__(self, packed, index, packing, received=None):
         self.packed, self.index, self.packing, self.step, self.sent = packed, index, packing, None, {}
+        self.received = received
 
     def fetch(self, step):
         self.step = step
-        return self.packed[(self.index - step) % RING]
+        return self.packed[(self.index - step) % RING] if self.received is None else self.received[step]
 
     def unpack(self, flat, src):
         return self.packing.unpack(flat, src)
@@ -111,9 +114,9 @@ def test_backward_skips_the_blocks_forward_skips(monkeypatch, path):
         dtype = "bfloat16"
     rotation_of = {}
 
-    def stand_in(rotate, group, k, v, masks):
+    def stand_in(rotate, group, k, v, masks, received=None):
         packing = rotation.BlockPacking(k, v, masks.lengths())
-        rotation_of["current"] = StandInRotation(rotation_of["packed"], group.index, packing)
+        rotation_of["current"] = StandInRotation(rotation_of["packed"], group.index, packing, received)
         return rotation_of["current"]
     monkeypatch.setattr(ring, "make_rotation", stand_in)
     calls = _kernel_steps(monkeypatch, rotation_of)
@@ -126,12 +129,15 @@ def test_backward_skips_the_blocks_forward_skips(monkeypatch, path):
             calls.clear()
             masks = ring_masks(layout, SEQ, index, Mask(True, window, documents))
             group = SimpleNamespace(size=RING, index=index)
-            out, lse = ring.ring_forward(qs[index], ks[index], vs[index], group, masks, SCALE, "planned")
+            keep = index % 2 == 1  # half the members' backwards read the messages their forwards kept
+            out, lse, kept = ring.ring_forward(qs[index], ks[index], vs[index], group, masks, SCALE, "planned", keep)
             dq, dk, dv = ring.ring_backward(douts[index], qs[index], ks[index], vs[index], out.astype(dtype), lse,
-                                            group, masks, SCALE, "planned")
+                                            group, masks, SCALE, "planned", received=kept)
             sent = rotation_of["current"].sent
             for step in range(RING):
                 seen = masks.block((index - step) % RING).extent().kind != "none"
+                if keep:  # a message kept exactly where the step ran a kernel
+                    assert (kept[step] is not None) == seen, (name, index, step)
                 empty_blocks += not seen
                 forward, backward = (calls.get((d, index, step), 0) for d in ("forward", "backward"))
                 assert forward == backward == int(seen), (name, path, index, step, forward, backward)

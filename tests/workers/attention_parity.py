@@ -12,6 +12,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
+from paddle.distributed.fleet.utils import recompute
 from report import run
 
 import paddle_cp as pcp
@@ -20,6 +21,8 @@ from paddle_cp.attention.layout.exchange_plan import ExchangePlan, exchange_byte
 from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 from paddle_cp.attention.masks.block_mask import Documents
 from paddle_cp.attention.algorithms.ulysses import head_split
+from paddle_cp.comm import counters
+from paddle_cp.cost import exchange as cost_exchange
 from paddle_cp.tools import packing
 
 HEAD_DIM = 8
@@ -424,6 +427,75 @@ def check_planned_exchange(report, mesh, world):
                                   (1, 2, 2, HEAD_DIM), True, docs)
 
 
+# fleet.utils.recompute's use_reentrant; "refetch": reentrant, the received k/v over the limit a replay holds
+RECOMPUTE_MODES = {"none": None, "reentrant": True, "plain": False, "refetch": True}
+
+
+def check_recompute_exchange(report, mesh, world):
+    """Ring attention under fleet.utils.recompute (reentrant and not) against the same call without: its backward
+    reads the k/v rows the replay received instead of fetching them again, so each rank sends the ring bytes and
+    makes the ring calls the call without recomputation makes (the exchange plan's 3 x rows read, planned),
+    with bit for bit the same output and gradients, within 1e-5 of one process's SDPA. Past
+    exchange.REPLAY_HOLD_LIMIT (lowered to 0 here) the backward fetches them again: 4 x."""
+    cases = [("p2p.causal", "p2p", None, "planned", False), ("p2p.causal.allgather", "p2p", None, "allgather", False),
+             ("p2p.docs", "p2p", None, "planned", True)]
+    if world == 4:
+        cases.append(("hybrid.docs", "hybrid", 2, "planned", True))
+    for name, backend, degree, rotate, with_docs in cases:
+        paddle.seed(21)
+        batch, seq, heads, kv_heads = 2, 16 * world + 3, 4, 2
+        q, k, v, grad_out = (paddle.randn([batch, seq, h, HEAD_DIM]) for h in (heads, kv_heads, kv_heads, heads))
+        doc_ids = documents(batch, seq, np.random.RandomState(9)) if with_docs else None
+        full = [t.detach() for t in (q, k, v)]
+        for t in full:
+            t.stop_gradient = False
+        ref_mask = None if doc_ids is None else paddle.to_tensor(
+            ((doc_ids[:, :, None] == doc_ids[:, None, :]) & np.tri(seq, dtype=bool))[:, None])
+        ref = F.scaled_dot_product_attention(*full, attn_mask=ref_mask, is_causal=doc_ids is None)
+        ref_grads = paddle.grad([ref], full, [grad_out])
+        layout = dict(backend=backend, mesh=mesh, ulysses_degree=degree)
+        attention = {"p2p": pcp.ring_attention, "hybrid": pcp.hybrid_attention}[backend]
+        extra = {"ulysses_degree": degree} if degree else {}
+        local_grad_out = pcp.shard_sequence(grad_out, **layout)
+
+        def attend(attention=attention, seq=seq, doc_ids=doc_ids, rotate=rotate, extra=extra):
+            def call(q, k, v):  # positional only: reentrant recompute takes no keyword-only arguments
+                return attention(q, k, v, is_causal=True, mesh=mesh, seq_len=seq, doc_ids=doc_ids, rotate=rotate,
+                                 **extra)
+            return call
+        call = attend()
+
+        sent, results = {}, {}
+        for mode, reentrant in RECOMPUTE_MODES.items():
+            local = [pcp.shard_sequence(t, **layout).detach() for t in (q, k, v)]
+            for t in local:
+                t.stop_gradient = False
+            bytes_before, calls_before = counters.bytes_sent("ring"), counters.collectives_issued("ring")
+            limit, cost_exchange.REPLAY_HOLD_LIMIT = cost_exchange.REPLAY_HOLD_LIMIT, (
+                0 if mode == "refetch" else cost_exchange.REPLAY_HOLD_LIMIT)
+            out = call(*local) if reentrant is None else recompute(call, *local, use_reentrant=reentrant)
+            (out * local_grad_out).sum().backward()
+            cost_exchange.REPLAY_HOLD_LIMIT = limit
+            sent[mode] = {"bytes": counters.bytes_sent("ring") - bytes_before,
+                          "calls": counters.collectives_issued("ring") - calls_before}
+            results[mode] = [out.numpy()] + [t.grad.numpy() for t in local]
+            report.diff(f"recompute.{name}.{mode}.out", pcp.unshard_sequence(out, seq_len=seq, **layout), ref)
+            for label, t, want in zip("qkv", local, ref_grads):
+                report.diff(f"recompute.{name}.{mode}.d{label}", t.grad, pcp.shard_sequence(want, **layout))
+        sequence_layout = SequenceLayout(backend, world, degree)
+        rank = dist.get_rank()
+        local_kv_heads = head_split(heads, kv_heads, sequence_layout.ulysses).kv_counts[rank % sequence_layout.ulysses]
+        plan = ExchangePlan(sequence_layout.ring_positions(seq), True,
+                            None if doc_ids is None else Documents.from_ids(doc_ids))
+        counted = exchange_bytes(plan, batch * local_kv_heads * 2 * HEAD_DIM * 4, batch * local_kv_heads * 2 * HEAD_DIM * 4)
+        report.value(f"recompute.{name}", {
+            "sent": sent, "ring": plan.ring, "rotate": rotate,
+            "planned": int(counted.planned[rank // sequence_layout.ulysses]),
+            "read": int(counted.read[rank // sequence_layout.ulysses]),
+            "bitwise": {mode: all(np.array_equal(a, b) for a, b in zip(results["none"], got))
+                        for mode, got in results.items()}})
+
+
 def check_errors(report, mesh, world):
     x = paddle.randn([1, 2 * world, 2 * world, 8])
     report.expect_error("unknown_backend", lambda: pcp.PrepareContextParallel("ring"))
@@ -461,6 +533,7 @@ def main(report):
     check_functional_learns_lengths(report, mesh, world)
     check_rank_dependent_gradients(report, mesh, world)
     check_planned_exchange(report, mesh, world)
+    check_recompute_exchange(report, mesh, world)
     check_errors(report, mesh, world)
     report.value("bytes", pcp.bytes_sent())
 

@@ -9,7 +9,8 @@ its replay runs outside the layer's hooks). Losses: PaddleFormers' own options,
 logits) and "fused" (with use_fused_head_and_loss_fn: lm_head and loss in chunks of
 tokens, recomputed in backward, no whole-sequence logits). Each step may accumulate
 two micro-batches of different lengths, both forwards before one backward.
-3 AdamW steps (epsilon 1e-3).
+3 AdamW steps (epsilon 1e-3). Each run's ring bytes and calls are recorded, and on one causal document
+(no packing) what the planned exchange plan says a rank sends: recomputed or not, 3 x the k/v rows read.
 """
 import functools
 
@@ -21,6 +22,9 @@ from paddle.distributed.fleet.utils import recompute
 from report import mean_over_ranks, run, train_steps
 
 import paddle_cp as pcp
+from paddle_cp.attention import SequenceLayout
+from paddle_cp.attention.layout.exchange_plan import ExchangePlan, exchange_bytes
+from paddle_cp.comm import counters
 
 STEPS = 3
 RECOMPUTE_FLAGS = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -110,8 +114,19 @@ def parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate, loss
                                     attn_mask_startend_row_indices=given.get("attn_mask_startend_row_indices"))
         return loss_of(m(labels=labels, **given)) * pcp.loss_weight(labels.numel(), mesh)
 
+    bytes_before, calls_before = counters.bytes_sent("ring"), counters.collectives_issued("ring")
     losses, grads, params = train(model, opt, micro_batches(seq, packed, accumulate), weighted_loss)
-    return mean_over_ranks(losses, mesh), grads, params
+    sent = {"bytes": counters.bytes_sent("ring") - bytes_before, "calls": counters.collectives_issued("ring") - calls_before}
+    return (mean_over_ranks(losses, mesh), grads, params), sent
+
+
+def planned_bytes(seq, world, config):
+    """Ring bytes the exchange plan says this rank sends in STEPS steps of one causal document of `seq` tokens
+    over the p2p layout (batch 2, fp32 k/v and gradients): every layer's 3 x rows read."""
+    plan = ExchangePlan(SequenceLayout("p2p", world).ring_positions(seq), True)
+    head_dim = config.hidden_size // config.num_attention_heads
+    row_bytes = 2 * config.num_key_value_heads * 2 * head_dim * 4
+    return STEPS * config.num_hidden_layers * int(exchange_bytes(plan, row_bytes, row_bytes).planned[dist.get_rank()])
 
 
 def main(report):
@@ -125,8 +140,11 @@ def main(report):
             references[key] = reference(seq, packed, accumulate)
         name = f"{backend}.seq{seq}.{packed}.{rotate}.{style}.{loss}{'.accumulate' if accumulate else ''}"
         names.append(name)
-        got = parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate, loss)
+        got, sent = parallel(seq, mesh, backend, degree, packed, rotate, style, accumulate, loss)
         report.training(name, got, references[key])
+        if backend == "p2p" and rotate == "planned" and packed is None and not accumulate:
+            sent["planned"] = planned_bytes(seq, world, build(None).config)
+        report.value(f"{name}.ring", sent)
     report.value("runs", names)
 
 

@@ -14,8 +14,12 @@ Backward: at step s member i sends home to i-s the gradients of the rows of i-s'
 receives from i+s those of its own block's rows that i+s read; the owner adds them as they arrive (from
 i+1, then i+2, ...), the order in which a ring passing sums along would add them, then its own part last.
 
-Bytes: the rows read, forward and again in backward (k/v are fetched again, as the ring does), and their
-gradients: exchange_plan.exchange_bytes' `planned`. The row indices go to the device once per batch.
+Bytes: the rows read, forward and again in backward (k/v are fetched again, as the ring does outside
+recomputation), and their gradients: exchange_plan.exchange_bytes' `planned`, 3 x the rows read. Under
+recomputation the backward reads the rows its replay's forward received (`received`, ring.keeps_received):
+the rows read in the first forward, in the replay and their gradients, 3 x the rows read again instead of
+4 x, N-1 shifts in the backward instead of 2(N-1), one layer's received rows held from the replay to its
+backward. The row indices go to the device once per batch.
 A block read whole (nothing masked, most blocks of one causal document) goes as it is: no row selection
 and no scatter back, one pack (concat) a step as the ring's.
 
@@ -76,8 +80,8 @@ class MemberExchange:
 class PlannedRotation:
     """rotation.py's interface over a MemberExchange (`masks.exchange()`)."""
 
-    def __init__(self, group, k, v, masks):
-        self.group, self.k, self.v = group, k, v
+    def __init__(self, group, k, v, masks, received=None):
+        self.group, self.k, self.v, self.received = group, k, v, received
         self.exchange = masks.exchange() if group.size > 1 else None  # a ring of one exchanges nothing
         self.packing = BlockPacking(k, v, masks.lengths())
         self._next = self._arriving = self._own = self._others = None
@@ -103,7 +107,9 @@ class PlannedRotation:
 
     def fetch(self, step):
         """The rows of member index-step's block this member reads (None at step 0: its own block); the next
-        step's are put in flight first."""
+        step's are put in flight first; with `received`, that step's kept message."""
+        if self.received is not None:
+            return self.received[step]
         message = None if step == 0 else self._next.wait()
         if step < self.group.size - 1:
             receiver, sender = self._member(step + 1), self._member(-step - 1)

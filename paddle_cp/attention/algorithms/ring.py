@@ -8,19 +8,41 @@ kernel skips the rest. The same masks carry documents and dense masks.
 Partial results merge by log-sum-exp; queries that see nothing in a block
 contribute 0 with weight 0, and a block no query sees runs no kernel, forward
 or backward (`sees_nothing`).
+
+The backward needs the other members' k/v again. Outside recomputation it fetches them again: the forward
+keeps none, since every layer's received rows would be held from its forward to its backward (Llama-3-8B,
+128K tokens of one causal document over 8 ranks, bf16: 64 MiB of k/v a rank a layer, of which a member
+receives 224 to 448 MiB a layer, ~10.5 GiB a rank over 32 layers). Under recomputation a layer's forward
+runs again as a replay whose backward follows at once (activations/replay.py: a recompute call's, a
+sequence tile's): there the forward keeps the messages of the steps that ran a kernel and the backward reads
+them (`keeps_received`). A layer's k/v then cross the links in its first (no-grad) forward and in the
+replay, and their gradients go home: 3 x the rows read per forward + backward instead of 4 x (the backward
+fetched them a third time: exchange_plan.exchange_bytes), and the backward posts only the gradients' N-1
+shifts (planned) or one reduce-scatter (allgather): 3(N-1) shifts a layer instead of 4(N-1), 3 collectives
+instead of 4. Held: one layer's received rows from its replay to its backward (224 to 448 MiB above, beside
+the ~3 GiB of bf16 activations the replay of that Llama layer holds anyway), kept only while the busiest
+member's fit cost.exchange.REPLAY_HOLD_LIMIT (1 GiB: ~290K tokens of one document there); past it, where
+the quadratic attention hides a third pass of k/v many times over and memory bounds the sequence, the
+backward fetches them again. The kernels run the same tiles on the same bytes in the same order: results
+bit for bit those of the backward that fetches again.
 """
 from __future__ import annotations
+
+import math
 
 import paddle
 from paddle.autograd import PyLayer
 
+from ...activations import recompute
+from ...activations.replay import saved_only_briefly
+from ...cost import exchange as cost_exchange
 from ..layout.exchange_plan import ExchangePlan
 from ..kernels import saveable, select_kernel
 from ..layout.sequence_layout import runs
 from ..masks.block_mask import BlockMask, record_work
 from .merge import merge
 from .planned_exchange import MemberExchange, PlannedRotation
-from .rotation import AllGatherRotation, check_rotation
+from .rotation import AllGatherRotation, BlockPacking, check_rotation
 
 
 class RingMasks:
@@ -80,15 +102,37 @@ def sees_nothing(mask):
     return mask.extent().kind == "none"
 
 
-def make_rotation(rotate, group, k, v, masks):
-    """How this member's k [b, s_i, h, d] and v reach the others over the ring `group` (rotation.py)."""
+def make_rotation(rotate, group, k, v, masks, received=None):
+    """How this member's k [b, s_i, h, d] and v reach the others over the ring `group` (rotation.py);
+    `received`: the messages a forward kept (`keeps_received`), fetched from there instead."""
     kinds = {"planned": PlannedRotation, "allgather": AllGatherRotation}
-    return kinds[check_rotation(rotate)](group, k, v, masks)
+    return kinds[check_rotation(rotate)](group, k, v, masks, received)
 
 
-def ring_forward(q, k, v, group, masks, scale, rotate):
+def keeps_received(rotate, group, k, v, masks):
+    """Whether a ring forward called now keeps the k/v messages it receives for its backward: where what it saves
+    is held only briefly (activations/replay.py: a replay, whose backward follows at once) and the busiest
+    member's received k/v fit cost.exchange.REPLAY_HOLD_LIMIT, decided alike on every member (from the plan and
+    the blocks' lengths: the backward's shifts pair up) and in both runs of a recompute call."""
+    return group.size > 1 and saved_only_briefly() and cost_exchange.replay_holds(received_bytes(rotate, k, v, masks))
+
+
+def received_bytes(rotate, k, v, masks):
+    """Bytes of k/v [b, s_i, h, d] the busiest member receives in one forward (what its kept messages hold):
+    the rows read (planned), or every whole block padded to the longest (allgather)."""
+    packing = BlockPacking(k, v, masks.lengths())
+    row_bytes = sum(math.prod(shape) for shape in packing.shapes(1)) * k.element_size()
+    if rotate == "planned":
+        return int(cost_exchange.received_rows(masks.exchange().plan.counts).max()) * row_bytes
+    return len(packing.lengths) * max(packing.lengths) * row_bytes
+
+
+def ring_forward(q, k, v, group, masks, scale, rotate, keep=False):
+    """(out, lse, kept): `kept` (with `keep`) the message of each step that ran a kernel (None at the others),
+    for ring_backward's `received`; else None."""
     rotation = make_rotation(rotate, group, k, v, masks)
     out = lse = None
+    kept = [None] * group.size if keep else None
     for step in range(group.size):
         src = (group.index - step) % group.size
         message = rotation.fetch(step)  # fetched even when skipped: it puts the next step's in flight
@@ -96,19 +140,22 @@ def ring_forward(q, k, v, group, masks, scale, rotate):
         if sees_nothing(mask):
             record_work(0, q.shape[1] * masks.lengths()[src])
             continue
+        if keep and message is not None:
+            kept[step], = saveable(message)  # an all-gather's block may be a view (non-reentrant recompute saves it)
         k_block, v_block = rotation.unpack(message, src)
         block_out, block_lse = select_kernel(q, v, mask).forward(q, k_block, v_block, mask, scale)
         out, lse = merge(out, lse, block_out, block_lse)
     if out is None:  # no query here sees any key (a shard of padding): output 0, log-sum-exp -inf
         b, sq, hq, _ = q.shape
         out, lse = paddle.zeros([b, sq, hq, v.shape[3]], "float32"), paddle.full([b, hq, sq], float("-inf"), "float32")
-    return out, lse
+    return out, lse, kept
 
 
-def ring_backward(dout, q, k, v, out, lse, group, masks, scale, rotate):
+def ring_backward(dout, q, k, v, out, lse, group, masks, scale, rotate, received=None):
     """Gradients of q and of this member's k/v; the blocks the forward skipped (`sees_nothing`) run no kernel
-    here either (rotation.send_grads(step, None): the rotation sends zeros where its peer waits for them)."""
-    rotation = make_rotation(rotate, group, k, v, masks)
+    here either (rotation.send_grads(step, None): the rotation sends zeros where its peer waits for them).
+    `received`: the forward's kept messages (ring_forward), else k/v are fetched again."""
+    rotation = make_rotation(rotate, group, k, v, masks, received)
     dq = None
     for step in range(group.size):
         src = (group.index - step) % group.size
@@ -137,19 +184,20 @@ class RingAttention(PyLayer):
     for q/k/v; a sink's own gradient is -sum over queries of P_sink * rowsum(dO * O)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, masks, scale, rotate):
-        out, lse = ring_forward(q, k, v, group, masks, scale, rotate)
+    def forward(ctx, q, k, v, sinks, group, masks, scale, rotate, keep):
+        out, lse, kept = ring_forward(q, k, v, group, masks, scale, rotate, keep)
         if sinks is not None:
             out, lse = merge(out, lse, paddle.zeros_like(out), _sink_lse(sinks, lse))
         out, lse = saveable(out.astype(q.dtype), lse)
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.args = (group, masks, scale, rotate)
+        # kept messages saved as tensors: a non-reentrant recompute swaps them for the replay's too
+        ctx.save_for_backward(q, k, v, sinks, out, lse, *(kept or ()))
+        ctx.args, ctx.keep = (group, masks, scale, rotate), keep
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, sinks, out, lse = ctx.saved_tensor()
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        q, k, v, sinks, out, lse, *kept = ctx.saved_tensor()
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args, received=kept if ctx.keep else None)
         grads = [dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)]
         if sinks is not None:
             p_sink = paddle.exp(_sink_lse(sinks, lse) - lse)  # [b, h, s]
@@ -160,5 +208,7 @@ class RingAttention(PyLayer):
 
 def ring_attention_local(q, k, v, group, masks, scale, rotate="planned", sinks=None):
     """Attention of this member's [b, s_i, h, d] q/k/v shards (v: [b, s_i, h, d_v]) over the ring `group`."""
+    recompute.install()  # a recompute call's replay then says so (keeps_received)
     q, k, v = saveable(q, k, v)
-    return RingAttention.apply(q, k, v, sinks, group, masks, scale, rotate)
+    keep = keeps_received(rotate, group, k, v, masks)
+    return RingAttention.apply(q, k, v, sinks, group, masks, scale, rotate, keep)

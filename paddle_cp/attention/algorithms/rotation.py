@@ -11,7 +11,9 @@ overlap with compute, N blocks held; for rings whose exchanges are too small for
 to hide (short sequences on many ranks), chosen by the user.
 A rotation hands out messages (`fetch`), makes a member's k and v blocks of one (`unpack`), takes each
 block's (dk, dv) (`send_grads`) and returns this member's (`own_grads`). A block no query sees
-(ring.sees_nothing) has no gradient: `send_grads(step, None)`.
+(ring.sees_nothing) has no gradient: `send_grads(step, None)`. Made with `received` (the messages its
+forward fetched, by step: ring.keeps_received), a backward's rotation hands those out and fetches nothing;
+its gradients go as without.
 """
 from __future__ import annotations
 
@@ -51,12 +53,14 @@ class BlockPacking:
 class AllGatherRotation:
     """Whole blocks, packed flat (k then v); `numels[i]`: member i's packed size (lengths may differ)."""
 
-    def __init__(self, group, k, v, masks):
+    def __init__(self, group, k, v, masks, received=None):
         self.group, self.packing = group, BlockPacking(k, v, masks.lengths())
         self.numels = self.packing.numels()
         self._width = max(self.numels)
-        gathered = collectives.all_gather(group, self._padded(p2p.pack([k, v])), tag="ring")
-        self._blocks = [block[:n] for block, n in zip(gathered, self.numels)]
+        self._received = received
+        if received is None:
+            gathered = collectives.all_gather(group, self._padded(p2p.pack([k, v])), tag="ring")
+            self._blocks = [block[:n] for block, n in zip(gathered, self.numels)]
         self._grads = [None] * group.size
 
     def _padded(self, flat):
@@ -64,6 +68,8 @@ class AllGatherRotation:
         return flat if not missing else paddle.concat([flat, paddle.zeros([missing], flat.dtype)])
 
     def fetch(self, step):
+        if self._received is not None:
+            return self._received[step]
         return self._blocks[(self.group.index - step) % self.group.size]
 
     def unpack(self, flat, src):
