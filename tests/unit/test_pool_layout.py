@@ -100,6 +100,16 @@ def test_pool_never_predicted_slower_than_fixed_on_32k_rows():
             pool, fixed = figures["pool"], figures["fixed"]
             assert pool["slowest_within_ms"] <= fixed["slowest_within_ms"], (mix, k, pool, fixed)
             assert pool["slowest_across_ms"] <= fixed["slowest_across_ms"], (mix, k, pool, fixed)
+            assert pool["tokens_max"] <= token_cap(4 * 32768, 8), (mix, k, pool)
+
+
+def test_pool_within_the_memory_bound(held_out):
+    """Every rank of every layout the pool returns (a swap's rank, which takes the other's run, too)."""
+    for case, figures in held_out.items():
+        assert figures["pool"]["tokens_max"] <= token_cap(4 * 65536, 8), (case, figures["pool"])
+    for k in (5, 6):  # 16K rows of long documents: swaps of a run for a tail piece of fewer tokens
+        pool = bench_pool.compare(packing.batches("longtail", 16384, 4, k + 1)[k], 2, 4)["pool"]
+        assert pool["tokens_max"] <= token_cap(4 * 16384, 8), (k, pool)
 
 
 def test_pool_tiles_within_1_05_of_the_mean(held_out):

@@ -25,11 +25,11 @@ import numpy as np
 from ...cost.links import LinkCost
 from ...cost.packed_layout import segments, token_cap, whole_cost
 from ...cost.pool_placement import placed_groups
-from ...cost.tiles import TILE, tile_counts
+from ...cost.tiles import TILE, run_tile_counts
 from ..masks.block_mask import Documents
 from .sequence_layout import DocumentSplit, SequenceLayout
 
-MOVES_TRIED = 8  # whole-run changes a rebalancing prices at most (1-6 ms each at 64K-256K tokens over 8 ranks)
+MOVES_TRIED = 8  # whole-run changes a rebalancing prices at most (0.3-1 ms each at 64K-256K tokens over 8 ranks)
 TAILS_TRIED = 4  # then tail cuts
 REFINED = 2  # starting layouts refined (of the chooser's, the placement's, fixed dp x sep's: the cheapest)
 
@@ -121,8 +121,8 @@ def rebalanced(groups, end, ring, links, tries=MOVES_TRIED):
     one rank holds consecutively, a whole document or a piece of a cut one): a run moved, or swapped with one of
     less work there, or its last tile-aligned tokens cut off to it (their queries see the rest: the most work
     per token moved, where documents are coarse beside a rank's share), within the memory bound
-    (packed_layout.token_cap), each change kept only if the slowest rank's predicted ms (tiles and exchange on
-    `links`, cost/links.py) falls, or stays and the slowest rank's tiles fall: placements price documents at a
+    (packed_layout.token_cap) on both ranks, each change kept only if the slowest rank's predicted ms (tiles
+    and exchange on `links`, cost/links.py) falls, or stays and the slowest rank's tiles fall: placements price documents at a
     random tile offset, and the tiles they really make leave a few percent between ranks. The change tried
     first is the one whose estimated work shift (its queries' keys, priced as packed_layout.whole_cost) is
     nearest half the gap. Returns `groups` itself when none helped. Numpy only: the same on every rank."""
@@ -157,7 +157,9 @@ def _refined(groups, priced, end, ring, links, tries=MOVES_TRIED):
                     if tokens[g] + length[d] <= cap and (*key, -1, 0) not in tried:
                         options.append((abs(work[d] - half_gap), *key, -1, 0, slowest))
                     for e in theirs[work[theirs] < work[d]]:
-                        if tokens[g] + length[d] - length[e] <= cap and (*key, start[e], 0) not in tried:
+                        shifted = length[d] - length[e]
+                        if tokens[g] + shifted <= cap and tokens[slowest] - shifted <= cap and \
+                                (*key, start[e], 0) not in tried:
                             options.append((abs(work[d] - work[e] - half_gap), *key, start[e], 0, slowest))
         if not options:
             continue
@@ -178,7 +180,8 @@ def _refined(groups, priced, end, ring, links, tries=MOVES_TRIED):
 def _priced(groups, end, ring, links):
     """(each rank's predicted ms, its tile ms, the score a change must lower: the slowest rank's ms, then the
     slowest rank's tile ms, where the exchange or the fixed cost leaves the first flat)."""
-    counts = tile_counts(groups, end, ring)
+    start, length, owner, _ = _runs(groups, end)
+    counts = run_tile_counts(start, length, owner, np.ravel(end)[start], ring)  # tile_counts' counts, per run
     rank_ms, tile_ms = links.rank_ms(counts), counts.step_ms().sum(axis=1)
     return rank_ms, tile_ms, (round(float(rank_ms.max()), 6), float(tile_ms.max()))
 
