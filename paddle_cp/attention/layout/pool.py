@@ -122,10 +122,10 @@ def rebalanced(groups, end, ring, links, tries=MOVES_TRIED):
     less work there, or its last tile-aligned tokens cut off to it (their queries see the rest: the most work
     per token moved, where documents are coarse beside a rank's share), within the memory bound
     (packed_layout.token_cap) on both ranks, each change kept only if the slowest rank's predicted ms (tiles
-    and exchange on `links`, cost/links.py) falls, or stays and the slowest rank's tiles fall: placements price documents at a
-    random tile offset, and the tiles they really make leave a few percent between ranks. The change tried
-    first is the one whose estimated work shift (its queries' keys, priced as packed_layout.whole_cost) is
-    nearest half the gap. Returns `groups` itself when none helped. Numpy only: the same on every rank."""
+    and exchange on `links`, cost/links.py) falls, or stays and the slowest rank's tiles fall: placements price
+    documents at a random tile offset, and the tiles they really make leave a few percent between ranks. The
+    change tried first is the one whose estimated work shift (its queries' keys, priced as
+    packed_layout.whole_cost) is nearest half the gap. Returns `groups` itself when none helped. Numpy only: the same on every rank."""
     return _refined(groups, _priced(groups, end, ring, links), end, ring, links, tries)[0]
 
 
