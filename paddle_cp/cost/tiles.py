@@ -107,12 +107,24 @@ def tile_counts(groups, end, ring):
     return counts
 
 
-def run_tile_counts(start, length, group, end, ring):
+def row_runs(groups, end):
+    """(start, length, group, end) int64 [runs] each, for run_tile_counts: the runs of one row whose ring group
+    of every position is `groups` and key j's document end `end[j]` (int [S] or [1, S]): positions of one
+    document on one group, consecutive."""
+    groups, end = np.asarray(groups, np.int64), np.ravel(end).astype(np.int64)
+    start = np.flatnonzero(np.concatenate([[True], (np.diff(groups) != 0) | (np.diff(end) != 0)]))
+    return start, np.diff(np.append(start, len(groups))), groups[start], end[start]
+
+
+def run_tile_counts(start, length, group, end, ring, previous=None, changed=()):
     """tile_counts of one row given by its runs, counted per run and key tile instead of per position (a layout
     search prices many): run i holds the `length[i]` consecutive positions from `start[i]` (ascending, no two
     overlapping), all of one document ending at `end[i]`, on ring group `group[i]`. The same counts as
     tile_counts of the row whose positions the runs cover; a fragment here is a run's keys in one key tile (a
-    fragment of tile_counts, or part of one)."""
+    fragment of tile_counts, or part of one). With `previous` (the TileCounts of these runs before a change of
+    the groups `changed`, no other group's positions changed) only the rows and columns of `changed` are
+    counted, from the fragments of the documents they hold (no other fragment has a query or key of theirs);
+    the other counts are previous's."""
     start, length, group, end = (np.asarray(a, np.int64) for a in (start, length, group, end))
     tokens = np.bincount(group, weights=length, minlength=ring).astype(np.int64)
     block_tiles = -(-tokens // TILE)
@@ -140,11 +152,27 @@ def run_tile_counts(start, length, group, end, ring):
 
     zeros = np.zeros((ring, ring), np.int64)
     counts = TileCounts(zeros, zeros.copy(), zeros.copy(), tokens)
-    first_key = start[keyed][run] + lo_local - local[run]
-    seen = _add_fragments(counts, rows_before(first_key), rows_before(end[keyed][run]), size, owner, tile,
-                          keys == TILE, in_block_of)
-    counts.read = (seen * keys) @ in_block_of
+    first_key, last_end = start[keyed][run] + lo_local - local[run], end[keyed][run]
+    if previous is not None:  # the fragments of documents some changed group holds
+        touched = np.zeros(ring, bool)
+        touched[list(changed)] = True
+        ends = np.concatenate([[-1], np.unique(end[touched[group]])])  # the changed groups' documents, by end
+        kept = ends[np.minimum(np.searchsorted(ends, last_end), len(ends) - 1)] == last_end
+        first_key, last_end, size, owner, tile = (a[kept] for a in (first_key, last_end, size, owner, tile))
+        present = tile[np.diff(tile, prepend=-1) != 0]  # key tiles with a kept fragment: one with other keys is not
+        whole = np.bincount(tile, weights=size, minlength=len(keys))[present] == TILE  # full for changed rows
+        keys, in_block_of = keys[present], in_block_of[present]
+    else:
+        whole = keys == TILE
+    if len(tile):
+        seen = _add_fragments(counts, rows_before(first_key), rows_before(last_end), size, owner, tile, whole,
+                              in_block_of)
+        counts.read = (seen * keys) @ in_block_of
     np.fill_diagonal(counts.read, 0)  # a group's own block is not exchanged
+    if previous is not None:
+        recounted = touched[:, None] | touched[None, :]  # [R, R]: a changed group's row or column
+        for name in ("partial_from", "full_from", "read"):
+            setattr(counts, name, np.where(recounted, getattr(counts, name), getattr(previous, name)))
     return counts
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from paddle_cp.tools.units import tokens
 
-LAYOUTS = ("fixed", "pool")
+LAYOUTS = ("fixed", "pool", "pool-nodes")
 
 
 def _priced(layout, seq_len, documents, links, kv_row_bytes):
@@ -70,11 +70,14 @@ def compare(position_ids, dp, sep, ranks_per_node=None, kv_row_bytes=None):
         fixed.append(_priced(layout, seq_len, documents, link, kv_row_bytes))
     link = LinkCost.of_ranks(np.arange(dp * sep), links)
     documents = Documents.from_position_ids(position_ids)
-    layout = pool_layout(SequenceLayout("p2p", dp * sep, links=link), documents, rows, seq_len, replicas=dp)
-    pool = _priced(layout, rows * seq_len, joined_documents(documents, rows, seq_len), link, kv_row_bytes)
-    joined = {key: np.concatenate([f[key] for f in fixed]) for key in pool if key != "candidate"}
-    joined["candidate"] = "/".join(f["candidate"] for f in fixed)
-    return {"fixed": _summary(joined), "pool": _summary(pool)}
+    joined = joined_documents(documents, rows, seq_len)
+    pools = {}
+    for name, laid_for in (("pool", LinkCost(np.zeros(dp * sep, np.int64))), ("pool-nodes", link)):
+        layout = pool_layout(SequenceLayout("p2p", dp * sep, links=laid_for), documents, rows, seq_len, replicas=dp)
+        pools[name] = _summary(_priced(layout, rows * seq_len, joined, link, kv_row_bytes))
+    replicas = {key: np.concatenate([f[key] for f in fixed]) for key in fixed[0] if key != "candidate"}
+    replicas["candidate"] = "/".join(f["candidate"] for f in fixed)
+    return {"fixed": _summary(replicas), **pools}
 
 
 def _summary(figures):
