@@ -107,11 +107,80 @@ def tile_counts(groups, end, ring):
     return counts
 
 
+def row_runs(groups, end):
+    """(start, length, group, end) int64 [runs] each, for run_tile_counts: the runs of one row whose ring group
+    of every position is `groups` and key j's document end `end[j]` (int [S] or [1, S]): positions of one
+    document on one group, consecutive."""
+    groups, end = np.asarray(groups, np.int64), np.ravel(end).astype(np.int64)
+    start = np.flatnonzero(np.concatenate([[True], (np.diff(groups) != 0) | (np.diff(end) != 0)]))
+    return start, np.diff(np.append(start, len(groups))), groups[start], end[start]
+
+
+def run_tile_counts(start, length, group, end, ring, previous=None, changed=()):
+    """tile_counts of one row given by its runs, counted per run and key tile instead of per position (a layout
+    search prices many): run i holds the `length[i]` consecutive positions from `start[i]` (ascending, no two
+    overlapping), all of one document ending at `end[i]`, on ring group `group[i]`. The same counts as
+    tile_counts of the row whose positions the runs cover; a fragment here is a run's keys in one key tile (a
+    fragment of tile_counts, or part of one). With `previous` (the TileCounts of these runs before a change of
+    the groups `changed`, no other group's positions changed) only the rows and columns of `changed` are
+    counted, from the fragments of the documents they hold (no other fragment has a query or key of theirs);
+    the other counts are previous's."""
+    start, length, group, end = (np.asarray(a, np.int64) for a in (start, length, group, end))
+    tokens = np.bincount(group, weights=length, minlength=ring).astype(np.int64)
+    block_tiles = -(-tokens // TILE)
+    tile_start = np.concatenate([[0], np.cumsum(block_tiles)])
+    keyed = np.lexsort((start, group))  # the runs in key order: group after group, ascending in each
+    run_group, run_length = group[keyed], length[keyed]
+    local = np.cumsum(run_length) - run_length - (np.cumsum(tokens) - tokens)[run_group]  # offset in its block
+    first = local // TILE
+    spans = (local + run_length - 1) // TILE - first + 1  # key tiles each run's keys lie in
+    run = np.repeat(np.arange(len(keyed)), spans)  # [F]: the run of each fragment, in key order
+    tile_in_run = first[run] + np.arange(len(run)) - np.repeat(np.cumsum(spans) - spans, spans)
+    lo_local = np.maximum(local[run], tile_in_run * TILE)
+    size = np.minimum(local[run] + run_length[run], (tile_in_run + 1) * TILE) - lo_local
+    owner = run_group[run]
+    tile = tile_start[owner] + tile_in_run
+    keys = np.bincount(tile, weights=size, minlength=tile_start[-1]).astype(np.int64)
+    in_block_of = (np.repeat(np.arange(ring), block_tiles)[:, None] == np.arange(ring)[None, :]).astype(np.int64)
+    held = np.zeros((ring, len(start) + 1), np.int64)  # [R, runs + 1]: each group's positions in the runs before
+    held[:, 1:] = np.cumsum(np.where(group[None, :] == np.arange(ring)[:, None], length[None, :], 0), axis=1)
+
+    def rows_before(x):  # [R, F]: each group's positions before x
+        i = np.maximum(np.searchsorted(start, x, side="right") - 1, 0)
+        inside = np.clip(x - start[i], 0, length[i])
+        return held[:, i] + np.where(group[i][None, :] == np.arange(ring)[:, None], inside[None, :], 0)
+
+    zeros = np.zeros((ring, ring), np.int64)
+    counts = TileCounts(zeros, zeros.copy(), zeros.copy(), tokens)
+    first_key, last_end = start[keyed][run] + lo_local - local[run], end[keyed][run]
+    if previous is not None:  # the fragments of documents some changed group holds
+        touched = np.zeros(ring, bool)
+        touched[list(changed)] = True
+        ends = np.concatenate([[-1], np.unique(end[touched[group]])])  # the changed groups' documents, by end
+        kept = ends[np.minimum(np.searchsorted(ends, last_end), len(ends) - 1)] == last_end
+        first_key, last_end, size, owner, tile = (a[kept] for a in (first_key, last_end, size, owner, tile))
+        present = tile[np.diff(tile, prepend=-1) != 0]  # key tiles with a kept fragment: one with other keys is not
+        whole = np.bincount(tile, weights=size, minlength=len(keys))[present] == TILE  # full for changed rows
+        keys, in_block_of = keys[present], in_block_of[present]
+    else:
+        whole = keys == TILE
+    if len(tile):
+        seen = _add_fragments(counts, rows_before(first_key), rows_before(last_end), size, owner, tile, whole,
+                              in_block_of)
+        counts.read = (seen * keys) @ in_block_of
+    np.fill_diagonal(counts.read, 0)  # a group's own block is not exchanged
+    if previous is not None:
+        recounted = touched[:, None] | touched[None, :]  # [R, R]: a changed group's row or column
+        for name in ("partial_from", "full_from", "read"):
+            setattr(counts, name, np.where(recounted, getattr(counts, name), getattr(previous, name)))
+    return counts
+
+
 def _count_row(counts, groups, row_end, order, block_start, key_tile, breaks, whole_tile, in_block_of):
-    """Add one row's tiles; returns bool [R, key tiles]: the key tiles each group's queries see in this row. A fragment is a run of a block's keys in one key tile, consecutive positions
-    and one document: its keys share their last row, and their first rows are consecutive (for the
-    group holding them) or equal (for any other), so each group sees it as one interval of query tiles."""
-    ring = len(counts.tokens)
+    """Add one row's tiles; returns bool [R, key tiles]: the key tiles each group's queries see in this row. A
+    fragment is a run of a block's keys in one key tile, consecutive positions and one document: its keys share
+    their last row, and their first rows are consecutive (for the group holding them) or equal (for any other),
+    so each group sees it as one interval of query tiles."""
     key_end = row_end[order]
     starts = np.flatnonzero(breaks | (np.diff(key_end, prepend=-1) != 0))  # fragments, in key order
     size = np.diff(np.append(starts, len(order)))
@@ -119,12 +188,19 @@ def _count_row(counts, groups, row_end, order, block_start, key_tile, breaks, wh
     blocks = [order[a:b] for a, b in zip(block_start[:-1], block_start[1:])]  # each group's positions
     lo = np.stack([np.searchsorted(block, first_key) for block in blocks])  # [R, F]: rows before the fragment
     hi = np.stack([np.searchsorted(block, last_end) for block in blocks])  # [R, F]: and before its document's end
+    return _add_fragments(counts, lo, hi, size, owner, key_tile[starts], whole_tile, in_block_of)
+
+
+def _add_fragments(counts, lo, hi, size, owner, tile, whole_tile, in_block_of):
+    """Add the tiles of fragments in key order (`size` keys each, of group `owner`, in key tile `tile`; `lo`,
+    `hi`: int [R, F], each group's rows before the fragment's first key and before its document's end);
+    returns bool [R, key tiles]: the key tiles each group's queries see."""
+    ring = len(counts.tokens)
     own = np.arange(ring)[:, None] == owner[None, :]
     lo_last = lo + np.where(own, size[None, :] - 1, 0)  # the fragment's last key's first row
     seen = hi > lo
     first_tile = lo // TILE
     last_tile = np.where(seen, (hi - 1) // TILE, -1)
-    tile = key_tile[starts]
     spread = int(counts.tokens.max()) // TILE + 2  # separates key tiles in one running maximum
     offset = tile * spread
     reach = np.maximum.accumulate(last_tile + offset, axis=1)  # furthest query tile so far in the key tile

@@ -114,3 +114,41 @@ def test_tiles_equal_the_dense_mask_on_random_layouts(seed):
     partial, full = dense_tiles(groups, np.array(end), ring)
     assert counts.partial.tolist() == partial.tolist() and counts.full.tolist() == full.tolist()
     assert counts.visited.sum() == (partial + full).sum()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_counts_by_runs_equal_the_counts_by_positions(seed):
+    """run_tile_counts (a layout search's pricing) against tile_counts on random one-row layouts: every count
+    equal, pieces of documents anywhere, runs split finer than a document's piece on a group too."""
+    rng = np.random.default_rng(seed)
+    ring, seq_len = int(rng.integers(2, 9)), int(rng.integers(300, 6000))
+    cuts = np.unique(np.concatenate([rng.integers(1, seq_len, int(rng.integers(0, 30))), [seq_len]]))
+    end = np.repeat(cuts, np.diff(np.concatenate([[0], cuts])))
+    groups = np.repeat(rng.integers(0, ring, seq_len), rng.integers(1, 400, seq_len))[:seq_len]
+    bounds = np.unique(np.concatenate([[0], cuts[:-1], np.flatnonzero(np.diff(groups)) + 1,
+                                       rng.integers(1, seq_len, 5)]))  # runs: one document, one group
+    by_positions = tiles.tile_counts(groups, end, ring)
+    by_runs = tiles.run_tile_counts(bounds, np.diff(np.append(bounds, seq_len)), groups[bounds], end[bounds], ring)
+    for name in ("partial_from", "full_from", "read", "tokens"):
+        assert getattr(by_runs, name).tolist() == getattr(by_positions, name).tolist(), name
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_counts_of_a_change_recount_its_groups_only(seed):
+    """run_tile_counts with the counts before a change (positions of one group given to another): the same counts
+    as tile_counts of the changed layout, from the documents the two groups hold alone."""
+    rng = np.random.default_rng(seed)
+    for _ in range(25):
+        ring, seq_len = int(rng.integers(2, 9)), int(rng.integers(300, 5000))
+        cuts = np.unique(np.concatenate([rng.integers(1, seq_len, int(rng.integers(0, 30))), [seq_len]]))
+        end = np.repeat(cuts, np.diff(np.concatenate([[0], cuts])))
+        before = np.repeat(rng.integers(0, ring, seq_len), rng.integers(1, 400, seq_len))[:seq_len]
+        given, taking = (int(g) for g in rng.choice(ring, 2, replace=False))
+        held = np.flatnonzero(before == given)
+        after = before.copy()
+        after[held[rng.integers(0, len(held) + 1):][:int(rng.integers(0, 600))]] = taking
+        previous = tiles.run_tile_counts(*tiles.row_runs(before, end), ring)
+        changed = tiles.run_tile_counts(*tiles.row_runs(after, end), ring, previous, (given, taking))
+        by_positions = tiles.tile_counts(after, end, ring)
+        for name in ("partial_from", "full_from", "read", "tokens"):
+            assert getattr(changed, name).tolist() == getattr(by_positions, name).tolist(), name

@@ -3,11 +3,13 @@
     pcp-bench --pool --dp 2 --sep 4 --seq 16384 --batch 2 --documents stdlib lognormal longtail uniform
 
 For each document mix (tools/packing.py) a global batch of dp x `--batch` rows of `--seq` tokens (`--doc-batch`
-picks which of the stream's batches) is laid out two ways over R = dp x sep ranks:
+picks which of the stream's batches) is laid out three ways over R = dp x sep ranks:
 - `fixed`: replica d takes rows d x batch .. (d + 1) x batch - 1 and lays them out over its sep group with the
   documents layout (PrepareContextParallel without `pool`);
 - `pool`: the rows joined into one sequence laid out over all R ranks (PrepareContextParallel(pool=True),
-  attention/layout/pool.py).
+  attention/layout/pool.py) for links within one node;
+- `pool-nodes`: the same laid out for nodes of `--ranks-per-node` ranks (its exchange across them priced at the
+  network's rate: a cut document's pieces kept on one node).
 Per layout, over all R ranks (model figures, no GPU runs; forward + backward of one causal attention layer):
 `tiles max/mean`, the slowest rank's tile ms (partial and full 128 x 128 tiles at tile_cost's H200 rates, the
 fixed cost per rank left out) over the mean; `slowest ms` the slowest rank's predicted step within a node
@@ -25,7 +27,7 @@ import numpy as np
 
 from paddle_cp.tools.units import tokens
 
-LAYOUTS = ("fixed", "pool")
+LAYOUTS = ("fixed", "pool", "pool-nodes")
 
 
 def _priced(layout, seq_len, documents, links, kv_row_bytes):
@@ -49,7 +51,8 @@ def _priced(layout, seq_len, documents, links, kv_row_bytes):
 
 def compare(position_ids, dp, sep, ranks_per_node=None, kv_row_bytes=None):
     """{layout: figures over all R = dp x sep ranks} of a global batch of packed `position_ids` ([dp x b, S]):
-    `fixed` (each replica's b rows over its sep group) and `pool` (the rows joined, over all R ranks)."""
+    `fixed` (each replica's b rows over its sep group), `pool` and `pool-nodes` (the rows joined, over all R
+    ranks, laid out for one node and for nodes of `ranks_per_node` ranks, default sep)."""
     from paddle_cp.attention.layout.pool import joined_documents, pool_layout
     from paddle_cp.attention.layout.sequence_layout import SequenceLayout
     from paddle_cp.attention.masks.block_mask import Documents
@@ -70,11 +73,14 @@ def compare(position_ids, dp, sep, ranks_per_node=None, kv_row_bytes=None):
         fixed.append(_priced(layout, seq_len, documents, link, kv_row_bytes))
     link = LinkCost.of_ranks(np.arange(dp * sep), links)
     documents = Documents.from_position_ids(position_ids)
-    layout = pool_layout(SequenceLayout("p2p", dp * sep, links=link), documents, rows, seq_len, replicas=dp)
-    pool = _priced(layout, rows * seq_len, joined_documents(documents, rows, seq_len), link, kv_row_bytes)
-    joined = {key: np.concatenate([f[key] for f in fixed]) for key in pool if key != "candidate"}
-    joined["candidate"] = "/".join(f["candidate"] for f in fixed)
-    return {"fixed": _summary(joined), "pool": _summary(pool)}
+    joined = joined_documents(documents, rows, seq_len)
+    pools = {}
+    for name, laid_for in (("pool", LinkCost(np.zeros(dp * sep, np.int64))), ("pool-nodes", link)):
+        layout = pool_layout(SequenceLayout("p2p", dp * sep, links=laid_for), documents, rows, seq_len, replicas=dp)
+        pools[name] = _summary(_priced(layout, rows * seq_len, joined, link, kv_row_bytes))
+    replicas = {key: np.concatenate([f[key] for f in fixed]) for key in fixed[0] if key != "candidate"}
+    replicas["candidate"] = "/".join(f["candidate"] for f in fixed)
+    return {"fixed": _summary(replicas), **pools}
 
 
 def _summary(figures):
@@ -103,15 +109,16 @@ def rows_of(args):
 def table(rows, ranks_per_node):
     from paddle_cp.tools.text import ruled_table
 
-    head = (f"{'documents':10} {'dp x sep':>8} {'seq':>7} {'layout':6} {'tiles max/mean':>14} {'slowest ms':>10} "
+    head = (f"{'documents':10} {'dp x sep':>8} {'seq':>7} {'layout':10} {'tiles max/mean':>14} {'slowest ms':>10} "
             f"{'across ms':>9} {'planned MiB':>11} {'read MiB':>8} {'planned/read':>12} {'tok max':>7} {'tok min':>7}")
     return ruled_table(head, [
-        f"{r['documents']:10} {str(r['dp']) + ' x ' + str(r['sep']):>8} {r['seq']:>7} {r['layout']:6} "
+        f"{r['documents']:10} {str(r['dp']) + ' x ' + str(r['sep']):>8} {r['seq']:>7} {r['layout']:10} "
         f"{r['tiles_max_over_mean']:>14.3f} {r['slowest_within_ms']:>10.2f} {r['slowest_across_ms']:>9.2f} "
         f"{r['planned_mib']:>11.1f} {r['read_mib']:>8.1f} {r['planned_over_read']:>12.3f} {r['tokens_max']:>7} "
         f"{r['tokens_min']:>7}" for r in rows]) + (
         "\n(model figures, no GPU ran: over all dp x sep ranks, forward + backward of one causal attention layer; "
-        "fixed: each replica's rows over its sep group, pool: the global batch's rows joined, over every rank; "
+        "fixed: each replica's rows over its sep group, pool: the global batch's rows joined, over every rank, "
+        "laid out for one node, pool-nodes: for the nodes below; "
         "tiles max/mean: the slowest rank's tile ms over the mean; slowest ms: tiles, planned exchange and fixed "
         f"cost within a node; across ms: the same with {ranks_per_node or 'sep'} ranks a node; MiB a rank sends "
         "(mean): planned exchange, and 3 x the k/v rows other ranks' tiles read)")
