@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,25 +21,32 @@ ROOT = Path(__file__).resolve().parents[2]  # holds the paddle_cp package: the r
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 PROGRESS = "[pcp-"  # how every tool's progress line starts, on either side of a launch
 
-# Paddle 3.3.1 on CPU sometimes aborts a rank (SIGABRT, no Python error, at start-up or in the teardown of a rank
-# whose work was done; about once in a hundred launches of the test suite) whatever the script: such a run goes
-# once more. A crash of the script itself aborts again, and a failure of any other kind is reported at once. The
-# launch prints "... code -6" for the aborted rank.
-ABORTED = "code -6"
+# Paddle 3.3.1 on CPU sometimes loses a rank to a signal with no Python error (SIGABRT at start-up or in the
+# teardown of a rank whose work was done, SIGSEGV in that teardown; about once in a hundred launches of the test
+# suite) whatever the script: such a run goes once more. A crash of the script itself crashes again, and a failure
+# of any other kind is reported at once. The launch prints "... code -6" (or -11) for the lost rank.
+LOST_TO = {-6: "SIGABRT", -11: "SIGSEGV"}
 
 
-def aborted(returncode, output):
-    """Whether a run that exited with `returncode` and printed `output` lost a rank (or itself) to SIGABRT."""
-    return returncode != 0 and (returncode == -6 or ABORTED in output)
+def lost_signal(returncode, output):
+    """The signal ('SIGABRT', 'SIGSEGV') a run that exited with `returncode` and printed `output` lost a rank (or
+    itself) to; None for a success or a failure of another kind."""
+    if returncode == 0:
+        return None
+    if returncode in LOST_TO:
+        return LOST_TO[returncode]
+    code = re.search(r"code (-6|-11)\b", output)
+    return LOST_TO[int(code.group(1))] if code else None
 
 
 def retrying_an_abort(run, name, fresh=()):
-    """`run()` (-> (returncode, output, anything)), once more if a rank aborted, with a warning that quotes what
-    the aborted rank printed (the launch shows its log's tail); the folders in `fresh` are emptied before the
-    second run."""
+    """`run()` (-> (returncode, output, anything)), once more if a rank was lost to a signal, with a warning that
+    quotes what the lost rank printed (the launch shows its log's tail); the folders in `fresh` are emptied before
+    the second run."""
     result = run()
-    if aborted(*result[:2]):
-        warnings.warn(f"a rank of {name} aborted (SIGABRT); launched once more{_abort_report(result[1])}")
+    signal = lost_signal(*result[:2])
+    if signal:
+        warnings.warn(f"a rank of {name} was lost to {signal}; launched once more{_abort_report(result[1])}")
         for folder in fresh:
             shutil.rmtree(folder, ignore_errors=True)
             os.makedirs(folder)
@@ -47,8 +55,9 @@ def retrying_an_abort(run, name, fresh=()):
 
 
 def _abort_report(output):
-    """The stacks the aborted rank printed (Python's faulthandler, Paddle's signal summary), if it printed any."""
-    found = [output.find(mark) for mark in ("Fatal Python error", "C++ Traceback", "SIGABRT") if mark in output]
+    """The stacks the lost rank printed (Python's faulthandler, Paddle's signal summary), if it printed any."""
+    found = [output.find(mark) for mark in ("Fatal Python error", "C++ Traceback", "SIGABRT", "SIGSEGV")
+             if mark in output]
     return f":\n{output[min(found):][:3000]}" if found else ""
 
 
