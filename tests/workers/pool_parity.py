@@ -27,6 +27,7 @@ from paddle_cp.tools import packing
 STEPS = 3
 # (rows of the global batch, tokens a row, the document lengths the rows are cut from)
 SHORT = (4, 509, [23, 3, 1, 140, 9, 5, 300, 2, 19, 7, 611, 4, 26, 6, 1, 8, 170, 45, 90])  # whole on 4 ranks, not on 8
+WHOLE = (4, 509, [23, 3, 1, 40, 9, 5, 30, 2, 19, 7, 61, 4, 26, 6, 1, 8, 17, 45, 9])  # SFT-like: whole on 8 ranks
 LONG = (2, 1021, [900, 37, 60, 5, 700, 11, 300])  # two documents longer than a rank's share: cut over ranks
 
 
@@ -142,6 +143,7 @@ def main(report):
     mesh = dist.ProcessMesh(np.arange(world).reshape(2, world // 2).tolist(), dim_names=["dp", "sep"])
     pooled(report, mesh, "short", SHORT)
     pooled(report, mesh, "long", LONG)
+    pooled(report, mesh, "whole", WHOLE)
     padded(report, mesh)
     refusals(report, mesh)
 
