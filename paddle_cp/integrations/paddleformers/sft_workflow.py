@@ -22,6 +22,7 @@ import paddle.distributed as dist
 from paddleformers.cli.hparams.finetuning_args import FinetuningArguments as PaddleFormersFinetuningArguments
 from paddleformers.cli.train.sft.sft_trainer import SFTTrainer as PaddleFormersSFTTrainer
 
+from ...dtypes import matmul_takes
 from .trainer import Trainer
 from .training_args import TrainingArguments
 
@@ -44,6 +45,20 @@ class FinetuningArguments(TrainingArguments, PaddleFormersFinetuningArguments):
                 "quantized weights are not wired into paddle_cp's Trainer; set compute_type to one of "
                 f"{list(UNQUANTIZED_COMPUTE)}")
         super().__post_init__()
+        self._refuse_a_model_no_matmul_takes()
+
+    def _refuse_a_model_no_matmul_takes(self):
+        """run_sft loads the model in bf16/fp16 at O2; on a device whose matmul takes neither (Paddle's CPU builds)
+        its first forward would fail deep in a kernel lookup, after every rank built the data and the model."""
+        if self.fp16_opt_level != "O2" or not (self.bf16 or self.fp16):
+            return
+        dtype = "bfloat16" if self.bf16 else "float16"
+        if not matmul_takes(dtype):
+            raise ValueError(
+                f"fp16_opt_level O2 with compute_type {self.compute_type!r} loads the model in {dtype}, and this "
+                f"device's matmul takes no {dtype} (Paddle's CPU builds have none): set fp16_opt_level=O1 (on CPU "
+                "Paddle's AMP is then a no-op and the run trains in fp32), or compute_type=float32 with "
+                "amp_master_grad=false, or run on GPUs")
 
     def _mixed_precision(self):
         # PaddleFormers' __post_init__ sets bf16 or fp16 from compute_type after paddle_cp's checks ran
