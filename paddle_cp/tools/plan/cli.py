@@ -31,7 +31,7 @@ from paddle_cp.tools.plan.config import (gpu_attention_fields, kernel_fields, mo
 from paddle_cp.cost.candidate import DEFAULT_RESERVE, Cluster, Layout
 from paddle_cp.cost.links import Links
 from paddle_cp.tools.plan.recipes import closest
-from paddle_cp.tools.text import ruled_table
+from paddle_cp.tools.text import HelpFormatter, ruled_table
 from paddle_cp.tools.units import UNITS_HELP, format_tokens, tokens
 
 GB = 1e9
@@ -66,15 +66,6 @@ the table:
 """
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The legend as written, and each option's default where it has one."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False):
-            return action.help
-        return super()._get_help_string(action)
-
-
 # --kernels: the GPU kernels whose activations the memory model counts (cost/memory.py's FUSED_KERNELS)
 KERNELS = {"eager": (), "fused-norm": ("rms_norm",), "fused": ("rms_norm", "rope")}
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate")
@@ -93,8 +84,8 @@ _Dumper.add_representer(list, lambda dumper, value: dumper.represent_sequence(
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=LEGEND,
-                                     formatter_class=_HelpFormatter)
+    parser = argparse.ArgumentParser(prog="pcp-plan", description=__doc__.split("\n\n")[0], epilog=LEGEND,
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--config", help="PaddleFormers / Hugging Face config.json, a model folder holding one, or a "
                                          f"model name ({', '.join(NAMED)}) (instead of the shape flags)")
     for flag in SHAPE_FLAGS:
