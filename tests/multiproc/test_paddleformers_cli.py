@@ -98,6 +98,9 @@ LAUNCH_RUNS = {
                               ["checkpoint_agree", "ring", "ulysses"]),
     "example_tp2_pp2_sp": ([], "example_b2", ["pp_activation", "all_gather"]),
     "example_dp2_ring2": (DP2_RING2, "example_b4", ["ring", "grad_all_reduce"]),
+    # tensor 2 + sequence parallel x ring 2 on packed rows: each ring rank's share must split over mp
+    "example_tp2_sp_ring2": (["pipeline_model_parallel_size=1", "context_parallel_size=2"], "example_b2",
+                             ["ring", "all_gather"]),
     "example_o2_tp2_pp2_sp": (O2, "example_o2_b2", ["pp_activation", "all_gather"]),
     "example_o2_dp2_ring2": ([*DP2_RING2, *O2], "example_o2_b4", ["ring", "grad_all_reduce"]),
 }

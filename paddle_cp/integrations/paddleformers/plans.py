@@ -85,12 +85,15 @@ def mixers(names):
     return [mixer for mixer in MIXERS if mixer in found]
 
 
-def context_parallel_plan_spec(names, backend, ulysses_degree=None):
+def context_parallel_plan_spec(names, backend, ulysses_degree=None, sequence_parallel_mp=1):
     """`PrepareContextParallel` on the model itself (splits inputs and labels) and `ContextParallel`
-    on every decoder layer's token mixer (attention, and linear attention in hybrid models)."""
+    on every decoder layer's token mixer (attention, and linear attention in hybrid models).
+    `sequence_parallel_mp` > 1: tensor parallelism's sequence split follows, over that many ranks, and needs each
+    rank's share to be a multiple of it; the documents layout shares a batch unevenly (one rank 1075 tokens of
+    2048, its peer 973), 2N equal chunks give multiples of it wherever the length is one of 2 x sep x mp."""
     args = {"backend": backend, **({"ulysses_degree": ulysses_degree} if backend == "hybrid" else {})}
     stack = decoder_stack(names)
-    plan = {"": {"PrepareContextParallel": dict(args)}}
+    plan = {"": {"PrepareContextParallel": {**args, **({"layout": "chunks"} if sequence_parallel_mp > 1 else {})}}}
     for mixer in mixers(names):
         plan[f"{stack}.*.{mixer}"] = {"ContextParallel": dict(args)}
     return plan
@@ -170,7 +173,8 @@ def built(plan):
 
 
 def context_parallel_plan(model, degrees):
-    return built(context_parallel_plan_spec(DecoderNames.of(model), degrees.backend, degrees.ulysses))
+    return built(context_parallel_plan_spec(DecoderNames.of(model), degrees.backend, degrees.ulysses,
+                                            degrees.mp if degrees.sequence_parallel else 1))
 
 
 def tensor_parallel_plan(model, sequence_parallel):
