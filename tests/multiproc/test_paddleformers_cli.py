@@ -208,7 +208,8 @@ def run_all(tmp):
     logged["ring2"] = runs_in_log("PCP_RUN ring2\n" + worker_log)["ring2"]
     world_size = re.search(r"\bworld_size: (\d+)", worker_log)
     own_launch = {"world_size": world_size and int(world_size.group(1)),
-                  "logs": sorted(p.name for p in (tmp / "ring2_log").glob("workerlog.*"))}
+                  "logs": sorted(p.name for p in (tmp / "ring2_log").glob("workerlog.*")),
+                  "layout_logged": re.findall(r"paddle_cp: mesh [^\x1b\n]*", worker_log)}
 
     # resume: a fresh output_dir holding the step-2 checkpoint, found by run_sft as it finds its own
     shutil.copytree(tmp / "ring2" / "checkpoint-2", tmp / "resume_ring2_ulysses2" / "checkpoint-2")
@@ -313,5 +314,10 @@ def test_refused_on_every_rank_before_training(results, name):
 
 
 def test_pcp_train_starts_its_own_launch_on_the_parallel_sizes_product(results):
-    """`python -m paddle_cp.train` outside a launch starts one: CPU ranks = the parallel sizes' product (2)."""
-    assert results["spawned"] == {"world_size": 2, "logs": ["workerlog.0", "workerlog.1"]}, results["spawned"]
+    """`python -m paddle_cp.train` outside a launch starts one: CPU ranks = the parallel sizes' product (2); rank 0
+    logs the layout paddle_cp built, once."""
+    assert results["spawned"] == {
+        "world_size": 2, "logs": ["workerlog.0", "workerlog.1"],
+        "layout_logged": ["paddle_cp: mesh sep 2: context parallel ring (p2p), batches in the documents layout, "
+                          "sharding level 1"]  # PaddleFormers' default sharding: stage1
+    }, results["spawned"]

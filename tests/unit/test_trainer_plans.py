@@ -92,6 +92,17 @@ def test_sequence_parallel_after_context_parallel_splits_batches_in_equal_chunks
     assert planned[""] == {"PrepareContextParallel": {"backend": "p2p", "layout": "chunks"}}
 
 
+def test_the_log_names_the_layout_built():
+    from paddle_cp.integrations.paddleformers.plans import layout_summary
+
+    degrees = degrees_from_flags(8, context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
+                                 sharding="stage1")
+    config = parallelize_config(_model("llama"), degrees)
+    assert layout_summary(degrees.mesh(), config) == (
+        "paddle_cp: mesh dp 2 x sep 2 x mp 2: context parallel ring (p2p), batches in the chunks layout, "
+        "tensor parallel + sequence parallel, sharding level 1")
+
+
 @pytest.mark.parametrize("family, split", [
     ("phi3", {"model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.gate_up_proj"}),
     ("gemma3", {"model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.up_gate_proj"}),

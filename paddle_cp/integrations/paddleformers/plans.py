@@ -225,3 +225,28 @@ def prepare_plan(config):
                 if isinstance(plan, PrepareContextParallel):
                     return plan
     return None
+
+
+BACKEND_NAMES = {"p2p": "ring (p2p)", "all2all": "Ulysses (all2all)", "hybrid": "Ulysses x ring (hybrid)"}
+
+
+def layout_summary(mesh, config):
+    """One line for the Trainer's log: the mesh, and what runs over it."""
+    dims = " x ".join(f"{name} {size}" for name, size in zip(mesh.dim_names, mesh.shape))
+    parts = []
+    prepare = prepare_plan(config)
+    if prepare is not None:
+        parts.append(f"context parallel {BACKEND_NAMES[prepare.backend]}, batches in the {prepare.layout} layout")
+    if config.get("mp_config"):
+        sequence = any(type(plan).__name__ == "SequenceParallelBegin"
+                       for plans in config["mp_config"]["parallelize_plan"].values()
+                       for plan in (plans if isinstance(plans, (list, tuple)) else [plans]))
+        parts.append("tensor parallel" + (" + sequence parallel" if sequence else ""))
+    if config.get("pp_config"):
+        parts.append(f"pipeline {config['pp_config'].get('schedule_mode', '1F1B')}")
+    if config.get("ep_config"):
+        parts.append(f"expert parallel over {config['ep_config']['degree']} ranks")
+    level = (config.get("dp_config") or {}).get("sharding_level", 0)
+    if level:
+        parts.append(f"sharding level {level}")
+    return f"paddle_cp: mesh {dims}: " + (", ".join(parts) or "data parallel")
