@@ -133,6 +133,7 @@ EXPECTED_ERRORS = {  # case -> (error type, what the message must say)
     "timeout_negative": ("ValueError", "positive number of seconds"),
     "timeout_text": ("ValueError", "positive number of seconds"),
     "timeout_env": ("ValueError", "PCP_TIMEOUT"),
+    "labels_whole_inner_prepare": ("ValueError", "key PrepareContextParallel by '' (the model itself)"),
     "batch_differs": ("ValueError", "passed different values of ['input_ids'] (ranks [1] differ"),
     "labels_differ": ("ValueError", "passed different values of ['labels']"),
     "batch_shapes_differ": ("ValueError", "rank 0: batch 2 x 13 tokens, rank 1: batch 2 x 14 tokens"),

@@ -245,9 +245,20 @@ def differing_batches(report):
     report.value("batch_check_bytes", gathered)
 
 
+def whole_labels_with_an_inner_prepare(report):
+    """Paddle's spelling, PrepareContextParallel on the inner model, with the labels passed whole to the outer one:
+    the same error on every rank at the first forward, naming the fix (not Paddle's logits/labels shape error)."""
+    paddle.seed(5)
+    plan = {"model": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
+    model = pcp.parallelize(build_llama("paddleformers"), None, sep2(), {"cp_config": {"parallelize_plan": plan}})[0]
+    ids = paddle.randint(0, 128, [2, 13])
+    report.expect_error("labels_whole_inner_prepare", lambda: model(input_ids=ids, labels=ids))
+
+
 def main(report):
     pcp.set_mesh(sep2())
     differing_batches(report)
+    whole_labels_with_an_inner_prepare(report)
     good = make_checkpoints(sys.argv[1])
     cases = {**parallel_cases(), **functional_cases(), **checkpoint_cases(sys.argv[1], good)}
     for name, fn in cases.items():
