@@ -116,6 +116,7 @@ REFUSED = {
     "dpo": ["stage=DPO"],
     "sizes_do_not_fit": ["context_parallel_size=3"],
     "sequence_parallel_alone": ["sequence_parallel=true"],
+    "misspelt_key": ["context_paralel_size=2"],
     # outside the emulation: CPU Paddle has no bf16 matmul for run_sft's bf16 model
     "o2_without_a_bf16_matmul": ["compute_type=bf16", "fp16_opt_level=O2", "amp_master_grad=true",
                                  "context_parallel_size=4"],
@@ -301,6 +302,7 @@ REFUSAL_FIX = {  # what each error must name: the key, and the fix
     "sizes_do_not_fit": ("context_parallel_size 3", "must divide the world size"),
     "sequence_parallel_alone": ("sequence_parallel", "tensor_model_parallel_size > 1"),
     "o2_without_a_bf16_matmul": ("fp16_opt_level O2", "set fp16_opt_level=O1"),
+    "misspelt_key": ("unknown keys ['context_paralel_size']", "did you mean context_parallel_size?"),
 }
 
 

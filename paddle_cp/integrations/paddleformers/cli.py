@@ -109,4 +109,8 @@ def main(argv=None):
     if "PADDLE_TRAINER_ID" in os.environ:
         run_rank(config)
         return 0
+    from .sft_workflow import check_keys, check_stage
+
+    check_stage(config)  # before any rank starts: a bad key costs no launch
+    check_keys(config)
     return launch(argv, config)

@@ -15,8 +15,9 @@ the length of the run, the narrowest seams it has:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import paddle.distributed as dist
 from paddleformers.cli.hparams.finetuning_args import FinetuningArguments as PaddleFormersFinetuningArguments
@@ -31,6 +32,7 @@ STAGES = ("SFT", "PT")
 # compute types without quantized weights: fp32, or bf16/fp16 (PaddleFormers' AMP, its fp16_opt_level)
 UNQUANTIZED_COMPUTE = ("bf16", "fp16", "float32")
 FP32_COMPUTE = "float32"
+PARSER_KEY = "custom_register_path"  # read by PaddleFormers' parser itself, not by an argument class
 
 
 @dataclass
@@ -78,6 +80,20 @@ def check_stage(args):
                          f"(stages {list(STAGES)}); use paddleformers-cli for the others")
 
 
+def check_keys(args):
+    """Keys no argument class of the workflow takes (a misspelt one), refused with the closest known keys before any
+    rank starts: PaddleFormers' parser would refuse them on every rank, after the launch, without a suggestion."""
+    parser = importlib.import_module("paddleformers.cli.hparams.parser")
+    classes = [FinetuningArguments if cls is PaddleFormersFinetuningArguments else cls for cls in parser._TRAIN_ARGS]
+    known = {PARSER_KEY} | {f.name for cls in classes for f in fields(cls) if f.init}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        close = {key: difflib.get_close_matches(key, known, n=1, cutoff=0.7) for key in unknown}
+        hints = "; ".join(f"{key}: did you mean {near[0]}?" if near else f"{key}: no such key"
+                          for key, near in close.items())
+        raise ValueError(f"unknown keys {unknown} in the config (PaddleFormers' parser takes none of them): {hints}")
+
+
 @contextlib.contextmanager
 def paddle_cp_underneath():
     """PaddleFormers' parser fills paddle_cp's arguments and run_sft builds paddle_cp's trainer, until exit."""
@@ -98,5 +114,6 @@ def run(args):
     from paddleformers.cli.train.tuner import run_tuner
 
     check_stage(args)
+    check_keys(args)
     with paddle_cp_underneath():
         run_tuner(args)
