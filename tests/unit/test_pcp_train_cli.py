@@ -77,3 +77,16 @@ def test_a_misspelt_key_is_refused_before_any_rank_starts(config, monkeypatch):
 
     example = str(Path(__file__).resolve().parents[2] / "examples" / "sft_cli.yaml")
     check_keys(cli.read_config([example, "paddle_cp_config=cp.yaml", "custom_register_path=x"]))  # all known
+
+
+def test_an_o2_model_no_matmul_here_takes_is_refused_before_any_rank_starts(config, monkeypatch):
+    """Paddle's CPU builds have no bf16 matmul, which run_sft's O2 model needs."""
+    from paddle_cp.dtypes import matmul_takes
+
+    monkeypatch.delenv("PADDLE_TRAINER_ID", raising=False)
+    monkeypatch.setattr(cli, "launch", lambda argv, config: "launched")
+    if matmul_takes("bfloat16"):
+        pytest.skip("this device multiplies bf16")
+    with pytest.raises(ValueError, match="fp16_opt_level O2 with compute_type 'bf16' .* set fp16_opt_level=O1"):
+        cli.main([config, "fp16_opt_level=O2"])  # compute_type: PaddleFormers' default, bf16
+    assert cli.main([config, "fp16_opt_level=O2", "compute_type=float32"]) == "launched"

@@ -47,24 +47,36 @@ class FinetuningArguments(TrainingArguments, PaddleFormersFinetuningArguments):
                 "quantized weights are not wired into paddle_cp's Trainer; set compute_type to one of "
                 f"{list(UNQUANTIZED_COMPUTE)}")
         super().__post_init__()
-        self._refuse_a_model_no_matmul_takes()
-
-    def _refuse_a_model_no_matmul_takes(self):
-        """run_sft loads the model in bf16/fp16 at O2; on a device whose matmul takes neither (Paddle's CPU builds)
-        its first forward would fail deep in a kernel lookup, after every rank built the data and the model."""
-        if self.fp16_opt_level != "O2" or not (self.bf16 or self.fp16):
-            return
-        dtype = "bfloat16" if self.bf16 else "float16"
-        if not matmul_takes(dtype):
-            raise ValueError(
-                f"fp16_opt_level O2 with compute_type {self.compute_type!r} loads the model in {dtype}, and this "
-                f"device's matmul takes no {dtype} (Paddle's CPU builds have none): set fp16_opt_level=O1 (on CPU "
-                "Paddle's AMP is then a no-op and the run trains in fp32), or compute_type=float32 with "
-                "amp_master_grad=false, or run on GPUs")
+        refuse_a_model_no_matmul_takes(self.compute_type, self.fp16_opt_level)
 
     def _mixed_precision(self):
         # PaddleFormers' __post_init__ sets bf16 or fp16 from compute_type after paddle_cp's checks ran
         return self.compute_type != FP32_COMPUTE
+
+
+LOW_PRECISION_COMPUTE = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def refuse_a_model_no_matmul_takes(compute_type, fp16_opt_level):
+    """run_sft loads the model in bf16/fp16 at O2; on a device whose matmul takes neither (Paddle's CPU builds)
+    its first forward would fail deep in a kernel lookup, after every rank built the data and the model."""
+    dtype = LOW_PRECISION_COMPUTE.get(compute_type)
+    if fp16_opt_level == "O2" and dtype and not matmul_takes(dtype):
+        raise ValueError(
+            f"fp16_opt_level O2 with compute_type {compute_type!r} loads the model in {dtype}, and this device's "
+            f"matmul takes no {dtype} (Paddle's CPU builds have none): set fp16_opt_level=O1 (on CPU Paddle's AMP is "
+            "then a no-op and the run trains in fp32), or compute_type=float32 with amp_master_grad=false, or run on "
+            "GPUs")
+
+
+def check_config(args):
+    """What pcp-train refuses before any rank starts, from the config dict alone: the stage, the keys, and a
+    model dtype this device cannot multiply (the ranks check again, on the parsed arguments)."""
+    check_stage(args)
+    check_keys(args)
+    defaults = {f.name: f.default for f in fields(FinetuningArguments)}
+    refuse_a_model_no_matmul_takes(args.get("compute_type", defaults["compute_type"]),
+                                   args.get("fp16_opt_level", defaults["fp16_opt_level"]))
 
 
 class SFTTrainer(Trainer, PaddleFormersSFTTrainer):
