@@ -10,3 +10,13 @@ LOW_PRECISION = (paddle.float16, paddle.bfloat16)
 # Unit roundoff: one rounding of a value to the dtype, relative to its magnitude (bf16 keeps 8 significant bits,
 # fp16 11).
 ROUNDOFF = {paddle.bfloat16: 2.0 ** -8, paddle.float16: 2.0 ** -11}
+
+
+def matmul_takes(dtype):
+    """Whether this device's matmul takes `dtype` (Paddle's CPU builds register no bfloat16 or float16 matmul)."""
+    try:
+        x = paddle.ones([2, 2], dtype)
+        paddle.matmul(x, x)
+        return True
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False

@@ -87,6 +87,24 @@ def ensure_initialized():
             dist.init_parallel_env()
 
 
+def require_launched_ranks(mesh):
+    """The mesh holds every launched rank once: checked alike on every rank before any group is made (a rank
+    the launch lacks, or one left out of the mesh, would leave the others waiting in a group's rendezvous)."""
+    world = dist.get_world_size()
+    ranks = [int(r) for r in mesh.process_ids]
+    if sorted(ranks) == list(range(world)):
+        return
+    missing = sorted(set(range(world)) - set(ranks))
+    beyond = sorted(set(ranks) - set(range(world)))
+    wrong = "; ".join(part for part in (f"ranks {beyond} are not launched" if beyond else "",
+                                        f"launched ranks {missing} are not in it" if missing else "",
+                                        "it names a rank twice" if len(set(ranks)) < len(ranks) else "") if part)
+    raise ValueError(f"the mesh {list(mesh.shape)} {list(mesh.dim_names)} holds {len(ranks)} rank(s) but {world} are "
+                     f"launched ({wrong}): build it over every launched rank once, e.g. "
+                     f"dist.ProcessMesh(np.arange({world}).reshape(shape), dim_names=...) with a shape whose "
+                     f"product is {world}, or launch {len(ranks)} rank(s) (--nproc_per_node {len(ranks)})")
+
+
 @dataclass(frozen=True)
 class MeshGroup:
     """This rank's slice of a mesh along some dims.
@@ -140,6 +158,7 @@ def mesh_group(mesh, dims, p2p=False):
     also creates the pair groups gloo needs for point-to-point traffic.
     """
     ensure_initialized()
+    require_launched_ranks(mesh)
     axes = _axes(mesh, dims)
     key = (tuple(mesh.process_ids), tuple(mesh.shape), tuple(axes))
     return _slice_group(key, np.asarray(mesh.mesh), axes, p2p, _names(mesh, axes))
@@ -152,6 +171,7 @@ def fold_groups(mesh, dims, inner):
     of E ranks gives the expert group (inner) and the ranks holding the same experts (outer).
     Collective like mesh_group; `inner` must divide the folded size."""
     ensure_initialized()
+    require_launched_ranks(mesh)
     axes = _axes(mesh, dims)
     array = np.asarray(mesh.mesh)
     other = [a for a in range(array.ndim) if a not in axes]
@@ -335,6 +355,7 @@ def line_subgroups(mesh, dim, position_sets):
     line (the ranks sharing its other coordinates), or None when this rank is not among them.
     Every rank must call this with the same sets in the same order (groups are made for every line)."""
     ensure_initialized()
+    require_launched_ranks(mesh)
     axis = mesh.dim_names.index(find_dim(mesh, dim))
     lines = _slices(np.asarray(mesh.mesh), [axis])
     me = dist.get_rank()
@@ -430,8 +451,6 @@ def _create_groups(slices):
         group = _new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             mine = MeshGroup(ranks, ranks.index(rank), group)
-    if mine is None:
-        raise ValueError(f"rank {rank} is not in the mesh {slices}: the mesh must cover every launched rank")
     return mine
 
 
@@ -444,4 +463,4 @@ def _create_pairs(slices, mine):
                 mine.pairs[frozenset((a, b))] = group
 
 
-__all__ = ["set_mesh", "get_mesh", "resolve_mesh", "find_dim", "require_dim", "dim_size", "mesh_group", "fold_groups", "split_dim_groups", "line_subgroups", "MeshGroup", "ParallelDims", "dims_of", "Peer"]
+__all__ = ["set_mesh", "get_mesh", "resolve_mesh", "require_launched_ranks", "find_dim", "require_dim", "dim_size", "mesh_group", "fold_groups", "split_dim_groups", "line_subgroups", "MeshGroup", "ParallelDims", "dims_of", "Peer"]

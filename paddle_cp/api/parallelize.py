@@ -41,7 +41,7 @@ from .parameter_plans import implied_lora_plans
 from .plan_keys import resolve_plan
 from ..plans.context_parallel import PrepareContextParallel, check_backends_agree
 from ..plans.sequence_parallel import is_sequence_plan, split_at_blocks, watch_partial_gradients
-from ..plans.sharded_inputs import require_sharded_inputs
+from ..plans.sharded_inputs import require_sharded_inputs, require_split_labels
 from ..data_parallel.sharding import Sharding, check_level, shard_parameters, sharding_dims, sharding_groups_needed
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config", "ep_config")
@@ -189,6 +189,7 @@ def parallelize_model(model, mesh=None, config=None):
         loss_factor = LossFactorAgreement(world, mesh, experts_span_dp=bool(experts))
     else:
         require_sharded_inputs(model, dims, applications)  # ContextParallel without PrepareContextParallel
+        require_split_labels(model, dims, applications)  # PrepareContextParallel on an inner layer only
     for param in model.parameters():
         complete_placements(param, dims)
     held = [p for p in model.parameters() if record_of(p).held_here()]

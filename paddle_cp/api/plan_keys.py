@@ -8,9 +8,11 @@ import warnings
 import paddle
 
 from ..plans.base import Plan
+from ..plans.context_parallel import ContextParallel, PrepareContextParallel
 from .paddle_plans import is_paddle_plan, translate
 
 ROOT_KEY = ""  # extension: plans keyed "" apply to the model itself (Paddle excludes the root)
+CONTEXT_PLANS = (PrepareContextParallel, ContextParallel)
 
 
 def plan_key(name):
@@ -64,7 +66,19 @@ def resolve_plan(model, plan):
                              "the layers it applies to, e.g. 'model.layers.*.mlp'")
         if key not in used:
             warnings.warn(f"parallelize_plan key {key!r} {_why_unmatched(key, layers)}", stacklevel=3)
+    _require_a_context_plan_applied(model, plan, used, layers)
     return matched
+
+
+def _require_a_context_plan_applied(model, plan, used, layers):
+    """Context-parallel plans none of whose keys matches (a model whose layers are named otherwise) would leave
+    every sep rank running the whole sequence, unsplit: an error, not the warnings of single keys."""
+    keys = [key for key, plans in plan.items() if any(isinstance(p, CONTEXT_PLANS) for p in plans)]
+    if keys and not used.intersection(keys):
+        why = "; ".join(f"{key!r} {_why_unmatched(key, layers)}" for key in keys)
+        raise ValueError(f"no context-parallel plan applies to {type(model).__name__}: {why}. Every sep rank would "
+                         "run the whole sequence unsplit. Key the plans by this model's sublayer names "
+                         "(model.named_sublayers(); '' is the model itself)")
 
 
 def _why_unmatched(key, layers):

@@ -34,6 +34,12 @@ def _to_split(x, group, need_transpose):
     _check_3d(x)
     if need_transpose:
         x = paddle.transpose(x, [1, 0, 2])
+    if x.shape[0] % group.size:
+        raise ValueError(
+            f"sequence parallel splits the sequence over the {group.size} mp ranks, but this rank's sequence has "
+            f"{x.shape[0]} tokens (after any context-parallel split): give sequences whose length (each sep rank's "
+            f"share of it under context parallelism) is a multiple of {group.size} (e.g. pad them), or train "
+            "without sequence_parallel")
     return split_to_group(x, group, 0)
 
 

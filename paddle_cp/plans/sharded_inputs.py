@@ -13,6 +13,7 @@ first forward only (a replay of it in backward, and later forwards, skip it; tha
 """
 from __future__ import annotations
 
+import inspect
 import zlib
 
 import paddle
@@ -81,3 +82,40 @@ def require_sharded_inputs(model, dims, applications):
     if layers:
         more = f" and {len(layers) - 1} more" if len(layers) > 1 else ""
         model.register_forward_pre_hook(ShardedInputsCheck(dims, layers[0] + more), with_kwargs=True)
+
+
+class WholeLabelsCheck:
+    """The forward pre-hook of a model whose PrepareContextParallel sits on an inner layer: that layer's inputs
+    are split, not the labels the model itself takes, so its loss would meet this rank's logits with the whole
+    sequence's labels (Paddle: "Input(Logits) and Input(Label) should in same shape"). Labels as long as the
+    input ids are refused, on every rank alike (the sep ranks hold one batch), before any collective."""
+
+    def __init__(self, group, inner):
+        self.group, self.inner = group, inner
+
+    def __call__(self, layer, args, kwargs):
+        if self.group.size == 1 or runtime.state.context_parallel_paused:
+            return None
+        labels, ids = kwargs.get("labels"), kwargs.get("input_ids")
+        if not all(isinstance(t, paddle.Tensor) and t.ndim >= 2 for t in (labels, ids)) or \
+                labels.shape[1] != ids.shape[1]:
+            return None
+        raise ValueError(
+            f"PrepareContextParallel on '{self.inner}' splits that layer's inputs over the {self.group.size} sep ranks, "
+            f"but the labels ({labels.shape[1]} tokens, as many as input_ids) reach the model whole, and its loss "
+            "would meet this rank's part of the logits: key PrepareContextParallel by '' (the model itself) to "
+            "split the labels with the inputs, or pass each rank its labels: "
+            "pcp.shard_sequence(labels, backend=...)")
+
+
+def require_split_labels(model, dims, applications):
+    """Refuse whole-sequence labels at `model`'s first forwards when its only PrepareContextParallel sits on an
+    inner layer that takes no labels (PaddleFormers' `model` under `LlamaForCausalLM`, Paddle's spelling)."""
+    prepared = [layer for plan, layer, _ in applications if isinstance(plan, PrepareContextParallel)]
+    if not prepared or any(layer is model for layer in prepared):
+        return
+    parameters = [inspect.signature(layer.forward).parameters for layer in prepared]
+    if any("labels" in p or any(a.kind is a.VAR_KEYWORD for a in p.values()) for p in parameters):
+        return  # the inner layer may take the labels: its own hook splits them
+    names = {id(layer): name for name, layer in model.named_sublayers()}
+    model.register_forward_pre_hook(WholeLabelsCheck(dims.sep, names.get(id(prepared[0]), "")), with_kwargs=True)

@@ -1,4 +1,5 @@
 """Plain-text output shared by the command-line tools."""
+import argparse
 import json
 from pathlib import Path
 
@@ -13,3 +14,12 @@ def show(table, result, json_path=None):
     print(table)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help: the description and epilog as written, and each option's default where it has one."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)

@@ -98,6 +98,9 @@ LAUNCH_RUNS = {
                               ["checkpoint_agree", "ring", "ulysses"]),
     "example_tp2_pp2_sp": ([], "example_b2", ["pp_activation", "all_gather"]),
     "example_dp2_ring2": (DP2_RING2, "example_b4", ["ring", "grad_all_reduce"]),
+    # tensor 2 + sequence parallel x ring 2 on packed rows: each ring rank's share must split over mp
+    "example_tp2_sp_ring2": (["pipeline_model_parallel_size=1", "context_parallel_size=2"], "example_b2",
+                             ["ring", "all_gather"]),
     "example_o2_tp2_pp2_sp": (O2, "example_o2_b2", ["pp_activation", "all_gather"]),
     "example_o2_dp2_ring2": ([*DP2_RING2, *O2], "example_o2_b4", ["ring", "grad_all_reduce"]),
 }
@@ -113,6 +116,10 @@ REFUSED = {
     "dpo": ["stage=DPO"],
     "sizes_do_not_fit": ["context_parallel_size=3"],
     "sequence_parallel_alone": ["sequence_parallel=true"],
+    "misspelt_key": ["context_paralel_size=2"],
+    # outside the emulation: CPU Paddle has no bf16 matmul for run_sft's bf16 model
+    "o2_without_a_bf16_matmul": ["compute_type=bf16", "fp16_opt_level=O2", "amp_master_grad=true",
+                                 "context_parallel_size=4"],
 }
 LOSS_LINE = re.compile(r"- loss: ([0-9.]+), .*global_step: (\d+),")
 
@@ -202,7 +209,8 @@ def run_all(tmp):
     logged["ring2"] = runs_in_log("PCP_RUN ring2\n" + worker_log)["ring2"]
     world_size = re.search(r"\bworld_size: (\d+)", worker_log)
     own_launch = {"world_size": world_size and int(world_size.group(1)),
-                  "logs": sorted(p.name for p in (tmp / "ring2_log").glob("workerlog.*"))}
+                  "logs": sorted(p.name for p in (tmp / "ring2_log").glob("workerlog.*")),
+                  "layout_logged": re.findall(r"paddle_cp: mesh [^\x1b\n]*", worker_log)}
 
     # resume: a fresh output_dir holding the step-2 checkpoint, found by run_sft as it finds its own
     shutil.copytree(tmp / "ring2" / "checkpoint-2", tmp / "resume_ring2_ulysses2" / "checkpoint-2")
@@ -293,6 +301,8 @@ REFUSAL_FIX = {  # what each error must name: the key, and the fix
     "dpo": ("stage 'DPO'", "paddleformers-cli"),
     "sizes_do_not_fit": ("context_parallel_size 3", "must divide the world size"),
     "sequence_parallel_alone": ("sequence_parallel", "tensor_model_parallel_size > 1"),
+    "o2_without_a_bf16_matmul": ("fp16_opt_level O2", "set fp16_opt_level=O1"),
+    "misspelt_key": ("unknown keys ['context_paralel_size']", "did you mean context_parallel_size?"),
 }
 
 
@@ -306,5 +316,10 @@ def test_refused_on_every_rank_before_training(results, name):
 
 
 def test_pcp_train_starts_its_own_launch_on_the_parallel_sizes_product(results):
-    """`python -m paddle_cp.train` outside a launch starts one: CPU ranks = the parallel sizes' product (2)."""
-    assert results["spawned"] == {"world_size": 2, "logs": ["workerlog.0", "workerlog.1"]}, results["spawned"]
+    """`python -m paddle_cp.train` outside a launch starts one: CPU ranks = the parallel sizes' product (2); rank 0
+    logs the layout paddle_cp built, once."""
+    assert results["spawned"] == {
+        "world_size": 2, "logs": ["workerlog.0", "workerlog.1"],
+        "layout_logged": ["paddle_cp: mesh sep 2: context parallel ring (p2p), batches in the documents layout, "
+                          "sharding level 1"]  # PaddleFormers' default sharding: stage1
+    }, results["spawned"]

@@ -44,8 +44,17 @@ def test_plan_keys_match_like_paddle():
         ("", []), ("layers.0.proj", []), ("layers.1.proj", []), ("head", ["weight"])]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert resolve_plan(Net(), {"proj": plan}) == []  # fullmatch: "proj" is not "layers.0.proj"
+        # fullmatch: "proj" is not "layers.0.proj"; a key matching nothing warns, as Paddle ignores it
+        found = resolve_plan(Net(), {"proj": pcp.TokenWise(), "layers.*.proj": plan})
+    assert [name for name, _, _, _ in found] == ["layers.0.proj", "layers.1.proj"]
     assert "layers.0.proj" in str(caught[0].message)
+
+
+def test_context_plans_matching_no_layer_are_refused():
+    """A model whose layers are named otherwise than the plan's keys: no sequence split anywhere, every sep rank
+    would run the whole sequence. The keys' closest names are in the error."""
+    with pytest.raises(ValueError, match=r"no context-parallel plan applies to Net: 'proj' .*'layers.0.proj'"):
+        resolve_plan(Net(), {"": pcp.TokenWise(), "proj": pcp.ContextParallel()})
 
 
 def _dp_mesh():

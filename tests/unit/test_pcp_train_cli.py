@@ -2,6 +2,7 @@
 (the launch command, CPU rank count, multi-node flags), and the stages it refuses before building anything.
 Training itself: tests/multiproc/test_paddleformers_cli.py."""
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -64,3 +65,28 @@ def test_other_stages_are_refused_by_name():
 def test_help_needs_no_config(capsys):
     assert cli.main(["--help"]) == 0
     assert "pcp-train config.yaml" in capsys.readouterr().out
+
+
+def test_a_misspelt_key_is_refused_before_any_rank_starts(config, monkeypatch):
+    """PaddleFormers' parser refuses it only on the ranks, after the launch, naming no key it meant."""
+    monkeypatch.delenv("PADDLE_TRAINER_ID", raising=False)
+    monkeypatch.setattr(cli, "launch", lambda argv, config: pytest.fail("launched"))
+    with pytest.raises(ValueError, match=r"unknown keys \['context_paralel_size'\].*did you mean context_parallel_size"):
+        cli.main([config, "context_paralel_size=4"])
+    from paddle_cp.integrations.paddleformers.sft_workflow import check_keys
+
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "sft_cli.yaml")
+    check_keys(cli.read_config([example, "paddle_cp_config=cp.yaml", "custom_register_path=x"]))  # all known
+
+
+def test_an_o2_model_no_matmul_here_takes_is_refused_before_any_rank_starts(config, monkeypatch):
+    """Paddle's CPU builds have no bf16 matmul, which run_sft's O2 model needs."""
+    from paddle_cp.dtypes import matmul_takes
+
+    monkeypatch.delenv("PADDLE_TRAINER_ID", raising=False)
+    monkeypatch.setattr(cli, "launch", lambda argv, config: "launched")
+    if matmul_takes("bfloat16"):
+        pytest.skip("this device multiplies bf16")
+    with pytest.raises(ValueError, match="fp16_opt_level O2 with compute_type 'bf16' .* set fp16_opt_level=O1"):
+        cli.main([config, "fp16_opt_level=O2"])  # compute_type: PaddleFormers' default, bf16
+    assert cli.main([config, "fp16_opt_level=O2", "compute_type=float32"]) == "launched"

@@ -1,6 +1,7 @@
 """pcp-plan in the user's units: lengths with K/M suffixes, --help with defaults and a legend of the table's
 labels, the "no layout fits" line only when none does, and a memory reserve every fit leaves free."""
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -80,3 +81,20 @@ def test_no_fit_uses_more_than_memory_less_the_reserve(reserve):
     fits = [e for e in ranked if e["fits"]]
     assert seq and fits and all(e["memory_total"] <= 80e9 - reserve for e in fits)
     assert any(e["memory_total"] > 80e9 - reserve for e in search.rank_layouts(model, cluster, seq + 65536))
+
+
+def test_config_takes_a_model_name_a_folder_or_a_file(tmp_path, capsys):
+    """The docs' commands run as written: `--config llama3-70b` is Meta's config.json; a folder holding a
+    config.json reads it; a path that is not there is a usage error naming what --config takes."""
+    from paddle_cp.tools.plan.models import NAMED
+
+    (tmp_path / "config.json").write_text(json.dumps(NAMED["qwen2.5-7b"]))
+    named = plan.parse_args(["--config", "qwen2.5-7b", "--seq", "128K", "--devices", "8"])
+    folder = plan.parse_args(["--config", str(tmp_path), "--seq", "128K", "--devices", "8"])
+    flags = plan.parse_args([*QWEN25_7B, "--seq", "128K", "--devices", "8"])
+    assert plan.model_shape(named) == plan.model_shape(folder)
+    assert plan.model_shape(named) == dataclasses.replace(plan.model_shape(flags), family="qwen2")
+    with pytest.raises(SystemExit):
+        plan.parse_args(["--config", str(tmp_path / "llama3_70b.json"), "--seq", "128K", "--devices", "8"])
+    error = capsys.readouterr().err
+    assert "llama3_70b.json: no such file" in error and "'llama3-70b'" in error, error

@@ -91,3 +91,15 @@ def test_one_begin_plan_splits_each_model_where_its_own_region_starts(monkeypatc
     x = paddle.randn([2, 3, 4])  # [b, s, h]
     assert lone(x).shape == [3, 2, 4] and runtime.state.pending_split is None  # [s/mp, b, h] at once
     assert model.embed(x).shape == [2, 3, 4] and runtime.state.pending_split.shape == (2, 3, 4)  # waits
+
+
+def test_a_length_mp_does_not_divide_names_the_fix():
+    """A sequence (each sep rank's share of it) that the mp ranks cannot split evenly: the error says so and
+    what to change, before any collective."""
+    from paddle_cp.mesh import MeshGroup
+    from paddle_cp.plans.sequence_parallel import _to_split
+
+    two_ranks = MeshGroup(ranks=(0, 1), index=0, group=None)
+    with pytest.raises(ValueError, match="this rank's sequence has 7 tokens .* a multiple of 2 .* without "
+                                         "sequence_parallel"):
+        _to_split(paddle.zeros([1, 7, 4]), two_ranks, need_transpose=True)

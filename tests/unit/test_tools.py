@@ -136,6 +136,17 @@ def test_console_scripts_name_the_tools_mains():
                         "pcp-bench-pp": bench_pp.main, "pcp-selftest": selftest.main, "pcp-train": cli.main}
 
 
+@pytest.mark.parametrize("tool, name, modes", [(bench, "pcp-bench", ["--pool", "--planning", "--mixer gated_deltanet"]),
+                                               (memory, "pcp-memory", ["--phases", "--experts", "--sharding"])])
+def test_help_names_the_tool_its_defaults_and_its_other_modes(capsys, tool, name, modes):
+    """A newcomer's `--help` finds every mode the docs use (each parsed by its own tool) and each default."""
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: {name} ") and "(default: " in text, text
+    assert all(f"  {mode} " in text for mode in modes), text
+
+
 def test_memory_bench_refuses_bad_arguments():
     with pytest.raises(SystemExit):
         memory.parse_args(["--nproc", "4", "--seq", "6"])  # shorter than 2 x N

@@ -69,6 +69,40 @@ def test_llama_plans():
     assert config["dp_config"] == {"sharding_level": 0}
 
 
+def test_sequence_parallel_after_context_parallel_splits_batches_in_equal_chunks():
+    """Tensor parallelism's sequence split divides each ring rank's share over mp. The documents layout shares this
+    packed 2048-token row 1067 / 981 over 2 ring ranks (what stopped pcp-train at its 8th step on the example YAML
+    with tensor 2 + sequence parallel x ring 2); the plan derived with sequence parallel splits it in 2N equal
+    chunks, 1024 each, as pcp-plan's configs with tensor parallelism do. Without sequence parallel: documents."""
+    import numpy as np
+
+    from paddle_cp.attention.layout.sequence_layout import SequenceLayout
+    from paddle_cp.attention.masks.block_mask import Documents
+    from paddle_cp.integrations.paddleformers.plans import DecoderNames, context_parallel_plan_spec
+
+    row = Documents.from_position_ids(np.concatenate([np.arange(n) for n in (392, 164, 280, 381, 267, 339, 225)])[None])
+    shares = {}
+    for flags in (dict(tensor_model_parallel_size=2, sequence_parallel=True), {}):
+        config = parallelize_config(_model("llama"), degrees_from_flags(4 if flags else 2, context_parallel_size=2,
+                                                                         **flags))
+        split = config["cp_config"]["parallelize_plan"][""].layout
+        shares[split] = SequenceLayout("p2p", 2).for_batch(row, split).lengths(2048)
+    assert shares == {"chunks": [1024, 1024], "documents": [1067, 981]}
+    planned = context_parallel_plan_spec(DecoderNames.standard(), "p2p", sequence_parallel_mp=2)
+    assert planned[""] == {"PrepareContextParallel": {"backend": "p2p", "layout": "chunks"}}
+
+
+def test_the_log_names_the_layout_built():
+    from paddle_cp.integrations.paddleformers.plans import layout_summary
+
+    degrees = degrees_from_flags(8, context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
+                                 sharding="stage1")
+    config = parallelize_config(_model("llama"), degrees)
+    assert layout_summary(degrees.mesh(), config) == (
+        "paddle_cp: mesh dp 2 x sep 2 x mp 2: context parallel ring (p2p), batches in the chunks layout, "
+        "tensor parallel + sequence parallel, sharding level 1")
+
+
 @pytest.mark.parametrize("family, split", [
     ("phi3", {"model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.gate_up_proj"}),
     ("gemma3", {"model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.up_gate_proj"}),

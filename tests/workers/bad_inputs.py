@@ -62,11 +62,18 @@ def parallel_cases():
                                                  "cp_config": {"parallelize_plan": {"0": pcp.ColWiseParallel()}}}),
         "plan_not_a_plan": lambda: parallelize_small(mp_plan({"0": "ColWiseParallel"}), mp2()),
         "mesh_type": lambda: parallelize_small(mp_plan({"0": pcp.ColWiseParallel()}), mesh="mp"),
+        # a mesh over ranks the launch lacks, or leaving one out: every rank raises before any group's rendezvous
+        "mesh_beyond_launch": lambda: parallelize_small(
+            mp_plan({"0": pcp.ColWiseParallel()}), dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])),
+        "mesh_short_of_launch": lambda: parallelize_small(mp_plan({"0": pcp.ColWiseParallel()}),
+                                                          dist.ProcessMesh([0], dim_names=["mp"])),
         "colwise_not_dividing": lambda: parallelize_small(mp_plan({"1": pcp.ColWiseParallel()}), mp2()),
         "colwise_no_weight": lambda: pcp.parallelize(paddle.nn.Sequential(paddle.nn.ReLU()), None, mp2(),
                                                      mp_plan({"0": pcp.ColWiseParallel()})),
         "tied_weight_half_planned": lambda: pcp.parallelize(llama, None, mp2(),
                                                            mp_plan({"model.embed_tokens": pcp.RowWiseParallel()})),
+        "cp_plan_matches_nothing": lambda: pcp.parallelize(llama, None, sep2(), {"cp_config": {"parallelize_plan": {
+            "llama": pcp.PrepareContextParallel("p2p"), "llama.layers.*.self_attn": pcp.ContextParallel("p2p")}}}),
         "cp_without_sep": lambda: pcp.parallelize(llama, None, mp2(), {"cp_config": {"parallelize_plan": {
             "model": pcp.PrepareContextParallel("p2p")}}}),
         "gather_output_type": lambda: pcp.ColWiseParallel(gather_output="yes"),
@@ -84,6 +91,8 @@ def functional_cases():
     q = paddle.zeros([1, 4, 2, 8])
     return {
         "attention_3d": lambda: pcp.ring_attention(q[0], q[0], q[0], mesh=sep2()),
+        "attention_mesh_beyond_launch": lambda: pcp.ring_attention(
+            q, q, q, mesh=dist.ProcessMesh([0, 1, 2, 3], dim_names=["sep"])),
         "attention_dropout": lambda: pcp.ring_attention(q, q, q, dropout_p=0.1, mesh=sep2()),
         "attention_shapes": lambda: pcp.ring_attention(q, paddle.zeros([1, 4, 2, 4]), q, mesh=sep2()),
         "batch_not_dividing": lambda: pcp.shard_batch(paddle.zeros([3, 4]),
@@ -236,9 +245,20 @@ def differing_batches(report):
     report.value("batch_check_bytes", gathered)
 
 
+def whole_labels_with_an_inner_prepare(report):
+    """Paddle's spelling, PrepareContextParallel on the inner model, with the labels passed whole to the outer one:
+    the same error on every rank at the first forward, naming the fix (not Paddle's logits/labels shape error)."""
+    paddle.seed(5)
+    plan = {"model": pcp.PrepareContextParallel("p2p"), "model.layers.*.self_attn": pcp.ContextParallel("p2p")}
+    model = pcp.parallelize(build_llama("paddleformers"), None, sep2(), {"cp_config": {"parallelize_plan": plan}})[0]
+    ids = paddle.randint(0, 128, [2, 13])
+    report.expect_error("labels_whole_inner_prepare", lambda: model(input_ids=ids, labels=ids))
+
+
 def main(report):
     pcp.set_mesh(sep2())
     differing_batches(report)
+    whole_labels_with_an_inner_prepare(report)
     good = make_checkpoints(sys.argv[1])
     cases = {**parallel_cases(), **functional_cases(), **checkpoint_cases(sys.argv[1], good)}
     for name, fn in cases.items():

@@ -109,4 +109,7 @@ def main(argv=None):
     if "PADDLE_TRAINER_ID" in os.environ:
         run_rank(config)
         return 0
+    from .sft_workflow import check_config
+
+    check_config(config)  # before any rank starts: a bad key costs no launch
     return launch(argv, config)

@@ -85,12 +85,15 @@ def mixers(names):
     return [mixer for mixer in MIXERS if mixer in found]
 
 
-def context_parallel_plan_spec(names, backend, ulysses_degree=None):
+def context_parallel_plan_spec(names, backend, ulysses_degree=None, sequence_parallel_mp=1):
     """`PrepareContextParallel` on the model itself (splits inputs and labels) and `ContextParallel`
-    on every decoder layer's token mixer (attention, and linear attention in hybrid models)."""
+    on every decoder layer's token mixer (attention, and linear attention in hybrid models).
+    `sequence_parallel_mp` > 1: tensor parallelism's sequence split follows, over that many ranks, and needs each
+    rank's share to be a multiple of it; the documents layout shares a batch unevenly (one rank 1075 tokens of
+    2048, its peer 973), 2N equal chunks give multiples of it wherever the length is one of 2 x sep x mp."""
     args = {"backend": backend, **({"ulysses_degree": ulysses_degree} if backend == "hybrid" else {})}
     stack = decoder_stack(names)
-    plan = {"": {"PrepareContextParallel": dict(args)}}
+    plan = {"": {"PrepareContextParallel": {**args, **({"layout": "chunks"} if sequence_parallel_mp > 1 else {})}}}
     for mixer in mixers(names):
         plan[f"{stack}.*.{mixer}"] = {"ContextParallel": dict(args)}
     return plan
@@ -170,7 +173,8 @@ def built(plan):
 
 
 def context_parallel_plan(model, degrees):
-    return built(context_parallel_plan_spec(DecoderNames.of(model), degrees.backend, degrees.ulysses))
+    return built(context_parallel_plan_spec(DecoderNames.of(model), degrees.backend, degrees.ulysses,
+                                            degrees.mp if degrees.sequence_parallel else 1))
 
 
 def tensor_parallel_plan(model, sequence_parallel):
@@ -221,3 +225,28 @@ def prepare_plan(config):
                 if isinstance(plan, PrepareContextParallel):
                     return plan
     return None
+
+
+BACKEND_NAMES = {"p2p": "ring (p2p)", "all2all": "Ulysses (all2all)", "hybrid": "Ulysses x ring (hybrid)"}
+
+
+def layout_summary(mesh, config):
+    """One line for the Trainer's log: the mesh, and what runs over it."""
+    dims = " x ".join(f"{name} {size}" for name, size in zip(mesh.dim_names, mesh.shape))
+    parts = []
+    prepare = prepare_plan(config)
+    if prepare is not None:
+        parts.append(f"context parallel {BACKEND_NAMES[prepare.backend]}, batches in the {prepare.layout} layout")
+    if config.get("mp_config"):
+        sequence = any(type(plan).__name__ == "SequenceParallelBegin"
+                       for plans in config["mp_config"]["parallelize_plan"].values()
+                       for plan in (plans if isinstance(plans, (list, tuple)) else [plans]))
+        parts.append("tensor parallel" + (" + sequence parallel" if sequence else ""))
+    if config.get("pp_config"):
+        parts.append(f"pipeline {config['pp_config'].get('schedule_mode', '1F1B')}")
+    if config.get("ep_config"):
+        parts.append(f"expert parallel over {config['ep_config']['degree']} ranks")
+    level = (config.get("dp_config") or {}).get("sharding_level", 0)
+    if level:
+        parts.append(f"sharding level {level}")
+    return f"paddle_cp: mesh {dims}: " + (", ".join(parts) or "data parallel")

@@ -30,12 +30,13 @@ import paddle.distributed as dist
 from paddleformers.trainer import Trainer as PaddleFormersTrainer
 from paddleformers.trainer.trainer_utils import has_length
 from paddleformers.utils.env import PREFIX_CHECKPOINT_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
+from paddleformers.utils.log import logger
 
 import paddle_cp as pcp
 
 from .data import DataParallelBatchSampler
 from .loss import EmptyShare, PipelineLoss, local_tokens
-from .plans import parallelize_config, prepare_plan, with_memory_plans, with_offload_optimizer
+from .plans import layout_summary, parallelize_config, prepare_plan, with_memory_plans, with_offload_optimizer
 from .training_args import TrainingArguments
 
 IGNORED_LABEL = -100  # PaddleFormers' default `ignored_index`
@@ -122,6 +123,8 @@ class Trainer(PaddleFormersTrainer):
                              "first (Trainer.train does)")
         model, self.optimizer = pcp.parallelize(model, self.optimizer, self.args.paddle_cp_mesh,
                                                 self.paddle_cp_config)
+        if self.args.should_log:  # what runs where, once: the flags' layout as paddle_cp built it
+            logger.info(layout_summary(self.args.paddle_cp_mesh, self.paddle_cp_config))
         if self.args.gradient_accumulation_steps > 1:
             # the Trainer scales every `.grad` by 1/k between the last backward and the step: a bucket reduced
             # during that backward has none to scale (data_parallel/buckets.py)

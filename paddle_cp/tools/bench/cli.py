@@ -94,10 +94,21 @@ EFFICIENCY_NOTE = ("efficiency compares T_single and T_rank, timed at different 
 DOCUMENT_TABLE = ("balance", "time_imbalance", "efficiency", "efficiency_same_kernel", "bytes_ratio")
 
 
+MODES = """\
+other benchmarks, each with its own flags (pcp-bench MODE --help):
+  --pool                    the dp x sep pool against fixed dp x sep, priced by the GPU tile model (no ranks)
+  --planning                host time to plan one layer's attention (no ranks)
+  --mixer gated_deltanet    a Gated DeltaNet layer under context parallelism instead of attention
+docs/tools.md explains every column."""
+
+
 def parse_args(argv=None):
     from paddle_cp.tools.units import tokens  # here: the ranks run this file as a script
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from paddle_cp.tools.text import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="pcp-bench", description=__doc__.split("\n\n")[0], epilog=MODES,
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="context-parallel ranks (CPU processes)")
     parser.add_argument("--seq", type=tokens, nargs="+", default=[2048], help="sequence lengths (4K = 4096)")
     parser.add_argument("--backend", nargs="+", choices=["p2p", "all2all", "hybrid"], default=["p2p", "all2all"])

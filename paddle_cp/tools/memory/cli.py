@@ -38,12 +38,21 @@ from pathlib import Path
 from paddle_cp.tools.memory import layouts as memory_layouts
 from paddle_cp.tools.launcher import launch
 from paddle_cp.tools.memory.breakdown import MIB, PARTS, VARIANTS, run_ranks
-from paddle_cp.tools.text import ruled_table, show
+from paddle_cp.tools.text import HelpFormatter, ruled_table, show
 from paddle_cp.tools.units import tokens
 
 
+MODES = """\
+other measurements, each with its own flags (pcp-memory MODE --help):
+  --phases      startup and I/O phases (eager vs lazy initialization), per rank
+  --experts     a MoE step with expert parallelism beside sharding level 3, its all-to-alls against their minimum
+  --sharding    what each sharding level leaves a rank on sep4 and dp2 x sep2
+docs/long_context.md and docs/tools.md explain the figures."""
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="pcp-memory", description=__doc__.split("\n\n")[0], epilog=MODES,
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4], help="context-parallel ranks")
     parser.add_argument("--seq", type=tokens, nargs="+", default=[1024],
                         help="global lengths to break down (1K = 1024)")

@@ -1,7 +1,7 @@
 """Plan a training run: pipeline x data x context (ring / Ulysses / hybrid) x tensor x expert parallel layouts,
 with sharding levels, recomputation and chunked loss, for a model and a cluster.
 
-    pcp-plan --config config.json --seq 128K --devices 64 --memory-gb 80
+    pcp-plan --config llama3-70b --seq 128K --devices 64 --memory-gb 80    # a name, a config.json or a model folder
     pcp-plan --config config.json --max-seq --devices 8 --memory-gb 80   # the longest that fits
 
 Prints a table of candidates (best first: those that fit, fastest first), then for the best `--configs` layouts
@@ -25,12 +25,13 @@ from paddle_cp.cost import search
 from paddle_cp.tools import packing
 from paddle_cp.cost.attention import PackedRow
 from paddle_cp.cost.model_shape import ModelShape
+from paddle_cp.tools.plan.models import NAMED, read_model_config
 from paddle_cp.tools.plan.config import (gpu_attention_fields, kernel_fields, model_config, parallelize_config,
                                          rotary_note, trainer_arguments)
 from paddle_cp.cost.candidate import DEFAULT_RESERVE, Cluster, Layout
 from paddle_cp.cost.links import Links
 from paddle_cp.tools.plan.recipes import closest
-from paddle_cp.tools.text import ruled_table
+from paddle_cp.tools.text import HelpFormatter, ruled_table
 from paddle_cp.tools.units import UNITS_HELP, format_tokens, tokens
 
 GB = 1e9
@@ -65,15 +66,6 @@ the table:
 """
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The legend as written, and each option's default where it has one."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False):
-            return action.help
-        return super()._get_help_string(action)
-
-
 # --kernels: the GPU kernels whose activations the memory model counts (cost/memory.py's FUSED_KERNELS)
 KERNELS = {"eager": (), "fused-norm": ("rms_norm",), "fused": ("rms_norm", "rope")}
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate")
@@ -92,9 +84,10 @@ _Dumper.add_representer(list, lambda dumper, value: dumper.represent_sequence(
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=LEGEND,
-                                     formatter_class=_HelpFormatter)
-    parser.add_argument("--config", help="PaddleFormers / Hugging Face config.json (instead of the shape flags)")
+    parser = argparse.ArgumentParser(prog="pcp-plan", description=__doc__.split("\n\n")[0], epilog=LEGEND,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--config", help="PaddleFormers / Hugging Face config.json, a model folder holding one, or a "
+                                         f"model name ({', '.join(NAMED)}) (instead of the shape flags)")
     for flag in SHAPE_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), type=int, help="the model's shape, without --config")
     parser.add_argument("--seq", type=tokens, help="sequence length in tokens (128K = 131072)")
@@ -150,6 +143,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if not args.config and any(getattr(args, f) is None for f in SHAPE_FLAGS if f != "kv_heads"):
         parser.error("give --config config.json, or --layers --hidden --heads --vocab --intermediate [--kv-heads]")
+    if args.config:
+        try:
+            args.model_config = read_model_config(args.config)
+        except ValueError as error:
+            parser.error(str(error))
     if (args.seq is None) == (not args.max_seq):
         parser.error("give --seq N, or --max-seq to find the longest sequence that fits")
     if args.granularity < 1 or args.mlp_tile < 0:
@@ -169,7 +167,7 @@ def packed_row(position_ids):
 
 def model_shape(args):
     if args.config:
-        return ModelShape.from_config(json.loads(Path(args.config).read_text()))
+        return ModelShape.from_config(args.model_config)
     values = {f: getattr(args, f) for f in SHAPE_FLAGS}
     values["kv_heads"] = values["kv_heads"] or values["heads"]
     return ModelShape(**values)

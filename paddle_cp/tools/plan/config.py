@@ -27,7 +27,7 @@ def parallelize_config(layout, model_prefix="model"):
         config["mp_config"] = {"parallelize_plan": decoder_plans.tensor_parallel_plan_spec(names, True)}
     if layout.cp > 1:
         config["cp_config"] = {"parallelize_plan": decoder_plans.context_parallel_plan_spec(
-            names, layout.backend, layout.ulysses)}
+            names, layout.backend, layout.ulysses, sequence_parallel_mp=layout.tp)}
     memory_plans = decoder_plans.memory_plan_spec(names, layout.offload, layout.mlp_tile)
     if memory_plans:
         config.setdefault("cp_config", {"parallelize_plan": {}})["parallelize_plan"].update(memory_plans)
