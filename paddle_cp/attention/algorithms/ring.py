@@ -21,7 +21,8 @@ fetched them a third time: exchange_plan.exchange_bytes), and the backward posts
 shifts (planned) or one reduce-scatter (allgather): 3(N-1) shifts a layer instead of 4(N-1), 3 collectives
 instead of 4. Held: one layer's received rows from its replay to its backward (224 to 448 MiB above, beside
 the ~3 GiB of bf16 activations the replay of that Llama layer holds anyway), kept only while the busiest
-member's fit cost.exchange.REPLAY_HOLD_LIMIT (1 GiB: ~290K tokens of one document there); past it, where
+member's fit cost.exchange.REPLAY_HOLD_LIMIT (1 GiB: ~290K tokens of one document there) with what the
+replay's ring calls before it kept (a recompute call over several layers holds them all); past it, where
 the quadratic attention hides a third pass of k/v many times over and memory bounds the sequence, the
 backward fetches them again. The kernels run the same tiles on the same bytes in the same order: results
 bit for bit those of the backward that fetches again.
@@ -34,7 +35,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from ...activations import recompute
-from ...activations.replay import saved_only_briefly
+from ...activations.replay import hold_briefly, saved_only_briefly
 from ...cost import exchange as cost_exchange
 from ..layout.exchange_plan import ExchangePlan
 from ..kernels import saveable, select_kernel
@@ -112,9 +113,11 @@ def make_rotation(rotate, group, k, v, masks, received=None):
 def keeps_received(rotate, group, k, v, masks):
     """Whether a ring forward called now keeps the k/v messages it receives for its backward: where what it saves
     is held only briefly (activations/replay.py: a replay, whose backward follows at once) and the busiest
-    member's received k/v fit cost.exchange.REPLAY_HOLD_LIMIT, decided alike on every member (from the plan and
-    the blocks' lengths: the backward's shifts pair up) and in both runs of a recompute call."""
-    return group.size > 1 and saved_only_briefly() and cost_exchange.replay_holds(received_bytes(rotate, k, v, masks))
+    member's received k/v, with what the replay's ring calls before it kept, fit cost.exchange.REPLAY_HOLD_LIMIT
+    (replay.hold_briefly), decided alike on every member (from the plan and the blocks' lengths: the backward's
+    shifts pair up) and in both runs of a recompute call."""
+    return group.size > 1 and saved_only_briefly() and hold_briefly(received_bytes(rotate, k, v, masks),
+                                                                     cost_exchange.REPLAY_HOLD_LIMIT)
 
 
 def received_bytes(rotate, k, v, masks):
