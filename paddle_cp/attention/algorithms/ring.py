@@ -20,8 +20,6 @@ The kernels run the same tiles on the same bytes in the same order either way: r
 """
 from __future__ import annotations
 
-import math
-
 import paddle
 from paddle.autograd import PyLayer
 
@@ -115,7 +113,7 @@ def received_bytes(rotate, k, v, masks):
     """Bytes of k/v [b, s_i, h, d] the busiest member receives in one forward (what its kept messages hold):
     the rows read (planned), or every whole block padded to the longest (allgather)."""
     packing = BlockPacking(k, v, masks.lengths())
-    row_bytes = sum(math.prod(shape) for shape in packing.shapes(1)) * k.element_size()
+    row_bytes = packing.numel(1) * k.element_size()
     if rotate == "planned":
         return int(cost_exchange.received_rows(masks.exchange().plan.counts).max()) * row_bytes
     return len(packing.lengths) * max(packing.lengths) * row_bytes
