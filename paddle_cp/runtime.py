@@ -77,6 +77,8 @@ class RuntimeState:
     collectives_in_flight: dict = field(default_factory=dict)
     # activations/replay.py: how many replays in backward (a recompute call's, a sequence tile's) are running
     replay_depth: int = 0
+    # activations/replay.py: bytes the innermost running replay's forwards keep for its backward (hold_briefly)
+    replay_held: int = 0
     # activations/host_offload.py: OffloadRecomputeInputs plan -> the HostCheckpoints its layers share
     host_checkpoints: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     # plans/layer_hooks.py: layer -> {user-hook plan: (mesh, the hook its factory returned)}, from the plan's

@@ -14,11 +14,15 @@ from .. import runtime
 
 @contextlib.contextmanager
 def replaying():
-    runtime.state.replay_depth += 1
+    """Runs inside are in_replay(); each run starts its own count of what `hold_briefly` granted."""
+    state = runtime.state
+    state.replay_depth += 1
+    outer, state.replay_held = state.replay_held, 0
     try:
         yield
     finally:
-        runtime.state.replay_depth -= 1
+        state.replay_depth -= 1
+        state.replay_held = outer
 
 
 def in_replay():
@@ -31,3 +35,15 @@ def saved_only_briefly():
     the step's backward reaches its layer. Asked before a PyLayer's forward runs (Paddle runs it with gradients
     off); with gradients off nothing is saved at all."""
     return paddle.is_grad_enabled() and in_replay()
+
+
+def hold_briefly(nbytes, limit):
+    """Whether a forward called where saved_only_briefly() may keep `nbytes` more for its backward: what this run's
+    forwards kept before it, with them, stays within `limit` (a run of several layers, a whole model's recompute
+    call, holds every layer's until its backward); granted bytes are counted. Both runs of a recompute call make
+    the same calls in the same order, so they decide alike."""
+    state = runtime.state
+    if state.replay_held + nbytes > limit:
+        return False
+    state.replay_held += nbytes
+    return True

@@ -18,8 +18,9 @@ import numpy as np
 from .packed_layout import chunk_sizes
 from .tiles import TILE
 
-# Received k/v bytes a ring member's replayed forward may hold for its backward, beside the replay's own activations
-# (Llama-3-8B at 128K tokens of one document over 8 ranks, bf16: 224-448 MiB). Past it (~290K tokens there),
+# Received k/v bytes one replay's ring calls (a layer's, or all those of a recompute call over several layers) may
+# hold for its backward, beside the replay's own activations (Llama-3-8B at 128K tokens of one document over 8
+# ranks, bf16: 224-448 MiB a layer). Past it (~290K tokens there),
 # where attention's compute hides a third pass of k/v many times over and memory bounds the sequence, the
 # backward fetches them again.
 REPLAY_HOLD_LIMIT = 2 ** 30

@@ -42,10 +42,9 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import FP32, attention_flops, attention_traffic, kv_heads_sent
-from .exchange import chunk_reads, link_bytes, replay_holds
+from .exchange import chunk_reads, link_bytes, received_rows, replay_holds
 from .links import LinkCost, Links
-from .memory import (gradient_elem, recompute_inputs, replays_attention, ring_replay_received, stage_params,
-                     stepped_params)
+from .memory import gradient_elem, recompute_inputs, replays_attention, stage_params, stepped_params
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL
 
 
@@ -140,7 +139,7 @@ def ring_exchange(model, layout, cluster, seq, batch, elem, causal=True, packed=
     (exchange.chunk_reads for one document in 2R chunks; a PackedRow's chosen layout's TileCounts.read), `batch`
     rows of them, k/v in `elem` bytes, their gradients fp32 (rotation.GRAD_DTYPE); a hybrid rank's share of
     its ring group's heads; under recomputation of attention, whether its replay holds what it received is
-    decided as for one causal document (exchange.replay_holds)."""
+    decided from those rows, as the ring decides (exchange.replay_holds)."""
     if layout.ring == 1:
         return RingExchange()
     links = ring_links(cluster, layout)
@@ -148,8 +147,8 @@ def ring_exchange(model, layout, cluster, seq, batch, elem, causal=True, packed=
     row = batch * heads * 2 * model.head_dim  # k and v of one token on one rank
     read = (chunk_reads(seq, layout.ring, causal) if packed is None
             else packed.counts(layout.ring, layout.ulysses, links).read)
-    refetched = replays_attention(layout) and not replay_holds(
-        ring_replay_received(model, layout, seq, batch / layout.micro, elem))  # a call's: one micro-batch's
+    received_by_call = int(received_rows(read).max()) * row // layout.micro * elem  # a call's: one micro-batch's
+    refetched = replays_attention(layout) and not replay_holds(received_by_call)
     received = link_bytes(read, row * elem, row * FP32, 3 if refetched else 2)  # [R, R]: what member r receives from g
     seconds = links.link_seconds(received)
     busiest = int(np.argmax(seconds))

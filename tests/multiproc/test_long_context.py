@@ -47,7 +47,8 @@ def test_recomputed_and_chunked_loss_llama_trains_like_one_card(world):
         assert losses[-1] < losses[0], "training should reduce the loss"
     # one causal document, planned exchange: each rank sends the plan's 3 x rows read, recomputed (PaddleFormers'
     # flags: the backward reads the replay's k/v) or not, in 3 x (N-1) shifts a layer, 2 layers, 3 steps
-    priced = {run: [r["values"][f"{run}.ring"] for r in reports] for run in runs if "planned" in reports[0]["values"][f"{run}.ring"]}
+    priced = {run: [r["values"][f"{run}.ring"] for r in reports] for run in runs
+              if "planned" in reports[0]["values"][f"{run}.ring"]}
     assert {run.split(".")[4] for run in priced} == {"layers", "None"}
     for run, sent in priced.items():
         for rank in sent:

@@ -21,7 +21,6 @@ PADDLE_LAUNCH_ABORT = ('print("Container rank 1 status failed cmd [...] code -6 
 PADDLE_LAUNCH_SEGFAULT = 'print("Container rank 2 status failed cmd [...] code -11 log log/workerlog.2"); sys.exit(245)'
 
 
-
 def _run(tmp_path, body, **kwargs):
     runs = tmp_path / "runs"
     proc = run_tool([sys.executable, "-c", SCRIPT.format(body=body), runs], timeout=60, **kwargs)

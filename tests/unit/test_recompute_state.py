@@ -98,3 +98,33 @@ def test_what_a_recompute_call_saves_is_held_only_briefly_in_both_its_runs(reent
     with paddle.no_grad():
         with replaying():
             assert not saved_only_briefly()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_recompute_call_over_two_ring_layers_keeps_their_kv_within_one_limit(reentrant, monkeypatch):
+    """A run of a recompute call holds what all its ring calls keep until its backward: with a limit one layer's
+    received k/v fit, a call over two layers keeps the first's alone, in both runs alike (a non-reentrant call's
+    saved tensors pair up by order), and the next call counts from nothing again."""
+    from types import SimpleNamespace
+
+    from paddle_cp import runtime
+    from paddle_cp.attention.algorithms import ring
+    from paddle_cp.cost import exchange
+
+    recompute.install()
+    k = paddle.ones([1, 4, 2, 8])
+    group, masks = SimpleNamespace(size=2, index=0), SimpleNamespace(lengths=lambda: [4, 4])
+    monkeypatch.setattr(exchange, "REPLAY_HOLD_LIMIT", ring.received_bytes("allgather", k, k, masks))
+    seen = []
+
+    def two_layers(x):
+        seen.append([ring.keeps_received("allgather", group, k, k, masks) for _ in range(2)])
+        return paddle.tanh(x)  # saves its output: a non-reentrant call replays
+
+    for _ in range(2):
+        x = paddle.ones([3])
+        x.stop_gradient = False
+        fleet_recompute(two_layers, x, use_reentrant=reentrant).sum().backward()
+    first_run = [False, False] if reentrant else [True, False]  # a reentrant call's first run saves nothing
+    assert seen == [first_run, [True, False]] * 2
+    assert runtime.state.replay_held == 0 and not ring.keeps_received("allgather", group, k, k, masks)

@@ -119,13 +119,17 @@ def test_tiles_equal_the_dense_mask_on_random_layouts(seed):
 @pytest.mark.parametrize("seed", range(6))
 def test_counts_by_runs_equal_the_counts_by_positions(seed):
     """run_tile_counts (a layout search's pricing) against tile_counts on random one-row layouts: every count
-    equal, pieces of documents anywhere, runs split finer than a document's piece on a group too."""
+    equal, pieces of documents anywhere, runs split finer than a document's piece on a group too, padding (keys
+    no query sees) at the end of half of them."""
     rng = np.random.default_rng(seed)
     ring, seq_len = int(rng.integers(2, 9)), int(rng.integers(300, 6000))
     cuts = np.unique(np.concatenate([rng.integers(1, seq_len, int(rng.integers(0, 30))), [seq_len]]))
     end = np.repeat(cuts, np.diff(np.concatenate([[0], cuts])))
+    padding = int(rng.integers(1, 300)) if seed % 2 else 0
+    end[seq_len - padding:] = np.arange(seq_len - padding, seq_len)  # a padding key's document ends before it
     groups = np.repeat(rng.integers(0, ring, seq_len), rng.integers(1, 400, seq_len))[:seq_len]
     bounds = np.unique(np.concatenate([[0], cuts[:-1], np.flatnonzero(np.diff(groups)) + 1,
+                                       np.arange(seq_len - padding, seq_len),
                                        rng.integers(1, seq_len, 5)]))  # runs: one document, one group
     by_positions = tiles.tile_counts(groups, end, ring)
     by_runs = tiles.run_tile_counts(bounds, np.diff(np.append(bounds, seq_len)), groups[bounds], end[bounds], ring)

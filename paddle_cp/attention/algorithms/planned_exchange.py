@@ -32,7 +32,6 @@ p2p.shift on every member first). Buffers are not touched before wait().
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import paddle
@@ -89,21 +88,18 @@ class PlannedRotation:
     def _member(self, offset):
         return (self.group.index + offset) % self.group.size
 
-    def _numel(self, rows):
-        return sum(math.prod(shape) for shape in self.packing.shapes(rows))
-
     def _shift(self, tensors, rows, count, offset, recv_rows, dtype):
         """Rows `rows` (`count` of them) of `tensors` ([b, L, ...] each), packed, to member index+offset;
         `recv_rows` rows' worth from index-offset. `tensors` None: `count` rows of zeros."""
         if not count:
             out = paddle.empty([0], dtype)
         elif tensors is None:
-            out = paddle.zeros([self._numel(count)], dtype)
+            out = paddle.zeros([self.packing.numel(count)], dtype)
         elif count == tensors[0].shape[1]:  # read whole
             out = p2p.pack(list(tensors))
         else:
             out = p2p.pack([_select_rows(t, rows) for t in tensors])
-        return p2p.shift(self.group, out, offset, tag="ring", recv_shape=[self._numel(recv_rows)])
+        return p2p.shift(self.group, out, offset, tag="ring", recv_shape=[self.packing.numel(recv_rows)])
 
     def fetch(self, step):
         """The rows of member index-step's block this member reads (None at step 0: its own block); the next

@@ -9,32 +9,22 @@ Partial results merge by log-sum-exp; queries that see nothing in a block
 contribute 0 with weight 0, and a block no query sees runs no kernel, forward
 or backward (`sees_nothing`).
 
-The backward needs the other members' k/v again. Outside recomputation it fetches them again: the forward
-keeps none, since every layer's received rows would be held from its forward to its backward (Llama-3-8B,
-128K tokens of one causal document over 8 ranks, bf16: 64 MiB of k/v a rank a layer, of which a member
-receives 224 to 448 MiB a layer, ~10.5 GiB a rank over 32 layers). Under recomputation a layer's forward
-runs again as a replay whose backward follows at once (activations/replay.py: a recompute call's, a
-sequence tile's): there the forward keeps the messages of the steps that ran a kernel and the backward reads
-them (`keeps_received`). A layer's k/v then cross the links in its first (no-grad) forward and in the
-replay, and their gradients go home: 3 x the rows read per forward + backward instead of 4 x (the backward
-fetched them a third time: exchange_plan.exchange_bytes), and the backward posts only the gradients' N-1
-shifts (planned) or one reduce-scatter (allgather): 3(N-1) shifts a layer instead of 4(N-1), 3 collectives
-instead of 4. Held: one layer's received rows from its replay to its backward (224 to 448 MiB above, beside
-the ~3 GiB of bf16 activations the replay of that Llama layer holds anyway), kept only while the busiest
-member's fit cost.exchange.REPLAY_HOLD_LIMIT (1 GiB: ~290K tokens of one document there); past it, where
-the quadratic attention hides a third pass of k/v many times over and memory bounds the sequence, the
-backward fetches them again. The kernels run the same tiles on the same bytes in the same order: results
-bit for bit those of the backward that fetches again.
+The backward needs the other members' k/v again. Outside recomputation it fetches them again: holding every
+layer's received rows until its backward would cost ~10.5 GiB a rank (Llama-3-8B, bf16, 128K tokens of one
+causal document over 8 ranks). In a replay, whose backward follows at once (activations/replay.py), the
+forward keeps the messages of the steps that ran a kernel and the backward reads them (`keeps_received`): 3 x
+the rows read a layer cross the links instead of 4 x, and the backward posts only the gradients' shifts. What
+one replay's ring calls keep stays within cost.exchange.REPLAY_HOLD_LIMIT; past it the backward fetches again.
+The kernels run the same tiles on the same bytes in the same order either way: results bit for bit alike
+(docs/context_parallel.md, "Under recomputation the backward reads the replay's k/v").
 """
 from __future__ import annotations
-
-import math
 
 import paddle
 from paddle.autograd import PyLayer
 
 from ...activations import recompute
-from ...activations.replay import saved_only_briefly
+from ...activations.replay import hold_briefly, saved_only_briefly
 from ...cost import exchange as cost_exchange
 from ..layout.exchange_plan import ExchangePlan
 from ..kernels import saveable, select_kernel
@@ -112,16 +102,18 @@ def make_rotation(rotate, group, k, v, masks, received=None):
 def keeps_received(rotate, group, k, v, masks):
     """Whether a ring forward called now keeps the k/v messages it receives for its backward: where what it saves
     is held only briefly (activations/replay.py: a replay, whose backward follows at once) and the busiest
-    member's received k/v fit cost.exchange.REPLAY_HOLD_LIMIT, decided alike on every member (from the plan and
-    the blocks' lengths: the backward's shifts pair up) and in both runs of a recompute call."""
-    return group.size > 1 and saved_only_briefly() and cost_exchange.replay_holds(received_bytes(rotate, k, v, masks))
+    member's received k/v, with what the replay's ring calls before it kept, fit cost.exchange.REPLAY_HOLD_LIMIT
+    (replay.hold_briefly), decided alike on every member (from the plan and the blocks' lengths: the backward's
+    shifts pair up) and in both runs of a recompute call."""
+    return group.size > 1 and saved_only_briefly() and hold_briefly(received_bytes(rotate, k, v, masks),
+                                                                     cost_exchange.REPLAY_HOLD_LIMIT)
 
 
 def received_bytes(rotate, k, v, masks):
     """Bytes of k/v [b, s_i, h, d] the busiest member receives in one forward (what its kept messages hold):
     the rows read (planned), or every whole block padded to the longest (allgather)."""
     packing = BlockPacking(k, v, masks.lengths())
-    row_bytes = sum(math.prod(shape) for shape in packing.shapes(1)) * k.element_size()
+    row_bytes = packing.numel(1) * k.element_size()
     if rotate == "planned":
         return int(cost_exchange.received_rows(masks.exchange().plan.counts).max()) * row_bytes
     return len(packing.lengths) * max(packing.lengths) * row_bytes

@@ -41,9 +41,12 @@ class BlockPacking:
     def shapes(self, length):
         return [[self.k_shape[0], length, *self.k_shape[2:]], [self.v_shape[0], length, *self.v_shape[2:]]]
 
+    def numel(self, length):
+        """Elements of `length` rows of k and v, packed."""
+        return sum(int(np.prod(shape)) for shape in self.shapes(length))
+
     def numels(self):
-        per_token = sum(int(np.prod(shape)) for shape in self.shapes(1))
-        return [per_token * n for n in self.lengths]
+        return [self.numel(n) for n in self.lengths]
 
     def unpack(self, flat, src):
         """k and v of ring member `src`."""

@@ -266,8 +266,9 @@ def _options(runs, priced, ring, cap, most):
         first = first[np.argsort(estimate[first], kind="stable")]
         kinds.append((np.arange(len(first)), d[first], e[first], g[first], tail[first]))
     turn, d, e, g, tail = (np.concatenate([kind[i] for kind in kinds]) for i in range(5))
-    order = np.argsort(turn, kind="stable")[:most]
-    return list(zip(d[order].tolist(), g[order].tolist(), tail[order].tolist(), e[order].tolist()))
+    order = np.argsort(turn, kind="stable")
+    changes = zip(d[order].tolist(), g[order].tolist(), tail[order].tolist(), e[order].tolist())
+    return list(dict.fromkeys(changes))[:most]  # each once: a tail may be found two ways (_tails)
 
 
 def _tails(runs, mine):
