@@ -11,7 +11,7 @@ from paddle_cp.attention.layout.pool import joined_documents, pool_layout, rebal
 from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 from paddle_cp.attention.masks.block_mask import Documents
 from paddle_cp.cost.links import LinkCost, Links
-from paddle_cp.cost.packed_layout import segments, token_cap
+from paddle_cp.cost.packed_layout import token_cap
 from paddle_cp.cost.pool_placement import placed_groups
 from paddle_cp.cost.tiles import tile_counts
 from paddle_cp.tools import packing
