@@ -7,12 +7,13 @@ exchange at 3 x the k/v rows other ranks' tiles read."""
 import numpy as np
 import pytest
 
-from paddle_cp.attention.layout.pool import joined_documents, pool_layout, rebalanced, row_positions, token_counts
+from paddle_cp.attention.layout.pool import joined_documents, pool_layout, row_positions, token_counts
 from paddle_cp.attention.layout.sequence_layout import SequenceLayout
 from paddle_cp.attention.masks.block_mask import Documents
 from paddle_cp.cost.links import LinkCost, Links
 from paddle_cp.cost.packed_layout import token_cap
 from paddle_cp.cost.pool_placement import placed_groups
+from paddle_cp.cost.pool_refinement import rebalanced
 from paddle_cp.cost.tiles import tile_counts
 from paddle_cp.tools import packing
 from paddle_cp.tools.bench import pool as bench_pool
