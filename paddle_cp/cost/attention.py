@@ -53,6 +53,11 @@ def kv_heads_sent(heads, kv_heads, ulysses):
     return kv_heads * next((t for t in range(1, group + 1) if group % t == 0 and kv_heads * t >= ulysses), group)
 
 
+def ring_kv_heads(heads, kv_heads, ulysses):
+    """K/V heads one rank's ring carries: its 1/`ulysses` share of the heads Ulysses sends (kv_heads_sent)."""
+    return kv_heads_sent(heads, kv_heads, ulysses) // ulysses
+
+
 def ring_bytes(batch, seq, kv_heads, head_dim, ring, elem=FP32):
     """Bytes one rank sends in ring attention forward+backward: k/v N-1 hops forward, k/v (backward, or the
     replay under recomputation) and dk/dv N-1 hops, 3(N-1) KV."""
@@ -77,8 +82,7 @@ def attention_traffic(batch, seq, heads, kv_heads, head_dim, ring, ulysses, elem
     when there are fewer k/v heads than Ulysses ranks).
     """
     inner = ulysses_bytes(batch, seq // ring, heads, kv_heads, head_dim, ulysses, elem)
-    ring_heads = kv_heads_sent(heads, kv_heads, ulysses) // ulysses
-    return inner, ring_bytes(batch, seq, ring_heads, head_dim, ring, elem)
+    return inner, ring_bytes(batch, seq, ring_kv_heads(heads, kv_heads, ulysses), head_dim, ring, elem)
 
 
 def degrees(backend, world, ulysses_degree=None):

@@ -51,7 +51,7 @@ activation inventory within 1% of PaddleFormers' Llama per layer; the rest check
 """
 from __future__ import annotations
 
-from .attention import FP32, attention_held_bytes, kv_heads_sent
+from .attention import FP32, attention_held_bytes, ring_kv_heads
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL
 from .exchange import chunk_reads, received_rows, replay_holds
 
@@ -176,7 +176,7 @@ def ring_replay_received(model, layout, seq, batch, elem):
     document in 2R chunks, its share of the k/v heads (0 without a ring)."""
     if layout.ring == 1:
         return 0
-    heads = kv_heads_sent(model.heads // layout.tp, model.kv_heads // layout.tp, layout.ulysses) // layout.ulysses
+    heads = ring_kv_heads(model.heads // layout.tp, model.kv_heads // layout.tp, layout.ulysses)
     return int(received_rows(chunk_reads(seq, layout.ring)).max()) * batch * heads * 2 * model.head_dim * elem
 
 

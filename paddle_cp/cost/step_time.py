@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import FP32, attention_flops, attention_traffic, kv_heads_sent
+from .attention import FP32, attention_flops, attention_traffic, ring_kv_heads
 from .exchange import chunk_reads, link_bytes, received_rows, replay_holds
 from .links import LinkCost, Links
 from .memory import gradient_elem, recompute_inputs, replays_attention, stage_params, stepped_params
@@ -143,7 +143,7 @@ def ring_exchange(model, layout, cluster, seq, batch, elem, causal=True, packed=
     if layout.ring == 1:
         return RingExchange()
     links = ring_links(cluster, layout)
-    heads = kv_heads_sent(model.heads // layout.tp, model.kv_heads // layout.tp, layout.ulysses) // layout.ulysses
+    heads = ring_kv_heads(model.heads // layout.tp, model.kv_heads // layout.tp, layout.ulysses)
     row = batch * heads * 2 * model.head_dim  # k and v of one token on one rank
     read = (chunk_reads(seq, layout.ring, causal) if packed is None
             else packed.counts(layout.ring, layout.ulysses, links).read)

@@ -76,7 +76,7 @@ def _bytes_min(args, backend, seq, split):
     documents, _ = case_documents(args, seq) if split is not None else (None, None)
     layout = SequenceLayout(backend, args.nproc, ulysses_degree(args, backend))
     layout = layout.for_batch(documents, split) if split is not None else layout
-    ring_heads = attention_cost.kv_heads_sent(args.heads, args.kv_heads, ulysses) // ulysses
+    ring_heads = attention_cost.ring_kv_heads(args.heads, args.kv_heads, ulysses)
     row_bytes = args.batch * ring_heads * 2 * args.head_dim * attention_cost.FP32
     sent = exchange_bytes(ExchangePlan(layout.ring_positions(seq), args.causal, documents), row_bytes, row_bytes)
     return inner + int(sent.planned.max()), inner + int(sent.read.max())
