@@ -172,11 +172,6 @@ def built(plan):
     return {key: build_plans(key, spec) for key, spec in plan.items()}
 
 
-def context_parallel_plan(model, degrees):
-    return built(context_parallel_plan_spec(DecoderNames.of(model), degrees.backend, degrees.ulysses,
-                                            degrees.mp if degrees.sequence_parallel else 1))
-
-
 def tensor_parallel_plan(model, sequence_parallel):
     return built(tensor_parallel_plan_spec(DecoderNames.of(model), sequence_parallel))
 
@@ -186,7 +181,8 @@ def parallelize_config(model, degrees, schedule_mode="1F1B", micro_batches=1):
     names = DecoderNames.of(model)
     config = {}
     if degrees.sep > 1:
-        config["cp_config"] = {"parallelize_plan": context_parallel_plan(model, degrees)}
+        config["cp_config"] = {"parallelize_plan": built(context_parallel_plan_spec(
+            names, degrees.backend, degrees.ulysses, degrees.mp if degrees.sequence_parallel else 1))}
     if degrees.mp > 1:
         config["mp_config"] = {"parallelize_plan": built(tensor_parallel_plan_spec(names, degrees.sequence_parallel))}
     if degrees.pp > 1:
