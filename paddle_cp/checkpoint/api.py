@@ -25,10 +25,12 @@ def _check_common(path, model, optimizer):
         layout.accumulator_names(optimizer)
 
 
-def _check_save(path, model, optimizer, extra, async_save):
+def _check_save(path, model, optimizer, extra, async_save, rank_files):
     _check_common(path, model, optimizer)
     if not isinstance(async_save, bool):
         raise TypeError(f"async_save must be True or False, got {async_save!r}")
+    if rank_files is not None and not callable(rank_files):
+        raise TypeError(f"rank_files must be a function of the directory being written, got {rank_files!r}")
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as exc:
@@ -47,10 +49,18 @@ def _call_description(path, model, optimizer):
 class _Save:
     """One save's file writing (in a background thread when async) and its publication."""
 
-    def __init__(self, path, extra, states, group, async_save):
+    def __init__(self, path, extra, states, group, async_save, rank_files):
         """`states`: {folder: [(key, SavedBox)]}, this rank's own boxes, copied to the host now when async
-        (training goes on while the thread writes), else one file's worth at a time while writing."""
+        (training goes on while the thread writes), else one file's worth at a time while writing.
+        `rank_files(directory)`: this rank's own files, written now (their state as of this call)."""
         self.path, self.extra, self.group, self.copied = path, extra, group, async_save
+        self.error = None
+        if rank_files is not None:
+            try:
+                os.makedirs(commit.partial_path(path), exist_ok=True)
+                rank_files(commit.partial_path(path))
+            except Exception as exc:  # noqa: BLE001 - reported to every rank in finish()
+                self.error = exc
         self.jobs = []
         for folder, boxes in states.items():
             files = shards.files_of(boxes)
@@ -59,7 +69,6 @@ class _Save:
                     box.take(copy=True)
             self.jobs.append((os.path.join(commit.partial_path(path), folder), files))
         self.has_optimizer = OPTIMIZER_DIR in states
-        self.error = None
         self.thread = threading.Thread(target=self._write, name="paddle_cp-checkpoint-writer", daemon=True)
         if async_save:
             self.thread.start()
@@ -67,6 +76,8 @@ class _Save:
             self._write()
 
     def _write(self):
+        if self.error is not None:
+            return
         try:
             for directory, files in self.jobs:
                 write_state(directory, files, self.copied)
@@ -105,10 +116,12 @@ def wait_checkpoint():
         save.finish()
 
 
-def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
-    """Save `model` (and `optimizer`'s state, and JSON-able `extra`) to the new directory `path`."""
+def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, rank_files=None):
+    """Save `model` (and `optimizer`'s state, and JSON-able `extra`) to the new directory `path`.
+    `rank_files(directory)`: called on every rank to write that rank's own files into the checkpoint before
+    it is committed (state only it holds: RNG, a data loader's position; names must differ between ranks)."""
     wait_checkpoint()  # first: the pending save may be publishing `path`
-    _check_save(path, model, optimizer, extra, async_save)
+    _check_save(path, model, optimizer, extra, async_save, rank_files)
     group = layout.world_group()
     if dist.get_rank() == 0:
         commit.clear_partial(path)
@@ -118,7 +131,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
     if optimizer is not None:
         states[OPTIMIZER_DIR] = shards.optimizer_boxes(model, optimizer)
     # a copy as of this call: an async save publishes `extra` later, when the caller may have changed it
-    save = _Save(path, json.loads(json.dumps(extra)), states, group, async_save)
+    save = _Save(path, json.loads(json.dumps(extra)), states, group, async_save, rank_files)
     if async_save:
         runtime.state.pending_save = save
     else:
@@ -151,6 +164,11 @@ def load_checkpoint(path, model, optimizer=None):
     _check_common(path, model, optimizer)
     wait_checkpoint()
     same_everywhere(layout.world_group(), _call_description(path, model, optimizer))
+    with commit.reading(path):  # not pruned while this rank reads it
+        return _load(path, model, optimizer)
+
+
+def _load(path, model, optimizer):
     marker = commit.read_marker(path)
     model_dir = os.path.join(path, MODEL_DIR)
     model_meta = read_metadata(model_dir)

@@ -6,9 +6,16 @@ renames the directory to `<path>` in one atomic step. A rank that dies mid-save
 leaves only a `.partial` directory, which `latest_checkpoint` ignores and the
 next save of that path clears. Loading checks the marker's file list and sizes,
 so truncated or missing files fail before any tensor is read.
+
+Old checkpoints are pruned (`prune_checkpoints`, keep the newest k) by renaming each to
+`<path>.pruning` first, so no reader ever finds half of one, and never while it is being read:
+`reading(path)` holds a shared lock on its marker for as long as a load reads it, and pruning
+skips a checkpoint whose marker it cannot lock exclusively at once.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -16,6 +23,7 @@ import time
 
 MARKER = "pcp_checkpoint.json"
 PARTIAL = ".partial"
+PRUNING = ".pruning"
 
 
 def partial_path(path):
@@ -72,19 +80,57 @@ def read_marker(path):
     return marker
 
 
-def latest_checkpoint(root):
-    """The newest complete checkpoint directly under `root` (every file there, whole), or None."""
+def complete_checkpoints(root):
+    """[(saved_at, path)] of the complete checkpoints directly under `root` (every file there, whole), oldest
+    first; none for a folder that does not exist."""
     if not isinstance(root, (str, os.PathLike)):
         raise TypeError(f"latest_checkpoint(root) takes a directory path, got {type(root).__name__}")
     if not os.path.isdir(root):
-        return None
+        return []
     found = []
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if name.endswith(PARTIAL) or not os.path.isfile(os.path.join(path, MARKER)):
+        if name.endswith((PARTIAL, PRUNING)) or not os.path.isfile(os.path.join(path, MARKER)):
             continue
         try:
             found.append((read_marker(path)["saved_at"], path))
         except (ValueError, KeyError):
             continue  # missing or truncated files: not a checkpoint to resume from
-    return max(found)[1] if found else None
+    return sorted(found)
+
+
+def latest_checkpoint(root):
+    """The newest complete checkpoint directly under `root` (every file there, whole), or None."""
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+@contextlib.contextmanager
+def reading(path):
+    """Hold off pruning of the checkpoint `path` while the block reads it (a shared lock on its marker; any
+    number of readers, in any process)."""
+    try:
+        marker = open(os.path.join(path, MARKER))
+    except OSError:
+        yield  # no marker: read_marker says what is wrong
+        return
+    with marker:
+        fcntl.flock(marker, fcntl.LOCK_SH)
+        yield
+
+
+def prune_checkpoints(root, keep_latest):
+    """Remove the complete checkpoints under `root` but the newest `keep_latest`, skipping any a reader holds
+    (coordinator only); returns the paths removed."""
+    removed = []
+    for _, path in complete_checkpoints(root)[:-keep_latest]:
+        with open(os.path.join(path, MARKER)) as marker:
+            try:
+                fcntl.flock(marker, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being read: the next save prunes it
+            doomed = os.path.normpath(path) + PRUNING
+            os.rename(path, doomed)  # under the lock: a reader that opens the marker next finds no checkpoint
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    return removed
