@@ -18,7 +18,9 @@ def _note(signum, frame):
 
 
 def note_preemptions():
-    """Route the preemption signals to the note (main thread only, as Python's signal module requires)."""
+    """Route the preemption signals to the note (main thread only, as Python's signal module requires), which
+    starts empty: a signal acted on by an earlier run in this process is not this run's."""
+    state.preemption_signal = 0
     for signum in PREEMPTION_SIGNALS:
         if signum not in installed.preemption_handlers:
             installed.preemption_handlers[signum] = signal.getsignal(signum)
