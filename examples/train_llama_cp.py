@@ -7,9 +7,10 @@ The YAML holds the mesh and the plans (see paddle_cp.load_config) and a
 `train` section. Prints the loss and tokens/s of every step, then replays the
 same steps in one process and reports how far the losses are apart.
 
-`--save-every N` saves a checkpoint to `--checkpoint-dir/checkpoint-<step>` every N steps
-(in the background: it is published at the next save or at the end); `--resume` continues
-from the newest complete checkpoint there, on whatever mesh the YAML describes now.
+The run is resumable (pcp.Resumable, docs/recovery.md): a checkpoint in `--checkpoint-dir`
+(by default runs/<config>/checkpoints) every `--save-every` steps, written in the background,
+and at the end; started again it continues from the newest committed one, on whatever mesh
+the YAML describes now (`--fresh` starts over); SIGTERM or SIGUSR1 saves and stops every rank.
 """
 from __future__ import annotations
 
@@ -58,43 +59,32 @@ def input_splitter(config):
     raise ValueError("this example needs a PrepareContextParallel plan in cp_config")
 
 
-def resume(model, optimizer, checkpoints):
-    """The step to start from: the newest complete checkpoint's, else 0."""
-    latest = pcp.latest_checkpoint(checkpoints)
-    if latest is None:
-        return 0
-    step = pcp.load_checkpoint(latest, model, optimizer)["step"]
-    if dist.get_rank() == 0:
-        print(f"resumed from {latest} at step {step}", flush=True)
-    return step
-
-
-def train_parallel(train, mesh, config, checkpoints=None, save_every=0, resuming=False):
+def train_parallel(train, mesh, config, checkpoints, save_every=0, fresh=False):
+    """(the step this run started from, its losses)."""
     model, optimizer = new_model_and_optimizer(train)
     model, optimizer = pcp.parallelize(model, optimizer, mesh, config)
-    first = resume(model, optimizer, checkpoints) if resuming else 0
     splitter = input_splitter(config)
     replicas = dist.get_world_size()
     losses = []
-    for step, (ids, labels) in enumerate(batches(train, start_step=first), start=first):
-        start = time.perf_counter()
-        # this rank's mean over its tokens, weighted by its share when the length does not divide
-        weight = pcp.loss_weight(pcp.shard_sequence(labels, backend=splitter, mesh=mesh).numel(), mesh)
-        loss = loss_of(model(input_ids=ids, labels=labels)) * weight
-        loss.backward()
-        optimizer.step()  # averages gradients over the context-parallel ranks first
-        optimizer.clear_grad()
-        elapsed = time.perf_counter() - start
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / replicas)
-        if dist.get_rank() == 0:
-            tokens = ids.shape[0] * ids.shape[1]
-            print(f"step {step:3d}  loss {losses[-1]:.6f}  tokens/s {tokens / elapsed:9.1f}", flush=True)
-        if save_every and (step + 1) % save_every == 0:
-            pcp.save_checkpoint(os.path.join(checkpoints, f"checkpoint-{step + 1}"), model, optimizer,
-                                extra={"step": step + 1}, async_save=True)
-    pcp.wait_checkpoint()
+    with pcp.Resumable(checkpoints, model, optimizer, save_every=save_every, fresh=fresh) as run:
+        first = run.step
+        data = batches(train, start_step=first)
+        for step in run.steps(train["steps"]):
+            ids, labels = next(data)
+            start = time.perf_counter()
+            # this rank's mean over its tokens, weighted by its share when the length does not divide
+            weight = pcp.loss_weight(pcp.shard_sequence(labels, backend=splitter, mesh=mesh).numel(), mesh)
+            loss = loss_of(model(input_ids=ids, labels=labels)) * weight
+            loss.backward()
+            optimizer.step()  # averages gradients over the context-parallel ranks first
+            optimizer.clear_grad()
+            elapsed = time.perf_counter() - start
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(float(mean) / replicas)
+            if dist.get_rank() == 0:
+                tokens = ids.shape[0] * ids.shape[1]
+                print(f"step {step:3d}  loss {losses[-1]:.6f}  tokens/s {tokens / elapsed:9.1f}", flush=True)
     return first, losses
 
 
@@ -115,9 +105,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML with mesh, *_config sections and train")
     parser.add_argument("--steps", type=int, help="override train.steps")
-    parser.add_argument("--checkpoint-dir", default="checkpoints", help="where checkpoints go (default: %(default)s)")
-    parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--checkpoint-dir", help="where checkpoints go (default: runs/<config name>/checkpoints)")
+    parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: at the end)")
+    parser.add_argument("--fresh", action="store_true", help="start over (by default the run continues from the "
+                        "newest checkpoint)")
     args = parser.parse_args(argv)
     if args.save_every < 0:
         parser.error("--save-every takes a number of steps >= 0")
@@ -130,7 +121,9 @@ def main(argv=None):
     if dist.get_rank() == 0:
         print(f"mesh {mesh.shape} {mesh.dim_names}, model {train['model']}, seq {train['seq_len']}, "
               f"batch {train['batch_size']}", flush=True)
-    first, losses = train_parallel(train, mesh, config, args.checkpoint_dir, args.save_every, args.resume)
+    checkpoints = args.checkpoint_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0],
+                                                      "checkpoints")
+    first, losses = train_parallel(train, mesh, config, checkpoints, args.save_every, args.fresh)
     if train["compare"] and losses and dist.get_rank() == 0:
         reference = train_single(train)[first:]
         gap = max(abs(a - b) for a, b in zip(losses, reference))

@@ -9,8 +9,11 @@ documents="position_ids") reads the documents from the restarting position ids a
 the layout a GPU would finish first by paddle_cp's tile model (printed once: the predicted slowest rank's
 ms beside 2N equal chunks', and the ranks' query-key work balance in both).
 Ring attention (p2p) runs over all ranks; each rank's mean loss is weighted by pcp.loss_weight, since
-the ranks hold different numbers of labelled tokens. Rank 0 prints a progress line per step; a checkpoint is saved
-every --save-every steps (--resume continues from the newest). At the end rank 0 replays the same steps
+the ranks hold different numbers of labelled tokens. Rank 0 prints a progress line per step. The run is resumable
+(pcp.Resumable, docs/recovery.md): a checkpoint every --save-every steps, written in the background; started again
+(by hand, or by Paddle's elastic launch after a rank died) it continues from the newest committed one, with the
+data position and every generator, and its losses are those of a run never stopped (--fresh starts over); SIGTERM
+or SIGUSR1 to any rank saves at the next step boundary and stops every rank. At the end rank 0 replays the same steps
 in one process with PaddleFormers' own mask for packed documents (attn_mask_startend_row_indices),
 prints both losses falling and their largest difference, and writes the curves to --out as loss.csv
 and loss.png (the PNG needs matplotlib: pip install -e ".[examples]").
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import time
 
 import paddle
@@ -42,9 +44,10 @@ def parse_args(argv=None):
     parser.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW's (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=2024, help="(default: %(default)s)")
     parser.add_argument("--out", default="runs/long_context", help="checkpoints and loss curves (default: %(default)s)")
-    parser.add_argument("--save-every", type=int, default=10, help="steps between checkpoints, 0: never "
-                        "(default: %(default)s)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    parser.add_argument("--save-every", type=int, default=10, help="steps between checkpoints, 0: only at the end "
+                        "and when preempted (default: %(default)s)")
+    parser.add_argument("--fresh", action="store_true", help="start over: remove the checkpoints in --out (by "
+                        "default the run continues from the newest)")
     args = parser.parse_args(argv)
     for name in ("steps", "seq_len", "batch_size", "max_document", "hidden_size", "layers"):
         if getattr(args, name) < 1:
@@ -98,25 +101,6 @@ def checkpoint_root(args):
     return os.path.join(args.out, "checkpoints")
 
 
-def start(args, model, optimizer):
-    """(first step, losses of the steps before it): from the newest checkpoint with --resume, else a fresh
-    start (older checkpoints of this --out are removed, so the new ones can be saved under their names)."""
-    root = checkpoint_root(args)
-    if args.resume:
-        latest = pcp.latest_checkpoint(root)
-        if latest is None:
-            raise ValueError(f"--resume: no complete checkpoint in {root}; run once without --resume first")
-        extra = pcp.load_checkpoint(latest, model, optimizer)
-        if dist.get_rank() == 0:
-            print(f"resumed from {latest} at step {extra['step']}", flush=True)
-        return extra["step"], extra["losses"]
-    if dist.get_rank() == 0 and os.path.isdir(root):
-        print(f"starting afresh: removing the checkpoints in {root} (--resume continues from them)", flush=True)
-        shutil.rmtree(root)
-    dist.barrier()
-    return 0, []
-
-
 def work_imbalance(prepare, mesh, position_ids):
     """The slowest rank's attention work over the mean, in `prepare`'s layout of this batch; a rank's work
     is the keys its queries see, each query's position in its document + 1 (one all-gather)."""
@@ -142,8 +126,9 @@ def predicted_gpu_ms(position_ids, world):
 
 
 def train_parallel(args):
-    """Every rank: train under context parallelism; returns every step's loss (the global mean) and the
-    first batch's work imbalance in both layouts."""
+    """Every rank: train under context parallelism, from the newest checkpoint; returns every step's loss (the
+    global mean; the steps before the checkpoint's from it), the work imbalance of this run's first batch in both
+    layouts (None when nothing was left to train) and how many ranks a preemption signal reached (0: none)."""
     world = dist.get_world_size()
     mesh = dist.ProcessMesh(list(range(world)), dim_names=["sep"])
     prepare = pcp.PrepareContextParallel("p2p", documents="position_ids")
@@ -153,37 +138,37 @@ def train_parallel(args):
     }
     model, optimizer = new_model_and_optimizer(args)
     model, optimizer = pcp.parallelize(model, optimizer, mesh, {"cp_config": {"parallelize_plan": plan}})
-    first, losses = start(args, model, optimizer)
-    progress = Progress("parallel", first, args.steps, args.batch_size * args.seq_len)
-    for step, batch in batches(args, first):
-        if step == first:  # the balance the documents layout gives, beside the 2N chunks' on the same batch
-            chunks = pcp.PrepareContextParallel("p2p", documents="position_ids", layout="chunks")
-            balance = {name: work_imbalance(plan, mesh, batch["position_ids"])
-                       for name, plan in (("documents", prepare), ("chunks", chunks))}
+    balance = None
+    with pcp.Resumable(checkpoint_root(args), model, optimizer, save_every=args.save_every, fresh=args.fresh,
+                       extra={"losses": []}) as run:
+        progress = Progress("parallel", run.step, args.steps, args.batch_size * args.seq_len)
+        data = batches(args, run.step)
+        for step in run.steps(args.steps):
+            batch = next(data)[1]
+            if balance is None:  # the balance the documents layout gives, beside the 2N chunks' on the same batch
+                chunks = pcp.PrepareContextParallel("p2p", documents="position_ids", layout="chunks")
+                balance = {name: work_imbalance(plan, mesh, batch["position_ids"])
+                           for name, plan in (("documents", prepare), ("chunks", chunks))}
+                if dist.get_rank() == 0:
+                    print(f"per-rank attention work, slowest over mean: {balance['documents']:.3f} "
+                          f"({balance['chunks']:.3f} with 2N equal chunks)", flush=True)
+                    balance["gpu_ms"] = predicted_gpu_ms(batch["position_ids"], world)
+            # the batch's documents decide how it is split: labels follow with the same position ids
+            local_labels = pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh,
+                                              position_ids=batch["position_ids"])
+            # this rank's mean over its labelled tokens, weighted by its share of all of them
+            weight = pcp.loss_weight(int((local_labels != IGNORE).sum()), mesh)
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"],
+                         position_ids=batch["position_ids"])[0] * weight
+            loss.backward()
+            optimizer.step()  # averages the gradients over the ranks first
+            optimizer.clear_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)  # sum of the weighted means = world x the global mean
+            run.extra["losses"].append(float(total) / world)
             if dist.get_rank() == 0:
-                print(f"per-rank attention work, slowest over mean: {balance['documents']:.3f} "
-                      f"({balance['chunks']:.3f} with 2N equal chunks)", flush=True)
-                balance["gpu_ms"] = predicted_gpu_ms(batch["position_ids"], world)
-        # the batch's documents decide how it is split: labels follow with the same position ids
-        local_labels = pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh,
-                                          position_ids=batch["position_ids"])
-        # this rank's mean over its labelled tokens, weighted by its share of all of them
-        weight = pcp.loss_weight(int((local_labels != IGNORE).sum()), mesh)
-        loss = model(input_ids=batch["input_ids"], labels=batch["labels"],
-                     position_ids=batch["position_ids"])[0] * weight
-        loss.backward()
-        optimizer.step()  # averages the gradients over the ranks first
-        optimizer.clear_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)  # sum of the weighted means = world x the global mean
-        losses.append(float(total) / world)
-        if dist.get_rank() == 0:
-            progress.step(step, losses[-1])
-        if args.save_every and (step + 1) % args.save_every == 0:
-            path = os.path.join(checkpoint_root(args), f"checkpoint-{step + 1}")
-            pcp.save_checkpoint(path, model, optimizer, extra={"step": step + 1, "losses": losses}, async_save=True)
-    pcp.wait_checkpoint()
-    return losses, balance
+                progress.step(step, run.extra["losses"][-1])
+    return run.extra["losses"], balance, run.preempted
 
 
 def replay_single(args):
@@ -205,13 +190,13 @@ def replay_single(args):
 
 def main(argv=None):
     """Returns (losses, one-process losses, largest difference, first batch's work imbalance by layout) on
-    rank 0, None elsewhere."""
+    rank 0, None elsewhere and when preempted."""
     args = parse_args(argv)
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks, ring attention; Llama hidden {args.hidden_size}, {args.layers} layers; "
               f"{args.steps} steps of {args.batch_size} x {args.seq_len} tokens of packed stdlib files", flush=True)
-    losses, balance = train_parallel(args)
-    if dist.get_rank() != 0:
+    losses, balance, preempted = train_parallel(args)
+    if dist.get_rank() != 0 or preempted:
         return None
     print(f"loss fell from {losses[0]:.4f} (step 1) to {losses[-1]:.4f} (step {len(losses)}); "
           f"replaying the {len(losses)} steps in one process", flush=True)

@@ -180,13 +180,14 @@ def test_bad_inputs_raise_the_same_clear_error_on_every_rank(tmp_path):
 
 
 def test_training_example_saves_and_resumes(tmp_path):
-    """--save-every 2 over 3 steps, then --resume: the resumed step 2 matches one uninterrupted process."""
+    """--save-every 2 over 3 steps (a checkpoint after steps 2 and 3), then the same command for 4 steps: it resumes
+    after step 3 by itself, and its step 4 matches one uninterrupted process."""
     config = EXAMPLES / "configs" / "cp4_p2p.yaml"
-    common = ("--config", config, "--steps", "3", "--checkpoint-dir", tmp_path)
-    launch_script(EXAMPLES / "train_llama_cp.py", 4, *common, "--save-every", "2")
-    assert pcp.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
-    out = launch_script(EXAMPLES / "train_llama_cp.py", 4, *common, "--resume")
-    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in out, out[-3000:]
-    assert re.findall(r"step +(\d+) +loss", out) == ["2"], out[-3000:]
+    common = ("--config", config, "--checkpoint-dir", tmp_path, "--save-every", "2")
+    launch_script(EXAMPLES / "train_llama_cp.py", 4, *common, "--steps", "3")
+    assert pcp.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")
+    out = launch_script(EXAMPLES / "train_llama_cp.py", 4, *common, "--steps", "4")
+    assert f"resumed from {tmp_path / 'checkpoint-3'} after step 3" in out, out[-3000:]
+    assert re.findall(r"step +(\d+) +loss", out) == ["3"], out[-3000:]
     gap = float(re.search(r"max \|loss - single-process loss\| over 1 steps: ([0-9.e+-]+)", out).group(1))
     assert gap < TOL

@@ -199,18 +199,25 @@ def run_all(tmp):
     assert reference.returncode == 0, reference.stderr[-4000:]
     logged = runs_in_log(reference.stderr)
 
-    # pcp-train as a user starts it: its own launch, CPU ranks = the parallel sizes' product (2)
-    spawned = run_tool([sys.executable, "-m", "paddle_cp.train", *argv("ring2", ["context_parallel_size=2",
-                                                                                 "save_steps=2"])],
-                       timeout=600, fresh=[tmp / "ring2", tmp / "ring2_log"], cwd=tmp, OMP_NUM_THREADS="1",
-                       PADDLEFORMERS_DIST_LOG=str(tmp / "ring2_log"))
+    # pcp-train as a user starts it: its own launch, CPU ranks = the parallel sizes' product (2); rank 1 killed
+    # (SIGKILL) as step 3 starts, after checkpoint-2 was committed; the same command again resumes after step 2
+    command = [sys.executable, "-m", "paddle_cp.train",
+               *argv("ring2", ["context_parallel_size=2", "save_steps=2",
+                               f"custom_register_path={WORKERS / 'trainer_kill_once.py'}"])]
+    user = dict(timeout=600, cwd=tmp, OMP_NUM_THREADS="1", PADDLEFORMERS_DIST_LOG=str(tmp / "ring2_log"),
+                PCP_KILL_MARKER=str(tmp / "ring2_killed"))
+    killed = run_tool(command, fresh=[tmp / "ring2", tmp / "ring2_log"], **user)
+    assert killed.returncode != 0 and (tmp / "ring2_killed").exists(), killed.stdout[-3000:] + killed.stderr[-3000:]
+    spawned = run_tool(command, **user)
     worker_log = (tmp / "ring2_log" / "workerlog.0").read_text() if (tmp / "ring2_log").exists() else ""
     assert spawned.returncode == 0, spawned.stdout[-3000:] + spawned.stderr[-3000:] + worker_log[-4000:]
+
     logged["ring2"] = runs_in_log("PCP_RUN ring2\n" + worker_log)["ring2"]
     world_size = re.search(r"\bworld_size: (\d+)", worker_log)
     own_launch = {"world_size": world_size and int(world_size.group(1)),
                   "logs": sorted(p.name for p in (tmp / "ring2_log").glob("workerlog.*")),
-                  "layout_logged": re.findall(r"paddle_cp: mesh [^\x1b\n]*", worker_log)}
+                  "layout_logged": re.findall(r"paddle_cp: mesh [^\x1b\n]*", worker_log),
+                  "resumed_at": re.findall(r"Continuing training from global step (\d+)", worker_log)}
 
     # resume: a fresh output_dir holding the step-2 checkpoint, found by run_sft as it finds its own
     shutil.copytree(tmp / "ring2" / "checkpoint-2", tmp / "resume_ring2_ulysses2" / "checkpoint-2")
@@ -317,9 +324,11 @@ def test_refused_on_every_rank_before_training(results, name):
 
 def test_pcp_train_starts_its_own_launch_on_the_parallel_sizes_product(results):
     """`python -m paddle_cp.train` outside a launch starts one: CPU ranks = the parallel sizes' product (2); rank 0
-    logs the layout paddle_cp built, once."""
+    logs the layout paddle_cp built, once per run. Killed in step 3, the same command again continues after the
+    committed step 2 (and its losses, test_pcp_train_matches_run_sft's ring2, are one card's)."""
+    layout = ("paddle_cp: mesh sep 2: context parallel ring (p2p), batches in the documents layout, "
+              "sharding level 1")  # PaddleFormers' default sharding: stage1
     assert results["spawned"] == {
-        "world_size": 2, "logs": ["workerlog.0", "workerlog.1"],
-        "layout_logged": ["paddle_cp: mesh sep 2: context parallel ring (p2p), batches in the documents layout, "
-                          "sharding level 1"]  # PaddleFormers' default sharding: stage1
+        "world_size": 2, "logs": ["workerlog.0", "workerlog.1"], "layout_logged": [layout, layout],
+        "resumed_at": ["2"],
     }, results["spawned"]

@@ -1,6 +1,7 @@
 """The examples as their docs run them, in one launch: train_llama_cp.py with every YAML in
-examples/configs for 2 steps, then the main job train_long_context.py at 512 tokens: 3 steps saving a
-checkpoint every 2 steps, then --resume from it up to step 4.
+examples/configs for 2 steps (each config's checkpoints in a folder of its own), then the main job
+train_long_context.py at 512 tokens: 3 steps saving a checkpoint every 2 steps (and at the end), then the same
+command for 4 steps, which resumes from it.
 
 argv: a directory for the main job's checkpoints and curves. Rank 0 reports each run's losses and
 their largest difference from the example's own one-process replay. Rank 0 replays alone while the
@@ -35,11 +36,12 @@ def in_turn(directory, name, example_main, argv):
 def main(report):
     out = sys.argv[1]
     for config in sorted(Path(train_llama_cp.__file__).parent.glob("configs/*.yaml")):
-        result = in_turn(out, config.stem, train_llama_cp.main, ["--config", str(config), "--steps", "2"])
+        result = in_turn(out, config.stem, train_llama_cp.main, ["--config", str(config), "--steps", "2",
+                                                                 "--checkpoint-dir", str(Path(out, config.stem))])
         if result:
             report.value(f"config.{config.name}", {"losses": result[0], "gap": result[2]})
     short = ["--seq-len", "512", "--save-every", "2", "--out", out]
-    for name, argv in (("first", ["--steps", "3", *short]), ("resumed", ["--steps", "4", "--resume", *short])):
+    for name, argv in (("first", ["--steps", "3", *short]), ("resumed", ["--steps", "4", *short])):
         result = in_turn(out, name, train_long_context.main, argv)
         if result:
             report.value(f"long_context.{name}", {"losses": result[0], "reference": result[1], "gap": result[2],

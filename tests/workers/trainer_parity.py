@@ -115,6 +115,17 @@ def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=Non
     return log.losses, trainer
 
 
+def leave_unfinished_saves(directory):
+    """What killed saves leave: `checkpoint-9` with the Trainer's state but no commit marker (PaddleFormers'
+    get_last_checkpoint takes the highest-numbered folder) and a `checkpoint-3.partial`."""
+    if dist.get_rank() == 0:
+        for folder in ("checkpoint-9", "checkpoint-3.partial"):
+            os.makedirs(os.path.join(directory, folder))
+            with open(os.path.join(directory, folder, "trainer_state.json"), "w") as f:
+                f.write('{"global_step": 9}')
+    dist.barrier()
+
+
 def parallel_run(report, name, spec, root):
     from paddle_cp.integrations.paddleformers import Trainer, TrainingArguments
 
@@ -122,7 +133,9 @@ def parallel_run(report, name, spec, root):
     if "resume" in spec:  # first train up to the save on one mesh, then resume on this one
         first = dict(spec, parallel=spec["resume"]["parallel"], args={**spec.get("args", {}), "save_steps": 2})
         train_with(Trainer, TrainingArguments, first, directory, parallel=True, stop_at=2)
-        losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True, resume=True)
+        leave_unfinished_saves(directory)
+        # resume_from_checkpoint left at its default: the newest committed checkpoint, not the unfinished ones
+        losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)
     else:
         with amp_emulated(spec.get("emulated")):
             losses, trainer = train_with(Trainer, TrainingArguments, spec, directory, parallel=True)

@@ -2,7 +2,7 @@
 
 Nothing of the workflow is rewritten: its argument parser, data pipeline (packing,
 FlashMask row indices), model and tokenizer loading, LoRA, callbacks and
-checkpoint discovery run as PaddleFormers wrote them. Two names are swapped for
+checkpoint rotation run as PaddleFormers wrote them. Three names are swapped for
 the length of the run, the narrowest seams it has:
 
 - the `FinetuningArguments` dataclass its parser fills (`hparams.parser._TRAIN_ARGS`)
@@ -10,7 +10,11 @@ the length of the run, the narrowest seams it has:
   build paddle_cp's mesh and plans instead of fleet's groups;
 - the `SFTTrainer` that `run_sft` constructs (`sft.workflow.SFTTrainer`) becomes
   one that is also paddle_cp's `Trainer`: it parallelizes the one-card model,
-  weighs the loss, writes and reads paddle_cp checkpoints.
+  weighs the loss, writes and reads paddle_cp checkpoints;
+- the `get_last_checkpoint` with which `run_sft` picks the checkpoint to resume
+  from (the highest-numbered `checkpoint-<n>` folder, whole or not) becomes
+  paddle_cp's newest committed checkpoint on more than one rank (where paddle_cp's
+  Trainer saves); one rank keeps PaddleFormers' own checkpoints and discovery.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from dataclasses import dataclass, fields
 import paddle.distributed as dist
 from paddleformers.cli.hparams.finetuning_args import FinetuningArguments as PaddleFormersFinetuningArguments
 from paddleformers.cli.train.sft.sft_trainer import SFTTrainer as PaddleFormersSFTTrainer
+
+import paddle_cp as pcp
 
 from ...dtypes import matmul_takes
 from .trainer import Trainer
@@ -106,19 +112,31 @@ def check_keys(args):
         raise ValueError(f"unknown keys {unknown} in the config (PaddleFormers' parser takes none of them): {hints}")
 
 
+def committed_checkpoint_finder(paddleformers_finder):
+    """run_sft's `get_last_checkpoint(folder)`: paddle_cp's newest committed checkpoint on more than one rank."""
+    def last_checkpoint(folder, *args, **kwargs):
+        if dist.get_world_size() > 1:
+            return pcp.latest_checkpoint(folder)
+        return paddleformers_finder(folder, *args, **kwargs)
+
+    return last_checkpoint
+
+
 @contextlib.contextmanager
 def paddle_cp_underneath():
-    """PaddleFormers' parser fills paddle_cp's arguments and run_sft builds paddle_cp's trainer, until exit."""
+    """PaddleFormers' parser fills paddle_cp's arguments, run_sft builds paddle_cp's trainer and resumes from what
+    paddle_cp committed, until exit."""
     parser = importlib.import_module("paddleformers.cli.hparams.parser")
     workflow = importlib.import_module("paddleformers.cli.train.sft.workflow")
     train_args = [FinetuningArguments if cls is PaddleFormersFinetuningArguments else cls
                   for cls in parser._TRAIN_ARGS]
-    saved = parser._TRAIN_ARGS, workflow.SFTTrainer
+    saved = parser._TRAIN_ARGS, workflow.SFTTrainer, workflow.get_last_checkpoint
     parser._TRAIN_ARGS, workflow.SFTTrainer = train_args, SFTTrainer
+    workflow.get_last_checkpoint = committed_checkpoint_finder(workflow.get_last_checkpoint)
     try:
         yield
     finally:
-        parser._TRAIN_ARGS, workflow.SFTTrainer = saved
+        parser._TRAIN_ARGS, workflow.SFTTrainer, workflow.get_last_checkpoint = saved
 
 
 def run(args):

@@ -13,8 +13,13 @@ subclass replaces only what fleet did:
 - `compute_loss`: each rank's mean loss weighted by `paddle_cp.loss_weight`, so the
   averaged gradient and the logged world mean are one card's token mean;
 - `_save_checkpoint` / `_load_from_checkpoint` / `_load_optimizer_and_scheduler` /
-  `save_model`: paddle_cp checkpoints inside `checkpoint-<step>` beside the
-  Trainer's state, scheduler and RNG files, loaded onto whatever mesh runs now;
+  `save_model`: paddle_cp checkpoints inside `checkpoint-<step>` with the Trainer's
+  state, scheduler and RNG files in the same atomic commit, loaded onto whatever mesh
+  runs now;
+- `train`: resumes by default from the newest committed checkpoint in `output_dir`
+  (unless `overwrite_output_dir`), never from PaddleFormers' `get_last_checkpoint`,
+  which takes the highest-numbered folder, complete or not; a SIGTERM or SIGUSR1 to
+  any rank saves and stops every rank at the same step (preemption.py);
 - `train`: `paddle.device.synchronize()` (called with gradient accumulation) has
   nothing to wait for on CPU, where Paddle raises.
 """
@@ -36,6 +41,7 @@ import paddle_cp as pcp
 
 from .data import DataParallelBatchSampler
 from .loss import EmptyShare, PipelineLoss, local_tokens
+from .preemption import PreemptionStop
 from .plans import layout_summary, parallelize_config, prepare_plan, with_memory_plans, with_offload_optimizer
 from .training_args import TrainingArguments
 
@@ -87,6 +93,8 @@ class Trainer(PaddleFormersTrainer):
             self.paddle_cp_config = {**self.paddle_cp_config, "pp_config": pp_config}
         self._empty_share = EmptyShare(model)
         self._parallelized = False
+        if degrees.parallel:
+            self.add_callback(PreemptionStop())
 
     def _pipeline_micro_batches(self):
         """Micro-batches of one pipelined forward: one sample each (fills the pipeline once the
@@ -166,28 +174,42 @@ class Trainer(PaddleFormersTrainer):
         return result * weight
 
     def train(self, resume_from_checkpoint=None, ignore_keys_for_eval=None):
-        if resume_from_checkpoint is True and self._distributed:
-            resume_from_checkpoint = pcp.latest_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
+        if self._distributed:
+            resume_from_checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
         with _no_device_sync_on_cpu():
             return super().train(resume_from_checkpoint, ignore_keys_for_eval)
 
     # ---- checkpoints ---------------------------------------------------------------------
+    def _checkpoint_to_resume(self, asked):
+        """None (the default): the newest committed checkpoint in output_dir, unless overwrite_output_dir; True: the
+        same, which must exist; False: none; a path: that one (loading checks it is complete)."""
+        if asked is False or asked is None and self.args.overwrite_output_dir:
+            return None
+        if asked is None or asked is True:
+            latest = pcp.latest_checkpoint(self.args.output_dir)
+            if latest is None and asked is True:
+                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
+            return latest
+        return asked
+
     def _save_checkpoint(self, model, metrics=None):
         if not self._distributed:
             return super()._save_checkpoint(model, metrics)
         folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         optimizer = None if self.args.ignore_save_lr_and_optim else self.optimizer
-        pcp.save_checkpoint(folder, self.model, optimizer, extra={"global_step": self.state.global_step})
+        pcp.save_checkpoint(folder, self.model, optimizer, extra={"global_step": self.state.global_step},
+                            rank_files=self._write_trainer_files)
+        if self.args.should_save:
+            self._rotate_checkpoints(use_mtime=True, output_dir=self.args.output_dir)
+
+    def _write_trainer_files(self, folder):
+        """What PaddleFormers resumes from beside the weights (its state, scheduler, this rank's RNG), written into
+        the checkpoint before it is committed: a committed checkpoint has all of them."""
         if self.args.should_save:
             self.state.save(os.path.join(folder, TRAINER_STATE_NAME))
             paddle.save(self.lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER_NAME))
         if self.args.save_rng_states:
             paddle.save(_rng_state(self.args.world_size), os.path.join(folder, f"rng_state_{dist.get_rank()}.pth"))
-        dist.barrier()  # the folder is whole before anyone rotates or resumes from it
-        if self.args.should_save:
-            self._rotate_checkpoints(use_mtime=True, output_dir=self.args.output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
         if not self._distributed:
