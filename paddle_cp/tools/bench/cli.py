@@ -235,7 +235,13 @@ def main(argv=None):
     mixer.add_argument("--mixer", choices=["attention", "gated_deltanet"], default="attention")
     mixer.add_argument("--planning", action="store_true")
     mixer.add_argument("--pool", action="store_true")
+    mixer.add_argument("--saves", action="store_true")
     chosen, rest = mixer.parse_known_args(argv)
+    if chosen.saves:  # a training step's time with async saves, blocking ones and none (bench/saves.py)
+        from paddle_cp.tools.bench import saves as bench_saves
+
+        bench_saves.main(rest)
+        return
     if chosen.pool:  # the dp x sep pool against fixed dp x sep, priced by the tile model (bench/pool.py)
         from paddle_cp.tools.bench import pool as bench_pool
 
