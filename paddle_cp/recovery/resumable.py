@@ -84,9 +84,10 @@ class Resumable:
     def __enter__(self):
         self._group = layout.world_group()
         rank, world = dist.get_rank(), dist.get_world_size()
-        if self.fresh and rank == 0:
-            shutil.rmtree(self.root, ignore_errors=True)
-        count_failures(self._group, True, "recovery_fresh")  # nobody reads before a fresh root is empty
+        if self.fresh:
+            if rank == 0:
+                shutil.rmtree(self.root, ignore_errors=True)
+            count_failures(self._group, True, "recovery_fresh")  # nobody reads before a fresh root is empty
         history = attempts.read_history(self.root)
         stop = attempts.crash_loop(history, self.tries_per_step)
         self.attempt = history[-1].number + 1 if history else 1
@@ -96,7 +97,11 @@ class Resumable:
         latest = commit.latest_checkpoint(self.root)
         if latest is not None:
             saved = checkpoint.load_checkpoint(latest, self.model, self.optimizer)
-            self.step, self.extra = saved["step"], saved["extra"]
+            if not isinstance(saved, dict) or "step" not in saved or not os.path.isdir(
+                    os.path.join(latest, rank_state.FOLDER)):
+                raise ValueError(f"{latest} was not saved by pcp.Resumable (no step or rank state in it): give "
+                                 "Resumable a root of its own, or fresh=True to start over there")
+            self.step, self.extra = saved["step"], saved.get("extra", self.extra)
             taken = rank_state.restore(latest, rank, world, self.objects)
             self.resumed_from, self._saved_step = latest, self.step
             if rank == 0:

@@ -6,7 +6,7 @@ argv: root steps save_every faults
   faults: JSON [{"rank", "step", "phase"}], phase one of forward, backward, save (SIGKILL while this rank's
   writer thread writes the async save made after `step`), sigterm (SIGTERM to itself in the forward), node (SIGKILL
   to its launcher, then to itself: a node lost), raise (a ValueError in the forward on every attempt, and exit 1). Every fault
-  but raise fires once per job: `<root>.fired-<i>` records it (with the attempt it hit) before the rank dies.
+  but raise fires once per job: `<root>/faults/fired-<i>` records it (with the attempt it hit) before the rank dies.
 
 The job: PaddleFormers' tiny Llama under ring attention over every rank (one card when one is left), AdamW with a
 warm-up + cosine LR schedule (a Resumable object), batches drawn from Paddle's and numpy's global generators each
@@ -79,9 +79,10 @@ class Faults:
                 continue
             if phase == "raise":
                 raise BadSample(f"a bad sample in step {step}")
-            mark = f"{self.root}.fired-{i}"
+            mark = os.path.join(self.root, "faults", f"fired-{i}")
             if os.path.exists(mark):
                 continue
+            os.makedirs(os.path.dirname(mark), exist_ok=True)
             with open(mark, "w") as f:
                 json.dump({**spec, "attempt": self.attempt}, f)
             if phase == "sigterm":

@@ -1,12 +1,14 @@
 """pcp-bench --saves: what resumability costs a training step, in one run: a PaddleFormers Llama under ring
 attention trained in a plain loop, under pcp.Resumable without periodic saves (the step boundary's agreement
 alone: one all-reduce of 8 bytes per step), with an async save every --save-every steps, and with a blocking
-one, each run twice in the order A B C D A B C D so that drift of the machine's load falls on all alike.
+one, each --rounds times in the order A B C D A B C D ... so that drift of the machine's load falls on all alike.
 
     pcp-bench --saves --nproc 2 --steps 30 --save-every 10
 
-Per variant: the mean step time (wall time between step starts: the boundary and any save inside it, the
-slowest rank's, both rounds) and its ratio to the plain loop's. Beside them, the host memory the async copy
+Per variant, the slowest rank's mean per step, the least over the rounds (a round another process slowed counts
+least), and its ratio to the plain loop's: `step_ms`, wall time between step starts (the boundary and any save
+inside it); `cpu_ms`, the CPU time of the rank's process over those steps, the writer thread's included, which
+the machine's other load does not change. Beside them, the host memory the async copy
 holds: `copy_bytes`, the bytes of the boxes this rank writes (what the save clones before the writer thread
 runs: parameters and AdamW's two moments, each piece by one holder), and `held_bytes`, what Paddle's host
 allocator held above its level during one async save (its peak). On a GPU that copy is a device-to-host
@@ -43,11 +45,12 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=30, help="timed steps of each variant, each round")
     parser.add_argument("--save-every", type=int, default=10, help="k: steps between saves")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=3, help="times each variant runs (the least counts)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--result-file", help=argparse.SUPPRESS)  # launcher <-> rank 0
     args = parser.parse_args(argv)
-    if args.steps < 2 or args.save_every < 1 or args.warmup < 0:
-        parser.error("--steps takes >= 2, --save-every >= 1, --warmup >= 0")
+    if args.steps < 2 or args.save_every < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--steps takes >= 2, --save-every >= 1, --warmup >= 0, --rounds >= 1")
     return args
 
 
@@ -74,22 +77,23 @@ def train_step(model, optimizer, ids):
 
 
 def timed_run(variant, args, model, optimizer, ids, root):
-    """Mean seconds per step of `variant` over --steps steps (after --warmup; one more step's start ends the last,
-    so the save a Resumable makes at its end is not timed)."""
+    """(wall, CPU) seconds per step of `variant` over --steps steps (after --warmup; one more step's start ends the
+    last, so the save a Resumable makes at its end is not timed)."""
     import paddle_cp as pcp
 
     starts, steps = [], args.warmup + args.steps + 1
     if variant == VARIANTS[0]:
         for _ in range(steps):
-            starts.append(time.perf_counter())
+            starts.append((time.perf_counter(), time.process_time()))
             train_step(model, optimizer, ids)
     else:
         with pcp.Resumable(root, model, optimizer, save_every=0 if variant == VARIANTS[1] else args.save_every,
                            keep_latest=1, fresh=True, async_save=variant != VARIANTS[3]) as run:
             for _ in run.steps(steps):
-                starts.append(time.perf_counter())
+                starts.append((time.perf_counter(), time.process_time()))
                 train_step(model, optimizer, ids)
-    return (starts[-1] - starts[args.warmup]) / args.steps
+    (wall0, cpu0), (wall1, cpu1) = starts[args.warmup], starts[-1]
+    return (wall1 - wall0) / args.steps, (cpu1 - cpu0) / args.steps
 
 
 def run_ranks(args):
@@ -106,7 +110,7 @@ def run_ranks(args):
     ids = paddle.randint(0, 256, [1, args.seq + 1])
     root = Path(args.result_file).parent / "checkpoints"  # the launch's folder: the same on every rank
     seconds = {variant: [] for variant in VARIANTS}
-    for round_ in range(2):
+    for round_ in range(args.rounds):
         for variant in VARIANTS:
             progress(f"round {round_ + 1}: {variant}")
             seconds[variant].append(timed_run(variant, args, model, optimizer, ids, str(root / "run")))
@@ -116,26 +120,29 @@ def run_ranks(args):
     pcp.save_checkpoint(str(root / "held"), model, optimizer, async_save=True)
     held = allocator.peak() - before
     pcp.wait_checkpoint()
-    means = [sum(seconds[variant]) / len(seconds[variant]) for variant in VARIANTS]
-    gathered = gather([*means, copy_bytes, held])  # every rank: a collective
+    least = [min(times[kind] for times in seconds[variant]) for kind in (0, 1) for variant in VARIANTS]
+    gathered = gather([*least, copy_bytes, held])  # every rank: a collective
     return {"ranks": gathered} if dist.get_rank() == 0 else None
 
 
 def summarise(args, measured):
-    ranks = measured["ranks"]
-    means = [max(rank[i] for rank in ranks) for i in range(len(VARIANTS))]
+    ranks, n = measured["ranks"], len(VARIANTS)
+    slowest = [max(rank[i] for rank in ranks) for i in range(2 * n)]
+    wall, cpu = slowest[:n], slowest[n:]
     copy_bytes, held = max(rank[-2] for rank in ranks), max(rank[-1] for rank in ranks)
-    rows = [{"variant": variant, "step_ms": 1e3 * mean, "ratio": mean / means[0]}
-            for variant, mean in zip(VARIANTS, means)]
+    rows = [{"variant": variant, "step_ms": 1e3 * w, "ratio": w / wall[0], "cpu_ms": 1e3 * c, "cpu_ratio": c / cpu[0]}
+            for variant, w, c in zip(VARIANTS, wall, cpu)]
     return {"config": vars(args), "rows": rows, "copy_bytes": copy_bytes, "held_bytes": held,
             "gpu_copy_ms": 1e3 * copy_bytes / PCIE_BYTES_PER_S}
 
 
 def table(result):
     args = result["config"]
-    head = f"{'variant':<24} {'step ms':>9} {'vs plain':>9}"
-    rows = [f"{row['variant']:<24} {row['step_ms']:9.1f} {row['ratio']:9.3f}" for row in result["rows"]]
-    return (ruled_table(head, rows) + f"\n\n{args['nproc']} ranks, {args['steps']} timed steps x 2 rounds, a save every "
+    head = f"{'variant':<24} {'step ms':>9} {'vs plain':>9} {'cpu ms':>9} {'vs plain':>9}"
+    rows = [f"{row['variant']:<24} {row['step_ms']:9.1f} {row['ratio']:9.3f} {row['cpu_ms']:9.1f} "
+            f"{row['cpu_ratio']:9.3f}" for row in result["rows"]]
+    return (ruled_table(head, rows) + f"\n\n{args['nproc']} ranks, {args['steps']} timed steps, the least of "
+            f"{args['rounds']} rounds, a save every "
             f"{args['save_every']} steps (k); async copy held on the host: {result['copy_bytes'] / 2**20:.1f} MiB of "
             f"boxes per rank, allocator peak +{result['held_bytes'] / 2**20:.1f} MiB during a save; on a GPU "
             f"the copy is {result['gpu_copy_ms']:.1f} ms of PCIe (25 GB/s)")
