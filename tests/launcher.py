@@ -1,6 +1,9 @@
 """Run scripts under `paddle.distributed.launch` on CPU ranks and collect what they report, through the one
 launcher (paddle_cp/tools/launcher.py): a launch whose rank aborts (SIGABRT) runs once more. Every launch of the
-suite goes through here, the tools that launch ranks themselves too (`run_tool`)."""
+suite goes through here, the tools that launch ranks themselves too (`run_tool`), and the elastic ones
+(`launch_elastic`: pcp-launch against an etcd server of the test's own, `etcd_server`), where Paddle's launch
+restarts a failed rank itself and only a run that ends failed with a rank lost to SIGABRT/SIGSEGV runs once more
+(a deliberate SIGKILL is code -9: never mistaken for one)."""
 from __future__ import annotations
 
 import base64
@@ -201,16 +204,6 @@ def etcd_server(folder):
         server.stop()
 
 
-def elastic_command(etcd, job_id, nproc, nnodes, log_dir, script, args, elastic_timeout=None):
-    """pcp-launch (Paddle's launch in elastic mode: restarts on a failed rank) of `script` on `nproc` CPU ranks of
-    one pod of `nnodes` ("1", or "1:2": elastic in the number of pods)."""
-    cmd = [sys.executable, "-m", "paddle_cp.tools.elastic", "--master", etcd.master, "--job_id", job_id,
-           "--nnodes", nnodes, "--nproc_per_node", str(nproc), "--log_dir", str(log_dir), "--max_restart", "6"]
-    if elastic_timeout is not None:
-        cmd += ["--elastic_timeout", str(elastic_timeout)]
-    return cmd + [str(script), *map(str, args)]
-
-
 def launch_elastic(worker, nproc, *args, etcd, job_id, pods=1, elastic_timeout=None, timeout=300, fresh=()):
     """Run tests/workers/<worker> as a job of `pods` pods of `nproc` ranks each (pods > 1: elastic in the number of
     pods, "1:pods"), restarted by Paddle's launch whenever a rank fails, until it ends. Returns (exit codes of the
@@ -224,8 +217,8 @@ def launch_elastic(worker, nproc, *args, etcd, job_id, pods=1, elastic_timeout=N
             procs, outputs = [], []
             for pod in range(pods):
                 out = open(os.path.join(tmp, f"pod{pod}.out"), "w+")
-                cmd = elastic_command(etcd, job_id, nproc, nnodes, os.path.join(tmp, f"pod{pod}"), WORKERS / worker,
-                                      args, elastic_timeout)
+                cmd = ranks.elastic_command(etcd.master, job_id, nproc, nnodes, os.path.join(tmp, f"pod{pod}"),
+                                            WORKERS / worker, args, elastic_timeout)
                 procs.append(subprocess.Popen(cmd, env=env_for_ranks(PCP_REPORT_DIR=tmp), stdout=out,
                                               stderr=subprocess.STDOUT, text=True))
                 outputs.append(out)

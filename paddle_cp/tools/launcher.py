@@ -1,6 +1,7 @@
 """Start CPU ranks under `paddle.distributed.launch`: the one launcher of the tools (pcp-bench, pcp-bench-pp,
 pcp-memory, pcp-selftest) and of the test suite (tests/launcher.py); what the ranks share is tools/ranks.py.
 
+`elastic_command` is the same through pcp-launch (Paddle's elastic mode: the tests of recovery).
 A tool launches its own file as the ranks' script (`launch(args, argv, script=__file__)`); the ranks see
 PADDLE_TRAINER_ID set, measure, and rank 0 writes the result to `--result-file`, which `launch` returns.
 """
@@ -65,6 +66,16 @@ def command(nproc, script, argv, log_dir):
     """The `paddle.distributed.launch` command running `script argv` on `nproc` CPU ranks."""
     return [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
             "--log_dir", str(log_dir), str(script), *map(str, argv)]
+
+
+def elastic_command(master, job_id, nproc, nnodes, log_dir, script, argv, elastic_timeout=None, max_restart=6):
+    """pcp-launch (Paddle's launch in its elastic mode, tools/elastic/cli.py) of `script argv` on `nproc` CPU ranks
+    of one pod of a job of `nnodes` pods ("1", or "1:2": elastic in their number), its etcd at `master`."""
+    cmd = [sys.executable, "-m", "paddle_cp.tools.elastic", "--master", master, "--job_id", job_id, "--nnodes",
+           nnodes, "--nproc_per_node", str(nproc), "--log_dir", str(log_dir), "--max_restart", str(max_restart)]
+    if elastic_timeout is not None:
+        cmd += ["--elastic_timeout", str(elastic_timeout)]
+    return cmd + [str(script), *map(str, argv)]
 
 
 def progress(message, script=None):

@@ -85,12 +85,16 @@ def test_killed_ranks_restart_by_themselves_and_the_losses_equal_an_uninterrupte
 def test_sigterm_to_one_rank_saves_and_stops_every_rank_and_the_next_launch_resumes_exactly(tmp_path):
     step = 5
     root = tmp_path / "job"
-    stopped = launch("recovery_run.py", 2, root, STEPS, SAVE_EVERY,
-                     json.dumps([{"rank": 1, "step": step, "phase": "sigterm"}]))
+    with etcd_server(tmp_path) as etcd:  # elastic: a clean stop is not restarted
+        codes, outputs, logs, reports = launch_elastic("recovery_run.py", 2, root, STEPS, SAVE_EVERY,
+                                                       json.dumps([{"rank": 1, "step": step, "phase": "sigterm"}]),
+                                                       etcd=etcd, job_id="preempted", fresh=[root])
+    assert codes == [0] and "Pod failed" not in outputs[0], outputs[0][-4000:]
+    stopped = [reports[f"rank{rank}"] for rank in range(2)]
     for report in stopped:  # agreed at the boundary after the step, acted on at the next: every rank alike
         values = report["values"]
         assert "crash" not in values, values["crash"]
-        assert values["preempted"] == 1 and values["steps_done"] == step + 1, values
+        assert values["attempt"] == 1 and values["preempted"] == 1 and values["steps_done"] == step + 1, values
         assert values["latest"] == str(root / f"checkpoint-{step + 1}")
         assert "uninterrupted" not in values
     resumed = launch("recovery_run.py", 2, root, STEPS, SAVE_EVERY, "[]")

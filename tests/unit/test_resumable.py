@@ -117,3 +117,22 @@ def test_pcp_launch_adds_the_elastic_defaults_only_for_an_etcd_master():
     plain = ["--nproc_per_node", "2", "train.py"]
     assert elastic_cli.launch_command(plain)[3:] == plain
     assert json.loads(json.dumps(elastic_cli.ELASTIC_DEFAULTS)) == {"--elastic_level": "1", "--max_restart": "100"}
+
+
+def test_the_trainers_preemption_callback_saves_and_stops_a_step_after_the_signal():
+    """paddle_cp's Trainer adds it on more than one rank; in one process the ranks' sum is this rank's flag."""
+    from paddleformers.trainer import TrainerControl
+
+    from paddle_cp.integrations.paddleformers.preemption import PreemptionStop
+
+    callback, handler = PreemptionStop(), signal.getsignal(signal.SIGTERM)
+    callback.on_train_begin(None, None, TrainerControl())
+    controls = []
+    for step in range(3):
+        if step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # noted, not acted on here
+        control = callback.on_step_end(None, None, TrainerControl())
+        controls.append((control.should_save, control.should_training_stop))
+    callback.on_train_end(None, None, TrainerControl())
+    assert controls == [(False, False), (True, True), (True, True)]
+    assert signal.getsignal(signal.SIGTERM) == handler
