@@ -15,6 +15,7 @@ from paddle_cp.tools.bench import cli as bench
 from paddle_cp.tools.bench import pp as bench_pp
 from paddle_cp.tools.memory import cli as memory
 from paddle_cp.tools.plan import cli as plan
+from paddle_cp.tools.elastic import cli as elastic
 from paddle_cp.tools.selftest import cli as selftest
 from paddle_cp.integrations.paddleformers import cli
 from paddle_cp.cost.memory import memory as memory_estimate
@@ -133,10 +134,12 @@ def test_console_scripts_name_the_tools_mains():
     resolved = {name: getattr(importlib.import_module(target.split(":")[0]), target.split(":")[1])
                 for name, target in scripts.items()}
     assert resolved == {"pcp-bench": bench.main, "pcp-plan": plan.main, "pcp-memory": memory.main,
-                        "pcp-bench-pp": bench_pp.main, "pcp-selftest": selftest.main, "pcp-train": cli.main}
+                        "pcp-bench-pp": bench_pp.main, "pcp-selftest": selftest.main, "pcp-train": cli.main,
+                        "pcp-launch": elastic.main}
 
 
-@pytest.mark.parametrize("tool, name, modes", [(bench, "pcp-bench", ["--pool", "--planning", "--mixer gated_deltanet"]),
+@pytest.mark.parametrize("tool, name, modes", [(bench, "pcp-bench", ["--pool", "--planning", "--mixer gated_deltanet",
+                                                                           "--saves"]),
                                                (memory, "pcp-memory", ["--phases", "--experts", "--sharding"])])
 def test_help_names_the_tool_its_defaults_and_its_other_modes(capsys, tool, name, modes):
     """A newcomer's `--help` finds every mode the docs use (each parsed by its own tool) and each default."""
@@ -260,3 +263,21 @@ def test_bench_documents_counts_the_bytes_each_layout_exchanges(tmp_path, capsys
     assert by["whole"]["read_mib"] == 0
     # 15 chunk edges cut a document; 14 lie between two ranks (chunks 7 and 8 are one rank's)
     assert by["chunks"]["read_mib"] * 2 ** 20 == 3 * 14 * 128 * row_bytes / 8
+
+
+def test_saves_bench_ratios_and_arguments():
+    """pcp-bench --saves: each variant's slowest rank against the plain loop's, wall and CPU time apart; the copy's
+    host bytes, the largest rank's."""
+    from paddle_cp.tools.bench import saves
+
+    with pytest.raises(SystemExit):
+        saves.parse_args(["--steps", "1"])
+    args = saves.parse_args(["--steps", "4", "--rounds", "2"])
+    walls, cpus = [1.0, 1.01, 1.02, 1.2], [0.8, 0.8, 0.82, 0.84]
+    measured = {"ranks": [[*walls, *cpus, 100.0, 120.0], [w / 2 for w in walls] + [c / 2 for c in cpus] + [50.0, 9.0]]}
+    result = saves.summarise(args, measured)
+    assert [row["variant"] for row in result["rows"]] == list(saves.VARIANTS)
+    assert [round(row["ratio"], 3) for row in result["rows"]] == [1.0, 1.01, 1.02, 1.2]
+    assert [round(row["cpu_ratio"], 3) for row in result["rows"]] == [1.0, 1.0, 1.025, 1.05]
+    assert (result["copy_bytes"], result["held_bytes"]) == (100.0, 120.0)
+    assert "async save every k" in saves.table(result) and "the least of 2 rounds" in saves.table(result)

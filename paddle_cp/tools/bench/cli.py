@@ -2,6 +2,7 @@
 
     pcp-bench --nproc 2 --seq 2048 --backend p2p --causal --json out.json
     pcp-bench --mixer gated_deltanet --nproc 2 4 --seq 2048    (a Gated DeltaNet layer: bench/gdn.py)
+    pcp-bench --saves --nproc 2 --steps 30 --save-every 10     (a step's cost of async saves: bench/saves.py)
     pcp-bench --planning --nproc 8 --seq 131072 --documents lognormal   (host planning: bench/planning.py)
     pcp-bench --pool --dp 2 --sep 4 --seq 64K --documents lognormal   (dp x sep pool against fixed: bench/pool.py)
 
@@ -99,6 +100,7 @@ other benchmarks, each with its own flags (pcp-bench MODE --help):
   --pool                    the dp x sep pool against fixed dp x sep, priced by the GPU tile model (no ranks)
   --planning                host time to plan one layer's attention (no ranks)
   --mixer gated_deltanet    a Gated DeltaNet layer under context parallelism instead of attention
+  --saves                   a training step under pcp.Resumable with async saves beside blocking ones and none
 docs/tools.md explains every column."""
 
 
