@@ -15,7 +15,7 @@ import json
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 FOLDER = "pcp_recovery"
 ATTEMPTS = "attempts.jsonl"
@@ -25,7 +25,6 @@ ATTEMPTS = "attempts.jsonl"
 class Attempt:
     number: int
     resumed_step: int
-    world: int
     failures: tuple = ()  # ({"rank", "step", "error", "time"}, ...) in the order they happened
     stopped: str = ""  # why this attempt stopped the job at its start ("" if it did not)
 
@@ -49,7 +48,7 @@ def read_history(root):
             with open(name) as f:
                 record = json.load(f)
         except (OSError, ValueError):
-            continue  # a rank died while writing it: nothing to learn from
+            continue  # unreadable (the disk, a hand edit): nothing to learn from
         failures.setdefault(record["attempt"], []).append(record)
     attempts = {}
     with open(path) as f:
@@ -59,13 +58,11 @@ def read_history(root):
             except ValueError:
                 continue  # a line cut by a kill
             if entry.get("stopped"):
-                previous = attempts[entry["attempt"]]
-                attempts[entry["attempt"]] = Attempt(previous.number, previous.resumed_step, previous.world,
-                                                     previous.failures, entry["stopped"])
+                attempts[entry["attempt"]] = replace(attempts[entry["attempt"]], stopped=entry["stopped"])
                 continue
             number = entry["attempt"]
             found = tuple(sorted(failures.get(number, []), key=lambda record: record["time"]))
-            attempts[number] = Attempt(number, entry["resumed_step"], entry["world"], found)
+            attempts[number] = Attempt(number, entry["resumed_step"], found)
     return [attempts[number] for number in sorted(attempts)]
 
 

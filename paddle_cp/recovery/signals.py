@@ -38,7 +38,3 @@ def restore_handlers():
 def received():
     """The preemption signal this rank received (its number), 0 if none."""
     return state.preemption_signal
-
-
-def signal_name(signum):
-    return signal.Signals(signum).name

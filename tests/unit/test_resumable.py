@@ -69,7 +69,7 @@ def test_a_run_failed_then_preempted_resumes_to_the_uninterrupted_losses(tmp_pat
 
 def _attempt(number, failed_at=None, stopped=""):
     failures = ({"rank": 0, "step": failed_at, "error": f"E{number}", "time": number},) if failed_at else ()
-    return attempts.Attempt(number, 0, 2, failures, stopped)
+    return attempts.Attempt(number, 0, failures, stopped)
 
 
 def test_the_crash_loop_rule():
