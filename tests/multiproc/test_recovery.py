@@ -41,7 +41,8 @@ def _lost_to_signals(output):
 def _committed_before(step):
     """The newest checkpoint committed when step `step` runs: an async save made after step n is written during
     step n + 1, agreed written at the boundary after it and published at the next (the agreement is read a step
-    late): at the boundary after step n + 2."""
+    late): at the boundary after step n + 2. With a save every 2 steps that is also where the next save publishes
+    it in any case (a save first finishes the one pending): no timing decides it."""
     return max(0, (step - 3) // SAVE_EVERY * SAVE_EVERY)
 
 
