@@ -231,9 +231,13 @@ def launch_elastic(worker, nproc, *args, etcd, job_id, pods=1, elastic_timeout=N
             for proc in procs:
                 try:
                     codes.append(proc.wait(timeout))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    codes.append(proc.wait())
+                except subprocess.TimeoutExpired:  # pcp-launch passes SIGTERM on; Paddle's launch stops its ranks
+                    proc.terminate()
+                    try:
+                        codes.append(proc.wait(45))
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        codes.append(proc.wait())
             texts = []
             for out in outputs:
                 out.seek(0)
