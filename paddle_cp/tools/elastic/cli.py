@@ -10,7 +10,7 @@ This wrapper adds only what Paddle's launch lacks for that:
   `pcp.Resumable` stops a job whose same step failed on `tries_per_step` attempts in a row: its ranks exit 0 (so
   Paddle does not restart it) after writing why to the file named by PCP_STOP_FILE; this prints that one message
   and exits 1. With an etcd master and no `--max_restart`, the budget is 100 restarts: the rule, not the count,
-  stops a job that makes no progress (Paddle's default, 3, would end a days-long run after its third lost rank);
+  stops a job that makes no progress (Paddle's default, 3, would end a days-long run after its fifth lost rank);
   with no `--elastic_level`, 1 (restart; Paddle's default, -1, stops the job at the first failure).
 - a signal to this command reaches the ranks through Paddle's launch, which stops them with SIGTERM and SIGKILLs
   them 30 s later: SIGTERM and SIGUSR1 (a scheduler's notice, which Paddle's launch would die of) are passed on
