@@ -104,8 +104,11 @@ def last_split(group):
 
 def record_shard(batch):
     """shard_sequence split a tensor of the coming batch over `batch.group` in `batch.layout`: checked at its
-    forward (`take_shards`)."""
-    runtime.state.batches.sharded.setdefault(batch.group.ranks, []).append(batch)
+    forward (`take_shards`). A tensor split in the last forward's Batch (labels after their forward) belongs to
+    that forward, not to the coming one."""
+    state = runtime.state.batches
+    if state.last.get(batch.group.ranks) is not batch:
+        state.sharded.setdefault(batch.group.ranks, []).append(batch)
 
 
 def take_shards(group):
