@@ -116,6 +116,9 @@ class Installed:
         self.sdpa_original = None  # attention/adapters/sdpa.py: Paddle's SDPA while the routed one replaces it
         self.fused_weight_rules = []  # api/plan_annotation.py: factories model -> parts, registered by model libraries
         self.block_kinds = []  # experts/blocks.py: BlockKind, in registration order
+        self.vision_language = []  # plans/vision_language.py: VisionLanguage rules, registered by model libraries
+        self.loss_layers = []  # sequence/empty_share.py: LossLayer kinds, registered by model libraries
+        self.guarded_losses = weakref.WeakKeyDictionary()  # sequence/empty_share.py: loss layer -> its hooks
         self.recompute_settings = []  # activations/recompute_settings.py: rules registered by model libraries
         self.weight_formats = []  # checkpoint/weight_formats.py: WeightFormat, registered by model libraries
         self.attention_adapters = {}  # attention/adapters: name -> (install, uninstall), registered by model libraries

@@ -1,0 +1,139 @@
+"""PaddleFormers vision-language models as users build them, trained 3 AdamW steps with the plan users write
+({"": PrepareContextParallel, "<language model>.layers.*.self_attn": ContextParallel}, every rank passing the whole
+batch) vs one process on the same batch.
+
+argv: the runs, each "family:backend[:degree][:inner|:language]:kind" (kind: images, rows, video, packed, text;
+vl_models.batch_of): lengths 2N does not divide; losses weighted by each rank's labelled tokens (its labels split by
+shard_sequence after the forward, in the batch's layout). "inner": PrepareContextParallel keyed on the inner model
+that merges (Paddle's spelling), "language": on the language model, the labels split before the forward. Then
+the refusals of bad inputs and plans, each recorded with its message.
+"""
+import sys
+
+import paddle
+import paddle.distributed as dist
+from report import mean_over_ranks, run, train
+from vl_models import batch_of, build
+
+import paddle_cp as pcp
+
+STEPS = 3
+LANGUAGE_MODELS = {"paddleocr_vl": "model"}  # the others: model.language_model
+
+
+def adamw(model):
+    return paddle.optimizer.AdamW(learning_rate=1e-3, epsilon=1e-3, parameters=model.parameters())
+
+
+def plan_for(family, backend, degree, key=""):
+    """The plan users write; `key`: where PrepareContextParallel goes ("" the top, "inner", "language")."""
+    language = LANGUAGE_MODELS.get(family, "model.language_model")
+    where = {"": "", "inner": "model", "language": language}[key]
+    return {where: pcp.PrepareContextParallel(backend, degree),
+            f"{language}.layers.*.self_attn": pcp.ContextParallel(backend, degree)}
+
+
+def reference(family, kind, world):
+    paddle.seed(2024)
+    model = build(family)
+    batch = batch_of(family, kind, model, world)
+    logits = []
+
+    def steps():
+        for _ in range(STEPS):
+            out = model(**batch, return_dict=True)
+            logits.append(out.logits.detach())
+            yield out.loss
+
+    return train(model, adamw(model), steps()), logits[0]
+
+
+def parallel(family, kind, mesh, backend, degree, key=""):
+    paddle.seed(2024)
+    model = build(family)
+    batch = batch_of(family, kind, model, mesh.shape[0])
+    plan = plan_for(family, backend, degree, key)
+    model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
+    prepare = next(p for p in plan.values() if isinstance(p, pcp.PrepareContextParallel))
+    documents = {"attn_mask_startend_row_indices": batch.get("attn_mask_startend_row_indices")}
+    logits, local, labelled = [], [], []
+
+    def steps():
+        for _ in range(STEPS):
+            if key:  # Paddle's spelling: the labels split before the forward
+                inputs = {**batch, "labels": pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh,
+                                                                **documents)}
+            else:  # the model gets the whole batch; this rank's labels follow its forward's layout
+                inputs = batch
+            out = model(**inputs, return_dict=True)
+            logits.append(out.logits)
+            labels = pcp.shard_sequence(batch["labels"], backend=prepare, mesh=mesh, **documents)
+            local.append(labels.shape[1])
+            labelled.append(int((labels != -100).sum()))
+            yield out.loss * pcp.loss_weight(int((labels != -100).sum()), mesh)
+
+    pcp.reset_counters()
+    losses, grads, params = train(model, opt, steps())
+    whole = pcp.unshard_sequence(logits[0].detach(), backend=prepare, mesh=mesh, **documents)
+    return (mean_over_ranks(losses, mesh), grads, params), whole, (local[0], labelled[0]), sum(pcp.bytes_sent().values())
+
+
+def refusals(report, mesh):
+    """Bad inputs and plans: a clear error on every rank before any collective."""
+    family = "qwen2_5_vl"
+    paddle.seed(0)
+    model = build(family)
+    batch = batch_of(family, "images", model, mesh.shape[0])
+    pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan_for(family, "p2p", None)}})
+    ids = batch["input_ids"].numpy()
+    one_less = ids.copy()
+    one_less[0, list(ids[0]).index(120)] = 5  # an image token replaced by text
+    bad = {
+        "too_few_image_tokens": {**batch, "input_ids": paddle.to_tensor(one_less)},
+        "grids_disagree_with_pixels": {**batch, "pixel_values": batch["pixel_values"][:-4]},
+        "pixels_without_grids": {key: v for key, v in batch.items() if key != "image_grid_thw"},
+        "rope_indices_transposed": {**batch, "position_ids": model.model.get_rope_index(
+            batch["input_ids"], batch["image_grid_thw"])[0].transpose([1, 0, 2])},  # [b, 3, s]
+    }
+    for name, inputs in bad.items():
+        pcp.reset_counters()
+        report.expect_error(name, lambda: model(**inputs))
+        report.value(f"{name}.sent", sorted(tag for tag, sent in pcp.bytes_sent().items() if sent))
+    unrouted = build(family)
+    report.expect_error("vision_only_plan", lambda: pcp.parallelize(unrouted, None, mesh, {"cp_config": {
+        "parallelize_plan": {"": pcp.PrepareContextParallel("p2p")}}}))
+
+    class UnknownVL(paddle.nn.Layer):  # a VL model of a family paddle_cp has no rule for
+        def __init__(self):
+            super().__init__()
+            self.embed = paddle.nn.Embedding(16, 8)
+
+        def forward(self, input_ids, pixel_values=None, labels=None):
+            return self.embed(input_ids)
+
+    report.expect_error("unknown_family", lambda: pcp.parallelize(UnknownVL(), None, mesh, {"cp_config": {
+        "parallelize_plan": {"": pcp.PrepareContextParallel("p2p")}}}))
+
+
+def main(report):
+    mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["sep"])
+    for spec in sys.argv[1:]:
+        family, backend, *rest = spec.split(":")
+        degree = next((int(x) for x in rest if x.isdigit()), None)
+        key = next((x for x in rest if x in ("inner", "language")), "")
+        kind = rest[-1]
+        want, want_logits = reference(family, kind, mesh.shape[0])
+        got, got_logits, (local, labelled), sent = parallel(family, kind, mesh, backend, degree, key)
+        report.training(spec, got, want)
+        report.diff(f"{spec}.logits", got_logits, want_logits)
+        report.value(f"{spec}.grads_compared", len(set(got[1]) & set(want[1])))
+        report.value(f"{spec}.params", len(want[1]))
+        report.value(f"{spec}.tokens", [local, want_logits.shape[1]])
+        report.value(f"{spec}.labelled", labelled)  # this rank's labelled tokens (0: its loss layer gives a zero)
+        report.value(f"{spec}.bytes_sent", sent)
+    report.value("runs", sys.argv[1:])
+    refusals(report, mesh)
+
+
+if __name__ == "__main__":
+    run(main)
