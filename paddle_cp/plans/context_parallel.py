@@ -182,7 +182,7 @@ class PrepareContextParallel(_SepPlan):
     over all dp x sep ranks as one ring by the documents layout, priced with `links`: a short document
     stays whole on one rank, a long one spans several. Each rank's inputs are then [1, its tokens, ...];
     split labels with `shard_sequence(labels, backend=this plan, ...)` and weight each rank's mean loss
-    by `loss_weight(its tokens)`: gradients are then one card's on the global batch. Ring attention
+    by `loss_weight(its labelled tokens)`: gradients are then one card's on the global batch. Ring attention
     (`p2p`) with softmax attention only.
     """
 
