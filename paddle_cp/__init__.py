@@ -40,6 +40,7 @@ from .plans import (
     TokenWise,
 )
 from .plans.vision_language import IMAGES, VIDEOS, Media, VisionLanguage, register_vision_language
+from .plans.vision_split import VisionTower
 from .sequence.shard import sequence_positions, shard_sequence, unshard_sequence
 from .checkpoint.full_state import full_state_dict
 
@@ -51,7 +52,8 @@ __all__ = [
     "PrepareContextParallel", "Links", "ContextParallel", "TokenWise", "TokenMixer", "register_mixer",
     "register_attention_class", "BlockKind", "register_block_kind", "register_fused_weights", "register_adapter",
     "WeightFormat", "AdapterFormat", "register_weight_format", "RecomputeSetting", "register_recompute_setting",
-    "VisionLanguage", "Media", "IMAGES", "VIDEOS", "register_vision_language", "LossLayer", "register_loss_layer",
+    "VisionLanguage", "VisionTower", "Media", "IMAGES", "VIDEOS", "register_vision_language", "LossLayer",
+    "register_loss_layer",
     "ColWiseParallel", "RowWiseParallel", "ConvParallel", "ExpertParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
     "SequenceTiled", "OffloadRecomputeInputs",

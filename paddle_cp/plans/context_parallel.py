@@ -1,8 +1,10 @@
 """Context-parallel plans: split the inputs of the top model layer, run attention across ranks."""
 from __future__ import annotations
 
+import functools
 import inspect
 
+import numpy as np
 import paddle
 
 from .. import mesh as mesh_lib
@@ -15,8 +17,9 @@ from ..attention import resolve_group, ulysses_size
 from ..attention.layout.pool import joined_documents, joined_valid, pool_layout, row_positions
 from ..attention.layout.sequence_layout import check_split
 from ..cost.links import LinkCost, Links
+from ..cost.tiles import tile_counts
 from .base import Plan, refuse_param_plan
-from . import vision_language
+from . import vision_language, vision_split
 from .same_batch import BATCH_CHECK_GROUPS, BatchCheck
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
@@ -210,6 +213,12 @@ class PrepareContextParallel(_SepPlan):
         super().check(layer, mesh, param_names)
         _check_rope(layer)
         vision_language.check_known(layer)
+        keyed_inside = vision_language.language_model_rule(layer)
+        if keyed_inside is not None and keyed_inside.after_language_model:
+            raise ValueError(
+                f"PrepareContextParallel keyed on {type(layer).__name__}, the language model of a vision-language "
+                f"model whose {sorted(keyed_inside.after_language_model)} read per-token inputs it makes from the "
+                "whole batch after the language model: key PrepareContextParallel on the top model ('') instead")
         if self.pool and (vision_language.merging_rule(layer) or vision_language.language_model_rule(layer)):
             raise ValueError("PrepareContextParallel(pool=True) joins the global batch's rows into one sequence, "
                              "which paddle_cp does not do for a vision-language model's merged inputs yet: drop "
@@ -233,6 +242,9 @@ class PrepareContextParallel(_SepPlan):
             language_model = merging.language_model(layer)
             language_model.register_forward_pre_hook(run.split_merged, with_kwargs=True)
             language_model.register_forward_post_hook(run.forget_merged, always_call=True)
+            for path, names in merging.after_language_model.items():
+                layer.get_sublayer(path).register_forward_pre_hook(
+                    functools.partial(run.split_read_after, names), with_kwargs=True)
         layer.register_forward_pre_hook(run.split_inputs, with_kwargs=True)
         return layer.register_forward_post_hook(run.forget_batch, always_call=True)
 
@@ -253,9 +265,10 @@ class PrepareContextParallel(_SepPlan):
             return Documents.from_startend_row_indices(attn_mask_startend_row_indices)
         return None
 
-    def batch_layout(self, layout, documents):
-        """`layout` (this plan's backend over a sep group) for a batch with `documents`."""
-        return layout.for_batch(documents, self.layout)
+    def batch_layout(self, layout, documents, joint=None):
+        """`layout` (this plan's backend over a sep group) for a batch with `documents`; `joint`: another stage
+        placed around each candidate (SequenceLayout.for_batch)."""
+        return layout.for_batch(documents, self.layout, joint)
 
     def shard_batch(self, group, seq_len, position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
         """The Batch shard_sequence splits a batch's tensors of `seq_len` tokens (None: unshard_sequence agrees
@@ -369,6 +382,9 @@ class _PreparedRun:
         self.top = layer
         self._positions = (None, None)  # ((seq_len, index), int64 positions on the device): made once per length
         self.merged = None
+        # a merging model's vision tower and the decoder's shape (what its split's joint layout prices)
+        self.tower = rule.vision_tower(layer) if merging else None
+        self.language = vision_split.language_shape(rule.language_model(layer)) if merging else None
 
     def _check_sharded(self, layout):
         """The model's inputs and what shard_sequence split for this batch (labels) share one layout."""
@@ -400,11 +416,12 @@ class _PreparedRun:
         """The Batch of this forward's inputs: its documents, layout and padding, checked the same over the ranks
         (every rank raises a refusal of its batch, before any other collective)."""
         plan, given = self.plan, _given(bound, self.signature)
-        refusal = documents = None
+        refusal = documents = stage = None
         try:  # checks that depend on this replica's batch: agreed over the ranks by the batch check
             positions = given.get("position_ids")
             if self.merging:
-                refusal = vision_language.media_refusal(self.rule, self.top, given)
+                refusal = (vision_language.documents_refusal(self.rule, self.top, given)
+                           or vision_language.media_refusal(self.rule, self.top, given))
                 if isinstance(positions, paddle.Tensor):
                     vision_language.position_split_dim(self.rule, positions, batch, seq_len)
             positions = vision_language.text_positions(positions) if isinstance(positions, paddle.Tensor) else None
@@ -412,10 +429,15 @@ class _PreparedRun:
             if documents is not None and documents.seq_len != seq_len:
                 raise ValueError(f"the documents given cover {documents.seq_len} tokens, the input sequence {seq_len}: "
                                  "give position ids / document ids / row indices of the whole [batch, seq] input")
+            split = runtime.installed.vision_splits.get(self.tower) if self.tower is not None else None
+            pieces = vision_split.media_pieces(self.rule, self.top, given) if split and refusal is None else None
+            if pieces:  # the vision tower's pieces placed with the language layout, both priced
+                stage = vision_split.joint_stage(pieces, split, self.language, self.sep.layout.links,
+                                                 self.sep.layout.ulysses, seq_len)
             if self.pool is None:
                 self.sep.layout.check_length(seq_len, what="input sequence")
                 made = batch_context.split_alike(self.sep.groups.sep, plan, seq_len, documents)
-                layout = made.layout if made is not None else plan.batch_layout(self.sep.layout, documents)
+                layout = made.layout if made is not None else plan.batch_layout(self.sep.layout, documents, stage)
             else:
                 layout = self.pool.batch_layout(documents, batch, seq_len)
                 _refuse_dense_masks(named.values(), seq_len)
@@ -428,7 +450,15 @@ class _PreparedRun:
         valid = _padding(given.get("attention_mask"), batch, seq_len)
         if self.pool is not None:
             return self.pool.batch(layout, documents, valid, batch, seq_len, run=self.sep)
-        return batch_context.Batch(layout, seq_len, documents, valid, self.sep.groups.sep, self.sep, plan)
+        vision = None
+        if stage is not None:
+            groups = vision_split.layout_groups(layout, seq_len)
+            ends = documents.end if documents is not None else np.full(seq_len, seq_len)
+            placement = stage(groups, tile_counts(groups, ends, layout.ring))
+            vision = vision_split.vision_layout(pieces, placement, groups, layout.ulysses, seq_len,
+                                                self.sep.groups.sep.index)
+        return batch_context.Batch(layout, seq_len, documents, valid, self.sep.groups.sep, self.sep, plan,
+                                   vision=vision)
 
     def split_inputs(self, layer, args, kwargs):
         batch, seq_len = _sequence_length(args, kwargs)
@@ -439,6 +469,7 @@ class _PreparedRun:
         batch_context.record_split(made)
         if self.merging:  # the rest waits for the language model, after the merge
             self.merged = made
+            batch_context.begin_merge(made)
             for name in self.rule.loss_inputs:
                 if _split_dim(bound.arguments.get(name), seq_len) == 1:
                     bound.arguments[name] = made.layout.shard(bound.arguments[name], 1, made.group.index)
@@ -458,6 +489,18 @@ class _PreparedRun:
         batch_context.publish(made)
         return bound.args, bound.kwargs
 
+    def split_read_after(self, names, layer, args, kwargs):
+        """Pre-hook of a sublayer the merging model calls after its language model: its inputs `names`, made
+        from the whole batch, split in the batch's layout."""
+        made = self.merged
+        if made is None or runtime.state.context_parallel_paused:
+            return None
+        bound = inspect.signature(layer.forward).bind_partial(*args, **kwargs)
+        for name in names:
+            if _split_dim(bound.arguments.get(name), made.seq_len) == 1:
+                bound.arguments[name] = made.layout.shard(bound.arguments[name], 1, made.group.index)
+        return bound.args, bound.kwargs
+
     def _split(self, bound, signature, made, batch, seq_len):
         """Split `bound`'s arguments in `made`'s layout, in place: [batch, seq, ...] tensors on dim 1, dense masks'
         rows, a vision-language model's rope indices and rows; the global positions where none are given."""
@@ -471,6 +514,8 @@ class _PreparedRun:
                 return None  # the attention applies it, from `documents`
             if name in rows:
                 return rows[name]
+            if rule is not None and name in rule.shifted and _split_dim(value, seq_len + 1) == 1:
+                return vision_language.local_shifted(value, layout, index)
             if rule is not None and name == "position_ids" and isinstance(value, paddle.Tensor):
                 dim = vision_language.position_split_dim(rule, value, batch, seq_len)
             elif name == "cache_position" and isinstance(value, paddle.Tensor) and list(value.shape) == [seq_len]:
@@ -516,6 +561,8 @@ class _PreparedRun:
         if runtime.state.context_parallel_paused:
             return
         if self.merging:
+            if self.merged is not None:
+                batch_context.end_merge()
             self.merged = None
         else:
             batch_context.retract()
@@ -542,10 +589,16 @@ class ContextParallel(_SepPlan):
         self.rotate = check_rotation(rotate)
 
     def check(self, layer, mesh, param_names=()):
-        mixers.check(layer, super().check(layer, mesh, param_names))
+        layout = super().check(layer, mesh, param_names)
+        if vision_language.tower_rule(layer) is None:  # a vision tower's attention stays inside its pieces
+            mixers.check(layer, layout)
 
     def apply(self, layer, dims, param_names=()):
         run = self._join_sep_group(layer, dims, param_names)
+        rule = vision_language.tower_rule(layer)
+        if rule is not None:  # split by images: plans/vision_split.py
+            vision_split.VisionSplitRun(rule.vision, layer, run)
+            return None
         mixers.route(layer, run)
         layer.register_forward_pre_hook(lambda layer, inputs: routing.enter(run, layer))
         return layer.register_forward_post_hook(lambda layer, inputs, outputs: routing.leave(layer), always_call=True)

@@ -43,6 +43,7 @@ class Media:
     pixels: str  # the input of its patch rows ([patches, ...])
     grids: str  # the input of its [n, 3] grids (t, h, w patches each)
     token: str  # the config attribute naming its placeholder id
+    frames: str = None  # the config attribute of how many frames merge into one token (rounded up); None: one
 
 
 IMAGES = Media("image", "pixel_values", "image_grid_thw", "image_token_id")
@@ -59,7 +60,15 @@ class VisionLanguage:
     (POSITION_LAYOUTS); `loss_inputs`: top-model inputs read after the language model (split where the batch is
     chosen); `rows`: {language-model input: the [batch, seq] bool input whose True positions, row-major, its rows
     ([n, ...], or a list of such) belong to}; `media`: the media its top model takes; `merge`: the config path of
-    how many patches a side merge into one token."""
+    how many patches a side merge into one token; `shifted`: language-model inputs [batch, seq + 1] holding each
+    token's value then one more (ERNIE-VL's token types, the last its last label's), split by `local_shifted`;
+    `after_language_model`: {sublayer path under the merging model: its [batch, seq] inputs} that the merging
+    model makes from its whole inputs and hands, after the language model, to those sublayers with this rank's
+    hidden states (ERNIE-VL's head and loss get the labels' token types), split in the batch's layout when
+    called; `documents`: whether its top model hands `attn_mask_startend_row_indices` on (a model that drops
+    them attends across packed documents on one card: refused, not confined); `vision`: its vision tower (a
+    plans/vision_split.py VisionTower), which ContextParallel splits by images, called on the media in `media`'s
+    order."""
 
     package: str
     merges: dict
@@ -69,6 +78,10 @@ class VisionLanguage:
     rows: dict = field(default_factory=dict)
     media: tuple = (IMAGES, VIDEOS)
     merge: str = "vision_config.spatial_merge_size"
+    shifted: tuple = ()
+    after_language_model: dict = field(default_factory=dict)
+    documents: bool = True
+    vision: object = None
 
     def __post_init__(self):
         if self.positions not in POSITION_LAYOUTS:
@@ -81,6 +94,12 @@ class VisionLanguage:
     def language_model(self, layer):
         """The language model under `layer`, a class of `merges`."""
         return layer.get_sublayer(self.merges[type(layer).__name__])
+
+    def vision_tower(self, layer):
+        """The vision tower under `layer`, a class of `merges` (None: the rule names none)."""
+        if self.vision is None:
+            return None
+        return next((sub for sub in layer.sublayers() if self.claims(sub, self.vision.classes)), None)
 
     def config_value(self, layer, path):
         value = getattr(layer, "config", None)
@@ -106,6 +125,12 @@ def language_model_rule(layer):
     """The rule of a vision-language model's language model, else None."""
     return next((rule for rule in runtime.installed.vision_language if rule.claims(layer, rule.language_models)),
                 None)
+
+
+def tower_rule(layer):
+    """The rule of a vision-language model's vision tower, else None."""
+    return next((rule for rule in runtime.installed.vision_language
+                 if rule.vision is not None and rule.claims(layer, rule.vision.classes)), None)
 
 
 def check_known(layer):
@@ -162,6 +187,32 @@ def local_rows(rows, mask, layout, index):
     return [select(value) for value in rows] if isinstance(rows, (list, tuple)) else select(rows)
 
 
+def local_shifted(value, layout, index):
+    """This rank's part of a [batch, seq + 1] input holding each token's value then one more: its tokens' values,
+    then each row's largest value over the whole row, so that what the language model decides from the whole
+    tensor (ERNIE-VL's decoder layers: whether any token is an image's, which picks the experts every token may
+    go to) it decides on every rank as on one card. Its `[..., 1:]` is not this rank's labels' values (chunks
+    are not contiguous): a family whose language model reads that gets them split by `after_language_model`."""
+    own = layout.shard(value[:, :-1], 1, index)
+    return paddle.concat([own, value.max(axis=1, keepdim=True).astype(own.dtype)], axis=1)
+
+
+def documents_refusal(rule, layer, inputs):
+    """The ValueError that packed documents reach a top model that drops them, else None."""
+    if rule.documents or inputs.get("attn_mask_startend_row_indices") is None:
+        return None
+    return ValueError(
+        f"{type(layer).__name__} takes attn_mask_startend_row_indices in **kwargs and hands them to nothing: on "
+        "one card its packed documents attend across each other, which paddle_cp would not reproduce (it confines "
+        "attention to each document). Pass the documents as a dense attention_mask [batch, 1, seq, seq] (True "
+        "where a query sees a key), which the model uses, or one document per row")
+
+
+def _features(grid, merge, frames):
+    """Tokens each [t, h, w] grid row merges into: ceil(t / frames) x h x w / merge^2."""
+    return (-(-grid[:, 0] // frames)) * grid[:, 1] * grid[:, 2] // (merge * merge)
+
+
 def media_refusal(rule, layer, inputs):
     """The ValueError that a batch's media disagree (grids with patch rows, placeholders with features), else
     None; one host read of the ids and the grids."""
@@ -181,15 +232,18 @@ def media_refusal(rule, layer, inputs):
             return ValueError(
                 f"{media.grids} {grid.tolist()} makes {patches} patches (t x h x w summed) but {media.pixels} holds "
                 f"{rows} patch rows: pass the grids and pixel values the processor made together")
-        count, kinds = features.get(rule.config_value(layer, media.token), (0, ()))
-        features[rule.config_value(layer, media.token)] = (count + patches // (merge * merge), kinds + (media.kind,))
+        frames = rule.config_value(layer, media.frames) if media.frames else 1
+        count, kinds, _ = features.get(rule.config_value(layer, media.token), (0, (), None))
+        formula = f"{'t' if frames == 1 else f'ceil(t / {frames})'} x h x w / {merge * merge}"
+        features[rule.config_value(layer, media.token)] = (count + int(_features(grid, merge, frames).sum()),
+                                                           kinds + (media.kind,), formula)
     ids = ids.numpy()
-    for token, (expected, kinds) in features.items():
+    for token, (expected, kinds, formula) in features.items():
         found = int((ids == token).sum())
         if found != expected:
             return ValueError(
                 f"input_ids hold {found} placeholder tokens (id {token}) but the {' and '.join(kinds)} grids make "
-                f"{expected} features (t x h x w / {merge * merge}, summed): give each {kinds[0]} as many placeholder "
+                f"{expected} features ({formula}, summed): give each {kinds[0]} as many placeholder "
                 "tokens as its grid merges into (its processor expands one placeholder per feature), or the grids of "
                 "the media in this batch")
     return None

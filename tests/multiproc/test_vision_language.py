@@ -45,7 +45,7 @@ def test_vision_language_models_train_like_one_card(reports):
                 assert report["max_abs"][f"{run}.{kind}"] <= TOL, (report["rank"], run, kind, report["max_abs"])
             values = report["values"]
             assert values[f"{run}.grads_compared"] == values[f"{run}.params"], run  # every parameter's gradient
-            local, whole = values[f"{run}.tokens"]
+            local, whole = values[f"{run}.tokens"]  # split, and attended across
             assert local < whole and values[f"{run}.bytes_sent"] > 0, (run, local, whole)  # split, and attended across
             losses = values[f"{run}.losses"]
             assert losses[-1] < losses[0], f"{run}: training should reduce the loss"

@@ -16,21 +16,30 @@ from report import mean_over_ranks, run, train
 from vl_models import batch_of, build
 
 import paddle_cp as pcp
+from paddle_cp import runtime
+from paddle_cp.attention import resolve_group
+from paddle_cp.attention.dispatch import batch as batch_context
+from paddle_cp.plans import vision_split
 
 STEPS = 3
-LANGUAGE_MODELS = {"paddleocr_vl": "model"}  # the others: model.language_model
+VISION_TOWERS = {"paddleocr_vl": "visual"}  # the others: model.visual
+LANGUAGE_MODELS = {"paddleocr_vl": "model", "ernie4_5_vl": "model"}  # the others: model.language_model
 
 
 def adamw(model):
     return paddle.optimizer.AdamW(learning_rate=1e-3, epsilon=1e-3, parameters=model.parameters())
 
 
-def plan_for(family, backend, degree, key=""):
-    """The plan users write; `key`: where PrepareContextParallel goes ("" the top, "inner", "language")."""
+def plan_for(family, backend, degree, key="", split=False):
+    """The plan users write; `key`: where PrepareContextParallel goes ("" the top, "inner", "language"); `split`:
+    the vision tower split by images too."""
     language = LANGUAGE_MODELS.get(family, "model.language_model")
     where = {"": "", "inner": "model", "language": language}[key]
-    return {where: pcp.PrepareContextParallel(backend, degree),
+    plan = {where: pcp.PrepareContextParallel(backend, degree),
             f"{language}.layers.*.self_attn": pcp.ContextParallel(backend, degree)}
+    if split:
+        plan[VISION_TOWERS.get(family, "model.visual")] = pcp.ContextParallel(backend, degree)
+    return plan
 
 
 def reference(family, kind, world):
@@ -48,11 +57,11 @@ def reference(family, kind, world):
     return train(model, adamw(model), steps()), logits[0]
 
 
-def parallel(family, kind, mesh, backend, degree, key=""):
+def parallel(family, kind, mesh, backend, degree, key="", split=False):
     paddle.seed(2024)
     model = build(family)
     batch = batch_of(family, kind, model, mesh.shape[0])
-    plan = plan_for(family, backend, degree, key)
+    plan = plan_for(family, backend, degree, key, split)
     model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
     prepare = next(p for p in plan.values() if isinstance(p, pcp.PrepareContextParallel))
     documents = {"attn_mask_startend_row_indices": batch.get("attn_mask_startend_row_indices")}
@@ -74,8 +83,31 @@ def parallel(family, kind, mesh, backend, degree, key=""):
 
     pcp.reset_counters()
     losses, grads, params = train(model, opt, steps())
+    sent = pcp.bytes_sent()
     whole = pcp.unshard_sequence(logits[0].detach(), backend=prepare, mesh=mesh, **documents)
-    return (mean_over_ranks(losses, mesh), grads, params), whole, (local[0], labelled[0]), sum(pcp.bytes_sent().values())
+    facts = {"tokens": local[0], "labelled": labelled[0], "bytes_sent": sum(sent.values())}
+    if split:
+        facts.update(vision_facts(model, mesh), vision_sent=sent.get(vision_split.TAG, 0))
+    return (mean_over_ranks(losses, mesh), grads, params), whole, facts
+
+
+def vision_facts(model, mesh):
+    """What the last forward's vision split did on this rank: the pieces it ran of all, the features it computed
+    of all, and the bytes its exchanges send in STEPS steps by the layout (the features its tokens' owners lack,
+    forward, and the gradients of those it received, backward)."""
+    vision = batch_context.last_split(resolve_group(mesh)).vision
+    tower = next(layer for layer in model.sublayers() if layer in runtime.installed.vision_splits)
+    row_bytes = runtime.installed.vision_splits[tower].shape.row_bytes
+    facts = {"pieces": [0, 0], "features": [0, 0], "vision_expected": 0}
+    for kind, pieces in vision.pieces.items():
+        computed, destination = vision.feature_ranks(kind), vision.destinations(kind)
+        here = vision.index
+        facts["pieces"] = [facts["pieces"][0] + int((vision.rank[kind] == here).sum()),
+                           facts["pieces"][1] + len(pieces.grids)]
+        facts["features"] = [facts["features"][0] + int((computed == here).sum()), facts["features"][1] + len(computed)]
+        rows = int(((computed == here) & (destination != here)).sum() + ((destination == here) & (computed != here)).sum())
+        facts["vision_expected"] += STEPS * rows * row_bytes
+    return facts
 
 
 def refusals(report, mesh):
@@ -123,14 +155,14 @@ def main(report):
         key = next((x for x in rest if x in ("inner", "language")), "")
         kind = rest[-1]
         want, want_logits = reference(family, kind, mesh.shape[0])
-        got, got_logits, (local, labelled), sent = parallel(family, kind, mesh, backend, degree, key)
+        got, got_logits, facts = parallel(family, kind, mesh, backend, degree, key, "split" in rest)
         report.training(spec, got, want)
         report.diff(f"{spec}.logits", got_logits, want_logits)
         report.value(f"{spec}.grads_compared", len(set(got[1]) & set(want[1])))
         report.value(f"{spec}.params", len(want[1]))
-        report.value(f"{spec}.tokens", [local, want_logits.shape[1]])
-        report.value(f"{spec}.labelled", labelled)  # this rank's labelled tokens (0: its loss layer gives a zero)
-        report.value(f"{spec}.bytes_sent", sent)
+        facts["tokens"] = [facts["tokens"], want_logits.shape[1]]
+        for name, value in facts.items():  # labelled: this rank's labelled tokens (0: its loss layer gives a zero)
+            report.value(f"{spec}.{name}", value)
     report.value("runs", sys.argv[1:])
     refusals(report, mesh)
 

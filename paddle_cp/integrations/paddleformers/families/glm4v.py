@@ -7,11 +7,13 @@ RULES = (
     pcp.VisionLanguage(
         "paddleformers.transformers.glm4v_moe",
         merges={"Glm4vMoeForConditionalGeneration": "model.language_model", "Glm4vMoeModel": "language_model"},
-        language_models=("Glm4vMoeTextModel",), media=(pcp.IMAGES, VIDEO_FRAMES)),
+        language_models=("Glm4vMoeTextModel",), media=(pcp.IMAGES, VIDEO_FRAMES),
+        vision=pcp.VisionTower(("Glm4vMoeVisionModel",))),
     pcp.VisionLanguage(
         "paddleformers.transformers.glm_ocr",
         merges={"GlmOcrForConditionalGeneration": "model.language_model", "GlmOcrModel": "language_model"},
-        language_models=("GlmOcrTextModel",), media=(pcp.IMAGES, VIDEO_FRAMES)),
+        language_models=("GlmOcrTextModel",), media=(pcp.IMAGES, VIDEO_FRAMES),
+        vision=pcp.VisionTower(("GlmOcrVisionModel",), outputs="pooler")),
 )
 
 

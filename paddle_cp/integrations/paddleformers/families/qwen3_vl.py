@@ -9,12 +9,14 @@ RULES = (
         "paddleformers.transformers.qwen3_vl",
         merges={"Qwen3VLForConditionalGenerationDeprecated": "model.language_model",
                 "Qwen3VLModelDeprecated": "language_model"},
-        language_models=("Qwen3VLTextModel",), rows=DEEPSTACK),
+        language_models=("Qwen3VLTextModel",), rows=DEEPSTACK,
+        vision=pcp.VisionTower(("Qwen3VLVisionModel",), outputs="with_deepstack")),
     pcp.VisionLanguage(
         "paddleformers.transformers.qwen3_vl_moe",
         merges={"Qwen3VLMoeForConditionalGenerationDeprecated": "model.language_model",
                 "Qwen3VLMoeModelDeprecated": "language_model"},
-        language_models=("Qwen3VLMoeTextModel",), rows=DEEPSTACK),
+        language_models=("Qwen3VLMoeTextModel",), rows=DEEPSTACK,
+        vision=pcp.VisionTower(("Qwen3VLMoeVisionModel",), outputs="with_deepstack")),
 )
 
 
