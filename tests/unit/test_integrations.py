@@ -63,7 +63,7 @@ print(before, len(family_blocks), family_blocks == installed.block_kinds, block.
       block.shared_experts()[0], sorted(installed.attention_adapters), len(installed.weight_formats),
       len(installed.recompute_settings), len(installed.fused_weight_rules), len(rules), rules == installed.vision_language)
 """)
-    assert out == ("(None, 0, False) 4 True fd_fallback shared_experts ['paddleformers_attention'] 1 1 1 6 True"), out
+    assert out == ("(None, 0, False) 4 True fd_fallback shared_experts ['paddleformers_attention'] 1 1 1 7 True"), out
 
 
 def test_a_model_of_no_library_splits_its_fused_projections_by_name():

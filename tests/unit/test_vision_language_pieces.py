@@ -99,3 +99,45 @@ def test_rules_claim_their_classes_and_an_unknown_vision_language_model_is_refus
         vl.check_known(Other())
     with pytest.raises(TypeError, match="takes a VisionLanguage"):
         pcp.register_vision_language({"merges": {}})
+
+
+@pytest.mark.parametrize("backend,world,degree", [("p2p", 2, None), ("p2p", 3, None), ("all2all", 2, None),
+                                                  ("hybrid", 4, 2)])
+def test_a_shifted_input_keeps_its_tokens_values_then_each_rows_largest(backend, world, degree):
+    types = np.zeros((2, 24), np.int64)  # [b, s + 1]: each of 23 tokens' type, then the last label's
+    types[0, 9:12] = 1  # row 0: an image's tokens, mid-sequence
+    types[1, 10] = 2  # row 1: one video token
+    layout = SequenceLayout(backend, world, degree)
+    text_only = []
+    for index in range(world):
+        got = vl.local_shifted(paddle.to_tensor(types), layout, index).numpy()
+        mine = layout.positions(23, index)
+        assert np.array_equal(got[:, :-1], types[:, mine])  # [..., :-1]: its tokens' own values, in local order
+        assert np.array_equal(got[:, -1], types.max(axis=1))
+        assert got.any() and (got == 2).any()  # what the whole tensor says, every rank says
+        text_only.append(not types[:, mine].any())
+    assert any(text_only), "some rank must hold text tokens only, or the last column is not tested"
+
+
+def test_documents_a_top_model_drops_are_refused_and_others_pass():
+    dropping = pcp.VisionLanguage("x", merges={}, language_models=(), documents=False)
+    rows = paddle.zeros([1, 1, 9], "int32")
+    refusal = vl.documents_refusal(dropping, _Model(), {"attn_mask_startend_row_indices": rows})
+    assert "_Model takes attn_mask_startend_row_indices" in str(refusal) and "dense attention_mask" in str(refusal)
+    assert vl.documents_refusal(dropping, _Model(), {"input_ids": rows}) is None
+    assert vl.documents_refusal(RULE, _Model(), {"attn_mask_startend_row_indices": rows}) is None
+
+
+class _Ernie:
+    config = SimpleNamespace(im_patch_id=9, spatial_conv_size=2, temporal_conv_size=2)
+
+
+def test_frames_merged_into_one_token_count_rounded_up():
+    media = pcp.Media("image or video", "images", "grid_thw", "im_patch_id", frames="temporal_conv_size")
+    rule = pcp.VisionLanguage("x", merges={}, language_models=(), media=(media,), merge="spatial_conv_size")
+    grids = [[1, 4, 4], [4, 4, 4], [3, 2, 2]]  # 4 tokens (an image), 2 x 4 (4 frames), 2 x 1 (3 frames: rounded up)
+    inputs = {"images": paddle.zeros([16 + 64 + 12, 48]), "grid_thw": paddle.to_tensor(grids)}
+    assert vl.media_refusal(rule, _Ernie(), {**inputs, "input_ids": paddle.to_tensor([[9] * 14 + [1]])}) is None
+    refusal = vl.media_refusal(rule, _Ernie(), {**inputs, "input_ids": paddle.to_tensor([[9] * 13 + [1]])})
+    assert "hold 13 placeholder tokens (id 9) but the image or video grids make 14 features (ceil(t / 2) x h x w / 4" \
+        in str(refusal)
