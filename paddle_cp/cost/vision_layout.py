@@ -147,9 +147,8 @@ class Pieces:
     positions: np.ndarray
     seq_len: int
 
-    def owner_counts(self, owner):
-        """int [K, N]: how many of each piece's tokens rank r holds, `owner[p]` the rank of position p."""
-        ranks = int(owner.max()) + 1
+    def owner_counts(self, owner, ranks):
+        """int [K, ranks]: how many of each piece's tokens rank r holds, `owner[p]` the rank of position p."""
         held = owner[self.positions % self.seq_len]
         piece = np.repeat(np.arange(len(self.cost)), np.diff(self.features))
         counts = np.zeros((len(self.cost), ranks), np.int64)
@@ -165,4 +164,4 @@ def joint_placement(pieces, groups, counts, ulysses, language, row_ms):
     per_group = counts.rank_ms(ulysses, language.head_scale) * language.layers
     tokens = np.bincount(owner, minlength=ranks)
     language_ms = np.repeat(per_group, ulysses) + language.matmul_ms(tokens)
-    return place(pieces.cost, pieces.owner_counts(owner), language_ms, row_ms)
+    return place(pieces.cost, pieces.owner_counts(owner, ranks), language_ms, row_ms)

@@ -383,7 +383,7 @@ class _PreparedRun:
         self._positions = (None, None)  # ((seq_len, index), int64 positions on the device): made once per length
         self.merged = None
         # a merging model's vision tower and the decoder's shape (what its split's joint layout prices)
-        self.tower = rule.vision_tower(layer) if merging else None
+        self.tower, self.merger = rule.vision_tower(layer) if merging else (None, None)
         self.language = vision_split.language_shape(rule.language_model(layer)) if merging else None
 
     def _check_sharded(self, layout):
@@ -430,6 +430,8 @@ class _PreparedRun:
                 raise ValueError(f"the documents given cover {documents.seq_len} tokens, the input sequence {seq_len}: "
                                  "give position ids / document ids / row indices of the whole [batch, seq] input")
             split = runtime.installed.vision_splits.get(self.tower) if self.tower is not None else None
+            if split is not None and self.merger is not None and split.merger is None:
+                split.merge_with(self.merger)  # the family merges outside its tower (PaddleOCR-VL's projector)
             pieces = vision_split.media_pieces(self.rule, self.top, given) if split and refusal is None else None
             if pieces:  # the vision tower's pieces placed with the language layout, both priced
                 stage = vision_split.joint_stage(pieces, split, self.language, self.sep.layout.links,

@@ -96,10 +96,13 @@ class VisionLanguage:
         return layer.get_sublayer(self.merges[type(layer).__name__])
 
     def vision_tower(self, layer):
-        """The vision tower under `layer`, a class of `merges` (None: the rule names none)."""
+        """The vision tower under `layer`, a class of `merges`, and its merger where the family merges outside it
+        (None: the rule names none)."""
         if self.vision is None:
-            return None
-        return next((sub for sub in layer.sublayers() if self.claims(sub, self.vision.classes)), None)
+            return None, None
+        tower = next((sub for sub in layer.sublayers() if self.claims(sub, self.vision.classes)), None)
+        merger = next((sub for sub in layer.sublayers() if self.claims(sub, self.vision.merger)), None)
+        return tower, merger
 
     def config_value(self, layer, path):
         value = getattr(layer, "config", None)

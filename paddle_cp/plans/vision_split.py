@@ -18,7 +18,7 @@ Costs, per call of the tower: the host computes the pieces from `input_ids` and 
 for the media checks) and the placement (numpy); the device: one index_select of the patch rows, the tower on
 them, one index_select of the rows to send, one all-to-all (variable sizes; bytes = exactly the features whose
 tokens another rank holds, the minimum for the layout chosen; NCCL's one call, gloo N-1 ordered rounds), one
-scatter into the whole-sized buffer. Memory: this rank's pieces' activations, its features, and the transient
+gather into the whole-sized buffer. Memory: this rank's pieces' activations, its features, and the transient
 whole-sized buffer (zeros but for its tokens' rows, freed with the whole `inputs_embeds` once the language model
 splits them).
 """
@@ -36,15 +36,18 @@ from ..comm import autograd as comm_autograd
 from ..cost.vision_layout import Pieces, StageShape, joint_placement, piece_ms, rank_of_positions
 
 TAG = "vision_features"  # the exchange's bytes in paddle_cp.bytes_sent()
-OUTPUTS = ("tensor", "with_deepstack", "pooler")
+OUTPUTS = ("tensor", "with_deepstack", "pooler", "patches")
 
 
 @dataclass(frozen=True)
 class VisionTower:
     """A family's vision tower as the split calls it: its `classes` (names under the rule's package), the names
-    of its patch-row input (`pixels`, [patches, ...]) and grid input (`grid`, [n, 3]); `outputs`: what it returns
-    ("tensor": the merged features; "with_deepstack": those and a list of deepstack features; "pooler": a model
-    output whose `pooler_output` holds them); `windowed`: its blocks attend within windows of its config's
+    of its patch-row input (`pixels`, its patches on dim `pixels_axis`) and grid input (`grid`, [n, 3]);
+    `per_patch`: other inputs with a row per patch; `local_inputs(arguments, grids)`: sets the inputs the model
+    derived from the whole grid for this rank's `grids` (numpy [k, 3]); `outputs`: what it returns ("tensor": the
+    merged features; "with_deepstack": those and a list of deepstack features; "pooler": a model output whose
+    `pooler_output` holds them; "patches": unmerged patch features, which the module of class `merger`, called
+    next with them and the grid, merges); `windowed`: its blocks attend within windows of its config's
     `window_size` pixels but those in `fullatt_block_indexes` (Qwen2.5-VL), else every block within a piece."""
 
     classes: tuple
@@ -52,10 +55,16 @@ class VisionTower:
     grid: str = "grid_thw"
     outputs: str = "tensor"
     windowed: bool = False
+    pixels_axis: int = 0
+    per_patch: tuple = ()
+    local_inputs: object = None
+    merger: tuple = ()
 
     def __post_init__(self):
         if self.outputs not in OUTPUTS:
             raise ValueError(f"VisionTower outputs={self.outputs!r}: use one of {list(OUTPUTS)}")
+        if (self.outputs == "patches") != bool(self.merger):
+            raise ValueError("VisionTower: outputs='patches' (unmerged features) goes with the merger that merges them")
 
     def documents(self, config, blocks, height, width):
         """The document lengths one h x w piece's attention sees in each of the tower's `blocks` (its `config`)."""
@@ -70,8 +79,8 @@ class VisionTower:
         return [whole if block in config.fullatt_block_indexes else windows for block in range(blocks)]
 
     def features(self, output):
-        """The feature tensors of the tower's `output`, each [tokens, width]."""
-        if self.outputs == "tensor":
+        """The feature tensors of the tower's (or its merger's) `output`, each [tokens, width]."""
+        if self.outputs in ("tensor", "patches"):
             return [output]
         if self.outputs == "with_deepstack":
             return [output[0], *output[1]]
@@ -79,7 +88,7 @@ class VisionTower:
 
     def rebuilt(self, output, tensors):
         """`output` with its features replaced by `tensors` (None: the tower did not run here)."""
-        if self.outputs == "tensor":
+        if self.outputs in ("tensor", "patches"):
             return tensors[0]
         if self.outputs == "with_deepstack":
             return tensors[0], list(tensors[1:])
@@ -88,8 +97,8 @@ class VisionTower:
 
 
 def tower_layers(tower):
-    """The tower's blocks (the largest LayerList directly under it)."""
-    lists = [layer for layer in tower.children() if isinstance(layer, paddle.nn.LayerList)]
+    """The tower's blocks (the largest LayerList in it)."""
+    lists = [layer for layer in tower.sublayers() if isinstance(layer, paddle.nn.LayerList)]
     return max(lists, key=len) if lists else []
 
 
@@ -98,14 +107,21 @@ def _matmul_flops(layer):
     return 6.0 * sum(int(np.prod(p.shape)) for p in layer.parameters() if len(p.shape) == 2)
 
 
-def tower_shape(tower):
+def feature_widths(tower, merger=None):
+    """The widths of the features exchanged: the merger's output (its last weight's), else the tower's merged
+    features and Qwen3-VL's deepstack ones."""
+    if merger is not None:
+        return [[p for p in merger.parameters() if len(p.shape) == 2][-1].shape[1]]
+    config = tower.config
+    return [config.out_hidden_size] * (1 + len(getattr(config, "deepstack_visual_indexes", None) or []))
+
+
+def tower_shape(tower, widths):
     """The tower's StageShape: its blocks, width, matmul FLOPs a patch, and its features' row bytes."""
     blocks = tower_layers(tower)
-    config = tower.config
-    width = config.out_hidden_size * (1 + len(getattr(config, "deepstack_visual_indexes", None) or []))
     dtype_bytes = paddle.empty([0], dtype=_dtype(tower)).element_size()
-    return StageShape(len(blocks), config.hidden_size, _matmul_flops(blocks[0]) if len(blocks) else 0.0,
-                      width * dtype_bytes)
+    return StageShape(len(blocks), tower.config.hidden_size, _matmul_flops(blocks[0]) if len(blocks) else 0.0,
+                      sum(widths) * dtype_bytes)
 
 
 def language_shape(language_model):
@@ -165,6 +181,7 @@ class VisionLayout:
     seq_len: int
     index: int
     called: set = field(default_factory=set)
+    merging: tuple = None  # (kind, this rank's pieces) between a tower call and its merger's (VisionTower.merger)
 
     def kind_of_call(self, rows):
         """The media kind a tower call on `rows` patch rows is for: the first not yet called whose pixels have as
@@ -188,45 +205,88 @@ class VisionLayout:
 
 
 class VisionSplitRun:
-    """The split of one vision tower: its forward replaced by one on this rank's pieces, then the exchange."""
+    """The split of one vision tower: its forward replaced by one on this rank's pieces, then the exchange (after
+    its `merger`'s forward, replaced too, where the family merges outside the tower)."""
 
     def __init__(self, tower_spec, layer, sep_run):
         self.spec, self.layer, self.sep = tower_spec, layer, sep_run
-        self.original = layer.forward
-        self.signature = inspect.signature(self.original)
-        self.shape = tower_shape(layer)
+        self.merger = None
+        self.original, self.signature = layer.forward, inspect.signature(layer.forward)
+        self.widths = feature_widths(layer) if not tower_spec.merger else None
+        self.shape = tower_shape(layer, self.widths) if self.widths else None
         runtime.installed.vision_splits[layer] = self
         layer.forward = self.forward
 
+    def merge_with(self, merger):
+        """The family's merger (`VisionTower.merger`), found under the model that merges."""
+        self.merger, self.merge_original = merger, merger.forward
+        self.widths = feature_widths(self.layer, merger)
+        self.shape = tower_shape(self.layer, self.widths)
+        merger.forward = self.merge
+
     def forward(self, *args, **kwargs):
-        batch = batch_context.merging()
-        vision = batch.vision if batch is not None else None
-        if vision is None or runtime.state.context_parallel_paused:
+        vision = _vision_split()
+        if vision is None:
             return self.original(*args, **kwargs)
         bound = self.signature.bind(*args, **kwargs)
-        pixels, grid = bound.arguments[self.spec.pixels], bound.arguments[self.spec.grid]
-        kind = vision.kind_of_call(pixels.shape[0])
+        arguments, spec = bound.arguments, self.spec
+        kind = vision.kind_of_call(arguments[spec.pixels].shape[spec.pixels_axis])
         pieces, mine = vision.pieces[kind], np.flatnonzero(vision.rank[kind] == vision.index)
         output = None
         if len(mine):
-            rows = np.concatenate([np.arange(pieces.rows[k], pieces.rows[k + 1]) for k in mine])
-            bound.arguments[self.spec.pixels] = paddle.index_select(pixels, paddle.to_tensor(rows), axis=0)
-            bound.arguments[self.spec.grid] = paddle.to_tensor(pieces.grids[mine], dtype=grid.dtype)
+            rows = paddle.to_tensor(np.concatenate([np.arange(pieces.rows[k], pieces.rows[k + 1]) for k in mine]))
+            arguments[spec.pixels] = paddle.index_select(arguments[spec.pixels], rows, axis=spec.pixels_axis)
+            arguments[spec.grid] = paddle.to_tensor(pieces.grids[mine], dtype=arguments[spec.grid].dtype)
+            for name in spec.per_patch:
+                if isinstance(arguments.get(name), paddle.Tensor):
+                    arguments[name] = paddle.index_select(arguments[name], rows, axis=0)
+            if spec.local_inputs is not None:
+                spec.local_inputs(arguments, pieces.grids[mine])
             output = self.original(*bound.args, **bound.kwargs)
+        if spec.merger:  # its merger merges this rank's patch features next, then exchanges
+            vision.merging = (kind, mine)
+            return output if output is not None else _NotRun()
+        return self._exchanged(output, vision, kind, mine)
+
+    def merge(self, features, grid):
+        vision = _vision_split()
+        if vision is None or vision.merging is None:
+            return self.merge_original(features, grid)
+        (kind, mine), vision.merging = vision.merging, None
+        output = None
+        if len(mine):
+            features = getattr(features, "last_hidden_state", features)
+            output = self.merge_original(features, paddle.to_tensor(vision.pieces[kind].grids[mine], dtype=grid.dtype))
+        return self._exchanged(output, vision, kind, mine)
+
+    def _exchanged(self, output, vision, kind, mine):
+        """The whole-sized output of this rank's `output` (None: no piece ran here) after the exchange."""
+        if output is not None:
             local = self.spec.features(output)
-        else:
-            widths = self.shape.row_bytes // paddle.empty([0], dtype=_dtype(self.layer)).element_size()
-            local = [paddle.zeros([0, widths], dtype=_dtype(self.layer))]
-        whole = exchanged(local, vision, kind, batch.group)
-        return self.spec.rebuilt(output, whole) if output is not None else self._as_output(whole)
+        else:  # no piece here: nothing to run, but its exchange joins the others' backward as theirs joins its own
+            frozen = all(p.stop_gradient for p in self.layer.parameters())  # then no rank's exchange has a backward
+            local = [paddle.zeros([0, width], dtype=_dtype(self.layer)) for width in self.widths]
+            for empty in local:
+                empty.stop_gradient = frozen
+        whole = exchanged(local, vision, kind, self.sep.groups.sep)
+        if output is not None or self.spec.outputs != "pooler":
+            return self.spec.rebuilt(output, whole)
+        return _NotRun(pooler_output=whole[0])
 
-    def _as_output(self, tensors):
-        """The tower's output structure, for a rank that did not run it (no piece here)."""
-        if self.spec.outputs == "pooler":
-            from types import SimpleNamespace
 
-            return SimpleNamespace(pooler_output=tensors[0], last_hidden_state=None)
-        return self.spec.rebuilt(None, tensors)
+class _NotRun:
+    """What a tower call gives on a rank with no piece, where the model reads its output's fields."""
+
+    def __init__(self, pooler_output=None):
+        self.pooler_output, self.last_hidden_state = pooler_output, None
+
+
+def _vision_split():
+    """The VisionLayout of the batch merging now, or None (no split, or check_parity's one-card forward)."""
+    batch = batch_context.merging()
+    if batch is None or runtime.state.context_parallel_paused:
+        return None
+    return batch.vision
 
 
 def exchanged(local, vision, kind, group):
@@ -244,10 +304,13 @@ def exchanged(local, vision, kind, group):
     received = np.concatenate([np.flatnonzero(here & (computed_by == source)) for source in range(group.size)])
     receive_sizes = [int((here & (computed_by == source)).sum()) for source in range(group.size)]
     rows = paddle.index_select(packed, paddle.to_tensor(order), axis=0) if len(order) else packed
-    rows = comm_autograd.all_to_all(rows, group, 0, 0, sizes.tolist(), receive_sizes, tag=TAG)  # [mine held, W]
-    whole = paddle.zeros([len(destinations), packed.shape[1]], dtype=packed.dtype)
-    if len(received):
-        whole = paddle.scatter(whole, paddle.to_tensor(received), rows, overwrite=True)
+    rows = comm_autograd.all_to_all(rows, group, 0, 0, sizes.tolist(), receive_sizes, tag=TAG)  # [held here, W]
+    # [features, W]: each feature's row among those received, or a zero row; a gather even where none arrived, so
+    # that every rank's backward runs the exchange's (a rank leaving it out would leave the others waiting there)
+    source = np.full(len(destinations), len(received), np.int64)
+    source[received] = np.arange(len(received))
+    padded = paddle.concat([rows, paddle.zeros([1, packed.shape[1]], dtype=packed.dtype)])
+    whole = paddle.index_select(padded, paddle.to_tensor(source), axis=0)
     return paddle.split(whole, widths, axis=1) if len(widths) > 1 else [whole]
 
 
