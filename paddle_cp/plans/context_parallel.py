@@ -213,6 +213,7 @@ class PrepareContextParallel(_SepPlan):
         super().check(layer, mesh, param_names)
         _check_rope(layer)
         vision_language.check_known(layer)
+        vision_language.check_config(layer)
         keyed_inside = vision_language.language_model_rule(layer)
         if keyed_inside is not None and keyed_inside.after_language_model:
             raise ValueError(

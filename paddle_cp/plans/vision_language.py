@@ -66,9 +66,10 @@ class VisionLanguage:
     model makes from its whole inputs and hands, after the language model, to those sublayers with this rank's
     hidden states (ERNIE-VL's head and loss get the labels' token types), split in the batch's layout when
     called; `documents`: whether its top model hands `attn_mask_startend_row_indices` on (a model that drops
-    them attends across packed documents on one card: refused, not confined); `vision`: its vision tower (a
-    plans/vision_split.py VisionTower), which ContextParallel splits by images, called on the media in `media`'s
-    order."""
+    them attends across packed documents on one card: refused, not confined); `refused`: {config attribute: (the
+    value the split reproduces one card with, why another is refused)}, checked at parallelize; `vision`: its
+    vision tower (a plans/vision_split.py VisionTower), which ContextParallel splits by images, called on the media
+    in `media`'s order."""
 
     package: str
     merges: dict
@@ -81,6 +82,7 @@ class VisionLanguage:
     shifted: tuple = ()
     after_language_model: dict = field(default_factory=dict)
     documents: bool = True
+    refused: dict = field(default_factory=dict)
     vision: object = None
 
     def __post_init__(self):
@@ -148,6 +150,17 @@ def check_known(layer):
             "split after that merge. Key PrepareContextParallel on its language model (the decoder it calls with "
             "inputs_embeds) and split the labels with pcp.shard_sequence(labels, backend=<that plan>), or register "
             "the family's rule: pcp.register_vision_language(pcp.VisionLanguage(...)) (docs/vision_language.md)")
+
+
+def check_config(layer):
+    """Refuse a vision-language model (or its language model) whose config sets what its rule's split does not
+    reproduce one card with."""
+    rule = merging_rule(layer) or language_model_rule(layer)
+    for path, (supported, why) in (rule.refused.items() if rule is not None else ()):
+        value = rule.config_value(layer, path)
+        if value != supported:
+            raise ValueError(f"{type(layer).__name__} has {path}={value!r}: {why}. Train it with {path}={supported!r} "
+                             "under context parallelism")
 
 
 def position_split_dim(rule, value, batch, seq_len):

@@ -141,3 +141,20 @@ def test_frames_merged_into_one_token_count_rounded_up():
     refusal = vl.media_refusal(rule, _Ernie(), {**inputs, "input_ids": paddle.to_tensor([[9] * 13 + [1]])})
     assert "hold 13 placeholder tokens (id 9) but the image or video grids make 14 features (ceil(t / 2) x h x w / 4" \
         in str(refusal)
+
+
+def test_a_config_the_rule_refuses_is_refused_naming_the_value_that_trains():
+    class Refusing(paddle.nn.Layer):
+        def __init__(self, heads):
+            super().__init__()
+            self.config = SimpleNamespace(second_head=heads)
+
+        def forward(self, input_ids, images=None):
+            return input_ids
+
+    Refusing.__module__ = "tests.unit.refusing"
+    pcp.register_vision_language(pcp.VisionLanguage("tests.unit.refusing", merges={"Refusing": "inner"},
+                                                    language_models=(), refused={"second_head": (0, "two means")}))
+    vl.check_config(Refusing(0))
+    with pytest.raises(ValueError, match=r"Refusing has second_head=8: two means\. Train it with second_head=0"):
+        vl.check_config(Refusing(8))
