@@ -1,7 +1,7 @@
 """PaddleFormers' vision-language families under context parallelism with the plan users write: 3 AdamW steps equal
 one card (losses, first-step logits, every gradient, parameters) on ring, Ulysses and hybrid, lengths 2N does not
-divide, two images of different sizes, a video, packed samples, padded rows; PrepareContextParallel keyed as Paddle
-spells it too; bad inputs and plans refused on every rank."""
+divide, two images of different sizes, a video, packed samples, padded rows (ERNIE-4.5-VL: images, a video);
+PrepareContextParallel keyed as Paddle spells it too; bad inputs and plans refused on every rank."""
 import pytest
 
 from launcher import launch
@@ -15,10 +15,12 @@ RUNS = {
         "qwen3_vl_moe:p2p:images", "qwen3_vl_moe:all2all:packed",
         "glm4v_moe:p2p:video", "glm4v_moe:all2all:images", "glm4v_moe:p2p:packed",
         "glm_ocr:p2p:images", "glm_ocr:all2all:packed", "glm_ocr:p2p:text",
-        "paddleocr_vl:p2p:rows", "paddleocr_vl:all2all:packed"],
+        "paddleocr_vl:p2p:rows", "paddleocr_vl:all2all:packed",
+        "ernie4_5_vl:p2p:images", "ernie4_5_vl:all2all:video"],
     4: ["qwen2_5_vl:hybrid:2:packed", "qwen2_5_vl:p2p:video", "qwen3_vl:hybrid:2:images",
         "qwen3_vl_moe:hybrid:2:video", "glm4v_moe:hybrid:2:video", "glm_ocr:hybrid:2:packed",
-        "paddleocr_vl:hybrid:2:rows", "paddleocr_vl:p2p:images"],
+        "paddleocr_vl:hybrid:2:rows", "paddleocr_vl:p2p:images",
+        "ernie4_5_vl:hybrid:2:images", "ernie4_5_vl:p2p:video"],
 }
 REFUSALS = {  # bad input or plan -> what its error must say
     "too_few_image_tokens": "give each image as many placeholder tokens as its grid merges into",
@@ -27,6 +29,10 @@ REFUSALS = {  # bad input or plan -> what its error must say
     "rope_indices_transposed": "[3, batch, seq]",
     "vision_only_plan": "'model.language_model.layers.*.self_attn': pcp.ContextParallel('p2p')",
     "unknown_family": "pcp.register_vision_language",
+    "ernie_documents_dropped": "Pass the documents as a dense attention_mask [batch, 1, seq, seq]",
+    "ernie_too_few_video_tokens": "grids make 8 features (ceil(t / 2) x h x w / 4, summed)",
+    "ernie_keyed_on_decoder": "key PrepareContextParallel on the top model ('') instead",
+    "ernie_second_head": "has mm_vocab_size=8: its second head scores only the tokens whose label is an image",
 }
 
 
@@ -50,7 +56,21 @@ def test_vision_language_models_train_like_one_card(reports):
             losses = values[f"{run}.losses"]
             assert losses[-1] < losses[0], f"{run}: training should reduce the loss"
     if world == 4:  # a rank holding nothing but video tokens (no label) trains too: its loss is a zero, not 0/0
-        assert min(report["values"]["qwen2_5_vl:p2p:video.labelled"] for report in reports) == 0
+        for run in ("qwen2_5_vl:p2p:video", "ernie4_5_vl:p2p:video"):
+            assert min(report["values"][f"{run}.labelled"] for report in reports) == 0, run
+
+
+def test_ernie_vl_ranks_route_their_tokens_as_one_card(reports):
+    """ERNIE-VL's decoder layers send text tokens to the text experts of the multimodal MoE block when any token of
+    what they get is an image's, else to `mlp_text` (the same experts, on their own): the shifted token types' last
+    column makes every rank decide as one card over the whole batch, a rank of text tokens only included (ring 4 of
+    the video batch), so every rank has every gradient the batch gives (no bucket agreed uneven)."""
+    world, reports = reports
+    for report in reports:
+        for run in (run for run in RUNS[world] if run.startswith("ernie4_5_vl")):
+            assert report["values"][f"{run}.uneven_buckets"] == 0, (report["rank"], run)
+    if world == 4:
+        assert any(report["values"]["ernie4_5_vl:p2p:video.text_only"] for report in reports)
 
 
 def test_bad_inputs_and_plans_are_refused_on_every_rank(reports):
@@ -60,5 +80,6 @@ def test_bad_inputs_and_plans_are_refused_on_every_rank(reports):
             kind, message = report["errors"][name]
             assert kind == "ValueError" and fix in message, (report["rank"], name, kind, message)
         for name in ("too_few_image_tokens", "grids_disagree_with_pixels", "pixels_without_grids",
-                     "rope_indices_transposed"):  # refused in the batch check, before the model's collectives
+                     "rope_indices_transposed", "ernie_documents_dropped", "ernie_too_few_video_tokens"):
+            # refused in the batch check, before the model's collectives
             assert report["values"][f"{name}.sent"] == ["cp_batch_check"], (name, report["values"][f"{name}.sent"])

@@ -12,6 +12,7 @@ import types
 
 import numpy as np
 
+import ernie_vl
 from paddleformers_models import stub_gpu_modules
 
 TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -23,7 +24,7 @@ VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_
 MROPE = [2, 3, 3]  # halves of the text head dim (16 / 2) given to t, h, w
 # special token ids inside the 128-token vocabulary
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "glm_ocr", "paddleocr_vl")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "glm_ocr", "paddleocr_vl", "ernie4_5_vl")
 # GLM-OCR's video path reads `self.visual.dtype`, which its vision model lacks (AttributeError on one card too);
 # PaddleOCR-VL takes images only
 VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v_moe")
@@ -64,6 +65,8 @@ def _on_cpu(config):
 
 def build(family, **text):
     """A tiny model of `family` with its config's defaults (eager attention), the text part sized by TEXT."""
+    if family == "ernie4_5_vl":  # its own helper: CPU stand-ins of its GPU ops, router losses off (ernie_vl.py)
+        return ernie_vl.build(**ernie_vl.PARITY, **text)
     stub_cpu_stand_ins()
     text = {**TEXT, **text}
     tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO)
@@ -274,6 +277,8 @@ def rows(samples):
 def batch_of(family, kind, model, world, seed=0):
     """A batch of `kind` (images: two of different sizes, video, packed: three samples in one row, rows: two
     padded rows, text) whose length 2 x `world` does not divide."""
+    if family == "ernie4_5_vl":
+        return ernie_vl.batch_of(kind, model, world, seed)
     rng = np.random.RandomState(seed)
     one_image = family == "paddleocr_vl"  # its rope index handles one image per sample
 

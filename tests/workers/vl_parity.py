@@ -10,6 +10,7 @@ the refusals of bad inputs and plans, each recorded with its message.
 """
 import sys
 
+import ernie_vl
 import paddle
 import paddle.distributed as dist
 from report import mean_over_ranks, run, train
@@ -85,7 +86,11 @@ def parallel(family, kind, mesh, backend, degree, key="", split=False):
     losses, grads, params = train(model, opt, steps())
     sent = pcp.bytes_sent()
     whole = pcp.unshard_sequence(logits[0].detach(), backend=prepare, mesh=mesh, **documents)
-    facts = {"tokens": local[0], "labelled": labelled[0], "bytes_sent": sum(sent.values())}
+    facts = {"tokens": local[0], "labelled": labelled[0], "bytes_sent": sum(sent.values()),
+             "uneven_buckets": sum(bucket.uneven for bucket in opt.gradient_buckets.buckets)}
+    if "token_type_ids" in batch:  # ERNIE-VL: [b, s + 1], each token's type first
+        own = pcp.shard_sequence(batch["token_type_ids"][:, :-1], backend=prepare, mesh=mesh)
+        facts["text_only"] = not bool(own.any())  # its decoder layers route as one card's all the same
     if split:
         facts.update(vision_facts(model, mesh), vision_sent=sent.get(vision_split.TAG, 0))
     return (mean_over_ranks(losses, mesh), grads, params), whole, facts
@@ -147,6 +152,34 @@ def refusals(report, mesh):
         "parallelize_plan": {"": pcp.PrepareContextParallel("p2p")}}}))
 
 
+def ernie_refusals(report, mesh):
+    """ERNIE-VL's own: packed documents its top model would drop, PrepareContextParallel keyed on its decoder
+    (its head reads label types the top makes from the whole batch), placeholders for a video's merged frames, a
+    second head for image special tokens (a loss of its own)."""
+    family = "ernie4_5_vl"
+    paddle.seed(0)
+    model = build(family)
+    batch = batch_of(family, "video", model, mesh.shape[0])
+    pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan_for(family, "p2p", None)}})
+    ids = batch["input_ids"].numpy()
+    one_less = ids.copy()
+    one_less[0, list(ids[0]).index(ernie_vl.IM_PATCH)] = 5
+    length = ids.shape[1]
+    bad = {
+        "ernie_documents_dropped": {**batch, "attn_mask_startend_row_indices": paddle.full([1, 1, length], length,
+                                                                                            "int32")},
+        "ernie_too_few_video_tokens": {**batch, "input_ids": paddle.to_tensor(one_less)},
+    }
+    for name, inputs in bad.items():
+        pcp.reset_counters()
+        report.expect_error(name, lambda: model(**{key: value.clone() for key, value in inputs.items()}))
+        report.value(f"{name}.sent", sorted(tag for tag, sent in pcp.bytes_sent().items() if sent))
+    report.expect_error("ernie_keyed_on_decoder", lambda: pcp.parallelize(build(family), None, mesh, {"cp_config": {
+        "parallelize_plan": plan_for(family, "p2p", None, key="language")}}))
+    report.expect_error("ernie_second_head", lambda: pcp.parallelize(build(family, mm_vocab_size=8), None, mesh, {
+        "cp_config": {"parallelize_plan": plan_for(family, "p2p", None)}}))
+
+
 def main(report):
     mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["sep"])
     for spec in sys.argv[1:]:
@@ -165,6 +198,7 @@ def main(report):
             report.value(f"{spec}.{name}", value)
     report.value("runs", sys.argv[1:])
     refusals(report, mesh)
+    ernie_refusals(report, mesh)
 
 
 if __name__ == "__main__":
