@@ -16,11 +16,16 @@ RUNS = {
         "glm4v_moe:p2p:video", "glm4v_moe:all2all:images", "glm4v_moe:p2p:packed",
         "glm_ocr:p2p:images", "glm_ocr:all2all:packed", "glm_ocr:p2p:text",
         "paddleocr_vl:p2p:rows", "paddleocr_vl:all2all:packed",
-        "ernie4_5_vl:p2p:images", "ernie4_5_vl:all2all:video"],
+        "ernie4_5_vl:p2p:images", "ernie4_5_vl:all2all:video",
+        # the vision tower split by images too
+        "qwen2_5_vl:p2p:split:images", "qwen3_vl:all2all:split:video", "glm_ocr:p2p:split:images",
+        "paddleocr_vl:p2p:split:rows"],
     4: ["qwen2_5_vl:hybrid:2:packed", "qwen2_5_vl:p2p:video", "qwen3_vl:hybrid:2:images",
         "qwen3_vl_moe:hybrid:2:video", "glm4v_moe:hybrid:2:video", "glm_ocr:hybrid:2:packed",
         "paddleocr_vl:hybrid:2:rows", "paddleocr_vl:p2p:images",
-        "ernie4_5_vl:hybrid:2:images", "ernie4_5_vl:p2p:video"],
+        "ernie4_5_vl:hybrid:2:images", "ernie4_5_vl:p2p:video",
+        "qwen2_5_vl:p2p:split:video", "qwen3_vl_moe:hybrid:2:split:images", "glm4v_moe:p2p:split:video",
+        "glm_ocr:all2all:split:packed", "paddleocr_vl:hybrid:2:split:packed", "qwen3_vl:p2p:split:frozen:images"],
 }
 REFUSALS = {  # bad input or plan -> what its error must say
     "too_few_image_tokens": "give each image as many placeholder tokens as its grid merges into",
@@ -33,6 +38,7 @@ REFUSALS = {  # bad input or plan -> what its error must say
     "ernie_too_few_video_tokens": "grids make 8 features (ceil(t / 2) x h x w / 4, summed)",
     "ernie_keyed_on_decoder": "key PrepareContextParallel on the top model ('') instead",
     "ernie_second_head": "has mm_vocab_size=8: its second head scores only the tokens whose label is an image",
+    "ernie_vision_split": "paddle_cp splits a vision tower by images only where its family's rule names the tower",
 }
 
 
@@ -55,6 +61,16 @@ def test_vision_language_models_train_like_one_card(reports):
             assert local < whole and values[f"{run}.bytes_sent"] > 0, (run, local, whole)  # split, and attended across
             losses = values[f"{run}.losses"]
             assert losses[-1] < losses[0], f"{run}: training should reduce the loss"
+    split = [run for run in RUNS[world] if ":split:" in run]
+    for run in split:  # every piece ran once, on one rank; each feature sent only where its token is
+        pieces = [report["values"][f"{run}.pieces"] for report in reports]
+        assert sum(mine for mine, _ in pieces) == pieces[0][1], (run, pieces)
+        assert all(mine < total for mine, total in pieces), (run, pieces)  # no rank ran every piece
+        for report in reports:
+            values = report["values"]
+            assert values[f"{run}.vision_sent"] == values[f"{run}.vision_expected"], (run, report["rank"])
+    if world == 4:  # ranks running no piece take part (their exchange's backward too)
+        assert any(report["values"][f"{run}.pieces"][0] == 0 for run in split for report in reports)
     if world == 4:  # a rank holding nothing but video tokens (no label) trains too: its loss is a zero, not 0/0
         for run in ("qwen2_5_vl:p2p:video", "ernie4_5_vl:p2p:video"):
             assert min(report["values"][f"{run}.labelled"] for report in reports) == 0, run

@@ -2,10 +2,11 @@
 ({"": PrepareContextParallel, "<language model>.layers.*.self_attn": ContextParallel}, every rank passing the whole
 batch) vs one process on the same batch.
 
-argv: the runs, each "family:backend[:degree][:inner|:language]:kind" (kind: images, rows, video, packed, text;
+argv: the runs, each "family:backend[:degree][:inner|:language][:split][:frozen]:kind" (kind: images, rows, video, packed, text;
 vl_models.batch_of): lengths 2N does not divide; losses weighted by each rank's labelled tokens (its labels split by
 shard_sequence after the forward, in the batch's layout). "inner": PrepareContextParallel keyed on the inner model
-that merges (Paddle's spelling), "language": on the language model, the labels split before the forward. Then
+that merges (Paddle's spelling), "language": on the language model, the labels split before the forward;
+"split": ContextParallel on the vision tower too (split by images), "frozen": the tower not trained. Then
 the refusals of bad inputs and plans, each recorded with its message.
 """
 import sys
@@ -43,9 +44,18 @@ def plan_for(family, backend, degree, key="", split=False):
     return plan
 
 
-def reference(family, kind, world):
+def built(family, frozen=False):
+    """The family's tiny model; `frozen`: its vision tower not trained (no gradient), as a user freezing it."""
     paddle.seed(2024)
     model = build(family)
+    if frozen:
+        for param in model.get_sublayer(VISION_TOWERS.get(family, "model.visual")).parameters():
+            param.stop_gradient = True
+    return model
+
+
+def reference(family, kind, world, frozen=False):
+    model = built(family, frozen)
     batch = batch_of(family, kind, model, world)
     logits = []
 
@@ -58,9 +68,8 @@ def reference(family, kind, world):
     return train(model, adamw(model), steps()), logits[0]
 
 
-def parallel(family, kind, mesh, backend, degree, key="", split=False):
-    paddle.seed(2024)
-    model = build(family)
+def parallel(family, kind, mesh, backend, degree, key="", split=False, frozen=False):
+    model = built(family, frozen)
     batch = batch_of(family, kind, model, mesh.shape[0])
     plan = plan_for(family, backend, degree, key, split)
     model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
@@ -99,10 +108,11 @@ def parallel(family, kind, mesh, backend, degree, key="", split=False):
 def vision_facts(model, mesh):
     """What the last forward's vision split did on this rank: the pieces it ran of all, the features it computed
     of all, and the bytes its exchanges send in STEPS steps by the layout (the features its tokens' owners lack,
-    forward, and the gradients of those it received, backward)."""
+    forward, and the gradients of those it received, backward, unless the tower is frozen)."""
     vision = batch_context.last_split(resolve_group(mesh)).vision
     tower = next(layer for layer in model.sublayers() if layer in runtime.installed.vision_splits)
     row_bytes = runtime.installed.vision_splits[tower].shape.row_bytes
+    backward = not all(param.stop_gradient for param in tower.parameters())
     facts = {"pieces": [0, 0], "features": [0, 0], "vision_expected": 0}
     for kind, pieces in vision.pieces.items():
         computed, destination = vision.feature_ranks(kind), vision.destinations(kind)
@@ -110,7 +120,8 @@ def vision_facts(model, mesh):
         facts["pieces"] = [facts["pieces"][0] + int((vision.rank[kind] == here).sum()),
                            facts["pieces"][1] + len(pieces.grids)]
         facts["features"] = [facts["features"][0] + int((computed == here).sum()), facts["features"][1] + len(computed)]
-        rows = int(((computed == here) & (destination != here)).sum() + ((destination == here) & (computed != here)).sum())
+        rows = int(((computed == here) & (destination != here)).sum()
+                   + backward * ((destination == here) & (computed != here)).sum())
         facts["vision_expected"] += STEPS * rows * row_bytes
     return facts
 
@@ -178,6 +189,9 @@ def ernie_refusals(report, mesh):
         "parallelize_plan": plan_for(family, "p2p", None, key="language")}}))
     report.expect_error("ernie_second_head", lambda: pcp.parallelize(build(family, mm_vocab_size=8), None, mesh, {
         "cp_config": {"parallelize_plan": plan_for(family, "p2p", None)}}))
+    plan = {**plan_for(family, "p2p", None), "vision_model": pcp.ContextParallel("p2p")}  # no VisionTower rule
+    report.expect_error("ernie_vision_split", lambda: pcp.parallelize(build(family), None, mesh, {
+        "cp_config": {"parallelize_plan": plan}}))
 
 
 def main(report):
@@ -187,8 +201,9 @@ def main(report):
         degree = next((int(x) for x in rest if x.isdigit()), None)
         key = next((x for x in rest if x in ("inner", "language")), "")
         kind = rest[-1]
-        want, want_logits = reference(family, kind, mesh.shape[0])
-        got, got_logits, facts = parallel(family, kind, mesh, backend, degree, key, "split" in rest)
+        frozen = "frozen" in rest
+        want, want_logits = reference(family, kind, mesh.shape[0], frozen)
+        got, got_logits, facts = parallel(family, kind, mesh, backend, degree, key, "split" in rest, frozen)
         report.training(spec, got, want)
         report.diff(f"{spec}.logits", got_logits, want_logits)
         report.value(f"{spec}.grads_compared", len(set(got[1]) & set(want[1])))
