@@ -46,12 +46,13 @@ path and paddle_cp hold it:
   (not split over tp), the tower's activations and the merge's kept to the tower's backward (every micro-batch in
   flight) and the batch's pixel values, in every phase; the tower's backward a phase of its own: the decoder's
   activations gone, the gradients held, the merged embeddings' two gradients and the features' (or, recomputed,
-  the features' and a rebuilt block with MLP_GRADIENT_TENSORS [patches, intermediate] gradients).
+  the features' and a rebuilt block with MLP_GRADIENT_TENSORS [patches, intermediate] gradients); the batch check's
+  fingerprint of the pixel values a phase too, at the forward's start.
 
 peak = max(loss backward: weights + optimizer + activations + 3 x logits (or the chunked loss's temporaries),
            layer backward: weights + optimizer + max(activations, held gradients) + a recomputed layer + level
            3's fetched parameter, step: weights + optimizer + held gradients + BUCKET_COPIES x a bucket
-           [, vision backward]).
+           [, vision backward, batch check]).
 The constants were measured on CPU, fp32, with `pcp-memory` (Paddle 3.3.1, PaddleFormers 1.2.0): the
 activation inventory within 1% of PaddleFormers' Llama per layer; the rest checked by `pcp-memory --layouts`
 (docs/tools.md gives the table). Fused GPU kernels (RMSNorm, SwiGLU) hold less: there it is an upper bound.
@@ -62,7 +63,7 @@ from .attention import FP32, attention_held_bytes, ring_kv_heads
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL
 from .exchange import chunk_reads, received_rows, replay_holds
 from .rms_norm import rms_norm_kept
-from .vision_language import NO_VISION, vision_terms
+from .vision_language import NO_VISION, batch_check_bytes, vision_terms
 
 MOMENTS_BYTES = 2 * FP32  # AdamW's two moments per parameter, fp32
 CHUNK_TEMPORARIES = 6  # [chunk, vocab] fp32 tensors PaddleFormers' fused head + loss holds at once in backward
@@ -77,8 +78,8 @@ MOE_TENSORS_PER_EXPERT_WIDTH = 10
 MOE_ROUTER_BYTES_PER_EXPERT = 292
 FUSED_KERNELS = ("rms_norm", "rope")  # GPU kernels whose activations `fused` may count
 # the vision-language terms a stage reports (vision_language.vision_terms; zeros for a text model)
-VISION_TERMS = ("vision_activations", "features", "merge", "inputs_embeds", "pixel_values", "exchange_bytes",
-                "patches")
+VISION_TERMS = ("vision_activations", "features", "merge", "inputs_embeds", "pixel_values", "batch_check",
+                "exchange_bytes", "patches")
 
 
 def stage_layers(model, pp, stage):
@@ -288,7 +289,7 @@ def vision_stage_terms(model, layout, seq, batch, elem, stage, fused=False, visi
     the batch's pixel values), `backward`: what the tower's backward adds at its largest (the merged embeddings'
     two gradients and the features', or the features' and the recomputed block's with its MLP gradients)."""
     if vision is None or stage != 0 or not model.vision:
-        return {**NO_VISION, "held": 0, "backward": 0}
+        return {**NO_VISION, "held": 0, "backward": 0, "batch_check": 0}
     sequences = batch / layout.micro
     terms = {k: v * (batch if k == "pixel_values" else sequences)
              for k, v in vision_terms(model, layout, seq, elem, fuses(fused, "rms_norm"), vision,
@@ -296,7 +297,7 @@ def vision_stage_terms(model, layout, seq, batch, elem, stage, fused=False, visi
     held = (terms["vision_activations"] + terms["merge"]) * in_flight(layout, stage) + terms["pixel_values"]
     mlp_gradients = terms["patches"] * MLP_GRADIENT_TENSORS * model.vision.intermediate * elem
     backward = terms["features"] + max(2 * terms["inputs_embeds"], terms["vision_rebuilt"] + mlp_gradients)
-    return {**terms, "held": held, "backward": backward}
+    return {**terms, "held": held, "backward": backward, "batch_check": batch_check_bytes(terms["pixel_values"])}
 
 
 def stage_memory(model, layout, seq, batch, elem, stage, fused=False, master_grad=True, vision=None):
@@ -325,6 +326,7 @@ def stage_memory(model, layout, seq, batch, elem, stage, fused=False, master_gra
               "step": base + gradients + max(BUCKET_COPIES * state["bucket"], returning) + tower["pixel_values"]}
     if tower["held"]:  # the decoder's activations are gone, every gradient but the tower's is made
         phases["vision_backward"] = base + gradients + tower["held"] + tower["backward"] + fetched
+        phases["batch_check"] = base + tower["pixel_values"] + tower["batch_check"]  # before the tower's forward
     return {"weights": state["weights"], "gradients": state["gradients"], "optimizer": state["optimizer"],
             "activations": held, "logits": logits_held, "phases": phases, "peak": max(phases.values()),
             "stage": stage, "host": host + state["host_optimizer"],

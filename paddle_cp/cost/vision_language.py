@@ -16,6 +16,10 @@ receiver):
 - inputs_embeds: the merged [seq, hidden] embeddings, whole on every rank, alive during the language model's
   forward, and the size of their gradient in the tower's backward;
 - pixel_values: the batch's patches in fp32 as the processor makes them, every rank passing the whole batch;
+- batch_check: PrepareContextParallel's check that every rank passed the same batch, at the top model's forward
+  (plans/same_batch.py), fingerprints the pixel values (comm/fingerprint.py): their bits as one int64 copy, then
+  FINGERPRINT_TEMPORARIES int64 temporaries of a chunk of FINGERPRINT_CHUNK elements (measured: 10 int64 tensors
+  of the values' size on a video below the chunk, within 1%), transient, before the tower;
 - exchange_bytes (split): the features of positions a rank holds that another computed, in the language model's
   dtype, forward, and their gradients back the same size, backward (one all-to-all each way).
 """
@@ -29,6 +33,9 @@ from .vision_tower import KERNELS, tower_bytes
 
 MODES = ("whole", "split")
 MERGE_BYTES = 8 + 1  # per embedding element and kind of media: masked_scatter's int64 index, the bool mask
+FINGERPRINT_CHUNK = 1 << 20  # elements comm/fingerprint.py walks at a time (its _CHUNK)
+FINGERPRINT_TEMPORARIES = 9  # int64 chunk-sized tensors alive at once as it does (measured)
+INT64 = 8
 
 
 @dataclass(frozen=True)
@@ -62,17 +69,25 @@ class VisionBatch:
             self._memo[key] = split_layout(model, self.media, seq, layout.ring, layout.ulysses, elem)
         return self._memo[key]
 
-    def tower(self, vision, computed, elem, fused_norm, recompute):
-        """vision_tower.tower_bytes of the media `computed`, under this batch's kernel."""
-        key = ("tower", vision, computed, elem, fused_norm, recompute)
+    def tower(self, vision, computed, elem, fused_norm, recompute, split):
+        """vision_tower.tower_bytes of the media `computed`, under this batch's kernel; the tower reads a copy of
+        the pixel rows below fp32 (the model's cast) and under the `split` (a rank's rows selected)."""
+        key = ("tower", vision, computed, elem, fused_norm, recompute, split)
         if key not in self._memo:
-            self._memo[key] = tower_bytes(vision, computed, elem, fused_norm, self.kernel, recompute)
+            self._memo[key] = tower_bytes(vision, computed, elem, fused_norm, self.kernel, recompute,
+                                          own_pixels=split or elem < FP32)
         return self._memo[key]
 
     def computed(self, model, layout, seq, elem):
         """The media the busiest rank's tower computes: every one (whole), or its pieces (split)."""
         split = self.split(model, layout, seq, elem)
         return self.media if split is None else split.busiest()
+
+
+def batch_check_bytes(pixel_bytes):
+    """The batch check's transient over `pixel_bytes` of fp32 pixel values (a whole batch's: the module docstring)."""
+    elements = pixel_bytes // FP32
+    return INT64 * (elements + FINGERPRINT_TEMPORARIES * min(elements, FINGERPRINT_CHUNK))
 
 
 def exchange_bytes(model, layout, seq, elem, batch):
@@ -88,7 +103,7 @@ def vision_terms(model, layout, seq, elem, fused_norm, batch, recompute):
     vision = model.vision
     split = batch.split(model, layout, seq, elem)
     computed = batch.computed(model, layout, seq, elem)
-    tower = batch.tower(vision, computed, elem, fused_norm, recompute)
+    tower = batch.tower(vision, computed, elem, fused_norm, recompute, split is not None)
     kinds = len({item.kind for item in batch.media})
     features = sum(item.tokens(vision) for item in computed)
     if split is not None:  # what it receives, and the whole-sized buffer the model's merge takes

@@ -13,9 +13,10 @@ model's code (its RMSNorm and vision RoPE cast to fp32), not measured (the CPU b
   the kernel's contract, not measured); the output projection's input (C); the SwiGLU MLP's gate, up, activation
   and product (4 I). Under full recomputation a block keeps its input alone (C; measured) and one block is rebuilt
   in backward.
-- outside the blocks: the rotary tables cos and sin (2 x head_dim, fp32, once); below fp32 the patch embedding's
-  cast copy of the pixel values (patch_pixels x elem; in fp32 it reads the batch's own); the merger's RMSNorm, its
-  GELU's input and output (2 C), the window order and its inverse (an int64 each per token).
+- outside the blocks: the rotary tables cos and sin (2 x head_dim, fp32, once); the pixel rows the patch embedding
+  reads when they are a copy of the batch's (`own_pixels`: the model's cast below fp32, or the split's selection of
+  a rank's pieces; patch_pixels x elem; measured in fp32 for the split); the merger's RMSNorm, its GELU's input and
+  output (2 C), the window order and its inverse (an int64 each per token).
 
 Attention is called per window (windowed blocks: windows of window_side^2 patches, fewer at the frame's edges, as
 get_window_index cuts them) or per temporal patch (full blocks: h x w patches), never across two: each call a
@@ -87,19 +88,19 @@ def block_bytes(vision, media, full, elem, fused=False, kernel="flash"):
     return 2 * _norm(vision, patches, elem, fused) + patches * dense + kernel_bytes(vision, lengths, elem, kernel)
 
 
-def outside_blocks(vision, media, elem, fused=False):
-    """Bytes the tower holds outside its blocks: rotary tables, the pixel values' cast (below fp32), the merger."""
+def outside_blocks(vision, media, elem, fused=False, own_pixels=False):
+    """Bytes the tower holds outside its blocks: rotary tables, its own copy of the pixel rows, the merger."""
     patches = sum(item.patches for item in media)
     tables = patches * 2 * vision.head_dim * FP32
-    pixels = patches * vision.patch_pixels * elem if elem < FP32 else 0
+    pixels = patches * vision.patch_pixels * elem if own_pixels else 0
     merger = _norm(vision, patches, elem, fused) + patches * MERGER_TENSORS * vision.hidden * elem
     order = 2 * INDEX * patches // vision.merge_unit
     return tables + pixels + merger + order
 
 
-def tower_bytes(vision, media, elem, fused=False, kernel="flash", recompute=False):
+def tower_bytes(vision, media, elem, fused=False, kernel="flash", recompute=False, own_pixels=False):
     """{"held": bytes the tower holds from its forward to its backward, "rebuilt": what recomputation rebuilds at
-    once in backward (the largest block; 0 without)} over `media` (a tuple)."""
+    once in backward (the largest block; 0 without)} over `media`; `own_pixels`: outside_blocks'."""
     if not media:
         return {"held": 0, "rebuilt": 0}
     patches = sum(item.patches for item in media)
@@ -111,7 +112,7 @@ def tower_bytes(vision, media, elem, fused=False, kernel="flash", recompute=Fals
     else:
         held = sum(count * blocks[full] for full, count in block_kinds(vision) if count)
         rebuilt = 0
-    return {"held": held + outside_blocks(vision, media, elem, fused), "rebuilt": rebuilt}
+    return {"held": held + outside_blocks(vision, media, elem, fused, own_pixels), "rebuilt": rebuilt}
 
 
 def block_tiles(lengths):

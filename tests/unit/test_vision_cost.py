@@ -103,6 +103,8 @@ def test_below_fp32_the_norms_and_rope_keep_fp32_copies():
     clip = (video(VISION, 4, 448, 448),)
     bf16, fp32 = (tower_bytes(VISION, clip, elem)["held"] for elem in (2, 4))
     assert 0.5 * fp32 < bf16 < 0.75 * fp32  # not half: fp32 norm inputs, rotary tables and RoPE's q and k
+    copied = tower_bytes(VISION, clip, 2, own_pixels=True)["held"] - bf16  # its pixel rows: a cast, or the split's
+    assert copied == clip[0].patches * 3 * 2 * 14 * 14 * 2
 
 
 def test_split_pieces_are_whole_temporal_patches_and_every_feature_is_computed_once():
@@ -139,6 +141,9 @@ def test_a_vision_language_batch_adds_its_terms_to_the_first_stage():
     assert whole["vision_activations"] > 6 * split["vision_activations"]  # 60 pieces over 8 ranks
     assert whole["merge"] == split["merge"] == seq * 3584 * 9  # masked_scatter's int64 index and bool mask
     assert whole["pixel_values"] == 61440 * 1176 * 4  # the batch's fp32 patches on every rank
+    # the batch check fingerprints them at the forward's start: an int64 copy and 9 chunks of 2^20 int64 temporaries
+    base = whole["weights"] + whole["optimizer"]
+    assert whole["phases"]["batch_check"] == base + whole["pixel_values"] + 8 * (61440 * 1176 + 9 * 2 ** 20)
     assert whole["peak"] - split["peak"] > 0.8 * (whole["vision_activations"] - split["vision_activations"])
     assert whole["exchange_bytes"] == 0 < split["exchange_bytes"]
     # a text batch on the VL model: the tower's bf16 weights, fp32 master and moments, fp32 gradients
