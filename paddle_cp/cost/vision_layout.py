@@ -16,10 +16,13 @@ Priced per rank, forward + backward, as the language layout is (cost/tiles.py's 
   backward the gradients of the features it computed for others), on the links they come over.
 Matmuls at GEMM_TFLOPS, the bf16 GEMM rate measured on the H200 (695-772 at Llama-8B shapes).
 
-The placement: the pieces, costliest first, each where the slowest rank of both stages, exchange included,
-ends earliest; of those, on the rank finishing earliest (its load so far, language work included, plus the
-piece), then on the rank holding most of its tokens. So vision fills around the language layout, the slowest
-rank of vision + language is what is balanced, and a piece goes where its tokens are when that costs nothing.
+The exchange between the stages waits for every rank (forward: the language model needs its tokens' features;
+backward: the tower needs theirs), so a step costs the slowest rank's vision, then the slowest exchange, then
+the slowest rank's language work, each stage balanced on its own: the language layout's candidates are priced
+with the pieces placed for each (the exchange they cause depends on which rank holds which token), and the
+cheapest total wins. The placement: the pieces, costliest first, each where the slowest vision rank plus the
+slowest exchange ends earliest; of those, on the rank whose vision ends earliest (LPT), then on the rank
+holding most of its tokens: a piece goes where its tokens are when that costs nothing.
 """
 from __future__ import annotations
 
@@ -79,12 +82,9 @@ class VisionPlacement:
     received: np.ndarray
 
     @property
-    def total_ms(self):
-        return self.vision_ms + self.language_ms + self.exchange_ms
-
-    @property
     def slowest_ms(self):
-        return float(self.total_ms.max())
+        """The step's three stages, each waiting for its slowest rank."""
+        return float(self.vision_ms.max() + self.exchange_ms.max() + self.language_ms.max())
 
     @property
     def rows_moved(self):
@@ -93,11 +93,10 @@ class VisionPlacement:
 
 def place(cost, token_owner_counts, language_ms, row_ms):
     """The VisionPlacement of pieces costing `cost[k]` ms whose tokens rank r holds `token_owner_counts[k, r]` of,
-    onto ranks already loaded with `language_ms[r]`; `row_ms[r, q]`: ms for rank r to receive one feature row
+    on ranks whose language work is `language_ms[r]`; `row_ms[r, q]`: ms for rank r to receive one feature row
     from rank q (forward and its gradient backward)."""
     cost = np.asarray(cost, dtype=np.float64)
     owners = np.asarray(token_owner_counts, dtype=np.int64)
-    language_ms = np.asarray(language_ms, dtype=np.float64)
     ranks = len(language_ms)
     vision = np.zeros(ranks)
     exchange = np.zeros(ranks)
@@ -105,22 +104,18 @@ def place(cost, token_owner_counts, language_ms, row_ms):
     rank = np.zeros(len(cost), np.int64)
     for k in np.argsort(-cost, kind="stable"):
         rows = owners[k]
-        # placed on q: every other rank r receives rows[r] from q; q receives nothing of this piece
         incoming = rows[:, None] * row_ms  # [r, q]: ms r spends receiving its rows of k from q
         np.fill_diagonal(incoming, 0.0)
-        finish = language_ms + vision + exchange  # [r]
-        after = finish[:, None] + incoming  # [r, q]: each rank's finish with k on q
-        after[np.arange(ranks), np.arange(ranks)] += cost[k]
-        slowest = after.max(axis=0)  # [q]
+        own = vision + cost[k]  # [q]: q's vision with k on it
+        slowest = np.maximum(vision.max(), own) + (exchange[:, None] + incoming).max(axis=0)  # [q]
         best = np.flatnonzero(slowest <= slowest.min() + NEAR_MS)
-        own = after[best, best]  # each one's own finish: the earliest first (the slowest may not move)
-        best = best[own <= own.min() + NEAR_MS]
+        best = best[own[best] <= own[best].min() + NEAR_MS]
         q = int(best[np.argmax(rows[best])])
         rank[k] = q
         vision[q] += cost[k]
         exchange += incoming[:, q]
         received += np.where(np.arange(ranks) == q, 0, rows)
-    return VisionPlacement(rank, vision, language_ms, exchange, received)
+    return VisionPlacement(rank, vision, np.asarray(language_ms, dtype=np.float64), exchange, received)
 
 
 def rank_of_positions(groups, ulysses=1):

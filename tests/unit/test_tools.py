@@ -136,7 +136,8 @@ def test_console_scripts_name_the_tools_mains():
                         "pcp-bench-pp": bench_pp.main, "pcp-selftest": selftest.main, "pcp-train": cli.main}
 
 
-@pytest.mark.parametrize("tool, name, modes", [(bench, "pcp-bench", ["--pool", "--planning", "--mixer gated_deltanet"]),
+@pytest.mark.parametrize("tool, name, modes", [(bench, "pcp-bench", ["--pool", "--planning", "--vision",
+                                                                         "--mixer gated_deltanet"]),
                                                (memory, "pcp-memory", ["--phases", "--experts", "--sharding"])])
 def test_help_names_the_tool_its_defaults_and_its_other_modes(capsys, tool, name, modes):
     """A newcomer's `--help` finds every mode the docs use (each parsed by its own tool) and each default."""

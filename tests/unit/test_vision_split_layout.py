@@ -20,16 +20,17 @@ def test_the_rank_of_each_position_is_the_layouts(backend, world, degree):
         assert np.array_equal(np.flatnonzero(owner == rank), np.sort(layout.positions(37, rank)))
 
 
-def test_pieces_fill_around_the_language_work_and_go_where_their_tokens_are_when_that_is_free():
-    language = np.array([10.0, 0.0, 0.0, 0.0])
+def test_pieces_are_balanced_stage_by_stage_and_go_where_their_tokens_are_when_that_is_free():
+    language = np.array([10.0, 0.0, 0.0, 0.0])  # the exchange waits for every rank: stages are balanced apart
     owners = np.array([[4, 0, 0, 0], [0, 0, 0, 4], [0, 4, 0, 0], [0, 0, 4, 0], [4, 0, 0, 0]])  # [piece, rank]
     placed = place(np.ones(5) * 3.0, owners, language, np.zeros((4, 4)))
-    # the rank loaded with language work gets no vision; each piece goes to the rank finishing it first, and of
-    # those equal, to the one holding its tokens (piece 1 on rank 3, piece 3 on rank 2)
-    assert placed.rank.tolist() == [1, 3, 2, 2, 1] and placed.vision_ms.tolist() == [0.0, 6.0, 6.0, 3.0]
-    assert placed.slowest_ms == 10.0 and placed.rows_moved == 12  # pieces 0, 2 and 4: 4 rows each
-    costly = place(np.ones(5) * 3.0, owners, language, np.full((4, 4), 1.0))  # receiving a row costs 1 ms
-    assert costly.received.sum() == costly.rows_moved and costly.exchange_ms.sum() == costly.rows_moved
+    assert placed.rank.tolist() == [0, 3, 1, 2, 0] and placed.vision_ms.tolist() == [6.0, 3.0, 3.0, 3.0]
+    assert placed.rows_moved == 0 and placed.slowest_ms == 6.0 + 10.0
+    # every token on rank 0, a row 0.2 ms to receive: three pieces leave (their 12 rows cost rank 0 2.4 ms), the
+    # fifth stays (another 0.8 ms would cost more than its 3 ms on rank 0)
+    costly = place(np.ones(5) * 3.0, owners[[0, 0, 0, 0, 0]], np.zeros(4), np.full((4, 4), 0.2))
+    assert costly.rank.tolist() == [0, 1, 2, 3, 0] and costly.received.tolist() == [12, 0, 0, 0]
+    assert np.isclose(costly.slowest_ms, 6.0 + 2.4)
 
 
 def test_placement_balances_many_pieces_of_different_costs():

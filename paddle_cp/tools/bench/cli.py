@@ -4,6 +4,7 @@
     pcp-bench --mixer gated_deltanet --nproc 2 4 --seq 2048    (a Gated DeltaNet layer: bench/gdn.py)
     pcp-bench --planning --nproc 8 --seq 131072 --documents lognormal   (host planning: bench/planning.py)
     pcp-bench --pool --dp 2 --sep 4 --seq 64K --documents lognormal   (dp x sep pool against fixed: bench/pool.py)
+    pcp-bench --vision --sep 8   (vision-language batches, the vision tower split by images: bench/vision.py)
 
 Launches N CPU ranks itself (`python -m paddle.distributed.launch`, one thread per
 rank), or runs as one of them when started inside a launch (PADDLE_TRAINER_ID set).
@@ -98,6 +99,7 @@ MODES = """\
 other benchmarks, each with its own flags (pcp-bench MODE --help):
   --pool                    the dp x sep pool against fixed dp x sep, priced by the GPU tile model (no ranks)
   --planning                host time to plan one layer's attention (no ranks)
+  --vision                  vision-language batches, the vision tower split by images against others (no ranks)
   --mixer gated_deltanet    a Gated DeltaNet layer under context parallelism instead of attention
 docs/tools.md explains every column."""
 
@@ -235,7 +237,13 @@ def main(argv=None):
     mixer.add_argument("--mixer", choices=["attention", "gated_deltanet"], default="attention")
     mixer.add_argument("--planning", action="store_true")
     mixer.add_argument("--pool", action="store_true")
+    mixer.add_argument("--vision", action="store_true")
     chosen, rest = mixer.parse_known_args(argv)
+    if chosen.vision:  # a vision-language batch's vision tower split by images, priced (bench/vision.py)
+        from paddle_cp.tools.bench import vision as bench_vision
+
+        bench_vision.main(rest)
+        return
     if chosen.pool:  # the dp x sep pool against fixed dp x sep, priced by the tile model (bench/pool.py)
         from paddle_cp.tools.bench import pool as bench_pool
 
