@@ -1,6 +1,7 @@
 """PaddleFormers' vision-language families under context parallelism with the plan users write: 3 AdamW steps equal
 one card (losses, first-step logits, every gradient, parameters) on ring, Ulysses and hybrid, lengths 2N does not
-divide, two images of different sizes, a video, packed samples, padded rows (ERNIE-4.5-VL: images, a video);
+divide, two images of different sizes, a video, packed samples, padded rows (ERNIE-4.5-VL: images, a video), the
+vision tower split by images, Qwen2.5-VL in the bf16 O2 emulation;
 PrepareContextParallel keyed as Paddle spells it too; bad inputs and plans refused on every rank."""
 import pytest
 
@@ -99,3 +100,16 @@ def test_bad_inputs_and_plans_are_refused_on_every_rank(reports):
                      "rope_indices_transposed", "ernie_documents_dropped", "ernie_too_few_video_tokens"):
             # refused in the batch check, before the model's collectives
             assert report["values"][f"{name}.sent"] == ["cp_batch_check"], (name, report["values"][f"{name}.sent"])
+
+
+def test_bf16_o2_with_the_tower_split_is_as_close_to_fp32_as_one_card(reports):
+    """Qwen2.5-VL, a video, its tower split by images, in the CPU emulation of bf16 O2 with fp32 master gradients
+    (tests/workers/emulated_amp.py): its losses and final master weights as far from an fp32 one-card run as one
+    card in the same emulation, within 2x (a loss within half a bf16 ulp of it counts as one card's)."""
+    _, reports = reports
+    for report in reports:
+        values = report["values"]
+        own, got = dict(values["bf16.one_card"]), values["bf16.paddle_cp"]
+        own["loss"] = max(own["loss"], values["bf16.loss_half_ulp"])
+        assert got["loss"] <= 2 * own["loss"] and got["weights"] <= 2 * own["weights"], (got, own)
+        assert own["weights"] > 1e-2  # bf16 really ran: one card is far from fp32

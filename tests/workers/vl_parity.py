@@ -12,7 +12,9 @@ the refusals of bad inputs and plans, each recorded with its message.
 import sys
 
 import ernie_vl
+import numpy as np
 import paddle
+from amp_emulation import emulated
 import paddle.distributed as dist
 from report import mean_over_ranks, run, train
 from vl_models import batch_of, build
@@ -194,6 +196,55 @@ def ernie_refusals(report, mesh):
         "cp_config": {"parallelize_plan": plan}}))
 
 
+def amp_run(family, kind, mesh, amp):
+    """(losses, {name: fp32 weight}, {name: initial weight}) of STEPS AdamW steps of `family` in fp32 or (`amp`) in
+    the CPU emulation of bf16 O2 with fp32 master gradients (decorated after parallelize, as users do); over
+    `mesh` with the vision tower split (None: one card); weights are the fp32 master weights of a bf16 run."""
+    model = built(family)
+    batch = batch_of(family, kind, model, mesh.shape[0] if mesh is not None else 2)
+    opt = paddle.optimizer.AdamW(learning_rate=1e-3, epsilon=1e-3, parameters=model.parameters(),
+                                 multi_precision=amp)
+    initial = {n: p.numpy().copy() for n, p in model.named_parameters()}
+    if mesh is not None:
+        plan = plan_for(family, "p2p", None, split=True)
+        model, opt = pcp.parallelize(model, opt, mesh, {"cp_config": {"parallelize_plan": plan}})
+    if amp:
+        model, opt = paddle.amp.decorate(models=model, optimizers=opt, level="O2", dtype="bfloat16",
+                                         master_grad=True)
+    losses = []
+    for _ in range(STEPS):
+        with paddle.amp.auto_cast(enable=amp, level="O2", dtype="bfloat16"):
+            out = model(**batch, return_dict=True)
+        loss = out.loss.astype("float32")
+        if mesh is not None:
+            labels = pcp.shard_sequence(batch["labels"], backend=plan[""], mesh=mesh)
+            loss = loss * pcp.loss_weight(int((labels != -100).sum()), mesh)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(loss)
+    losses = mean_over_ranks(losses, mesh) if mesh is not None else [float(x) for x in losses]
+    masters = opt._master_weights if amp else {}
+    weights = {n: (masters[p.name] if p.name in masters else p.astype("float32")).numpy()
+               for n, p in model.named_parameters()}
+    return np.array(losses), weights, initial
+
+
+def bf16_distances(report, mesh):
+    """Qwen2.5-VL with its vision tower split, in the bf16 O2 emulation on the sep ranks and on one card, each set
+    beside an fp32 one-card run: the losses' largest difference, the final weights' relative to the fp32 update."""
+    family, kind = "qwen2_5_vl", "video"
+    truth = amp_run(family, kind, None, amp=False)
+    with emulated(True):
+        runs = {"one_card": amp_run(family, kind, None, amp=True), "paddle_cp": amp_run(family, kind, mesh, amp=True)}
+    update = {k: truth[1][k] - truth[2][k] for k in truth[1]}
+    for who, (losses, weights, _) in runs.items():
+        moved = sum(float(np.sum((weights[k].astype(np.float64) - truth[1][k]) ** 2)) for k in update)
+        report.value(f"bf16.{who}", {"loss": float(np.abs(losses - truth[0]).max()),
+                                     "weights": float(np.sqrt(moved / sum(float(np.sum(u ** 2)) for u in update.values())))})
+    report.value("bf16.loss_half_ulp", 2.0 ** -9 * float(np.max(truth[0])))
+
+
 def main(report):
     mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["sep"])
     for spec in sys.argv[1:]:
@@ -212,6 +263,7 @@ def main(report):
         for name, value in facts.items():  # labelled: this rank's labelled tokens (0: its loss layer gives a zero)
             report.value(f"{spec}.{name}", value)
     report.value("runs", sys.argv[1:])
+    bf16_distances(report, mesh)
     refusals(report, mesh)
     ernie_refusals(report, mesh)
 
