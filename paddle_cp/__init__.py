@@ -21,6 +21,7 @@ from .data_parallel.scaler import shard_scaler
 from .pipeline import SplitPoint
 from .sequence.batches import shard_batch, shard_dataloader
 from .sequence.loss import loss_weight
+from .sequence.empty_share import LossLayer, register_loss_layer
 from .plans import (
     ColWiseParallel,
     ContextParallel,
@@ -38,6 +39,8 @@ from .plans import (
     SequenceTiled,
     TokenWise,
 )
+from .plans.vision_language import IMAGES, VIDEOS, Media, VisionLanguage, register_vision_language
+from .plans.vision_split import VisionTower
 from .sequence.shard import sequence_positions, shard_sequence, unshard_sequence
 from .checkpoint.full_state import full_state_dict
 from .recovery import Resumable
@@ -50,6 +53,8 @@ __all__ = [
     "PrepareContextParallel", "Links", "ContextParallel", "TokenWise", "TokenMixer", "register_mixer",
     "register_attention_class", "BlockKind", "register_block_kind", "register_fused_weights", "register_adapter",
     "WeightFormat", "AdapterFormat", "register_weight_format", "RecomputeSetting", "register_recompute_setting",
+    "VisionLanguage", "VisionTower", "Media", "IMAGES", "VIDEOS", "register_vision_language", "LossLayer",
+    "register_loss_layer",
     "ColWiseParallel", "RowWiseParallel", "ConvParallel", "ExpertParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
     "SequenceTiled", "OffloadRecomputeInputs",

@@ -33,6 +33,8 @@ class BatchRecords:
     # sep group ranks -> the Batches shard_sequence split tensors in since the group's last forward (labels)
     sharded: dict = field(default_factory=dict)
     last: dict = field(default_factory=dict)  # sep group ranks -> the Batch the last forward over them split
+    # the Batch of each vision-language model whose forward runs before its language model split it (innermost last)
+    merging: list = field(default_factory=list)
 
 
 @dataclass
@@ -119,6 +121,10 @@ class Installed:
         self.sdpa_original = None  # attention/adapters/sdpa.py: Paddle's SDPA while the routed one replaces it
         self.fused_weight_rules = []  # api/plan_annotation.py: factories model -> parts, registered by model libraries
         self.block_kinds = []  # experts/blocks.py: BlockKind, in registration order
+        self.vision_language = []  # plans/vision_language.py: VisionLanguage rules, registered by model libraries
+        self.loss_layers = []  # sequence/empty_share.py: LossLayer kinds, registered by model libraries
+        self.guarded_losses = weakref.WeakKeyDictionary()  # sequence/empty_share.py: loss layer -> its hooks
+        self.vision_splits = weakref.WeakKeyDictionary()  # plans/vision_split.py: vision tower -> its VisionSplitRun
         self.recompute_settings = []  # activations/recompute_settings.py: rules registered by model libraries
         self.weight_formats = []  # checkpoint/weight_formats.py: WeightFormat, registered by model libraries
         self.attention_adapters = {}  # attention/adapters: name -> (install, uninstall), registered by model libraries

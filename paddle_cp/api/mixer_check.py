@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..attention.mixers import mixer_of
 from ..plans.context_parallel import ContextParallel, PrepareContextParallel, TokenWise
+from ..plans.vision_language import merging_rule, tower_rule
 from .plan_keys import plan_key
 
 
@@ -32,13 +33,41 @@ def _check_nesting(matched):
                                  "of them (on the outer layer it routes every mixer inside)")
 
 
+def _outside_the_split(model, matched):
+    """ids of the layers that run on whole sequences: with PrepareContextParallel plans, every layer outside
+    the layers they split (a vision-language model's language model: its vision tower mixes whole images)."""
+    split = set()
+    for _, layer, plans, _ in matched:
+        if any(isinstance(p, PrepareContextParallel) for p in plans):
+            rule = merging_rule(layer)
+            inner = rule.language_model(layer) if rule is not None else layer
+            split |= {id(sub) for sub in inner.sublayers(include_self=True)}
+    if not split:  # ContextParallel on tensors the script split: the whole model
+        return set()
+    return {id(sub) for sub in model.sublayers(include_self=True) if id(sub) not in split}
+
+
+def _check_before_the_split(matched, outside):
+    """ContextParallel keyed on a layer that runs on whole sequences (before PrepareContextParallel splits them) is
+    refused, but a vision tower its family's rule splits by images (plans/vision_split.py)."""
+    for name, layer, plans, _ in matched:
+        if id(layer) in outside and tower_rule(layer) is None and any(isinstance(p, ContextParallel) for p in plans):
+            raise ValueError(
+                f"ContextParallel is keyed on {name!r} ({type(layer).__name__}), which runs on the whole batch before "
+                "PrepareContextParallel splits the sequence: its mixing has no split to run across. paddle_cp splits "
+                "a vision tower by images only where its family's rule names the tower (pcp.VisionTower, "
+                "docs/vision_language.md); drop this key (the tower then runs whole on every rank)")
+
+
 def check_mixers_routed(model, matched):
     """Raise ValueError if the plan splits the sequence and a claimed layer is not routed or declared."""
     split = [p for _, _, plans, _ in matched for p in plans if isinstance(p, (PrepareContextParallel, ContextParallel))]
     if not split:
         return
     _check_nesting(matched)
-    covered = _covered(matched, (ContextParallel, TokenWise))
+    outside = _outside_the_split(model, matched)
+    _check_before_the_split(matched, outside)
+    covered = _covered(matched, (ContextParallel, TokenWise)) | outside
     unrouted = []
     for name, layer in model.named_sublayers():
         if id(layer) in covered or any(name.startswith(outer + ".") for outer, _ in unrouted):

@@ -42,6 +42,7 @@ from .plan_keys import resolve_plan
 from ..plans.context_parallel import PrepareContextParallel, check_backends_agree
 from ..plans.sequence_parallel import is_sequence_plan, split_at_blocks, watch_partial_gradients
 from ..plans.sharded_inputs import require_sharded_inputs, require_split_labels
+from ..sequence.empty_share import guard_loss_layers
 from ..data_parallel.sharding import Sharding, check_level, shard_parameters, sharding_dims, sharding_groups_needed
 
 CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "cp_config", "ep_config")
@@ -205,6 +206,8 @@ def parallelize_model(model, mesh=None, config=None):
     castable_placeholders(model)
     prepare = tuple((plan, weakref.ref(layer)) for plan, layer, _ in applications
                     if isinstance(plan, PrepareContextParallel))
+    if prepare:  # a rank may hold no labelled token: its loss layers give a zero, not 0/0
+        guard_loss_layers(model)
     state = _Parallelized(mesh, level, sharded_over, world, sharding, prepare, loss_factor, buckets)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)

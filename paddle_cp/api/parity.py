@@ -302,12 +302,12 @@ def _local_tokens(model, inputs, local_labels, split):
 
 
 def _whole(name, got, want, split, tokens):
-    """The parallel output `got` as the whole one `want`: a scalar combined over the sep ranks by their tokens
-    (a float), a split tensor gathered in token order."""
-    if got.numel() == 1 and want.numel() == 1:
+    """The parallel output `got` as the whole one `want`: a scalar (0-D, or the loss) combined over the sep ranks by
+    their tokens (a float), a split tensor gathered in token order, any other as it is (rope deltas)."""
+    if got.numel() == 1 and want.numel() == 1 and (got.ndim == 0 or name.rpartition(".")[2] == "loss"):
         if split is not None:  # each sep rank's mean over its own tokens
             return _token_mean(got, tokens, resolve_group(split.mesh))
-        return float(got.astype("float64"))
+        return float(got.astype("float64").reshape([]))
     if tuple(got.shape) != tuple(want.shape):
         return _in_token_order(name, got, want, split)
     return got
@@ -322,7 +322,7 @@ def _distance(got, want):
 
 def _token_mean(value, tokens, sep_group):
     """Each sep rank's mean over its tokens, combined into the mean over all of them."""
-    pair = paddle.to_tensor(np.array([float(value.astype("float64")) * tokens if tokens else 0.0, tokens]))
+    pair = paddle.to_tensor(np.array([float(value.astype("float64").reshape([])) * tokens if tokens else 0.0, tokens]))
     collectives.all_reduce(sep_group, pair, tag="check_parity")
     total, count = pair.numpy()
     return total / count if count else 0.0

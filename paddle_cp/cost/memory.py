@@ -42,9 +42,17 @@ path and paddle_cp hold it:
   yet reduced (whole gradients under a pipeline, whose buckets wait for the step, and at levels 0-1); the
   reduction holds those gradients plus BUCKET_COPIES buckets (a bucket's flat buffer and its pieces).
 
+- a vision-language model (cost/vision_language.py, on the first stage): its tower's parameters with the stage's
+  (not split over tp), the tower's activations and the merge's kept to the tower's backward (every micro-batch in
+  flight) and the batch's pixel values, in every phase; the tower's backward a phase of its own: the decoder's
+  activations gone, the gradients held, the merged embeddings' two gradients and the features' (or, recomputed,
+  the features' and a rebuilt block with MLP_GRADIENT_TENSORS [patches, intermediate] gradients); the batch check's
+  fingerprint of the pixel values a phase too, at the forward's start.
+
 peak = max(loss backward: weights + optimizer + activations + 3 x logits (or the chunked loss's temporaries),
            layer backward: weights + optimizer + max(activations, held gradients) + a recomputed layer + level
-           3's fetched parameter, step: weights + optimizer + held gradients + BUCKET_COPIES x a bucket).
+           3's fetched parameter, step: weights + optimizer + held gradients + BUCKET_COPIES x a bucket
+           [, vision backward, batch check]).
 The constants were measured on CPU, fp32, with `pcp-memory` (Paddle 3.3.1, PaddleFormers 1.2.0): the
 activation inventory within 1% of PaddleFormers' Llama per layer; the rest checked by `pcp-memory --layouts`
 (docs/tools.md gives the table). Fused GPU kernels (RMSNorm, SwiGLU) hold less: there it is an upper bound.
@@ -54,6 +62,8 @@ from __future__ import annotations
 from .attention import FP32, attention_held_bytes, ring_kv_heads
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL
 from .exchange import chunk_reads, received_rows, replay_holds
+from .rms_norm import rms_norm_kept
+from .vision_language import NO_VISION, batch_check_bytes, vision_terms
 
 MOMENTS_BYTES = 2 * FP32  # AdamW's two moments per parameter, fp32
 CHUNK_TEMPORARIES = 6  # [chunk, vocab] fp32 tensors PaddleFormers' fused head + loss holds at once in backward
@@ -67,6 +77,9 @@ BUCKET_COPIES = 2  # a bucket's flat buffer and the pieces it is split back into
 MOE_TENSORS_PER_EXPERT_WIDTH = 10
 MOE_ROUTER_BYTES_PER_EXPERT = 292
 FUSED_KERNELS = ("rms_norm", "rope")  # GPU kernels whose activations `fused` may count
+# the vision-language terms a stage reports (vision_language.vision_terms; zeros for a text model)
+VISION_TERMS = ("vision_activations", "features", "merge", "inputs_embeds", "pixel_values", "batch_check",
+                "exchange_bytes", "patches")
 
 
 def stage_layers(model, pp, stage):
@@ -84,7 +97,7 @@ def stage_params(model, layout, stage):
     dense = (layers * model.attention_params + (layers - moe) * model.dense_mlp_params) / tp
     dense += layers * 2 * model.hidden + moe * model.moe_replicated_params
     if stage == 0:
-        dense += model.embedding_params / tp
+        dense += model.embedding_params / tp + (model.vision.params if model.vision else 0)  # the tower: not over tp
     if stage == pp - 1:
         dense += model.hidden + (model.embedding_params / tp if pp > 1 or not model.tied_embeddings else 0)
     return dense, moe * model.expert_params / layout.ep
@@ -192,8 +205,7 @@ def norm_bytes(model, layout, tokens, elem, fused=False):
     projections read, or under tensor parallelism each column-split projection's own copy of it (q, k, v;
     gate, up). Fused (GPU): its input and an fp32 inverse rms per token, and the output."""
     h, tp = model.hidden, layout.tp
-    kept = h * elem + FP32 if fuses(fused, "rms_norm") else h * (FP32 + elem)
-    return tokens / tp * kept + tokens * h * elem
+    return tokens / tp * rms_norm_kept(h, elem, fuses(fused, "rms_norm")) + tokens * h * elem
 
 
 def tile_working_set(model, layout, tokens, elem):
@@ -271,10 +283,28 @@ def logits(model, layout, seq, batch, stage):
     return held, LOSS_BACKWARD_LOGITS * held
 
 
-def stage_memory(model, layout, seq, batch, elem, stage, fused=False, master_grad=True):
+def vision_stage_terms(model, layout, seq, batch, elem, stage, fused=False, vision=None):
+    """vision_language.vision_terms of the stage's micro-batch (the tower runs on the first stage), and `held`:
+    what it keeps to the tower's backward (its activations and the merge's, for every micro-batch in flight, and
+    the batch's pixel values), `backward`: what the tower's backward adds at its largest (the merged embeddings'
+    two gradients and the features', or the features' and the recomputed block's with its MLP gradients)."""
+    if vision is None or stage != 0 or not model.vision:
+        return {**NO_VISION, "held": 0, "backward": 0, "batch_check": 0}
+    sequences = batch / layout.micro
+    terms = {k: v * (batch if k == "pixel_values" else sequences)
+             for k, v in vision_terms(model, layout, seq, elem, fuses(fused, "rms_norm"), vision,
+                                      layout.recompute == RECOMPUTE_FULL).items()}
+    held = (terms["vision_activations"] + terms["merge"]) * in_flight(layout, stage) + terms["pixel_values"]
+    mlp_gradients = terms["patches"] * MLP_GRADIENT_TENSORS * model.vision.intermediate * elem
+    backward = terms["features"] + max(2 * terms["inputs_embeds"], terms["vision_rebuilt"] + mlp_gradients)
+    return {**terms, "held": held, "backward": backward, "batch_check": batch_check_bytes(terms["pixel_values"])}
+
+
+def stage_memory(model, layout, seq, batch, elem, stage, fused=False, master_grad=True, vision=None):
     grad_elem = gradient_elem(elem, master_grad)
     state = _state(model, layout, stage, elem, grad_elem)
     held, rebuilt, host = activations(model, layout, seq, batch, elem, stage, fused)
+    tower = vision_stage_terms(model, layout, seq, batch, elem, stage, fused, vision)
     logits_held, loss_backward = logits(model, layout, seq, batch, stage)
     # a fetched copy and its gradient
     fetched = model.largest_param / layout.tp * (elem + grad_elem) if layout.sharding == 3 else 0
@@ -291,21 +321,26 @@ def stage_memory(model, layout, seq, batch, elem, stage, fused=False, master_gra
     returning = 0
     if layout.offload_optimizer:
         returning = model.largest_param / layout.tp * (FP32 + (elem if elem < FP32 else 0))
-    phases = {"loss_backward": base + held + logits_held + loss_backward,
-              "layer_backward": base + during_layers + rebuilt + fetched,
-              "step": base + gradients + max(BUCKET_COPIES * state["bucket"], returning)}
+    phases = {"loss_backward": base + held + logits_held + loss_backward + tower["held"],
+              "layer_backward": base + during_layers + rebuilt + fetched + tower["held"],
+              "step": base + gradients + max(BUCKET_COPIES * state["bucket"], returning) + tower["pixel_values"]}
+    if tower["held"]:  # the decoder's activations are gone, every gradient but the tower's is made
+        phases["vision_backward"] = base + gradients + tower["held"] + tower["backward"] + fetched
+        phases["batch_check"] = base + tower["pixel_values"] + tower["batch_check"]  # before the tower's forward
     return {"weights": state["weights"], "gradients": state["gradients"], "optimizer": state["optimizer"],
             "activations": held, "logits": logits_held, "phases": phases, "peak": max(phases.values()),
-            "stage": stage, "host": host + state["host_optimizer"]}
+            "stage": stage, "host": host + state["host_optimizer"],
+            **{term: tower[term] for term in VISION_TERMS}}
 
 
-def memory(model, layout, seq, batch=1, elem=2, fused=False, master_grad=True):
+def memory(model, layout, seq, batch=1, elem=2, fused=False, master_grad=True, vision=None):
     """Per-rank bytes of the busier of the first and last pipeline stage (see the module docstring); `host`:
     the offloaded bytes it keeps in host memory (layer inputs and optimizer state). `elem`: bytes of a parameter
     and activation element (2: bf16/fp16 O2, PaddleFormers' default); `master_grad`: fp32 gradients below fp32.
-    `fused`: GPU kernels' activations (True: fused RMSNorm and RoPE; or the FUSED_KERNELS named)."""
+    `fused`: GPU kernels' activations (True: fused RMSNorm and RoPE; or the FUSED_KERNELS named). `vision`: a
+    vision_language.VisionBatch, each sequence's media and how the tower runs (a vision-language model's)."""
     stages = {0, layout.pp - 1}
-    return max((stage_memory(model, layout, seq, batch, elem, s, fused, master_grad) for s in stages),
+    return max((stage_memory(model, layout, seq, batch, elem, s, fused, master_grad, vision) for s in stages),
                key=lambda m: m["peak"])
 
 

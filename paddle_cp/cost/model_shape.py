@@ -2,11 +2,14 @@
 
 Llama-like: GQA attention, SwiGLU MLP, RMSNorm; optionally Mixture-of-Experts layers
 (a router, routed experts each a SwiGLU MLP `expert_intermediate` wide, shared experts
-`shared_intermediate` wide in all) as Qwen3-MoE, Mixtral, gpt-oss and GLM4-MoE have them.
+`shared_intermediate` wide in all) as Qwen3-MoE, Mixtral, gpt-oss and GLM4-MoE have them;
+optionally a vision tower (`vision`, cost/vision_shape.py) before it, as a vision-language model has one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .vision_shape import VisionShape
 
 # PaddleFormers 1.2.0's recompute_modules each family reads with recompute_granularity="selective"
 # (its Llama reads none: only "full" recomputation of whole layers)
@@ -39,6 +42,7 @@ class ModelShape:
     moe_layers: int = 0
     family: str = "llama"  # config.json's model_type
     selective_modules: tuple = field(default=(), compare=False)
+    vision: VisionShape | None = None  # a vision-language model's vision tower
 
     def __post_init__(self):
         if not self.head_dim:
@@ -54,7 +58,12 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config):
-        """From a PaddleFormers / Hugging Face config.json dict (dense Llama-likes and the MoE families above)."""
+        """From a PaddleFormers / Hugging Face config.json dict (dense Llama-likes and the MoE families above; a
+        vision-language model's text fields at the top, as Hugging Face's Qwen2.5-VL has them, or under
+        `text_config`, and its tower's under `vision_config`)."""
+        family = config.get("model_type", "llama")
+        vision = VisionShape.from_config(config["vision_config"], family) if config.get("vision_config") else None
+        config = {**config, **(config.get("text_config") or {})}
         if config.get("kv_lora_rank") or config.get("q_lora_rank"):
             raise ValueError(f"{config.get('model_type', 'this model')} uses multi-head latent attention (MLA), "
                              "which pcp-plan does not model: give a GQA model, or the shape flags of one")
@@ -76,8 +85,7 @@ class ModelShape:
             layers=layers, hidden=config["hidden_size"], heads=heads,
             kv_heads=config.get("num_key_value_heads") or heads, vocab=config["vocab_size"],
             intermediate=config["intermediate_size"], head_dim=config.get("head_dim") or 0,
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)), family=config.get("model_type", "llama"),
-            **moe,
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)), family=family, vision=vision, **moe,
         )
 
     # ---- parameters, by where they live ---------------------------------------------
@@ -117,7 +125,8 @@ class ModelShape:
     def params(self):
         embeddings = self.embedding_params * (1 if self.tied_embeddings else 2)
         return (self.layers * self.attention_params + self.dense_layers * self.dense_mlp_params
-                + self.moe_layers * (self.expert_params + self.moe_replicated_params) + embeddings + self.norm_params)
+                + self.moe_layers * (self.expert_params + self.moe_replicated_params) + embeddings + self.norm_params
+                + (self.vision.params if self.vision else 0))
 
     @property
     def active_matmul_params(self):
@@ -131,4 +140,4 @@ class ModelShape:
     def largest_param(self):
         """Elements of the largest single parameter (sharding's per-parameter owners are off by at most one)."""
         return max(self.embedding_params, self.hidden * max(self.intermediate, self.expert_intermediate),
-                   self.hidden * self.heads * self.head_dim)
+                   self.hidden * self.heads * self.head_dim, self.vision.largest_param if self.vision else 0)

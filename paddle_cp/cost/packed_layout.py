@@ -63,6 +63,7 @@ class Candidate:
         self.name, self.groups, self.counts = name, groups, counts
         self.slowest_ms, self.work_imbalance = slowest_ms, work_imbalance
         self.host_ms = None
+        self.placement = None  # a joint stage's placement around it (choose's `joint`)
 
 
 def chunk_sizes(seq_len, ring):
@@ -201,16 +202,20 @@ def price(name, groups, end, work, ring, ulysses=1, links=None):
     return Candidate(name, groups, counts, slowest, float(summed.max() / summed.mean()))
 
 
-def choose(end, work, ring, ulysses=1, links=None):
+def choose(end, work, ring, ulysses=1, links=None, joint=None):
     """(the chosen Candidate, {name: Candidate} of every one priced): of the candidates within the memory
     bound whose groups hold at least one token per Ulysses rank, the most even work among those NEAR
     the cheapest slowest rank; with `links` (a link_cost.LinkCost) each rank's exchange is priced with its
-    tiles."""
+    tiles. `joint(groups, counts)`: another stage placed around each candidate (a vision-language batch's vision
+    pieces, cost/vision_layout.py), whose placement's slowest rank of both stages prices it instead."""
     seq_len = np.shape(end)[-1]
     priced = {}
     clock = time.process_time()
     for name, groups in candidates(end, work, ring, None if links is None else links.nodes):
-        priced[name] = price(name, groups, end, work, ring, ulysses, links)
+        priced[name] = candidate = price(name, groups, end, work, ring, ulysses, links)
+        if joint is not None:
+            candidate.placement = joint(groups, candidate.counts)
+            candidate.slowest_ms = candidate.placement.slowest_ms
         priced[name].host_ms, clock = (time.process_time() - clock) * 1e3, time.process_time()
     fits = [c for c in priced.values()
             if c.counts.tokens.max() <= token_cap(seq_len, ring) and c.counts.tokens.min() >= ulysses]

@@ -10,7 +10,9 @@ Each gets memory.memory (bytes per rank, the busiest stage's peak; its host byte
 and optimizer state, within the cluster's host memory), step_time.step_time and step_time.attention_bytes (the
 bytes a rank receives per layer for attention, within a node and across nodes); those that fit (the peak within
 the device's memory less the cluster's reserve) come first, fastest first, then the rest by memory.
-`longest_sequence` bisects for the longest sequence some layout fits (`pcp-plan --max-seq`).
+`longest_sequence` bisects for the longest sequence some layout fits (`pcp-plan --max-seq`), `longest_video` for
+the longest video a vision-language model's layouts fit (its tokens the sequence; `pcp-plan --max-seq` with a
+video).
 
 Not proposed: recomputation on a pipeline and a chunked loss with tensor parallelism (both run, but the
 estimates do not model them yet: the chunked loss under tp computes the whole head on every rank), an
@@ -25,6 +27,8 @@ from dataclasses import asdict
 from .memory import memory, stage_layers
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL, Layout
 from .step_time import attention_bytes, ring_exchange, step_time
+from .vision_language import VisionBatch
+from .vision_shape import media_tokens
 
 DEFAULT_LOSS_CHUNK = 4096  # tokens per chunk of the chunked loss the search tries
 DEFAULT_MLP_TILE = 4096  # tokens per SequenceTiled tile the search tries (ALST: about the hidden size)
@@ -73,6 +77,8 @@ def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHU
         if (rest or tp > max_tp or model.kv_heads % tp or model.heads // tp < ulysses or seq < ring * ulysses
                 or model.layers < pp):
             continue
+        if model.vision and (tp > 1 or pp > 1):  # paddle_cp runs a vision-language model on dp x sep alone
+            continue
         cp, micro = ring * ulysses, batch if pp > 1 else 1
         replicas = dp * cp
         experts = [e for e in _divisors(replicas) if e <= model.experts] if model.experts else [1]
@@ -87,13 +93,15 @@ def candidates(model, devices, seq, max_tp, batch=1, loss_chunk=DEFAULT_LOSS_CHU
                              offload_optimizer=host_step)
 
 
-def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=False, packed=None, master_grad=True):
+def estimate(model, layout, cluster, seq, batch=1, elem=2, causal=True, fused=False, packed=None, master_grad=True,
+             vision=None):
     """One layout's memory, time and throughput (`batch` sequences per data-parallel replica; `packed`: an
     attention.PackedRow of the sequences' documents; `elem` and `master_grad`: the precision, by default
-    PaddleFormers' bf16 O2 with fp32 master gradients)."""
-    mem = memory(model, layout, seq, batch, elem, fused, master_grad)
+    PaddleFormers' bf16 O2 with fp32 master gradients; `vision`: a vision_language.VisionBatch, each sequence's
+    media and how the tower runs)."""
+    mem = memory(model, layout, seq, batch, elem, fused, master_grad, vision)
     exchange = ring_exchange(model, layout, cluster, seq, batch, elem, causal, packed)
-    time = step_time(model, layout, cluster, seq, batch, elem, causal, packed, master_grad, exchange)
+    time = step_time(model, layout, cluster, seq, batch, elem, causal, packed, master_grad, exchange, vision)
     total_time = sum(time.values())
     host_per_node = mem["host"] * min(cluster.devices, cluster.devices_per_node)
     return {
@@ -113,12 +121,12 @@ LAST_RESORTS = (("offload_optimizer",), ("mlp_tile", "offload"))
 
 def rank_layouts(model, cluster, seq, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
                  mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, packed=None, offload_optimizer=True,
-                 master_grad=True):
+                 master_grad=True, vision=None):
     """Estimates of every candidate, best first: layouts that fit, by throughput (then the least memory), then the
     rest by memory. Each group of LAST_RESORTS is kept only where no layout fits without it: tiles and offloaded
     activations buy length with an extra MLP forward, host memory and PCIe traffic (whose contention with the
     rest of the step the model does not count), the host optimizer with a slower step and more host memory."""
-    found = [estimate(model, layout, cluster, seq, batch, elem, causal, fused, packed, master_grad)
+    found = [estimate(model, layout, cluster, seq, batch, elem, causal, fused, packed, master_grad, vision)
              for layout in candidates(model, cluster.devices, seq, cluster.devices_per_node, batch, loss_chunk,
                                       mlp_tile, offload, offload_optimizer)]
     for features in LAST_RESORTS:
@@ -131,15 +139,9 @@ def _uses(estimate, features):
     return any(estimate["layout"][feature] for feature in features)
 
 
-def longest_sequence(model, cluster, granularity, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
-                     mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, offload_optimizer=True, master_grad=True):
-    """(the longest multiple of `granularity` tokens some layout fits, its ranked estimates); (0, []) if none fits
-    even `granularity` tokens. Bisection: memory grows with the sequence for every layout."""
-    def fitting(units):
-        ranked = rank_layouts(model, cluster, units * granularity, batch, elem, causal, loss_chunk, mlp_tile, fused,
-                              offload, offload_optimizer=offload_optimizer, master_grad=master_grad)
-        return ranked if ranked and ranked[0]["fits"] else None
-
+def longest(fitting):
+    """(the largest number of units n >= 1 for which `fitting(n)` (ranked estimates, or None when nothing fits)
+    is not None, its estimates); (0, []) if not even one unit fits. Bisection: memory grows with the units."""
     best = fitting(1)
     if best is None:
         return 0, []
@@ -150,4 +152,31 @@ def longest_sequence(model, cluster, granularity, batch=1, elem=2, causal=True, 
         mid = (lo + hi) // 2
         found = fitting(mid)
         lo, hi, best = (mid, hi, found) if found is not None else (lo, mid, best)
-    return lo * granularity, best
+    return lo, best
+
+
+def _fits(ranked):
+    return ranked if ranked and ranked[0]["fits"] else None
+
+
+def longest_sequence(model, cluster, granularity, batch=1, elem=2, causal=True, loss_chunk=DEFAULT_LOSS_CHUNK,
+                     mlp_tile=DEFAULT_MLP_TILE, fused=False, offload=True, offload_optimizer=True, master_grad=True):
+    """(the longest multiple of `granularity` tokens some layout fits, its ranked estimates); (0, []) if none fits
+    even `granularity` tokens."""
+    units, best = longest(lambda units: _fits(rank_layouts(
+        model, cluster, units * granularity, batch, elem, causal, loss_chunk, mlp_tile, fused, offload,
+        offload_optimizer=offload_optimizer, master_grad=master_grad)))
+    return units * granularity, best
+
+
+def longest_video(model, cluster, media_of, text_tokens, mode="whole", **options):
+    """(the most temporal patches n of a video some layout fits, its ranked estimates): `media_of(n)` gives a
+    sequence's media (vision_shape.Media) with n temporal patches of video, the sequence its tokens and
+    `text_tokens` more, the tower run `mode` (vision_language.MODES), `options` rank_layouts'; (0, []) if not even
+    one fits."""
+    def fitting(units):
+        media = media_of(units)
+        return _fits(rank_layouts(model, cluster, media_tokens(model.vision, media) + text_tokens,
+                                  vision=VisionBatch(media, mode), **options))
+
+    return longest(fitting)

@@ -33,6 +33,8 @@ member by member on its own links); ring traffic hidden behind attention compute
   owners' broadcast of new values, 2 a reduce-scatter then the broadcast, 3 a reduce-scatter and every
   parameter fetched from its owner for the forward and again for the backward (and the recomputed forward);
   gradients in fp32 under master gradients (memory.gradient_elem), values in the parameters' dtype.
+- vision_compute, feature_exchange: a vision-language model's tower on its busiest rank and the split's features
+  to their owners (vision_seconds).
 - host_optimizer: the step on the host (dp_config offload_optimizer): the stepped share's gradients to the
   host (fp32 parameters their values too) and new values back, fp32 (cast on the device), at the PCIe rate,
   the host's AdamW at `host_adamw_rate`, not overlapped.
@@ -46,6 +48,8 @@ from .exchange import chunk_reads, link_bytes, received_rows, replay_holds
 from .links import LinkCost, Links
 from .memory import gradient_elem, recompute_inputs, replays_attention, stage_params, stepped_params
 from .candidate import NO_RECOMPUTE, RECOMPUTE_FULL
+from .vision_language import exchange_bytes
+from .vision_tower import attention_seconds, matmul_flops
 
 
 def _bandwidth(cluster, stride, size):
@@ -68,10 +72,12 @@ def _recompute_factor(layout, attention_share):
     return share / 3
 
 
-def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None, master_grad=True, exchange=None):
+def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None, master_grad=True, exchange=None,
+              vision=None):
     """{term: seconds} of one step (`batch` sequences of `seq` per data-parallel replica); `packed`: an
     attention.PackedRow when the sequences pack documents; `master_grad`: fp32 gradients below fp32; `exchange`:
-    the layout's RingExchange where the caller has it (ring_exchange's)."""
+    the layout's RingExchange where the caller has it (ring_exchange's); `vision`: a VisionBatch (a
+    vision-language model's media: vision_seconds)."""
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     tokens = batch * seq / cp  # per rank, all micro-batches
     heads, kv_heads = model.heads // tp, model.kv_heads // tp
@@ -113,8 +119,26 @@ def step_time(model, layout, cluster, seq, batch, elem, causal=True, packed=None
         "expert_all_to_all": expert_bytes / _bandwidth(cluster, tp, layout.ep) * stretch if layout.ep > 1 else 0.0,
         "gradients": _gradient_seconds(model, layout, cluster, elem, gradient_elem(elem, master_grad), dp_stride),
         "host_optimizer": host_optimizer_seconds(model, layout, cluster, elem),
+        **vision_seconds(model, layout, cluster, seq, batch, elem, vision),
     }
     return times
+
+
+def vision_seconds(model, layout, cluster, seq, batch, elem, vision):
+    """{"vision_compute", "feature_exchange"}: the tower's forward + backward on the rank computing the most patches
+    (every patch on every rank under `whole`, the largest share under `split`), its matmuls at the GEMM rate and its
+    attention on the tile model, a recomputed forward again under full recomputation; on the first stage, behind
+    nothing. The split's features to their positions' owners and their gradients back (one all-to-all each way
+    over the sep group), not overlapped."""
+    if vision is None or not model.vision:
+        return {"vision_compute": 0.0, "feature_exchange": 0.0}
+    computed = vision.computed(model, layout, seq, elem)
+    recompute = 4 / 3 if layout.recompute == RECOMPUTE_FULL else 1
+    seconds = recompute * (3 * matmul_flops(model.vision, computed) / cluster.flops
+                           + attention_seconds(model.vision, computed))
+    exchanged = exchange_bytes(model, layout, seq, elem, vision)
+    return {"vision_compute": batch * seconds,
+            "feature_exchange": batch * exchanged / _bandwidth(cluster, layout.tp, layout.cp)}
 
 
 def ring_links(cluster, layout):

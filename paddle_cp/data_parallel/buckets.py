@@ -34,6 +34,11 @@ order. A bucket is reduced only in `step()` when it holds
   gives such a parameter no gradient, so it must not get zeros). Otherwise a parameter missing here is
   reduced as zeros, with no host read: that is one card's gradient, which `clear_grad()` zeroes
   (`clear_grad(set_to_zero=False)` leaves None instead: presence is agreed again at the next step);
+- a parameter some ranks had a gradient for and others not at an agreement (a branch a rank takes by its
+  tokens, a MoE block's experts no token of a rank reached): reduced during backward where it arrived, the all-reduce
+  would hold those ranks while the others' backward still exchanges with them (ring attention), a deadlock;
+  a rank missing it reduces zeros. Presence that first differs after the agreements is not seen: a family
+  whose parameters run by the data marks them (a fetch unit, as ExpertParallel's experts);
 - or when an enabled GradScaler drives the optimizer (`shard_scaler` turns overlap off: the scaler's
   step reads and may change gradients between backward and step, as the scaler tests inject infs), or
   under a pipeline (the factor a script puts on a scheduled step's loss is known only after the
@@ -148,6 +153,7 @@ class _Bucket:
     def __init__(self, index, params, early):
         self.index, self.params, self.early = index, params, early  # early: no member only step() may reduce
         self.dead = set()  # ids of members no rank had a gradient for, at the last agreement
+        self.uneven = False  # a member some ranks had a gradient for and others not, at an agreement: step() only
         self.rounds = 0  # reductions issued this step
         self.values = {}  # id(param) -> its reduced gradient (summed over the rounds)
         self.pending = None  # the last reduction's finishing work, run after its collective completes
@@ -155,7 +161,7 @@ class _Bucket:
     @property
     def overlaps(self):
         """Whether backward may reduce it (the same on every rank: placements and an agreed presence)."""
-        return self.early and not self.dead
+        return self.early and not self.dead and not self.uneven
 
 
 class GradientBuckets:
@@ -374,6 +380,7 @@ class GradientBuckets:
             collectives.all_reduce(group, counts, tag="grad_presence")
             for param, count in zip(members, counts.numpy().tolist()):
                 present[id(param)] = int(count > 0)
+                bucket.uneven = bucket.uneven or 0 < count < group.size
         bucket.dead = {key for key, count in present.items() if not count}
 
 

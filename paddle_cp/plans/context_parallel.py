@@ -1,8 +1,10 @@
 """Context-parallel plans: split the inputs of the top model layer, run attention across ranks."""
 from __future__ import annotations
 
+import functools
 import inspect
 
+import numpy as np
 import paddle
 
 from .. import mesh as mesh_lib
@@ -15,7 +17,9 @@ from ..attention import resolve_group, ulysses_size
 from ..attention.layout.pool import joined_documents, joined_valid, pool_layout, row_positions
 from ..attention.layout.sequence_layout import check_split
 from ..cost.links import LinkCost, Links
+from ..cost.tiles import tile_counts
 from .base import Plan, refuse_param_plan
+from . import vision_language, vision_split
 from .same_batch import BATCH_CHECK_GROUPS, BatchCheck
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
@@ -181,7 +185,7 @@ class PrepareContextParallel(_SepPlan):
     over all dp x sep ranks as one ring by the documents layout, priced with `links`: a short document
     stays whole on one rank, a long one spans several. Each rank's inputs are then [1, its tokens, ...];
     split labels with `shard_sequence(labels, backend=this plan, ...)` and weight each rank's mean loss
-    by `loss_weight(its tokens)`: gradients are then one card's on the global batch. Ring attention
+    by `loss_weight(its labelled tokens)`: gradients are then one card's on the global batch. Ring attention
     (`p2p`) with softmax attention only.
     """
 
@@ -208,6 +212,18 @@ class PrepareContextParallel(_SepPlan):
     def check(self, layer, mesh, param_names=()):
         super().check(layer, mesh, param_names)
         _check_rope(layer)
+        vision_language.check_known(layer)
+        vision_language.check_config(layer)
+        keyed_inside = vision_language.language_model_rule(layer)
+        if keyed_inside is not None and keyed_inside.after_language_model:
+            raise ValueError(
+                f"PrepareContextParallel keyed on {type(layer).__name__}, the language model of a vision-language "
+                f"model whose {sorted(keyed_inside.after_language_model)} read per-token inputs it makes from the "
+                "whole batch after the language model: key PrepareContextParallel on the top model ('') instead")
+        if self.pool and (vision_language.merging_rule(layer) or vision_language.language_model_rule(layer)):
+            raise ValueError("PrepareContextParallel(pool=True) joins the global batch's rows into one sequence, "
+                             "which paddle_cp does not do for a vision-language model's merged inputs yet: drop "
+                             "pool=True (each replica's rows are then laid out over its own sep ranks)")
         if self.pool and mesh_lib.dim_size(mesh, "pp") > 1:
             raise ValueError("PrepareContextParallel(pool=True) joins the global batch into one sequence, which a "
                              "pipeline's micro-batches would cut: train with pool=True without pp_config, or drop pool")
@@ -219,8 +235,17 @@ class PrepareContextParallel(_SepPlan):
     def apply(self, layer, dims, param_names=()):
         sep = self._join_sep_group(layer, dims, param_names)
         dims = mesh_lib.dims_of(dims)
-        run = _PreparedRun(self, sep, dims, layer, Pool(self, dims) if self.pool else None)
+        merging = vision_language.merging_rule(layer)
+        rule = merging or vision_language.language_model_rule(layer)
+        run = _PreparedRun(self, sep, dims, layer, Pool(self, dims) if self.pool else None, rule, merging is not None)
         adapters.install(layer)  # attention reached outside every ContextParallel layer then raises, not runs locally
+        if merging is not None:  # the merged inputs are split when the language model gets them
+            language_model = merging.language_model(layer)
+            language_model.register_forward_pre_hook(run.split_merged, with_kwargs=True)
+            language_model.register_forward_post_hook(run.forget_merged, always_call=True)
+            for path, names in merging.after_language_model.items():
+                layer.get_sublayer(path).register_forward_pre_hook(
+                    functools.partial(run.split_read_after, names), with_kwargs=True)
         layer.register_forward_pre_hook(run.split_inputs, with_kwargs=True)
         return layer.register_forward_post_hook(run.forget_batch, always_call=True)
 
@@ -241,9 +266,10 @@ class PrepareContextParallel(_SepPlan):
             return Documents.from_startend_row_indices(attn_mask_startend_row_indices)
         return None
 
-    def batch_layout(self, layout, documents):
-        """`layout` (this plan's backend over a sep group) for a batch with `documents`."""
-        return layout.for_batch(documents, self.layout)
+    def batch_layout(self, layout, documents, joint=None):
+        """`layout` (this plan's backend over a sep group) for a batch with `documents`; `joint`: another stage
+        placed around each candidate (SequenceLayout.for_batch)."""
+        return layout.for_batch(documents, self.layout, joint)
 
     def shard_batch(self, group, seq_len, position_ids=None, doc_ids=None, attn_mask_startend_row_indices=None):
         """The Batch shard_sequence splits a batch's tensors of `seq_len` tokens (None: unshard_sequence agrees
@@ -258,11 +284,12 @@ class PrepareContextParallel(_SepPlan):
             raise ValueError(
                 "this PrepareContextParallel's batches carry attn_mask_startend_row_indices, by whose documents each "
                 "batch is split: pass them to shard_sequence too (or build the plan with layout='chunks')")
+        if position_ids is not None:
+            position_ids = vision_language.text_positions(position_ids)
         documents = self.documents_of(position_ids, doc_ids, attn_mask_startend_row_indices)
-        if last is not None and last.same_documents(documents):
-            layout = last.layout
-        else:
-            layout = self.batch_layout(plan_layout(self, group.ranks), documents)
+        if last is not None and last.same_documents(documents) and seq_len in (None, last.seq_len):
+            return last
+        layout = self.batch_layout(plan_layout(self, group.ranks), documents)
         return batch_context.Batch(layout, seq_len, documents, group=group, plan=self)
 
 
@@ -328,15 +355,37 @@ def _refuse_dense_masks(values, seq_len):
                          "or attn_mask_startend_row_indices) and padding as a 2-D attention_mask, or drop pool=True")
 
 
+def _given(bound, signature):
+    """{name: value} of the bound arguments, those a **kwargs parameter took included."""
+    given = {}
+    for name, value in bound.arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            given.update(value)
+        elif signature.parameters[name].kind is not inspect.Parameter.VAR_POSITIONAL:
+            given[name] = value
+    return given
+
+
 class _PreparedRun:
     """A PrepareContextParallel applied to one model layer: its hooks, and what they keep between forwards
-    (the batch check's answers, the positions of the last layout); `pool`: its Pool under pool=True."""
+    (the batch check's answers, the positions of the last layout); `pool`: its Pool under pool=True.
 
-    def __init__(self, plan, sep, dims, layer, pool=None):
+    `rule`: the VisionLanguage rule of a vision-language model (plans/vision_language.py). On a model that merges
+    image features (`merging`), the layer's pre-hook chooses the batch and splits only its loss inputs, and the
+    language model's pre-hook splits the merged inputs (`merged`: the batch waiting for them); on its language
+    model, the layer's inputs are split as a text model's, by the rule's rope layout and rows."""
+
+    def __init__(self, plan, sep, dims, layer, pool=None, rule=None, merging=False):
         self.plan, self.sep, self.pool = plan, sep, pool
+        self.rule, self.merging = rule, merging
         self.check_batch = BatchCheck(dims, pool=pool is not None)
         self.signature = inspect.signature(layer.forward)
+        self.top = layer
         self._positions = (None, None)  # ((seq_len, index), int64 positions on the device): made once per length
+        self.merged = None
+        # a merging model's vision tower and the decoder's shape (what its split's joint layout prices)
+        self.tower, self.merger = rule.vision_tower(layer) if merging else (None, None)
+        self.language = vision_split.language_shape(rule.language_model(layer)) if merging else None
 
     def _check_sharded(self, layout):
         """The model's inputs and what shard_sequence split for this batch (labels) share one layout."""
@@ -355,42 +404,127 @@ class _PreparedRun:
                 f"split in the {layout.split.name!r} layout (the batch's documents decide it): give shard_sequence the "
                 "document inputs the model gets (position_ids=, doc_ids=, attn_mask_startend_row_indices=)")
 
-    def split_inputs(self, layer, args, kwargs):
-        batch, seq_len = _sequence_length(args, kwargs)
-        if seq_len is None or runtime.state.context_parallel_paused:
-            return None
-        plan, signature = self.plan, self.signature
+    def _bind(self, signature, args, kwargs):
+        """(bound arguments, {name: value} of everything passed, the document-id input taken out)."""
+        plan = self.plan
         named = {**{f"argument {i}": v for i, v in enumerate(args)}, **kwargs}
-        kwargs = dict(kwargs)
         extra = plan.documents if plan.documents != "position_ids" else None  # an input the layer does not take
         bound = signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k != extra})
-        doc_ids = kwargs.pop(extra, None) if extra else None
-        refusal = documents = None
+        return bound, named, (kwargs.get(extra) if extra else None)
+
+
+    def _choose(self, bound, named, doc_ids, batch, seq_len):
+        """The Batch of this forward's inputs: its documents, layout and padding, checked the same over the ranks
+        (every rank raises a refusal of its batch, before any other collective)."""
+        plan, given = self.plan, _given(bound, self.signature)
+        refusal = documents = stage = None
         try:  # checks that depend on this replica's batch: agreed over the ranks by the batch check
-            documents = plan.documents_of(bound.arguments.get("position_ids"), doc_ids, bound.arguments.get(_STARTEND))
+            positions = given.get("position_ids")
+            if self.merging:
+                refusal = (vision_language.documents_refusal(self.rule, self.top, given)
+                           or vision_language.media_refusal(self.rule, self.top, given))
+                if isinstance(positions, paddle.Tensor):
+                    vision_language.position_split_dim(self.rule, positions, batch, seq_len)
+            positions = vision_language.text_positions(positions) if isinstance(positions, paddle.Tensor) else None
+            documents = plan.documents_of(positions, doc_ids, given.get(_STARTEND))
             if documents is not None and documents.seq_len != seq_len:
                 raise ValueError(f"the documents given cover {documents.seq_len} tokens, the input sequence {seq_len}: "
                                  "give position ids / document ids / row indices of the whole [batch, seq] input")
+            split = runtime.installed.vision_splits.get(self.tower) if self.tower is not None else None
+            if split is not None and self.merger is not None and split.merger is None:
+                split.merge_with(self.merger)  # the family merges outside its tower (PaddleOCR-VL's projector)
+            pieces = vision_split.media_pieces(self.rule, self.top, given) if split and refusal is None else None
+            if pieces:  # the vision tower's pieces placed with the language layout, both priced
+                stage = vision_split.joint_stage(pieces, split, self.language, self.sep.layout.links,
+                                                 self.sep.layout.ulysses, seq_len)
             if self.pool is None:
                 self.sep.layout.check_length(seq_len, what="input sequence")
                 made = batch_context.split_alike(self.sep.groups.sep, plan, seq_len, documents)
-                layout = made.layout if made is not None else plan.batch_layout(self.sep.layout, documents)
+                layout = made.layout if made is not None else plan.batch_layout(self.sep.layout, documents, stage)
             else:
                 layout = self.pool.batch_layout(documents, batch, seq_len)
                 _refuse_dense_masks(named.values(), seq_len)
             self._check_sharded(layout)
         except ValueError as error:
             refusal = error
-        self.check_batch({name: v for name, v in named.items() if _of_batch(v, batch, seq_len)}, batch, seq_len,
-                         refusal, read_now=documents is not None)
-        valid = _padding(bound.arguments.get("attention_mask"), batch, seq_len)
-        if _STARTEND in bound.arguments:
-            bound.arguments[_STARTEND] = None  # the attention applies it, from `documents`
-        pool = self.pool
-        index = self.sep.groups.sep.index if pool is None else pool.index
+        checked = {name: v for name, v in named.items() if isinstance(v, paddle.Tensor)} if self.merging else {
+            name: v for name, v in named.items() if _of_batch(v, batch, seq_len)}
+        self.check_batch(checked, batch, seq_len, refusal, read_now=documents is not None or self.merging)
+        valid = _padding(given.get("attention_mask"), batch, seq_len)
+        if self.pool is not None:
+            return self.pool.batch(layout, documents, valid, batch, seq_len, run=self.sep)
+        vision = None
+        if stage is not None:
+            groups = vision_split.layout_groups(layout, seq_len)
+            ends = documents.end if documents is not None else np.full(seq_len, seq_len)
+            placement = stage(groups, tile_counts(groups, ends, layout.ring))
+            vision = vision_split.vision_layout(pieces, placement, groups, layout.ulysses, seq_len,
+                                                self.sep.groups.sep.index)
+        return batch_context.Batch(layout, seq_len, documents, valid, self.sep.groups.sep, self.sep, plan,
+                                   vision=vision)
 
-        def split(value):
-            dim = _split_dim(value, seq_len)
+    def split_inputs(self, layer, args, kwargs):
+        batch, seq_len = _sequence_length(args, kwargs)
+        if seq_len is None or runtime.state.context_parallel_paused:
+            return None
+        bound, named, doc_ids = self._bind(self.signature, args, kwargs)
+        made = self._choose(bound, named, doc_ids, batch, seq_len)
+        batch_context.record_split(made)
+        if self.merging:  # the rest waits for the language model, after the merge
+            self.merged = made
+            batch_context.begin_merge(made)
+            for name in self.rule.loss_inputs:
+                if _split_dim(bound.arguments.get(name), seq_len) == 1:
+                    bound.arguments[name] = made.layout.shard(bound.arguments[name], 1, made.group.index)
+            return bound.args, bound.kwargs
+        self._split(bound, self.signature, made, batch, seq_len)
+        batch_context.publish(made)
+        return bound.args, bound.kwargs
+
+    def split_merged(self, layer, args, kwargs):
+        """The language model's pre-hook on a model that merges: its inputs split in the batch chosen above."""
+        made = self.merged
+        if made is None or runtime.state.context_parallel_paused:
+            return None
+        signature = inspect.signature(layer.forward)
+        bound = signature.bind_partial(*args, **kwargs)
+        self._split(bound, signature, made, _sequence_length(args, kwargs)[0], made.seq_len)
+        batch_context.publish(made)
+        return bound.args, bound.kwargs
+
+    def split_read_after(self, names, layer, args, kwargs):
+        """Pre-hook of a sublayer the merging model calls after its language model: its inputs `names`, made
+        from the whole batch, split in the batch's layout."""
+        made = self.merged
+        if made is None or runtime.state.context_parallel_paused:
+            return None
+        bound = inspect.signature(layer.forward).bind_partial(*args, **kwargs)
+        for name in names:
+            if _split_dim(bound.arguments.get(name), made.seq_len) == 1:
+                bound.arguments[name] = made.layout.shard(bound.arguments[name], 1, made.group.index)
+        return bound.args, bound.kwargs
+
+    def _split(self, bound, signature, made, batch, seq_len):
+        """Split `bound`'s arguments in `made`'s layout, in place: [batch, seq, ...] tensors on dim 1, dense masks'
+        rows, a vision-language model's rope indices and rows; the global positions where none are given."""
+        layout, pool, rule = made.layout, self.pool, self.rule
+        index, given = made.group.index, _given(bound, signature)
+        rows = {name: vision_language.local_rows(given[name], given[mask], layout, index)
+                for name, mask in (rule.rows.items() if rule is not None else ()) if given.get(name) is not None}
+
+        def split(value, name=None):
+            if name == _STARTEND:
+                return None  # the attention applies it, from `documents`
+            if name in rows:
+                return rows[name]
+            if rule is not None and name in rule.shifted and _split_dim(value, seq_len + 1) == 1:
+                return vision_language.local_shifted(value, layout, index)
+            if rule is not None and name == "position_ids" and isinstance(value, paddle.Tensor):
+                dim = vision_language.position_split_dim(rule, value, batch, seq_len)
+            elif name == "cache_position" and isinstance(value, paddle.Tensor) and list(value.shape) == [seq_len]:
+                dim = 0
+            else:
+                dim = _split_dim(value, seq_len)
             if dim is None:
                 return value
             return layout.shard(value, dim, index) if pool is None else layout.shard(pool.joined(value, batch), 1, index)
@@ -398,26 +532,24 @@ class _PreparedRun:
         for name, value in bound.arguments.items():
             kind = signature.parameters[name].kind
             if kind is inspect.Parameter.VAR_KEYWORD:
-                bound.arguments[name] = {key: split(v) for key, v in value.items()}
+                bound.arguments[name] = {key: split(v, key) for key, v in value.items()}
             elif kind is inspect.Parameter.VAR_POSITIONAL:
                 bound.arguments[name] = tuple(split(v) for v in value)
             else:
-                bound.arguments[name] = split(value)
-        if pool is not None:  # one row: the joined sequence
-            if "position_ids" in signature.parameters and bound.arguments.get("position_ids") is None:
-                positions = row_positions(layout, batch, seq_len, index)[1]  # each token's place in its row
-                bound.arguments["position_ids"] = paddle.to_tensor(positions, dtype="int64").unsqueeze(0)
-            made = self.pool.batch(layout, documents, valid, batch, seq_len, run=self.sep)
-            batch_context.record_split(made)
-            batch_context.publish(made)
-            return bound.args, bound.kwargs
-        if "position_ids" in signature.parameters and bound.arguments.get("position_ids") is None:
-            positions = self._positions_of(layout, seq_len, index, documents)
-            bound.arguments["position_ids"] = positions.unsqueeze(0).expand([batch, positions.shape[0]])
-        made = batch_context.Batch(layout, seq_len, documents, valid, self.sep.groups.sep, self.sep, plan)
-        batch_context.record_split(made)
-        batch_context.publish(made)
-        return bound.args, bound.kwargs
+                bound.arguments[name] = split(value, name)
+        if "position_ids" not in signature.parameters or bound.arguments.get("position_ids") is not None:
+            return
+        if pool is not None:  # one row: the joined sequence, each token's place in its row
+            positions = row_positions(layout, batch, seq_len, index)[1]
+            bound.arguments["position_ids"] = paddle.to_tensor(positions, dtype="int64").unsqueeze(0)
+            return
+        positions = self._positions_of(layout, seq_len, index, made.documents)
+        positions = positions.unsqueeze(0).expand([batch, positions.shape[0]])  # [b, s_local]
+        if rule is not None and rule.positions == "3bs":
+            positions = positions.unsqueeze(0).expand([3, *positions.shape])  # [3, b, s_local]
+        elif rule is not None:
+            positions = positions.unsqueeze(-1).expand([*positions.shape, 3])  # [b, s_local, 3]
+        bound.arguments["position_ids"] = positions
 
     def _positions_of(self, layout, seq_len, index, documents):
         """Global positions of this rank's tokens on the device: copied in once per length (a batch's
@@ -429,7 +561,17 @@ class _PreparedRun:
         return self._positions[1]
 
     def forget_batch(self, layer, inputs, outputs):
-        if not runtime.state.context_parallel_paused:
+        if runtime.state.context_parallel_paused:
+            return
+        if self.merging:
+            if self.merged is not None:
+                batch_context.end_merge()
+            self.merged = None
+        else:
+            batch_context.retract()
+
+    def forget_merged(self, layer, inputs, outputs):
+        if self.merged is not None and not runtime.state.context_parallel_paused:
             batch_context.retract()
 
 
@@ -450,10 +592,16 @@ class ContextParallel(_SepPlan):
         self.rotate = check_rotation(rotate)
 
     def check(self, layer, mesh, param_names=()):
-        mixers.check(layer, super().check(layer, mesh, param_names))
+        layout = super().check(layer, mesh, param_names)
+        if vision_language.tower_rule(layer) is None:  # a vision tower's attention stays inside its pieces
+            mixers.check(layer, layout)
 
     def apply(self, layer, dims, param_names=()):
         run = self._join_sep_group(layer, dims, param_names)
+        rule = vision_language.tower_rule(layer)
+        if rule is not None:  # split by images: plans/vision_split.py
+            vision_split.VisionSplitRun(rule.vision, layer, run)
+            return None
         mixers.route(layer, run)
         layer.register_forward_pre_hook(lambda layer, inputs: routing.enter(run, layer))
         return layer.register_forward_post_hook(lambda layer, inputs, outputs: routing.leave(layer), always_call=True)

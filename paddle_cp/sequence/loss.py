@@ -8,7 +8,8 @@ from ..comm import collectives
 
 
 def loss_weight(local_tokens, mesh=None):
-    """Factor for this rank's mean loss over `local_tokens` tokens.
+    """Factor for this rank's mean loss over its `local_tokens` labelled tokens (labels other than the ignored
+    -100: the tokens its loss averages over).
 
     The optimizer averages gradients over the dp x sep replicas, so a rank's
     mean loss times local_tokens * replicas / global_tokens makes that average

@@ -1,6 +1,6 @@
 """Gradient buckets reduced during backward (data_parallel/buckets.py) on 4 gloo ranks vs one card: one launch
-of tests/workers/grad_buckets.py (an MLP on dp4, its allocator peaks first; a PaddleFormers Llama on six
-layouts)."""
+of tests/workers/grad_buckets.py (an MLP on dp4, its allocator peaks first; a branch one rank takes under sep; a
+PaddleFormers Llama on six layouts)."""
 import importlib.util
 
 import pytest
@@ -113,3 +113,20 @@ def test_changing_backward_counts_and_branches_match_one_card(mlp, run):
     # the extra layers are in one bucket: agreed each step until both were used (step 4), then zeros
     dead = [report["values"][f"{run}.dead_buckets"] for report in mlp]
     assert all(d == ([1, 1, 1, 0, 0] if run.startswith("branch") else [0] * 5) for d in dead), dead
+
+
+def test_a_branch_only_one_rank_takes_under_sep_is_reduced_in_step(mlp):
+    """sep over the 4 ranks: a branch only rank 0 runs (its tokens hold the mark) has a gradient there only,
+    arriving before the attention's backward exchanges. Agreed uneven at the first step, its buckets are reduced
+    in step(), the others' during backward (reduced there too, it held rank 0 in the all-reduce while the others
+    waited for it in the ring, until the watchdog's timeout); 4 AdamW steps equal one card."""
+    issued = [report["values"]["branch_sep.issued"] for report in mlp]
+    assert all(steps == issued[0] for steps in issued), issued
+    for report in mlp:
+        worst, error = _worst(report, "branch_sep")
+        assert error < TOLERANCE, (worst, error)
+        values = report["values"]
+        assert values["branch_sep.uneven"] == [["branch.bias"], ["branch.weight"]], values["branch_sep.uneven"]
+        steps = values["branch_sep.issued"]
+        assert steps[0] == [] and all(step == steps[1] for step in steps[1:]), steps  # the first step learns
+        assert len(steps[1]) == values["branch_sep.buckets"] - 2, steps

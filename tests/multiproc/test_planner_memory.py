@@ -3,7 +3,8 @@
 parameter, outweighs a quarter of the rest), tensor + sequence parallel, a 1F1B pipeline, full recomputation; each
 beside ring attention, run with the config pcp-plan writes. Then the long-sequence terms, each on its own launch of 2
 ranks with a model where it shows: SequenceTiled MLPs (what they take off the peak) and OffloadRecomputeInputs (what
-leaves the device, what the host holds)."""
+leaves the device, what the host holds). And a vision-language step on a video (pcp-memory --vision-language), its
+vision tower whole and split."""
 import json
 import sys
 from pathlib import Path
@@ -107,3 +108,26 @@ def test_host_optimizer_moves_the_optimizer_state_off_the_device_as_estimated(tm
         assert measured > 0.9 * rows[before]["optimizer"], (before, measured)
         assert 1 / PEAK_FACTOR < estimated / measured < PEAK_FACTOR, (before, measured, estimated)
     assert rows["ring2 l3 host-optimizer"]["host"] < 0.55 * rows["ring2 host-optimizer"]["host"]  # a share
+
+
+@needs_paddleformers
+def test_vision_language_step_memory_matches_the_estimate_whole_and_split(tmp_path):
+    """2 CPU ranks, a small Qwen2.5-VL (PaddleFormers' own, eager attention in its tower) on a video of 8 frames at
+    64 x 64 (4 temporal patches of 16 x 16 patches), its tower whole and split by ContextParallel: the tower's held
+    bytes as the inventory counts them (whole: to the byte), the step's peak as estimated, and the split's tower
+    holding half the whole one's (2 of the 4 pieces)."""
+    out = tmp_path / "vision_language.json"
+    cmd = [sys.executable, str(TOOLS / "bench_memory.py"), "--vision-language", "--nproc", "2", "--frames", "8",
+           "--json", str(out)]
+    proc = run_tool(cmd, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"whole", "split"}
+    assert rows["whole"]["estimate"]["vision"] == rows["whole"]["vision"]
+    for mode, row in rows.items():
+        assert abs(row["ratio"]["vision"] - 1) < 0.01, (mode, row)
+        for part in ("params", "optimizer"):
+            assert abs(row["ratio"][part] - 1) < 0.01, (mode, part, row)
+        assert 1 / PEAK_FACTOR < row["ratio"]["peak"] < PEAK_FACTOR, (mode, row)
+    assert rows["split"]["vision"] < 0.55 * rows["whole"]["vision"]
+    assert rows["split"]["peak"] < rows["whole"]["peak"]

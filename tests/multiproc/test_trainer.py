@@ -37,7 +37,8 @@ def check_parity(reports, run):
 
 @pytest.mark.parametrize("run", ["dp2_cp2", "dp2_ulysses2", "hybrid_ring2_ulysses2", "dp2_cp2_packed_accum",
                                  "dp2_mp2_sharding3", "user_config_dp2_ulysses2", "phi3_dp2_mp2",
-                                 "ernie_ring2_ulysses2", "ernie_dp2_mp2_sp", "qwen3_next_dp2_cp2"])
+                                 "ernie_ring2_ulysses2", "ernie_dp2_mp2_sp", "qwen3_next_dp2_cp2", "qwen3_vl_dp2_cp2",
+                                 "glm4v_moe_ulysses4"])
 def test_context_parallel_trainer_matches_one_card(run):
     """dp2_cp2 also compares evaluate()'s eval_loss (appended to its losses)."""
     check_parity(_reports("core"), run)

@@ -42,7 +42,7 @@ def test_the_core_imports_no_integration():
 def test_parallelize_registers_the_library_of_the_model_it_meets():
     """No import of the integration: parallelize (and load_pretrained, export_pretrained) meet a PaddleFormers
     model and import it, which registers its attention adapter, weight format, recompute rule, fused weights and
-    one MoE block kind per file in families/."""
+    one MoE block kind or vision-language rules per file in families/."""
     pytest.importorskip("paddleformers")
     out = _run("""
 import sys
@@ -56,13 +56,14 @@ before = (find_moe_block(blocks[0]), len(installed.block_kinds), "paddle_cp.inte
 assert pcp.parallelize_model(model) is model
 from paddle_cp.integrations.paddleformers import families
 block = find_moe_block(blocks[0])
-family_blocks = [module.BLOCK for module in (sys.modules[name] for name in sorted(sys.modules)
-                 if name.startswith(families.__name__ + "."))]
+modules = [sys.modules[name] for name in sorted(sys.modules) if name.startswith(families.__name__ + ".")]
+family_blocks = [module.BLOCK for module in modules if hasattr(module, "BLOCK")]
+rules = [rule for module in modules for rule in getattr(module, "RULES", ()) + ((module.RULE,) if hasattr(module, "RULE") else ())]
 print(before, len(family_blocks), family_blocks == installed.block_kinds, block.kind.fallback_flag,
       block.shared_experts()[0], sorted(installed.attention_adapters), len(installed.weight_formats),
-      len(installed.recompute_settings), len(installed.fused_weight_rules))
+      len(installed.recompute_settings), len(installed.fused_weight_rules), len(rules), rules == installed.vision_language)
 """)
-    assert out == ("(None, 0, False) 4 True fd_fallback shared_experts ['paddleformers_attention'] 1 1 1"), out
+    assert out == ("(None, 0, False) 4 True fd_fallback shared_experts ['paddleformers_attention'] 1 1 1 7 True"), out
 
 
 def test_a_model_of_no_library_splits_its_fused_projections_by_name():

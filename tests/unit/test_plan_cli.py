@@ -98,3 +98,53 @@ def test_config_takes_a_model_name_a_folder_or_a_file(tmp_path, capsys):
         plan.parse_args(["--config", str(tmp_path / "llama3_70b.json"), "--seq", "128K", "--devices", "8"])
     error = capsys.readouterr().err
     assert "llama3_70b.json: no such file" in error and "'llama3-70b'" in error, error
+
+
+def test_qwen25_vl_7b_with_a_minute_of_video_plans_the_tower_whole_and_split(tmp_path, capsys):
+    """One minute at 2 fps, 448 x 448: both modes ranked, the same layouts side by side term by term (ring8 among
+    them: the split holds an eighth of the tower's activations, sends features, fits without recomputation), and
+    configs that load, the split's with ContextParallel on the tower."""
+    from paddle_cp.api.config import load_config
+    from paddle_cp.cost.candidate import Layout
+
+    out = tmp_path / "plan.json"
+    plan.main(["--config", "qwen2.5-vl-7b", "--video-seconds", "60", "--fps", "2", "--frame-size", "448x448",
+               "--devices", "8", "--configs", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "grid 60 x 32 x 32 = 61440 patches, 15360 tokens" in printed and "sequence: 15362 tokens" in printed
+    assert "vision tower whole:" in printed and "vision tower split:" in printed and "vision act" in printed
+    result = json.loads(out.read_text())["vision"]
+    assert result["whole"]["seq"] == result["split"]["seq"] == 15362
+    assert result["whole"]["media"] == [{"kind": "video", "t": 60, "h": 32, "w": 32}]
+    side_by_side = [line.split()[5] for line in printed.splitlines() if line.startswith("dp1 ring8 uly1 tp1 l2  ")]
+    assert side_by_side == ["whole", "split"]  # the best layout on all 8 sep ranks, in both modes
+    by_name = {e["name"]: e for e in result["split"]["estimates"]}
+    whole = {e["name"]: e for e in result["whole"]["estimates"]}["dp1 ring8 uly1 tp1 l2"]
+    split_ring = by_name["dp1 ring8 uly1 tp1 l2"]
+    ratio = whole["memory"]["vision_activations"] / split_ring["memory"]["vision_activations"]
+    assert 60 / 9 <= ratio <= 60 / 7.5  # 60 temporal patches over 8 ranks: 7.5 each, placed around the decoder's work
+    assert split_ring["fits"] and split_ring["memory"]["exchange_bytes"] and not whole["fits"]
+    assert all(e["layout"]["tp"] == e["layout"]["pp"] == 1 for e in result["split"]["estimates"])  # dp x sep alone
+    model = plan.model_shape(plan.parse_args(["--config", "qwen2.5-vl-7b", "--seq", "1K", "--devices", "8"]))
+    split = plan.plan_of(by_name["dp1 ring8 uly1 tp1 l2"], model, 15362, "model.language_model",
+                         vision_tower="model.visual")
+    assert split["config"]["cp_config"]["parallelize_plan"]["model.visual"] == {"ContextParallel": {"backend": "p2p"}}
+    path = tmp_path / "split.yaml"
+    path.write_text(split["yaml"])
+    mesh, _ = load_config(str(path), world_size=8)
+    assert list(mesh.shape) == [8]
+    assert plan.plan_of(by_name["dp1 ring8 uly1 tp1 l2"], model, 15362, "model")["model_config"] == {}
+    assert "vision_config" in plan.plan_of({**by_name["dp1 ring8 uly1 tp1 l2"],
+                                            "layout": dataclasses.asdict(Layout(ring=8, recompute="full"))},
+                                           model, 15362, "model")["model_config"]
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    (["--config", "qwen2.5-7b", "--video-frames", "8"], "qwen2 has no vision tower"),
+    (["--config", "qwen2.5-vl-7b", "--video-frames", "8", "--seq", "4K"], "drop --seq"),
+    (["--config", "qwen2.5-vl-7b", "--video-frames", "8", "--video-seconds", "4"], "not both"),
+    (["--config", "qwen2.5-vl-7b", "--text-tokens", "4K"], "give the media"),
+])
+def test_vision_language_flags_that_cannot_plan_are_refused(flags, refusal):
+    with pytest.raises(SystemExit, match=refusal):
+        plan.main([*flags, "--devices", "8"])

@@ -138,8 +138,8 @@ def test_console_scripts_name_the_tools_mains():
                         "pcp-launch": elastic.main}
 
 
-@pytest.mark.parametrize("tool, name, modes", [(bench, "pcp-bench", ["--pool", "--planning", "--mixer gated_deltanet",
-                                                                           "--saves"]),
+@pytest.mark.parametrize("tool, name, modes", [(bench, "pcp-bench", ["--pool", "--planning", "--vision",
+                                                                         "--mixer gated_deltanet", "--saves"]),
                                                (memory, "pcp-memory", ["--phases", "--experts", "--sharding"])])
 def test_help_names_the_tool_its_defaults_and_its_other_modes(capsys, tool, name, modes):
     """A newcomer's `--help` finds every mode the docs use (each parsed by its own tool) and each default."""

@@ -3,7 +3,7 @@ AdamW), emulated on CPU for tests, so that real float16/bfloat16 tensors go thro
 
 Entry points (stable; other tests and workers import them):
 - `install(set_attr=setattr)`: patches `paddle.amp.decorate` / `amp_decorate`, `paddle.amp.auto_cast` /
-  `amp_guard`, the `_C_ops` ops listed in COMPUTE_OPS, MEMORY_OPS and IN_PLACE_OPS, the Tensor arithmetic operators,
+  `amp_guard`, the `_C_ops` ops listed in COMPUTE_OPS, MEMORY_OPS, CREATION_OPS and IN_PLACE_OPS, the Tensor arithmetic operators,
   `_C_ops.adamw_` / `_C_ops.adam_`, `Tensor._register_backward_hook` (master gradients settle first) and
   `paddle.framework._dygraph_tracer` / `paddle.base.framework._dygraph_tracer` (the autocast state as Python
   reads it); idempotent. `set_attr`: pytest's monkeypatch.setattr to undo it.
@@ -98,6 +98,7 @@ COMPUTE_OPS = (
     "silu", "gelu", "swiglu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "pow", "square",
     "mean", "sum", "max", "logsumexp", "add", "subtract", "multiply", "divide", "scale", "maximum", "minimum",
     "clip", "abs", "cos", "sin", "layer_norm", "rms_norm", "squared_l2_norm", "cumsum", "where",
+    "conv2d", "conv3d",  # vision towers' patch embeddings
 )
 # Memory ops whose backward kernels CPU lacks for half dtypes (concat_grad, measured): exact in float32 and
 # back, so wrapped the same way; autocast treats them as any op off the lists. Not the view ops (docstring).
@@ -106,6 +107,8 @@ MEMORY_OPS = (
     "index_select", "pad", "roll", "repeat_interleave", "take_along_axis", "put_along_axis", "tril", "triu",
     "flip", "index_put", "masked_select", "scatter",
 )
+# Ops making a tensor of a dtype argument (no CPU half kernel): made in float32, rounded once. Their dtype's index.
+CREATION_OPS = {"arange": 3}  # a rotary table of a buffer O2 cast (Qwen-VL's inv_freq): arange(n, dtype=bf16)
 # In-place ops (no CPU half kernel) emulated by their out-of-place twin, the first input then assigned.
 IN_PLACE_OPS = ("scatter_", "add_", "subtract_", "multiply_", "scale_")
 # Tensor operators (C methods that reach the kernels without `_C_ops`) and the op each is matched as.
@@ -177,6 +180,24 @@ def _emulated(name, fn):
     def op(*args, **kwargs):
         return _run(name, fn, args, kwargs)
     op.__wrapped__ = fn
+    return op
+
+
+def _emulated_creation(name, index):
+    made = getattr(_C_ops, name)
+
+    def op(*args, **kwargs):
+        args = list(args)
+        dtype = args[index] if len(args) > index else kwargs.get("dtype")
+        if dtype not in LOW:
+            return made(*args, **kwargs)
+        if len(args) > index:
+            args[index] = FP32
+        else:
+            kwargs["dtype"] = FP32
+        up = lambda t: t.astype(FP32) if t.dtype in LOW else t  # noqa: E731
+        return made(*_cast(args, up), **kwargs).astype(dtype)
+    op.__wrapped__ = made
     return op
 
 
@@ -377,6 +398,8 @@ def install(set_attr=setattr):
         set_attr(_C_ops, name, _emulated(name, getattr(_C_ops, name)))
     for name in IN_PLACE_OPS:
         set_attr(_C_ops, name, _emulated_in_place(name))
+    for name, index in CREATION_OPS.items():
+        set_attr(_C_ops, name, _emulated_creation(name, index))
     for dunder, name in OPERATORS.items():
         original = getattr(paddle.Tensor, dunder)
         set_attr(paddle.Tensor, dunder, _emulated(name, original))

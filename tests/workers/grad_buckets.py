@@ -21,8 +21,9 @@ import sys
 import numpy as np
 import paddle
 import paddle.distributed as dist
+import paddle.nn.functional as F
 from optimizer_amp import build, parallelized
-from report import run
+from report import mean_over_ranks, run, train
 from tensor_parallel import WELL_CONDITIONED_EPSILON
 
 import paddle_cp as pcp
@@ -226,6 +227,85 @@ def allocator_peak(report, level):
     report.value(f"alloc_l{level}.grads", sum(p.numel().item() * 4 for p in model.parameters() if not p.stop_gradient))
 
 
+# ---- a branch only the rank holding a token takes, under sep -------------------------------------------------
+
+MARK = 7  # the token whose holder takes the branch
+
+
+class RingAttention(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.qkv = paddle.nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).reshape([b, s, 3, 2, 8]).unbind(2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).reshape([b, s, 16])
+
+
+class Branchy(paddle.nn.Layer):
+    """Attention, then a branch that a rank runs only when it holds MARK (as ERNIE-VL's image experts on a rank
+    of text tokens): the same values (the branch adds nothing to other tokens), a gradient on that rank only."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = paddle.nn.Embedding(32, 16)
+        self.attn = RingAttention()
+        self.branch = paddle.nn.Linear(16, 16)
+        self.head = paddle.nn.Linear(16, 32)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        x = x + self.attn(x)
+        marked = input_ids == MARK
+        if marked.any():
+            x = x + paddle.where(marked.unsqueeze(-1), self.branch(x), paddle.zeros_like(x))
+        return F.cross_entropy(self.head(x), labels.unsqueeze(-1)).mean()
+
+
+def branch_under_sep(report, steps=4):
+    """sep over every rank (p2p), buckets of one parameter: the branch's gradient arrives on rank 0 only, before
+    the attention's backward exchanges. Its buckets reduced during backward would hold rank 0 in the all-reduce
+    while the others wait for it in the ring (each then fails after the watchdog's timeout, set short here)."""
+    ids = np.random.RandomState(0).randint(8, 32, [1, 37])
+    ids[0, 2] = MARK  # in the first chunk: rank 0's
+    ids, labels = paddle.to_tensor(ids), paddle.to_tensor(np.roll(ids, -1, 1))
+
+    def built():
+        paddle.seed(3)
+        model = Branchy()
+        return model, paddle.optimizer.AdamW(1e-2, parameters=model.parameters(), epsilon=1e-3)
+
+    model, optimizer = built()
+    want = train(model, optimizer, (model(ids, labels) for _ in range(steps)))
+    mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["sep"])
+    prepare = pcp.PrepareContextParallel("p2p")
+    model, optimizer = built()
+    model, optimizer = pcp.parallelize(model, optimizer, mesh, {
+        "cp_config": {"parallelize_plan": {"": prepare, "attn": pcp.ContextParallel("p2p")}},
+        "dp_config": {"bucket_size_mb": 1e-4}})
+    issued = []
+
+    def weighted_losses():
+        for _ in range(steps):
+            labelled = pcp.shard_sequence(labels, backend=prepare, mesh=mesh).size
+            yield model(ids, labels) * pcp.loss_weight(labelled, mesh)
+            issued.append([index for index, *_ in optimizer.gradient_buckets.issue_log])
+
+    timeout = pcp.get_timeout()
+    pcp.set_timeout(60)
+    try:
+        losses, grads, params = train(model, optimizer, weighted_losses())
+    finally:
+        pcp.set_timeout(timeout)
+    report.training("branch_sep", (mean_over_ranks(losses, mesh), grads, params), want)
+    buckets = optimizer.gradient_buckets.buckets
+    report.value("branch_sep.buckets", len(buckets))
+    report.value("branch_sep.uneven", [[n for n, p in model.named_parameters() if any(p is q for q in b.params)]
+                                       for b in buckets if b.uneven])
+    report.value("branch_sep.issued", issued)
+
+
 def llama_group(report):
     want = one_card()
     layout(report, "dp2xmp2_l0", [("dp", 2), ("mp", 2)], 0, want)
@@ -243,6 +323,7 @@ def mlp_group(report):
     mlp_case(report, "passes_change_l2", [1, 1, 2, 1, 3], 2)
     mlp_case(report, "branch_l0", [1, 1, 1, 1, 1], 0, branch=True)
     mlp_case(report, "branch_l2", [1, 1, 1, 1, 1], 2, branch=True)
+    branch_under_sep(report)
 
 
 def main(report):

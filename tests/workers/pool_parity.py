@@ -2,7 +2,8 @@
 
 dp2 x sep(N/2): every rank passes the global batch (4 rows of 61 tokens, packed documents of uneven lengths, 1 to
 30 tokens); the pool joins the rows and lays them out over all N ranks as one ring. PaddleFormers' Llama (eager
-attention, fp32) trains 3 AdamW steps (epsilon 1e-3), each rank's mean loss weighted by loss_weight of its tokens,
+attention, fp32) trains 3 AdamW steps (epsilon 1e-3), each rank's mean loss weighted by loss_weight of its
+labelled tokens (-100 at each document's last token, the packed recipe),
 against one card given the same 4 rows with their documents as attn_mask_startend_row_indices. Also: the labels
 split by shard_sequence equal those the plan's hook splits and unshard back to the global batch; each rank's
 token count; the planned exchange's bytes against what the exchange plan predicts; the layout chosen once in
@@ -45,7 +46,8 @@ def batches(case):
     vocab = llama().config.vocab_size
     for _ in range(STEPS):
         ids = rng.randint(0, vocab, [rows, seq + 1])
-        yield (paddle.to_tensor(ids[:, :-1]), paddle.to_tensor(ids[:, 1:]), paddle.to_tensor(positions),
+        labels = np.where(ends == np.arange(seq) + 1, -100, ids[:, 1:])  # a document's last token: no successor
+        yield (paddle.to_tensor(ids[:, :-1]), paddle.to_tensor(labels), paddle.to_tensor(positions),
                paddle.to_tensor(ends[:, None, :, None], dtype="int32"))
 
 
@@ -71,7 +73,8 @@ def pooled(report, mesh, name, case):
             report.diff(f"{name}.unshard", pcp.unshard_sequence(local, backend=prepare, mesh=mesh, seq_len=case[1],
                                                                 position_ids=positions), labels)
             pcp.reset_counters()
-        loss = model(input_ids=ids, labels=labels, position_ids=positions)[0] * pcp.loss_weight(local.shape[1], mesh)
+        weight = pcp.loss_weight(int((local != -100).sum()), mesh)  # this rank's labelled tokens
+        loss = model(input_ids=ids, labels=labels, position_ids=positions)[0] * weight
         loss.backward()
         if step == 0:
             report.value(f"{name}.ring_bytes", pcp.bytes_sent().get("ring", 0))

@@ -23,7 +23,9 @@ class Report:
             self.data["max_abs"][name] = float("inf")
             self.data["values"][name + ".shape"] = [list(got.shape), list(want.shape)]
             return
-        self.data["max_abs"][name] = max(self.data["max_abs"].get(name, 0.0), float(np.abs(got - want).max()))
+        largest = float(np.abs(got - want).max()) if got.size else 0.0
+        largest = largest if np.isfinite(largest) else float("inf")  # a NaN is no match (max() would drop it)
+        self.data["max_abs"][name] = max(self.data["max_abs"].get(name, 0.0), largest)
 
     def training(self, name, got, want):
         """A training run's (losses, first-step gradients, final parameters) against a reference's."""

@@ -17,6 +17,7 @@ import paddle
 import paddle.distributed as dist
 from amp_emulation import emulated as amp_emulated
 from amp_emulation import widened
+import vl_models
 from paddleformers_models import build, rechunked
 from report import run
 
@@ -58,9 +59,17 @@ def dataset(packed, seq=SEQ):
     return samples
 
 
-def model_of(family, **overrides):
+def vision_dataset(family):
+    """Conversations with a picture each, of different sizes, through the family's own image processor."""
+    rng = np.random.RandomState(5)
+    sizes = [(48, 24), (16, 16), (24, 32), (32, 16)]
+    return [vl_models.conversation(family, rng, text=(3 + i % 3, 4 + i % 4), images=(sizes[i % 4],), seed=i)
+            for i in range(8)]
+
+
+def model_of(family, vision=None, **overrides):
     paddle.seed(2024)
-    return build(family, **overrides)
+    return vl_models.build(vision, **overrides) if vision else build(family, **overrides)
 
 
 class LoggedLosses:
@@ -105,10 +114,12 @@ def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=Non
     if args.get("save_steps"):
         args["save_strategy"] = "steps"
     training_args = args_cls(output_dir=output_dir, **args)
-    model = model or model_of(run_spec.get("family", "llama"), **run_spec.get("model", {}))
+    vision = run_spec.get("vision")
+    model = model or model_of(run_spec.get("family", "llama"), vision, **run_spec.get("model", {}))
     log = LoggedLosses(stop_at)
-    data = dataset(run_spec.get("packed", False), run_spec.get("seq", SEQ))
-    trainer = trainer_cls(model=model, args=training_args, train_dataset=data, callbacks=[log.callback])
+    data = vision_dataset(vision) if vision else dataset(run_spec.get("packed", False), run_spec.get("seq", SEQ))
+    trainer = trainer_cls(model=model, args=training_args, train_dataset=data, callbacks=[log.callback],
+                          data_collator=vl_models.rows if vision else None)
     trainer.train(resume_from_checkpoint=resume)
     if run_spec.get("evaluate"):
         log.losses.append(trainer.evaluate(eval_dataset=data[:8])["eval_loss"])  # compared like a logged loss
@@ -174,7 +185,7 @@ def reference_run(spec, root, name, evaluation=None):
     truth: the same model, data and steps in float64), see paddle_cp/api/float64_truth.py."""
     from paddleformers.trainer import Trainer, TrainingArguments
 
-    model = model_of(spec.get("family", "llama"), **spec.get("model", {}))
+    model = model_of(spec.get("family", "llama"), spec.get("vision"), **spec.get("model", {}))
     model = {"rechunked": rechunked, "float64": float64_model}.get(evaluation, lambda m: m)(model)
     with one_card(), float64_math() if evaluation == "float64" else contextlib.nullcontext(), \
             amp_emulated(spec.get("emulated")):
@@ -223,6 +234,12 @@ RUNS = {
         # one card's distance from the truth instead of 1e-5 (tests/multiproc/test_hybrid_models.py)
         "qwen3_next_dp2_cp2": dict(family="qwen3_next", parallel=dict(CP2, per_device_train_batch_size=2),
                                    global_batch=4, truth=True),
+        # vision-language models: conversations with a picture each (of four sizes), padded into rows by the
+        # collator; the plan the flags write splits the sequence after the merge
+        "qwen3_vl_dp2_cp2": dict(vision="qwen3_vl", parallel=dict(CP2, per_device_train_batch_size=1),
+                                 global_batch=2),
+        "glm4v_moe_ulysses4": dict(vision="glm4v_moe", parallel=dict(sep_parallel_size=4, per_device_train_batch_size=2),
+                                   global_batch=2),
         # tensor parallel alone (default eager attention) with sharding stage 3
         "dp2_mp2_sharding3": dict(parallel=dict(tensor_model_parallel_size=2, sharding="stage3",
                                                 per_device_train_batch_size=1), global_batch=2),

@@ -30,7 +30,8 @@ class Batch:
     model's inputs (its backend's ring and Ulysses groups; None for a Batch shard_sequence made);
     `plan`: the PrepareContextParallel whose layout it follows (None: a backend name's 2N chunks);
     `pool_groups`: the CPGroups of a PrepareContextParallel(pool=True)'s ring over every dp x sep rank, whose
-    global batch this is (its rows joined into one), else None. The masks
+    global batch this is (its rows joined into one), else None; `vision`: a vision-language batch's VisionLayout
+    when its vision tower is split (plans/vision_split.py), else None. The masks
     and exchange plans its layers share are kept by its layout (`layout.plans`, layout/batch_plans.py), made
     by its first attention layer from these facts."""
 
@@ -42,6 +43,7 @@ class Batch:
     run: object = None
     plan: object = None
     pool_groups: object = None
+    vision: object = None
 
     @property
     def groups(self):
@@ -92,6 +94,21 @@ def published(batch):
         retract()
 
 
+def begin_merge(batch):
+    """A vision-language model's forward chose `batch`: its vision tower and merge run before its language model
+    splits it (`merging()` is it meanwhile)."""
+    runtime.state.batches.merging.append(batch)
+
+
+def end_merge():
+    runtime.state.batches.merging.pop()
+
+
+def merging():
+    merging = runtime.state.batches.merging
+    return merging[-1] if merging else None
+
+
 def record_split(batch):
     """A forward split `batch` over its group: shard_sequence, given the same plan and documents, reuses it."""
     runtime.state.batches.last[batch.group.ranks] = batch
@@ -104,8 +121,11 @@ def last_split(group):
 
 def record_shard(batch):
     """shard_sequence split a tensor of the coming batch over `batch.group` in `batch.layout`: checked at its
-    forward (`take_shards`)."""
-    runtime.state.batches.sharded.setdefault(batch.group.ranks, []).append(batch)
+    forward (`take_shards`). A tensor split in the last forward's Batch (labels after their forward) belongs to
+    that forward, not to the coming one."""
+    state = runtime.state.batches
+    if state.last.get(batch.group.ranks) is not batch:
+        state.sharded.setdefault(batch.group.ranks, []).append(batch)
 
 
 def take_shards(group):

@@ -133,18 +133,19 @@ class SequenceLayout:
         self._last_batch = None  # (document ends, layout) of the last batch for_batch chose for
         self.plans = BatchPlans()  # attention's masks per batch (api.py), keyed by the split among other facts
 
-    def for_batch(self, documents, split="documents"):
+    def for_batch(self, documents, split="documents", joint=None):
         """The layout of a batch: with split 'documents', the one packed_layout.choose prices cheapest
-        on a GPU for its `documents` (a Documents, or None), tiles and exchange on `self.links`; else,
+        on a GPU for its `documents` (a Documents, or None), tiles and exchange on `self.links` (with
+        `joint`, choose's: the batch's other stage placed around each candidate, both priced); else,
         with no documents, and with a single ring group (Ulysses alone: every rank attends for every
         query), this one (2R chunks)."""
         if check_split(split) == "chunks" or documents is None or self.ring == 1:
             return self
         end = np.clip(documents.end, 0, documents.seq_len)  # all the choice reads (keys_seen derives from it)
-        if self._last_batch is not None and np.array_equal(self._last_batch[0], end):
+        if joint is None and self._last_batch is not None and np.array_equal(self._last_batch[0], end):
             return self._last_batch[1]  # the same batch again (its inputs, then its labels): chosen once
         work = documents.keys_seen()
-        chosen, _ = choose(end, work, self.ring, self.ulysses, self.links)
+        chosen, _ = choose(end, work, self.ring, self.ulysses, self.links, joint)
         layout = self
         if chosen.name != "chunks":
             layout = copy.copy(self)

@@ -54,6 +54,11 @@ def fused_weights(model):
     return parts
 
 
+# its SFT loss: the token mean over labels that are not `ignored_index`, or over a given loss_mask
+CRITERION = pcp.LossLayer("paddleformers.", ("CriterionLayer",), masks=("loss_mask",))
+
+
 def register():
     pcp.register_attention_class(is_attention_class)
     pcp.register_fused_weights(fused_weights)
+    pcp.register_loss_layer(CRITERION)

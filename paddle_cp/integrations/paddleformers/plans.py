@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ...api.config import build_plans
 from ...plans import PrepareContextParallel
+from ...plans.vision_language import merging_rule
 
 # the token mixers of a decoder layer: softmax attention, and linear attention (Qwen3-Next's Gated DeltaNet)
 MIXERS = ("self_attn", "linear_attn")
@@ -43,12 +44,15 @@ class DecoderNames:
     model: str                  # the model's class name, for errors
     names: tuple                # every sublayer name, sorted
     with_own_parameters: frozenset = frozenset()
+    language_model: str = ""    # a vision-language model's language model, where its decoder layers are
 
     @classmethod
     def of(cls, model):
         layers = dict(model.named_sublayers())
+        rule = merging_rule(model)
         return cls(type(model).__name__, tuple(sorted(layers)),
-                   frozenset(name for name, layer in layers.items() if _holds_per_head_parameters(layer)))
+                   frozenset(name for name, layer in layers.items() if _holds_per_head_parameters(layer)),
+                   rule.merges[type(model).__name__] if rule is not None else "")
 
     @classmethod
     def standard(cls, prefix="model"):
@@ -68,8 +72,10 @@ def _pattern(name):
 
 
 def decoder_stack(names):
-    """The name of the decoder-layer list (`model.layers`); a ValueError when the model has none."""
-    stacks = {m.group("stack") for name in names.names if (m := MIXER.fullmatch(name))}
+    """The name of the decoder-layer list (`model.layers`; a vision-language model's under its language model, not
+    its vision tower's); a ValueError when the model has none."""
+    inside = names.language_model + "." if names.language_model else ""
+    stacks = {m.group("stack") for name in names.names if name.startswith(inside) and (m := MIXER.fullmatch(name))}
     if len(stacks) != 1:
         raise ValueError(
             f"{names.model}: cannot derive paddle_cp plans, expected one list of decoder layers with "
@@ -81,7 +87,8 @@ def decoder_stack(names):
 
 def mixers(names):
     """The token mixers the decoder layers hold (`self_attn`, and `linear_attn` in hybrid models), in MIXERS order."""
-    found = {m.group("mixer") for name in names.names if (m := MIXER.fullmatch(name))}
+    stack = decoder_stack(names)
+    found = {m.group("mixer") for name in names.names if (m := MIXER.fullmatch(name)) and m.group("stack") == stack}
     return [mixer for mixer in MIXERS if mixer in found]
 
 
@@ -180,6 +187,11 @@ def parallelize_config(model, degrees, schedule_mode="1F1B", micro_batches=1):
     """paddle_cp.parallelize's config for `model` on `degrees`."""
     names = DecoderNames.of(model)
     config = {}
+    if names.language_model and (degrees.mp > 1 or degrees.pp > 1 or degrees.ep > 1):
+        raise ValueError(f"{names.model} is a vision-language model: paddle_cp trains it with context parallel, data "
+                         "parallel and sharding (context_parallel_size, sep_parallel_size, sharding); tensor, pipeline "
+                         "and expert parallel of it are not supported yet: set tensor_model_parallel_size, "
+                         "pipeline_model_parallel_size and expert_model_parallel_size to 1")
     if degrees.sep > 1:
         config["cp_config"] = {"parallelize_plan": built(context_parallel_plan_spec(
             names, degrees.backend, degrees.ulysses, degrees.mp if degrees.sequence_parallel else 1))}

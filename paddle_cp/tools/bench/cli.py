@@ -5,6 +5,7 @@
     pcp-bench --saves --nproc 2 --steps 30 --save-every 10     (a step's cost of async saves: bench/saves.py)
     pcp-bench --planning --nproc 8 --seq 131072 --documents lognormal   (host planning: bench/planning.py)
     pcp-bench --pool --dp 2 --sep 4 --seq 64K --documents lognormal   (dp x sep pool against fixed: bench/pool.py)
+    pcp-bench --vision --sep 8   (vision-language batches, the vision tower split by images: bench/vision.py)
 
 Launches N CPU ranks itself (`python -m paddle.distributed.launch`, one thread per
 rank), or runs as one of them when started inside a launch (PADDLE_TRAINER_ID set).
@@ -99,6 +100,7 @@ MODES = """\
 other benchmarks, each with its own flags (pcp-bench MODE --help):
   --pool                    the dp x sep pool against fixed dp x sep, priced by the GPU tile model (no ranks)
   --planning                host time to plan one layer's attention (no ranks)
+  --vision                  vision-language batches, the vision tower split by images against others (no ranks)
   --mixer gated_deltanet    a Gated DeltaNet layer under context parallelism instead of attention
   --saves                   a training step under pcp.Resumable with async saves beside blocking ones and none
 docs/tools.md explains every column."""
@@ -238,11 +240,17 @@ def main(argv=None):
     mixer.add_argument("--planning", action="store_true")
     mixer.add_argument("--pool", action="store_true")
     mixer.add_argument("--saves", action="store_true")
+    mixer.add_argument("--vision", action="store_true")
     chosen, rest = mixer.parse_known_args(argv)
     if chosen.saves:  # a training step's time with async saves, blocking ones and none (bench/saves.py)
         from paddle_cp.tools.bench import saves as bench_saves
 
         bench_saves.main(rest)
+        return
+    if chosen.vision:  # a vision-language batch's vision tower split by images, priced (bench/vision.py)
+        from paddle_cp.tools.bench import vision as bench_vision
+
+        bench_vision.main(rest)
         return
     if chosen.pool:  # the dp x sep pool against fixed dp x sep, priced by the tile model (bench/pool.py)
         from paddle_cp.tools.bench import pool as bench_pool

@@ -6,6 +6,7 @@
     pcp-memory --experts ...: a MoE model with and without expert parallelism (memory/experts.py)
     pcp-memory --layouts "dp2 ring2 l3@dp" ...: pcp-plan's layouts beside its estimate (memory/layouts.py)
     pcp-memory --sharding ...: what each sharding level leaves a rank instead (memory/sharding.py)
+    pcp-memory --vision-language ...: a Qwen2.5-VL step on a video, its tower whole and split (memory/vision_language.py)
 
 For each N (one launch of N CPU ranks; N = 1 is one process with the same plans,
 so the same blockwise attention kernel) and each variant (recompute: PaddleFormers'
@@ -47,6 +48,7 @@ other measurements, each with its own flags (pcp-memory MODE --help):
   --phases      startup and I/O phases (eager vs lazy initialization), per rank
   --experts     a MoE step with expert parallelism beside sharding level 3, its all-to-alls against their minimum
   --sharding    what each sharding level leaves a rank on sep4 and dp2 x sep2
+  --vision-language  a Qwen2.5-VL step on a video per rank, its vision tower whole and split, beside the estimate
 docs/long_context.md and docs/tools.md explain the figures."""
 
 
@@ -142,6 +144,10 @@ def main(argv=None):
         from paddle_cp.tools.memory.sharding import main as sharding_main
 
         return sharding_main(argv)
+    if "--vision-language" in argv:  # a vision-language model on a video: its own tool
+        from paddle_cp.tools.memory.vision_language import main as vision_language_main
+
+        return vision_language_main(argv)
     args = parse_args(argv)
     if "PADDLE_TRAINER_ID" not in os.environ and not args.no_cp:
         tool = memory_layouts if args.layouts else sys.modules[__name__]

@@ -3,18 +3,21 @@ with sharding levels, recomputation and chunked loss, for a model and a cluster.
 
     pcp-plan --config llama3-70b --seq 128K --devices 64 --memory-gb 80    # a name, a config.json or a model folder
     pcp-plan --config config.json --max-seq --devices 8 --memory-gb 80   # the longest that fits
+    pcp-plan --config qwen2.5-vl-7b --video-seconds 60 --devices 8        # a vision-language model's video
 
 Prints a table of candidates (best first: those that fit, fastest first), then for the best `--configs` layouts
 the published recipe each resembles and the config to run it: YAML for `paddle_cp.load_config` (the PaddleFormers
 config fields it assumes as comments on top); `--json` writes every estimate and those plans (config as a dict,
 YAML, model fields). The cost model is paddle_cp/cost/ (search.py ranks the layouts): per-rank memory checked against pcp-memory on
-CPU, GPU step times modelled, not measured.
+CPU, GPU step times modelled, not measured. A vision-language model's media flags (plan/vision.py) rank the layouts
+with its vision tower whole on every rank and split over the sep ranks, and print their memory term by term.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +30,10 @@ from paddle_cp.cost.attention import PackedRow
 from paddle_cp.cost.model_shape import ModelShape
 from paddle_cp.tools.plan.models import NAMED, read_model_config
 from paddle_cp.tools.plan.config import (gpu_attention_fields, kernel_fields, model_config, parallelize_config,
-                                         rotary_note, trainer_arguments)
+                                         rotary_note, trainer_arguments, vision_fields, VISION_TOWERS)
 from paddle_cp.cost.candidate import DEFAULT_RESERVE, Cluster, Layout
 from paddle_cp.cost.links import Links
+from paddle_cp.tools.plan import vision
 from paddle_cp.tools.plan.recipes import closest
 from paddle_cp.tools.text import HelpFormatter, ruled_table
 from paddle_cp.tools.units import UNITS_HELP, format_tokens, tokens
@@ -134,13 +138,16 @@ def parse_args(argv=None):
                         help="the sequences pack documents of these lengths (pcp-bench's names or a file): attention "
                              "priced by the GPU tile model, and the ring's exchange by the rows its tiles read, in the "
                              "layout paddle_cp chooses for one row")
-    parser.add_argument("--model-prefix", default="model", help="name of the decoder in the model (for plan keys)")
+    parser.add_argument("--model-prefix", help="name of the decoder in the model, for plan keys (default: model; "
+                                               "a vision-language model's: model.language_model)")
     parser.add_argument("--loss-chunk", type=tokens, default=search.DEFAULT_LOSS_CHUNK,
                         help="tokens per chunk of the chunked loss the search tries")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--configs", type=int, default=1, help="how many of the best fitting layouts to print as YAML")
     parser.add_argument("--json", help="write all estimates and the plans (configs) here")
+    vision.add_arguments(parser)
     args = parser.parse_args(argv)
+    media = args.video_frames or args.video_seconds or args.images or args.text_tokens
     if not args.config and any(getattr(args, f) is None for f in SHAPE_FLAGS if f != "kv_heads"):
         parser.error("give --config config.json, or --layers --hidden --heads --vocab --intermediate [--kv-heads]")
     if args.config:
@@ -148,7 +155,7 @@ def parse_args(argv=None):
             args.model_config = read_model_config(args.config)
         except ValueError as error:
             parser.error(str(error))
-    if (args.seq is None) == (not args.max_seq):
+    if not media and (args.seq is None) == (not args.max_seq):
         parser.error("give --seq N, or --max-seq to find the longest sequence that fits")
     if args.granularity < 1 or args.mlp_tile < 0:
         parser.error("--granularity must be positive and --mlp-tile not negative")
@@ -192,13 +199,14 @@ def link_bytes(attention_bytes):
             attention_bytes["ring_across_nodes"] + attention_bytes["ulysses_across_nodes"])
 
 
-def plan_of(estimate, model, seq, model_prefix, fused=()):
+def plan_of(estimate, model, seq, model_prefix, fused=(), vision_tower=None):
     """What runs one estimated layout: the parallelize config (dict and YAML), the PaddleFormers config fields
     and TrainingArguments (paddle_cp's Trainer), and the published recipe it resembles. `fused`: the GPU kernels
-    the estimate counts (KERNELS' values)."""
+    the estimate counts (KERNELS' values); `vision_tower`: a vision-language model's tower split by images."""
     layout = Layout(**estimate["layout"])
-    config = parallelize_config(layout, model_prefix)
-    fields = {**model_config(layout), **gpu_attention_fields(layout), **kernel_fields(fused)}
+    config = parallelize_config(layout, model_prefix, vision_tower)
+    fields = {**model_config(layout), **gpu_attention_fields(layout), **kernel_fields(fused),
+              **(vision_fields(layout) if model.vision else {})}
     arguments = trainer_arguments(layout)
     sections = {"PaddleFormers config": fields, "PaddleFormers TrainingArguments": arguments}
     header = "".join(f"# {line}\n" for line in yaml.dump(
@@ -219,6 +227,54 @@ def describe(plan, estimate):
             f"{differs}\n{plan['yaml']}")
 
 
+def model_prefix(args, model):
+    """Where the decoder layers sit, for plan keys: --model-prefix, else PaddleFormers' (`model`; a vision-language
+    model's language model `model.language_model`)."""
+    return args.model_prefix or ("model.language_model" if model.vision else "model")
+
+
+def print_plans(args, model, seq, fitting, vision_tower=None):
+    """The best fitting layouts' configs (printed, returned); `vision_tower`: plan_of's."""
+    plans = [plan_of(e, model, seq, model_prefix(args, model), KERNELS[args.kernels], vision_tower)
+             for e in fitting[:args.configs]]
+    for plan, estimate in zip(plans, fitting):
+        print("\n" + describe(plan, estimate), end="")
+    return plans
+
+
+def no_fit_line(args):
+    return (f"no layout fits in {args.memory_gb - args.reserve_gb:g} GB per device (--memory-gb less "
+            "--reserve-gb): add devices, shorten the sequence or lower the batch")
+
+
+def plan_vision_language(args, model, cluster, options):
+    """The vision-language run (plan/vision.py): each mode's ranking, their terms side by side, the configs of the
+    best fitting layouts with the tower whole (what runs today)."""
+    refusal = vision.refusal(args, model)
+    if refusal:
+        sys.exit(f"pcp-plan: {refusal}")
+    modes = vision.ranked_modes(args, model, cluster, options)
+    for mode, found in modes.items():
+        print(f"\nvision tower {mode}: " + vision.media_lines(model.vision, found["media"], args.text_tokens, args.fps))
+        if found["estimates"]:
+            print(table(found["estimates"], args.top))
+        if not any(e["fits"] for e in found["estimates"]):
+            print(no_fit_line(args))
+    print("\nmemory per term (GB per rank), the best layouts of each mode:")
+    print(vision.per_term_table(vision.compared(model, cluster, options, modes, same_media=not args.max_seq)))
+    plans = {}
+    for mode, found in modes.items():
+        if args.configs:
+            print(f"\n# vision tower {mode}:", end="")
+        tower = VISION_TOWERS[model.family] if mode == "split" else None
+        plans[mode] = print_plans(args, model, found["seq"], [e for e in found["estimates"] if e["fits"]], tower)
+    if args.json:
+        result = {"model": asdict(model), "cluster": vars(cluster), "max_seq": args.max_seq,
+                  "vision": {mode: {**found, "media": [asdict(item) for item in found["media"]], "plans": plans[mode]}
+                             for mode, found in modes.items()}}
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
@@ -232,6 +288,8 @@ def main(argv=None):
     options = dict(batch=args.batch, elem=args.dtype_bytes, causal=not args.no_causal, loss_chunk=args.loss_chunk,
                    mlp_tile=args.mlp_tile, fused=KERNELS[args.kernels], offload=not args.no_offload,
                    offload_optimizer=not args.no_host_optimizer, master_grad=not args.no_master_grad)
+    if vision.applies(args, model):
+        return plan_vision_language(args, model, cluster, options)
     if args.documents:
         if args.max_seq:
             sys.exit("pcp-plan: --documents prices one row of --seq tokens: give --seq instead of --max-seq")
@@ -253,14 +311,11 @@ def main(argv=None):
     print(table(estimates, args.top))
     fitting = [e for e in estimates if e["fits"]]
     if not fitting:
-        print(f"\nno layout fits in {args.memory_gb - args.reserve_gb:g} GB per device (--memory-gb less "
-              "--reserve-gb): add devices, shorten the sequence or lower the batch")
+        print("\n" + no_fit_line(args))
+    plans = print_plans(args, model, args.seq, fitting)
     fitting = fitting[:args.configs]
-    plans = [plan_of(e, model, args.seq, args.model_prefix, KERNELS[args.kernels]) for e in fitting]
-    for plan, estimate in zip(plans, fitting):
-        print("\n" + describe(plan, estimate), end="")
     if args.json:
-        result = {"model": vars(model), "cluster": vars(cluster), "seq": args.seq, "max_seq": args.max_seq,
+        result = {"model": asdict(model), "cluster": vars(cluster), "seq": args.seq, "max_seq": args.max_seq,
                   "estimates": estimates,
                   "best": fitting[0] if fitting else None, "plans": plans,
                   "config": plans[0]["config"] if plans else None}

@@ -13,8 +13,13 @@ from ...cost.memory import fuses
 from ...cost.candidate import RECOMPUTE_FULL, SHARD_DIMS
 
 
-def parallelize_config(layout, model_prefix="model"):
-    """The config (see paddle_cp.api.config.load_config) that runs `layout`."""
+# where PaddleFormers 1.2.0 puts each vision-language family's vision tower (ContextParallel on it splits it)
+VISION_TOWERS = {"qwen2_5_vl": "model.visual"}
+
+
+def parallelize_config(layout, model_prefix="model", vision_tower=None):
+    """The config (see paddle_cp.api.config.load_config) that runs `layout`; `vision_tower`: a vision-language
+    model's tower to split over the sep ranks by images (plans/vision_split.py), its name in the model."""
     names = decoder_plans.DecoderNames.standard(model_prefix)
     dims = [(name, size) for name, size in (("pp", layout.pp), ("dp", layout.dp), ("sep", layout.cp), ("mp", layout.tp))
             if size > 1] or [("dp", 1)]
@@ -28,6 +33,9 @@ def parallelize_config(layout, model_prefix="model"):
     if layout.cp > 1:
         config["cp_config"] = {"parallelize_plan": decoder_plans.context_parallel_plan_spec(
             names, layout.backend, layout.ulysses, sequence_parallel_mp=layout.tp)}
+        if vision_tower:
+            config["cp_config"]["parallelize_plan"][vision_tower] = {"ContextParallel": {
+                "backend": layout.backend, **({"ulysses_degree": layout.ulysses} if layout.backend == "hybrid" else {})}}
     memory_plans = decoder_plans.memory_plan_spec(names, layout.offload, layout.mlp_tile)
     if memory_plans:
         config.setdefault("cp_config", {"parallelize_plan": {}})["parallelize_plan"].update(memory_plans)
@@ -59,6 +67,12 @@ def model_config(layout):
     if layout.loss_chunk:
         fields.update(use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=layout.loss_chunk)
     return fields
+
+
+def vision_fields(layout):
+    """A vision-language model's vision_config fields the layout assumes: its tower recomputed block by block under
+    full recomputation, as the estimate counts it (the tower reads its own config's recompute fields)."""
+    return {"vision_config": dict(decoder_recompute.FULL)} if layout.recompute == RECOMPUTE_FULL else {}
 
 
 def kernel_fields(fused):

@@ -16,6 +16,16 @@ NAMED = {
     "qwen2.5-7b": {"model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
                    "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
                    "tie_word_embeddings": False},
+    # Qwen2.5-VL-7B-Instruct's config.json: its text fields at the top, its tower's under vision_config
+    # (PaddleFormers 1.2.0's Qwen2_5_VLConfig() defaults differ: docs/vision_language.md)
+    "qwen2.5-vl-7b": {"model_type": "qwen2_5_vl", "num_hidden_layers": 28, "hidden_size": 3584,
+                      "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+                      "vocab_size": 152064, "tie_word_embeddings": False,
+                      "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                                        "in_chans": 3, "patch_size": 14, "temporal_patch_size": 2,
+                                        "spatial_merge_size": 2, "window_size": 112,
+                                        "fullatt_block_indexes": [7, 15, 23, 31], "out_hidden_size": 3584,
+                                        "tokens_per_second": 2, "hidden_act": "silu"}},
 }
 
 
