@@ -12,7 +12,7 @@ from paddle_cp.cost.model_shape import ModelShape
 from paddle_cp.cost.step_time import step_time
 from paddle_cp.cost.tiles import RANK_MS
 from paddle_cp.cost.vision_language import VisionBatch
-from paddle_cp.cost.vision_shape import Media, VisionShape, image, media_tokens, video
+from paddle_cp.cost.vision_shape import VisionShape, image, media_tokens, video
 from paddle_cp.cost.vision_split import feature_positions, split_layout
 from paddle_cp.cost.vision_tower import (attention_calls, attention_lengths, block_tiles, matmul_flops, tower_bytes,
                                          window_lengths)
