@@ -23,20 +23,28 @@ MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, fuse_rms_norm=False, max_position_embeddings=8192)
 
 
-def write_tokenizer(folder):
-    """A byte-level BPE without merges: every byte is a token. Returns the vocabulary size."""
+def byte_tokenizer(special):
+    """A byte-level BPE without merges: the `special` tokens (ids 0, 1, ...; each one token wherever a text holds
+    it), then every byte a token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {token: i for i, token in enumerate(SPECIAL + sorted(alphabet))}
+    vocab = {token: i for i, token in enumerate(special + sorted(alphabet))}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(special)
+    return tokenizer
+
+
+def write_tokenizer(folder):
+    """The byte-level tokenizer with BOS/EOS/PAD. Returns the vocabulary size."""
+    tokenizer = byte_tokenizer(SPECIAL)
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
                    "pad_token": "<pad>", "model_max_length": MODEL["max_position_embeddings"]}, f)
-    return len(vocab)
+    return tokenizer.get_vocab_size()
 
 
 def write_model(folder, vocab_size, seed=0):

@@ -72,6 +72,8 @@ class RuntimeState:
     # pipeline: the Pipeline (pipeline/runner.py) whose stage forward is running: recompute calls ask it
     pipeline_running: object = None
     pending_save: object = None  # the async checkpoint save whose files are still being written
+    # a library's weight loading casts each file tensor to its parameter's dtype (pcp-train's O2: its integration)
+    casting_to_model_dtypes: bool = False
     # recovery/signals.py: the last preemption signal (SIGTERM, SIGUSR1) this rank received, 0 if none; agreed over
     # the ranks at the next step boundary
     preemption_signal: int = 0

@@ -21,13 +21,12 @@ _SAME_WIDTH_INT = {paddle.float16: paddle.int16, paddle.bfloat16: paddle.int16, 
 
 
 def _bits(x):
-    """The elements of `x` as int64 values carrying all their bits, flattened."""
+    """The elements of `x` as integers carrying all their bits, flattened (a view where `x` is contiguous: the
+    int64 copy is made a chunk at a time, so a batch's pixel values never have a whole int64 twin)."""
     if not x.is_contiguous():
         x = paddle.assign(x)  # a contiguous copy: Tensor.contiguous() would compact the caller's tensor in place
     x = x.reshape([-1])  # [numel]
-    if x.dtype in _SAME_WIDTH_INT:
-        x = paddle.view(x, _SAME_WIDTH_INT[x.dtype])
-    return x.astype("int64")
+    return paddle.view(x, _SAME_WIDTH_INT[x.dtype]) if x.dtype in _SAME_WIDTH_INT else x
 
 
 def fingerprint(x):
@@ -36,7 +35,7 @@ def fingerprint(x):
     bits = _bits(x.detach())
     total = paddle.zeros([1], "int64")
     for start in range(0, max(bits.shape[0], 1), _CHUNK):
-        part = bits[start:start + _CHUNK]
+        part = bits[start:start + _CHUNK].astype("int64")
         position = paddle.arange(start, start + part.shape[0], dtype="int64")
         low_weight = (position * 40503 + 1) % 65521 + 1  # < 2^17: low * weight < 2^49
         high_weight = (position * 9973 + 7) % 65519 + 1

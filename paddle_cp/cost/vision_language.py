@@ -17,9 +17,9 @@ receiver):
   forward, and the size of their gradient in the tower's backward;
 - pixel_values: the batch's patches in fp32 as the processor makes them, every rank passing the whole batch;
 - batch_check: PrepareContextParallel's check that every rank passed the same batch, at the top model's forward
-  (plans/same_batch.py), fingerprints the pixel values (comm/fingerprint.py): their bits as one int64 copy, then
-  FINGERPRINT_TEMPORARIES int64 temporaries of a chunk of FINGERPRINT_CHUNK elements (measured: 10 int64 tensors
-  of the values' size on a video below the chunk, within 1%), transient, before the tower;
+  (plans/same_batch.py), fingerprints the pixel values (comm/fingerprint.py) a chunk of FINGERPRINT_CHUNK elements
+  at a time: the chunk's bits as int64 and FINGERPRINT_TEMPORARIES int64 temporaries of it (measured: 10 int64
+  tensors of the values' size on a video below the chunk, within 1%), transient, before the tower;
 - exchange_bytes (split): the features of positions a rank holds that another computed, in the language model's
   dtype, forward, and their gradients back the same size, backward (one all-to-all each way).
 """
@@ -86,8 +86,7 @@ class VisionBatch:
 
 def batch_check_bytes(pixel_bytes):
     """The batch check's transient over `pixel_bytes` of fp32 pixel values (a whole batch's: the module docstring)."""
-    elements = pixel_bytes // FP32
-    return INT64 * (elements + FINGERPRINT_TEMPORARIES * min(elements, FINGERPRINT_CHUNK))
+    return INT64 * (1 + FINGERPRINT_TEMPORARIES) * min(pixel_bytes // FP32, FINGERPRINT_CHUNK)
 
 
 def exchange_bytes(model, layout, seq, elem, batch):

@@ -118,6 +118,13 @@ def place(cost, token_owner_counts, language_ms, row_ms):
     return VisionPlacement(rank, vision, np.asarray(language_ms, dtype=np.float64), exchange, received)
 
 
+def feature_row_ms(links, ulysses, row_bytes):
+    """float [N, N]: ms for rank r to receive one feature row of `row_bytes` from rank q and send its gradient
+    back, on the ring's links (a LinkCost of its members, each `ulysses` ranks)."""
+    member = np.arange(links.ms_per_byte.shape[0] * ulysses) // ulysses
+    return links.ms_per_byte[member[:, None], member[None, :]] * row_bytes * 2
+
+
 def rank_of_positions(groups, ulysses=1):
     """int [S]: the rank holding each position, its ring group's (`groups[p]`) positions split in order, evenly,
     over the group's `ulysses` ranks (layout/sequence_layout.py's rule)."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from .links import LinkCost, Links
 from .packed_layout import choose
-from .vision_layout import Pieces, StageShape, joint_placement, piece_ms, rank_of_positions
+from .vision_layout import Pieces, StageShape, feature_row_ms, joint_placement, piece_ms, rank_of_positions
 from .vision_tower import attention_lengths
 
 
@@ -84,8 +84,7 @@ def split_layout(model, media, seq, ring, ulysses, elem):
                      feature_positions(vision, media), seq)
     ranks = ring * ulysses
     links = LinkCost.of_ranks(np.arange(ring) * ulysses, Links(ranks_per_node=ranks))
-    member = np.arange(ranks) // ulysses
-    row_ms = links.ms_per_byte[member[:, None], member[None, :]] * tower.row_bytes * 2  # a row, its gradient back
+    row_ms = feature_row_ms(links, ulysses, tower.row_bytes)
     end = np.full((1, seq), seq)
     work = np.arange(1, seq + 1)[None]  # one causal document: each query sees the keys before it
     chosen, _ = choose(end, work, ring, ulysses, links,

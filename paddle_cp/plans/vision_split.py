@@ -33,7 +33,7 @@ import paddle
 from .. import runtime
 from ..attention.dispatch import batch as batch_context
 from ..comm import autograd as comm_autograd
-from ..cost.vision_layout import Pieces, StageShape, joint_placement, piece_ms, rank_of_positions
+from ..cost.vision_layout import Pieces, StageShape, feature_row_ms, joint_placement, piece_ms, rank_of_positions
 
 TAG = "vision_features"  # the exchange's bytes in paddle_cp.bytes_sent()
 OUTPUTS = ("tensor", "with_deepstack", "pooler", "patches")
@@ -334,8 +334,7 @@ def joint_stage(pieces, split, language, links, ulysses, seq_len):
     sizes = np.concatenate([np.diff(p.features) for p in pieces.values()])
     positions = np.concatenate([p.positions for p in pieces.values()])
     stacked = Pieces(costs, np.concatenate([[0], np.cumsum(sizes)]), positions, seq_len)
-    member = np.arange(links.ms_per_byte.shape[0] * ulysses) // ulysses  # each rank's ring member
-    row_ms = links.ms_per_byte[member[:, None], member[None, :]] * vision.row_bytes * 2  # a row, its gradient back
+    row_ms = feature_row_ms(links, ulysses, vision.row_bytes)
     return lambda groups, counts: joint_placement(stacked, groups, counts, ulysses, language, row_ms)
 
 

@@ -10,7 +10,11 @@ sequence parallel, sharding stage1, full recompute, gradient accumulation) with 
 at fp16_opt_level O1 (on CPU Paddle's AMP is a no-op, so O1 trains as fp32 in both) and at its own O2, which
 loads the model in bf16: CPU Paddle has no bf16 matmul, so the O2 runs, paddle_cp's and PaddleFormers' own
 on one card, run in the CPU emulation of Paddle's GPU AMP (tests/workers/emulated_amp.py) and are held to
-one card's distance from the fp32 run. Three processes do all the work:
+one card's distance from the fp32 run. A third YAML is a vision-language one (stage VL-SFT) on
+examples/vl_sft_cli_inputs.py's tiny Qwen3-VL, its processor and 24 messages-format samples with PNG
+pictures of four sizes, two samples packed into each 256-token row; both sides build its one-card class
+(PaddleFormers' own choice for qwen3_vl is fleet's, which needs paddlefleet: sft_workflow.OneCardModels).
+Three processes do all the work:
 
 - the reference: PaddleFormers' own `run_tuner` in one process, per global batch (2 and 4), full
   fine-tuning and LoRA, and the example YAML on one card (global batch 2 and 4, O1 and emulated O2);
@@ -19,7 +23,8 @@ one card's distance from the fp32 run. Three processes do all the work:
 - a 4-rank launch whose ranks run pcp-train's main in place, one run after another: ring 4,
   Ulysses 4, dp 2 x ring 2, dp 2 x tensor 2 + sequence parallel, LoRA on dp 2 x ring 2, and a
   resume of the first launch's step-2 checkpoint on ring 2 x Ulysses 2, the example YAML as it is (tensor 2 x
-  pipeline 2) and on dp 2 x ring 2, at O1 and emulated O2; then configs it must refuse.
+  pipeline 2) and on dp 2 x ring 2, at O1 and emulated O2, the VL YAML on ring 4, Ulysses 4 and dp 2 x ring 2;
+  then configs it must refuse.
 
 Each run's logged losses (PaddleFormers' `loss:` log lines, 8 digits) and the weights it saves
 (safetensors in output_dir) are compared with the reference of the same global batch (1e-5).
@@ -76,6 +81,11 @@ EXAMPLE = {
     "save_checkpoint_format": "flex_checkpoint", "load_checkpoint_format": "flex_checkpoint", "weight_decay": 0.0,
     "adam_beta2": 0.999, "moe_router_bias_update_rate": 0.0, "overlap_p2p_comm": False, "batch_p2p_comm": True,
 }
+# the VL YAML: PaddleFormers' VL-SFT stage on messages-format lines with picture paths, its Qwen3-VL template (no
+# thinking), two samples packed into each of 12 rows of 256 tokens (the rest padding: Ulysses 4's last quarter holds no
+# label)
+VL = {**BASE, "stage": "VL-SFT", "train_dataset_type": "messages", "template": "qwen3_vl_nothink", "max_seq_len": 256,
+      "per_device_train_batch_size": 1}
 ONE_CARD = ["tensor_model_parallel_size=1", "pipeline_model_parallel_size=1", "sequence_parallel=false"]
 DP2_RING2 = [*ONE_CARD, "context_parallel_size=2"]  # the parallel keys a paddle_cp user changes
 O2 = ["fp16_opt_level=O2"]  # the example YAML's own level
@@ -103,11 +113,16 @@ LAUNCH_RUNS = {
                              ["ring", "all_gather"]),
     "example_o2_tp2_pp2_sp": (O2, "example_o2_b2", ["pp_activation", "all_gather"]),
     "example_o2_dp2_ring2": ([*DP2_RING2, *O2], "example_o2_b4", ["ring", "grad_all_reduce"]),
+    # the sequence split where the language model takes the merged image and text embeddings
+    "vl_ring4": (["context_parallel_size=4"], "vl_b1", ["ring"]),
+    "vl_ulysses4": (["sep_parallel_size=4"], "vl_b1", ["ulysses"]),
+    "vl_dp2_ring2": (["context_parallel_size=2"], "vl_b2", ["ring", "grad_all_reduce"]),
 }
 REFERENCES = {"full_b2": [], "full_b4": ["per_device_train_batch_size=4"],
               "lora_b4": ["per_device_train_batch_size=4", *LORA], "unpacked_b2": UNPACKED, "pt_b2": PT,
               "example_b2": ONE_CARD, "example_b4": [*ONE_CARD, "per_device_train_batch_size=2"],
-              "example_o2_b2": [*ONE_CARD, *O2], "example_o2_b4": [*ONE_CARD, "per_device_train_batch_size=2", *O2]}
+              "example_o2_b2": [*ONE_CARD, *O2], "example_o2_b4": [*ONE_CARD, "per_device_train_batch_size=2", *O2],
+              "vl_b1": [], "vl_b2": ["per_device_train_batch_size=2"]}
 # the O2 runs, in the CPU emulation of Paddle's GPU AMP: each -> the same layout's fp32 (O1) run
 O2_RUNS = {"example_o2_b2": "example_b2", "example_o2_b4": "example_b4",
            "example_o2_tp2_pp2_sp": "example_tp2_pp2_sp", "example_o2_dp2_ring2": "example_dp2_ring2"}
@@ -161,6 +176,11 @@ def saved_dtypes(folder):
     return dtypes
 
 
+def processor_files(folder):
+    """The files of a processor's configs a run saved beside its weights (what AutoProcessor.from_pretrained reads)."""
+    return sorted(path.name for path in Path(folder).glob("*preprocessor_config.json"))
+
+
 def _env(log_dir):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(WORKERS), str(EXAMPLES),
                                                        os.environ.get("PYTHONPATH", "")]),
@@ -180,15 +200,19 @@ def results():
 def run_all(tmp):
     """{logged: {run: {step: loss}}, weights: {run: {name: array}}, work: each rank's records,
     refusals: each rank's errors, refused_wrote: {name: whether its output_dir exists}, spawned: pcp-train's own
-    launch ({"world_size": what rank 0 logged, "logs": its workerlog files}), dtypes: {O2 run: dtypes it saved}}."""
-    build = f"import sft_cli_inputs; sft_cli_inputs.build({str(tmp)!r}, samples=24, answer_bytes=40)"
+    launch ({"world_size": what rank 0 logged, "logs": its workerlog files}), dtypes: {O2 run: dtypes it saved},
+    processor_files: {VL run: its processor's files}}."""
+    build = (f"import sft_cli_inputs, vl_sft_cli_inputs; sft_cli_inputs.build({str(tmp)!r}, samples=24, "
+             f"answer_bytes=40); vl_sft_cli_inputs.build({str(tmp / 'vl')!r}, samples=24)")
     subprocess.run([sys.executable, "-c", build], env=_env(tmp / "unused"), check=True, capture_output=True)
     inputs = {"model_name_or_path": str(tmp / "model"), "train_dataset_path": str(tmp / "train.jsonl")}
     (tmp / "sft.yaml").write_text(yaml.safe_dump({**BASE, **inputs}))
     (tmp / "example.yaml").write_text(yaml.safe_dump({**EXAMPLE, **inputs}))
+    (tmp / "vl.yaml").write_text(yaml.safe_dump({**VL, "model_name_or_path": str(tmp / "vl" / "model"),
+                                                 "train_dataset_path": str(tmp / "vl" / "train.jsonl")}))
 
     def argv(name, overrides):
-        config = tmp / ("example.yaml" if name.startswith("example") else "sft.yaml")
+        config = tmp / next((f"{prefix}.yaml" for prefix in ("example", "vl") if name.startswith(prefix)), "sft.yaml")
         return [str(config), f"output_dir={tmp / name}", *overrides]
 
     reference = subprocess.run(
@@ -232,7 +256,9 @@ def run_all(tmp):
     return dict(logged=logged, spawned=own_launch, refusals=refusals, work=[r["values"] for r in reports],
                 refused_wrote={name: (tmp / f"refused_{name}").exists() for name in REFUSED},
                 weights={name: saved_weights(tmp / name) for name in [*REFERENCES, "ring2", *LAUNCH_RUNS]},
-                dtypes={name: saved_dtypes(tmp / name) for name in O2_RUNS})
+                dtypes={name: saved_dtypes(tmp / name) for name in O2_RUNS},
+                processor_files={name: processor_files(tmp / name) for name in [*REFERENCES, *LAUNCH_RUNS]
+                                 if name.startswith("vl")})
 
 
 REFERENCE_OF = {"ring2": "full_b2", **{name: ref for name, (_, ref, _) in LAUNCH_RUNS.items() if name not in O2_RUNS}}
@@ -249,10 +275,11 @@ def test_pcp_train_runs_the_layout_asked_for(results, run):
         assert all(values[f"{run}.document_batches"] > 0 for values in results["work"]), run
 
 
-def test_a_rank_holding_no_label_trains_as_one_card(results):
+@pytest.mark.parametrize("run", ["ulysses4", "vl_ulysses4"])
+def test_a_rank_holding_no_label_trains_as_one_card(results, run):
     """Ulysses' contiguous quarters of rows padded to max_seq_len: the last rank's quarter of some batches is
-    all padding (no label; the model's token mean would be 0/0). ulysses4's parity above covers those steps."""
-    assert sum(values["ulysses4.empty_shares"] for values in results["work"]) > 0
+    all padding (no label; the model's token mean would be 0/0). The run's parity above covers those steps."""
+    assert sum(values[f"{run}.empty_shares"] for values in results["work"]) > 0
 
 
 def distance(results, run, reference, first=1):
@@ -272,6 +299,13 @@ def test_pcp_train_matches_run_sft(results, run):
     loss_error, weight_error = distance(results, run, REFERENCE_OF[run], first)
     print(f"{run}: loss {loss_error:.1e}, weights {weight_error:.1e}")
     assert loss_error < TOLERANCE and weight_error < TOLERANCE, (run, loss_error, weight_error)
+
+
+def test_a_vl_run_saves_the_processor_beside_its_weights(results):
+    """As PaddleFormers' save_model: the output_dir of a VL run is one AutoProcessor.from_pretrained loads."""
+    want = results["processor_files"]["vl_b1"]
+    assert want == ["preprocessor_config.json", "video_preprocessor_config.json"], want
+    assert all(files == want for files in results["processor_files"].values()), results["processor_files"]
 
 
 MASTER_GRADIENT_TAGS = ("grad_all_reduce", "grad_sum_all_reduce")  # the gradient buckets' all-reduces (mean, sum)

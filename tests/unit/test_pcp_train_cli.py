@@ -2,6 +2,7 @@
 (the launch command, CPU rank count, multi-node flags), and the stages it refuses before building anything.
 Training itself: tests/multiproc/test_paddleformers_cli.py."""
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,41 @@ def test_other_stages_are_refused_by_name():
     from paddle_cp.integrations.paddleformers.sft_workflow import check_stage
 
     check_stage({"stage": "PT"})
+    check_stage({"stage": "VL-SFT"})
     with pytest.raises(ValueError, match="stage 'DPO' is not supported by pcp-train.*paddleformers-cli"):
         check_stage({"stage": "DPO"})
+
+
+def test_a_vl_model_is_built_as_its_one_card_class():
+    """PaddleFormers' AutoModelForConditionalGeneration names fleet's Qwen3-VL class (paddlefleet, GPU-only), whose
+    layers paddle_cp does not split; a family with one class keeps the auto class's choice."""
+    from paddleformers.transformers import AutoModelForConditionalGeneration, Qwen3VLConfig
+
+    from paddle_cp.integrations.paddleformers.sft_workflow import OneCardModels
+
+    models = OneCardModels(AutoModelForConditionalGeneration)
+    assert models.model_class(Qwen3VLConfig()).__name__ == "Qwen3VLForConditionalGenerationDeprecated"
+    assert models.model_class(types.SimpleNamespace(model_type="glm4v_moe")) is AutoModelForConditionalGeneration
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_model_loaded_on_every_rank_has_from_pretrained_s_weights(tmp_path, dtype):
+    """What pcp-train loads on more than one rank (PaddleFormers' own loader needs one process there) is what
+    from_pretrained loads: Qwen3-VL's files hold q/k/v and gate/up apart, its model fused; at O2 run_sft asks bf16."""
+    import vl_sft_cli_inputs
+    from paddleformers.transformers import AutoConfig
+    from paddleformers.transformers.qwen3_vl.modeling import Qwen3VLForConditionalGenerationDeprecated as Qwen3VL
+
+    from paddle_cp.integrations.paddleformers.sft_workflow import loaded_as_on_one_card
+
+    vl_sft_cli_inputs.write_model(str(tmp_path), vocab_size=263)
+    want = Qwen3VL.from_pretrained(str(tmp_path), config=AutoConfig.from_pretrained(str(tmp_path), dtype=dtype))
+    got = loaded_as_on_one_card(Qwen3VL, str(tmp_path), AutoConfig.from_pretrained(str(tmp_path), dtype=dtype))
+    want, got = want.state_dict(), got.state_dict()
+    assert sorted(got) == sorted(want) and any(name.endswith("qkv_proj.weight") for name in got)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype, name
+        assert (got[name].astype("float32") == value.astype("float32")).all(), name
 
 
 def test_help_needs_no_config(capsys):

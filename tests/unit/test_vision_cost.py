@@ -12,7 +12,7 @@ from paddle_cp.cost.model_shape import ModelShape
 from paddle_cp.cost.step_time import step_time
 from paddle_cp.cost.tiles import RANK_MS
 from paddle_cp.cost.vision_language import VisionBatch
-from paddle_cp.cost.vision_shape import Media, VisionShape, image, media_tokens, video
+from paddle_cp.cost.vision_shape import VisionShape, image, media_tokens, video
 from paddle_cp.cost.vision_split import feature_positions, split_layout
 from paddle_cp.cost.vision_tower import (attention_calls, attention_lengths, block_tiles, matmul_flops, tower_bytes,
                                          window_lengths)
@@ -143,7 +143,7 @@ def test_a_vision_language_batch_adds_its_terms_to_the_first_stage():
     assert whole["pixel_values"] == 61440 * 1176 * 4  # the batch's fp32 patches on every rank
     # the batch check fingerprints them at the forward's start: an int64 copy and 9 chunks of 2^20 int64 temporaries
     base = whole["weights"] + whole["optimizer"]
-    assert whole["phases"]["batch_check"] == base + whole["pixel_values"] + 8 * (61440 * 1176 + 9 * 2 ** 20)
+    assert whole["phases"]["batch_check"] == base + whole["pixel_values"] + 8 * 10 * 2 ** 20  # a chunk at a time
     assert whole["peak"] - split["peak"] > 0.8 * (whole["vision_activations"] - split["vision_activations"])
     assert whole["exchange_bytes"] == 0 < split["exchange_bytes"]
     # a text batch on the VL model: the tower's bf16 weights, fp32 master and moments, fp32 gradients

@@ -13,6 +13,7 @@ instead (`_vision_attention_in_fp32`). Everything else is the model's own code i
 from __future__ import annotations
 
 import numpy as np
+from pictures import clip, picture
 
 PATCH, MERGE, TEMPORAL = 4, 2, 2  # vision patch side, spatial merge (2x2 patches -> 1 token), frames per temporal conv
 PAD, BOS, EOS = 0, 1, 2
@@ -219,20 +220,6 @@ def build(vision_bf16=True, **text_overrides):
     return model
 
 
-def picture(width, height, seed):
-    """A real RGB picture: a background and a few filled ellipses, drawn with PIL."""
-    from PIL import Image, ImageDraw
-
-    rng = np.random.RandomState(seed)
-    image = Image.new("RGB", (width, height), tuple(int(c) for c in rng.randint(0, 256, 3)))
-    draw = ImageDraw.Draw(image)
-    for _ in range(4):
-        x, y = rng.randint(0, width // 2), rng.randint(0, height // 2)
-        draw.ellipse([x, y, x + rng.randint(3, width // 2 + 3), y + rng.randint(3, height // 2 + 3)],
-                     fill=tuple(int(c) for c in rng.randint(0, 256, 3)))
-    return image
-
-
 def image_processor():
     """The family's own image processor at the tiny tower's sizes (bf16 patches, [t, h, w] grids)."""
     from paddleformers.transformers.ernie4_5_moe_vl.image_processor import Ernie4_5_VLImageProcessor
@@ -260,9 +247,7 @@ def sample(model, kind="image", images=((28, 20), (16, 24)), video=(4, 20, 12), 
             ids += [IMAGE_START] + [IM_PATCH] * (t * h * w // MERGE ** 2) + [IMAGE_END] + words(2)
     elif kind == "video":
         frames, w, h = video
-        base = np.asarray(picture(w + frames, h, seed + 7))
-        clip = np.stack([base[:, i:i + w] for i in range(frames)])  # a scene drifting right
-        out = processor(images=None, videos=clip, return_tensors="pd")
+        out = processor(images=None, videos=clip(frames, w, h, seed + 7), return_tensors="pd")
         pixels, grids, key = out["pixel_values_videos"], out["video_grid_thw"], "video_grid_thw"
         for t, h, w in grids.numpy():
             ids += [VIDEO_START] + [IM_PATCH] * (t * h * w // MERGE ** 2 // TEMPORAL) + [VIDEO_END]

@@ -13,6 +13,7 @@ import types
 import numpy as np
 
 import ernie_vl
+from pictures import clip, picture
 from paddleformers_models import stub_gpu_modules
 
 TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -131,26 +132,6 @@ def build(family, **text):
                                    rope_scaling={"type": "mrope", "mrope_section": MROPE}, **tokens)
         return PaddleOCRVLForConditionalGeneration(_on_cpu(config))
     raise ValueError(f"unknown family {family!r}: use one of {FAMILIES}")
-
-
-def picture(width, height, seed):
-    """A real RGB picture: a background and a few filled ellipses, drawn with PIL."""
-    from PIL import Image, ImageDraw
-
-    rng = np.random.RandomState(seed)
-    image = Image.new("RGB", (width, height), tuple(int(c) for c in rng.randint(0, 256, 3)))
-    draw = ImageDraw.Draw(image)
-    for _ in range(4):
-        x, y = rng.randint(0, width // 2), rng.randint(0, height // 2)
-        draw.ellipse([x, y, x + rng.randint(3, width // 2 + 3), y + rng.randint(3, height // 2 + 3)],
-                     fill=tuple(int(c) for c in rng.randint(0, 256, 3)))
-    return image
-
-
-def clip(frames, width, height, seed):
-    """A video: `frames` pictures of a scene drifting right, [frames, height, width, 3] uint8."""
-    base = np.asarray(picture(width + frames, height, seed))
-    return np.stack([base[:, i:i + width] for i in range(frames)])
 
 
 def _processors(family):

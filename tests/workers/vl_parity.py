@@ -128,16 +128,31 @@ def vision_facts(model, mesh):
     return facts
 
 
+def with_one_placeholder_less(family, kind, mesh, placeholder):
+    """(the family's model parallelized with the plan users write, a batch of `kind`, its input ids with one
+    `placeholder` replaced by a text token)."""
+    paddle.seed(0)
+    model = build(family)
+    batch = batch_of(family, kind, model, mesh.shape[0])
+    pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan_for(family, "p2p", None)}})
+    ids = batch["input_ids"].numpy().copy()
+    ids[0, list(ids[0]).index(placeholder)] = 5
+    return model, batch, ids
+
+
+def forwards_refused(report, model, bad):
+    """Each forward on the bad inputs `bad[name]` (copies: ERNIE-VL's forward rewrites its token types in place):
+    its error, and the collectives that had sent bytes by then."""
+    for name, inputs in bad.items():
+        pcp.reset_counters()
+        report.expect_error(name, lambda: model(**{key: value.clone() for key, value in inputs.items()}))
+        report.value(f"{name}.sent", sorted(tag for tag, sent in pcp.bytes_sent().items() if sent))
+
+
 def refusals(report, mesh):
     """Bad inputs and plans: a clear error on every rank before any collective."""
     family = "qwen2_5_vl"
-    paddle.seed(0)
-    model = build(family)
-    batch = batch_of(family, "images", model, mesh.shape[0])
-    pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan_for(family, "p2p", None)}})
-    ids = batch["input_ids"].numpy()
-    one_less = ids.copy()
-    one_less[0, list(ids[0]).index(120)] = 5  # an image token replaced by text
+    model, batch, one_less = with_one_placeholder_less(family, "images", mesh, 120)
     bad = {
         "too_few_image_tokens": {**batch, "input_ids": paddle.to_tensor(one_less)},
         "grids_disagree_with_pixels": {**batch, "pixel_values": batch["pixel_values"][:-4]},
@@ -145,10 +160,7 @@ def refusals(report, mesh):
         "rope_indices_transposed": {**batch, "position_ids": model.model.get_rope_index(
             batch["input_ids"], batch["image_grid_thw"])[0].transpose([1, 0, 2])},  # [b, 3, s]
     }
-    for name, inputs in bad.items():
-        pcp.reset_counters()
-        report.expect_error(name, lambda: model(**inputs))
-        report.value(f"{name}.sent", sorted(tag for tag, sent in pcp.bytes_sent().items() if sent))
+    forwards_refused(report, model, bad)
     unrouted = build(family)
     report.expect_error("vision_only_plan", lambda: pcp.parallelize(unrouted, None, mesh, {"cp_config": {
         "parallelize_plan": {"": pcp.PrepareContextParallel("p2p")}}}))
@@ -170,23 +182,15 @@ def ernie_refusals(report, mesh):
     (its head reads label types the top makes from the whole batch), placeholders for a video's merged frames, a
     second head for image special tokens (a loss of its own)."""
     family = "ernie4_5_vl"
-    paddle.seed(0)
-    model = build(family)
-    batch = batch_of(family, "video", model, mesh.shape[0])
-    pcp.parallelize(model, None, mesh, {"cp_config": {"parallelize_plan": plan_for(family, "p2p", None)}})
+    model, batch, one_less = with_one_placeholder_less(family, "video", mesh, ernie_vl.IM_PATCH)
     ids = batch["input_ids"].numpy()
-    one_less = ids.copy()
-    one_less[0, list(ids[0]).index(ernie_vl.IM_PATCH)] = 5
     length = ids.shape[1]
     bad = {
         "ernie_documents_dropped": {**batch, "attn_mask_startend_row_indices": paddle.full([1, 1, length], length,
                                                                                             "int32")},
         "ernie_too_few_video_tokens": {**batch, "input_ids": paddle.to_tensor(one_less)},
     }
-    for name, inputs in bad.items():
-        pcp.reset_counters()
-        report.expect_error(name, lambda: model(**{key: value.clone() for key, value in inputs.items()}))
-        report.value(f"{name}.sent", sorted(tag for tag, sent in pcp.bytes_sent().items() if sent))
+    forwards_refused(report, model, bad)
     report.expect_error("ernie_keyed_on_decoder", lambda: pcp.parallelize(build(family), None, mesh, {"cp_config": {
         "parallelize_plan": plan_for(family, "p2p", None, key="language")}}))
     report.expect_error("ernie_second_head", lambda: pcp.parallelize(build(family, mm_vocab_size=8), None, mesh, {

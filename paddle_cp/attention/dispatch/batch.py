@@ -80,9 +80,12 @@ def retract():
     runtime.state.batches.running.pop()
 
 
+def _innermost(stack):
+    return stack[-1] if stack else None
+
+
 def current():
-    running = runtime.state.batches.running
-    return running[-1] if running else None
+    return _innermost(runtime.state.batches.running)
 
 
 @contextlib.contextmanager
@@ -105,8 +108,7 @@ def end_merge():
 
 
 def merging():
-    merging = runtime.state.batches.merging
-    return merging[-1] if merging else None
+    return _innermost(runtime.state.batches.merging)
 
 
 def record_split(batch):

@@ -1,8 +1,8 @@
 """PaddleFormers' own SFT/PT workflow (`run_tuner` -> `run_sft`) with paddle_cp's Trainer underneath.
 
 Nothing of the workflow is rewritten: its argument parser, data pipeline (packing,
-FlashMask row indices), model and tokenizer loading, LoRA, callbacks and
-checkpoint rotation run as PaddleFormers wrote them. Three names are swapped for
+FlashMask row indices, a VL model's processor and collator), tokenizer loading, LoRA, callbacks and
+checkpoint rotation run as PaddleFormers wrote them. These names are swapped for
 the length of the run, the narrowest seams it has:
 
 - the `FinetuningArguments` dataclass its parser fills (`hparams.parser._TRAIN_ARGS`)
@@ -14,7 +14,10 @@ the length of the run, the narrowest seams it has:
 - the `get_last_checkpoint` with which `run_sft` picks the checkpoint to resume
   from (the highest-numbered `checkpoint-<n>` folder, whole or not) becomes
   paddle_cp's newest committed checkpoint on more than one rank (where paddle_cp's
-  Trainer saves); one rank keeps PaddleFormers' own checkpoints and discovery.
+  Trainer saves); one rank keeps PaddleFormers' own checkpoints and discovery;
+- the auto classes it builds the model with (`AutoModelForCausalLM`, `AutoModelForConditionalGeneration` for
+  the VL stages) become `OneCardModels`: the one-card class paddle_cp splits where PaddleFormers would name
+  fleet's, its weights read as on one card on every rank.
 """
 from __future__ import annotations
 
@@ -32,9 +35,10 @@ import paddle_cp as pcp
 from ...dtypes import matmul_takes
 from .trainer import Trainer
 from .training_args import TrainingArguments
+from .weights import casting_to_model_dtypes
 
 # the stages whose workflow is run_sft (SFTTrainer); the others build trainers of their own
-STAGES = ("SFT", "PT")
+STAGES = ("SFT", "PT", "VL-SFT", "VL-PT")
 # compute types without quantized weights: fp32, or bf16/fp16 (PaddleFormers' AMP, its fp16_opt_level)
 UNQUANTIZED_COMPUTE = ("bf16", "fp16", "float32")
 FP32_COMPUTE = "float32"
@@ -54,6 +58,8 @@ class FinetuningArguments(TrainingArguments, PaddleFormersFinetuningArguments):
                 f"{list(UNQUANTIZED_COMPUTE)}")
         super().__post_init__()
         refuse_a_model_no_matmul_takes(self.compute_type, self.fp16_opt_level)
+        if self.paddle_cp_degrees.parallel:
+            pcp.set_mesh(self.paddle_cp_mesh)  # the mesh OneCardModels loads the weights over, before parallelize
 
     def _mixed_precision(self):
         # PaddleFormers' __post_init__ sets bf16 or fp16 from compute_type after paddle_cp's checks ran
@@ -83,6 +89,66 @@ def check_config(args):
     defaults = {f.name: f.default for f in fields(FinetuningArguments)}
     refuse_a_model_no_matmul_takes(args.get("compute_type", defaults["compute_type"]),
                                    args.get("fp16_opt_level", defaults["fp16_opt_level"]))
+
+
+# model_type -> its one-card class, for the families whose class PaddleFormers 1.2.0's auto classes name is fleet's
+# (built on qwen3_vl/modeling_fleet: needs paddlefleet, which has no CPU build, and holds fleet's own parallel
+# layers, which paddle_cp does not split); the other vision-language families have one class, the one-card one
+ONE_CARD_CLASSES = {"qwen3_vl": "Qwen3VLForConditionalGenerationDeprecated",
+                    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGenerationDeprecated"}
+
+
+class OneCardModels:
+    """One of run_sft's auto classes (`AutoModelForCausalLM`, `AutoModelForConditionalGeneration`): the family's
+    one-card class (ONE_CARD_CLASSES, else the auto class's choice), its weights read as on one card. On more than
+    one rank PaddleFormers' own loading cannot: its flex-checkpoint loader (the one that applies the class's
+    `_gen_aoa_config`: fused q/k/v and gate/up, transposes) exchanges tensors between ranks through the GPU, and
+    with paddle_cp's `load_checkpoint_format` None its legacy loader skips that mapping, leaving fused weights
+    newly initialized. There paddle_cp's load_pretrained applies the same mapping on each rank, and the same casts
+    (each weight in its parameter's dtype)."""
+
+    def __init__(self, auto_class):
+        self.auto_class = auto_class
+
+    def model_class(self, config):
+        name = ONE_CARD_CLASSES.get(config.model_type)
+        if name is None:
+            return self.auto_class
+        return getattr(importlib.import_module(f"paddleformers.transformers.{config.model_type}.modeling"), name)
+
+    def from_pretrained(self, path, *args, config, **kwargs):
+        model_class = self.model_class(config)
+        if dist.get_world_size() == 1:
+            return model_class.from_pretrained(path, *args, config=config, **kwargs)
+        return loaded_as_on_one_card(model_class, path, config)
+
+    def from_config(self, config, **kwargs):
+        return self.model_class(config).from_config(config, **kwargs)
+
+
+def loaded_as_on_one_card(model_class, path, config):
+    """`model_class` built from `config` (its dtype), with the weights from_pretrained would give it from `path`."""
+    model = model_class.from_config(config)
+    with casting_to_model_dtypes():
+        pcp.load_pretrained(model, path)
+    return model
+
+
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForConditionalGeneration")
+
+
+@contextlib.contextmanager
+def one_card_models():
+    """run_sft builds its model through OneCardModels, until exit."""
+    workflow = importlib.import_module("paddleformers.cli.train.sft.workflow")
+    saved = {name: getattr(workflow, name) for name in AUTO_CLASSES}
+    for name, auto_class in saved.items():
+        setattr(workflow, name, OneCardModels(auto_class))
+    try:
+        yield
+    finally:
+        for name, auto_class in saved.items():
+            setattr(workflow, name, auto_class)
 
 
 class SFTTrainer(Trainer, PaddleFormersSFTTrainer):
@@ -134,7 +200,8 @@ def paddle_cp_underneath():
     parser._TRAIN_ARGS, workflow.SFTTrainer = train_args, SFTTrainer
     workflow.get_last_checkpoint = committed_checkpoint_finder(workflow.get_last_checkpoint)
     try:
-        yield
+        with one_card_models():
+            yield
     finally:
         parser._TRAIN_ARGS, workflow.SFTTrainer, workflow.get_last_checkpoint = saved
 

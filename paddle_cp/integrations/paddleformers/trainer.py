@@ -232,8 +232,11 @@ class Trainer(PaddleFormersTrainer):
             return super().save_model(output_dir, merge_tensor_parallel, last_fc_to_hf)
         output_dir = output_dir or self.args.output_dir
         pcp.export_pretrained(self.model, output_dir)
-        if self.args.should_save and self.tokenizer is not None:
-            self.tokenizer.save_pretrained(output_dir)
+        if self.args.should_save:
+            # beside the weights, as PaddleFormers' save_model: the tokenizer, a VL model's processor (AutoProcessor)
+            for processing in (self.tokenizer, self.processing_class):
+                if processing is not None:
+                    processing.save_pretrained(output_dir)
 
 
 def _rng_state(world_size):

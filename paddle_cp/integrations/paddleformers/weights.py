@@ -4,11 +4,12 @@ a LoRAModel's files from whole tensors on rank 0: its adapter as LoRAModel write
 model with the adapter merged into its weights."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import paddle
 
-from paddle_cp import AdapterFormat, WeightFormat
+from paddle_cp import AdapterFormat, WeightFormat, runtime
 from paddle_cp.checkpoint.weight_formats import PLAIN
 
 PREFIX = "model."  # LoRAModel holds the model as .model; its files name parameters as the model does
@@ -19,10 +20,26 @@ def is_pretrained_model(model):
     return callable(getattr(model, "save_pretrained", None)) and getattr(model, "config", None) is not None
 
 
+@contextlib.contextmanager
+def casting_to_model_dtypes():
+    """While open, the loading mapping also casts each file tensor to its parameter's dtype, as from_pretrained
+    does for the dtype it is given (run_sft's model at O2: bf16 parameters from fp32 files)."""
+    runtime.state.casting_to_model_dtypes = True
+    try:
+        yield
+    finally:
+        runtime.state.casting_to_model_dtypes = False
+
+
 def loading_mapping(model):
     """The AOA statements from_pretrained applies for this model class (none: names and layouts as stored)."""
     generate = getattr(type(model), "_gen_aoa_config", None)
-    return generate(model.config) if generate is not None else PLAIN
+    mapping = generate(model.config) if generate is not None else PLAIN
+    if not runtime.state.casting_to_model_dtypes:
+        return mapping
+    casts = [f"{key} -> {key}, dtype='{str(value.dtype).replace('paddle.', '')}'"
+             for key, value in model.state_dict().items()]
+    return {**mapping, "aoa_statements": [*mapping.get("aoa_statements", []), *casts]}
 
 
 def saving_mapping(model):

@@ -87,7 +87,7 @@ def compare(model, row, sep):
     """{layout: figures} of one row over `sep` ring ranks (one node)."""
     from paddle_cp.cost.links import LinkCost, Links
     from paddle_cp.cost.packed_layout import choose
-    from paddle_cp.cost.vision_layout import Pieces, joint_placement, rank_of_positions
+    from paddle_cp.cost.vision_layout import Pieces, feature_row_ms, joint_placement, rank_of_positions
     from paddle_cp.cost.vision_shape import Media
     from paddle_cp.cost.vision_split import piece_cost, stages
 
@@ -98,7 +98,7 @@ def compare(model, row, sep):
     sizes = np.array([len(p) for p in positions])
     pieces = Pieces(costs, np.concatenate([[0], np.cumsum(sizes)]), np.concatenate(positions), len(end))
     links = LinkCost.of_ranks(np.arange(sep), Links(ranks_per_node=sep))
-    row_ms = links.ms_per_byte * tower.row_bytes * 2  # a row, its gradient back
+    row_ms = feature_row_ms(links, 1, tower.row_bytes)
 
     def joint(groups, counts):
         return joint_placement(pieces, groups, counts, 1, decoder, row_ms)

@@ -12,9 +12,9 @@ in the processor's layout ([patches, 3 x temporal patch x patch^2]). Per rank, t
 host allocator statistics, what pcp-memory reports (params, optimizer, activations: what the forward keeps to the
 end of the model that merges, the tower's, the merge's and the decoder's; peak) and `vision`: what the tower holds
 at the end of its forward, its output features left out. (The logits are left out: at these sizes the head's
-[tokens, vocab] logits are about the whole embeddings freed as the model that merges returns.) The launching process puts the planner's
-estimate (cost/memory.py with a vision_language.VisionBatch of the same media: fp32, eager attention) beside each
-and their ratio.
+[tokens, vocab] logits are about the whole embeddings freed as the model that merges returns.) The launching
+process puts the planner's estimate (cost/memory.py with a vision_language.VisionBatch of the same media: fp32,
+eager attention) beside each and their ratio.
 
 CPU stand-in: Qwen2.5-VL's get_window_index makes Paddle 3.3.1's CPU pad kernel read a padding of -1 from its 0-D
 grid tensors; it is given the grid as host integers (the same values).

@@ -255,7 +255,10 @@ def plan_vision_language(args, model, cluster, options):
         sys.exit(f"pcp-plan: {refusal}")
     modes = vision.ranked_modes(args, model, cluster, options)
     for mode, found in modes.items():
-        print(f"\nvision tower {mode}: " + vision.media_lines(model.vision, found["media"], args.text_tokens, args.fps))
+        longest = "the longest video that fits, " if args.max_seq else ""
+        print(f"\nvision tower {mode}: {longest}"
+              + (vision.media_lines(model.vision, found["media"], args.text_tokens, args.fps) if found["media"]
+                 else "none (not one temporal patch)"))
         if found["estimates"]:
             print(table(found["estimates"], args.top))
         if not any(e["fits"] for e in found["estimates"]):

@@ -34,8 +34,9 @@ def parallelize_config(layout, model_prefix="model", vision_tower=None):
         config["cp_config"] = {"parallelize_plan": decoder_plans.context_parallel_plan_spec(
             names, layout.backend, layout.ulysses, sequence_parallel_mp=layout.tp)}
         if vision_tower:
-            config["cp_config"]["parallelize_plan"][vision_tower] = {"ContextParallel": {
-                "backend": layout.backend, **({"ulysses_degree": layout.ulysses} if layout.backend == "hybrid" else {})}}
+            degree = {"ulysses_degree": layout.ulysses} if layout.backend == "hybrid" else {}
+            config["cp_config"]["parallelize_plan"][vision_tower] = {
+                "ContextParallel": {"backend": layout.backend, **degree}}
     memory_plans = decoder_plans.memory_plan_spec(names, layout.offload, layout.mlp_tile)
     if memory_plans:
         config.setdefault("cp_config", {"parallelize_plan": {}})["parallelize_plan"].update(memory_plans)
