@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 
+import paddle
 import paddle.distributed as dist
 
 from .. import checkpoint, runtime
@@ -62,12 +63,16 @@ class Resumable:
                  async_save=True, tries_per_step=3, fresh=False):
         """`root`: this run's checkpoints (`checkpoint-<n>`) and attempt history; `save_every`: steps between
         checkpoints (0: only when preempted and at the end); `keep_latest`: committed checkpoints kept (None: all);
-        `objects`: {name: anything with state_dict()/set_state_dict()} resumed per rank; `extra`: the JSON state
+        `objects`: {name: anything with state_dict()/set_state_dict()} resumed per rank (the optimizer's learning
+        rate scheduler is one without being named: a resumed run would start its warm-up again); `extra`: the JSON state
         the run keeps in `run.extra` (replaced by the checkpoint's when resuming); `tries_per_step`: attempts
         that may fail at one step before the job stops; `fresh`: remove what `root` holds and start at step 0."""
         objects = {} if objects is None else objects
         extra = {} if extra is None else extra
         _check(root, save_every, keep_latest, objects, extra, tries_per_step, async_save, fresh)
+        scheduler = getattr(optimizer, "_learning_rate", None)
+        if isinstance(scheduler, paddle.optimizer.lr.LRScheduler) and all(o is not scheduler for o in objects.values()):
+            objects = {**objects, "optimizer_lr_scheduler": scheduler}
         self.root, self.model, self.optimizer = str(root), model, optimizer
         self.save_every, self.keep_latest, self.objects = save_every, keep_latest, objects
         self.extra, self.async_save, self.tries_per_step, self.fresh = extra, async_save, tries_per_step, fresh

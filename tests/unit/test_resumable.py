@@ -29,8 +29,8 @@ def build():
 def train(root, fail_at=None, signal_at=None, fresh=False):
     """The run's losses and its Resumable; the step index `fail_at` raises, `signal_at` sends SIGUSR1."""
     model, optimizer, schedule = build()
-    with pcp.Resumable(root, model, optimizer, save_every=2, keep_latest=2, objects={"lr": schedule},
-                       extra={"losses": []}, fresh=fresh) as run:
+    # the optimizer's scheduler is resumed without being named in `objects`
+    with pcp.Resumable(root, model, optimizer, save_every=2, keep_latest=2, extra={"losses": []}, fresh=fresh) as run:
         for step in run.steps(STEPS):
             x = paddle.randn([3, 4]) + paddle.to_tensor(np.random.rand(3, 4).astype("float32"))  # both generators
             if step == fail_at:
