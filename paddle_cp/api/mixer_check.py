@@ -59,6 +59,22 @@ def _check_before_the_split(matched, outside):
                 "docs/vision_language.md); drop this key (the tower then runs whole on every rank)")
 
 
+def _check_towers_merged(matched):
+    """A vision tower keyed with ContextParallel is split by the images of the batch its model merges: a merging
+    PrepareContextParallel must key a layer above it, or the tower would run whole while the plan says split."""
+    merging = {id(sub) for _, layer, plans, _ in matched
+               if any(isinstance(p, PrepareContextParallel) for p in plans) and merging_rule(layer) is not None
+               for sub in layer.sublayers(include_self=True)}
+    for name, layer, plans, _ in matched:
+        if tower_rule(layer) is not None and id(layer) not in merging and any(isinstance(p, ContextParallel)
+                                                                               for p in plans):
+            raise ValueError(
+                f"ContextParallel is keyed on the vision tower {name!r} ({type(layer).__name__}), which paddle_cp "
+                "splits by the images of the batch its model merges, but no PrepareContextParallel keys that model: "
+                "key pcp.PrepareContextParallel() on the model the tower belongs to ('' for the top), or drop the "
+                "tower's key (docs/vision_language.md)")
+
+
 def check_mixers_routed(model, matched):
     """Raise ValueError if the plan splits the sequence and a claimed layer is not routed or declared."""
     split = [p for _, _, plans, _ in matched for p in plans if isinstance(p, (PrepareContextParallel, ContextParallel))]
@@ -67,6 +83,7 @@ def check_mixers_routed(model, matched):
     _check_nesting(matched)
     outside = _outside_the_split(model, matched)
     _check_before_the_split(matched, outside)
+    _check_towers_merged(matched)
     covered = _covered(matched, (ContextParallel, TokenWise)) | outside
     unrouted = []
     for name, layer in model.named_sublayers():

@@ -18,6 +18,7 @@ from ..attention.layout.pool import joined_documents, joined_valid, pool_layout,
 from ..attention.layout.sequence_layout import check_split
 from ..cost.links import LinkCost, Links
 from ..cost.tiles import tile_counts
+from ..params import mark_fetch_unit
 from .base import Plan, refuse_param_plan
 from . import vision_language, vision_split
 from .same_batch import BATCH_CHECK_GROUPS, BatchCheck
@@ -385,6 +386,8 @@ class _PreparedRun:
         self.merged = None
         # a merging model's vision tower and the decoder's shape (what its split's joint layout prices)
         self.tower, self.merger = rule.vision_tower(layer) if merging else (None, None)
+        if self.merger is not None:  # runs by the batch, as the tower it merges for (vision_split.VisionSplitRun)
+            mark_fetch_unit(self.merger)
         self.language = vision_split.language_shape(rule.language_model(layer)) if merging else None
 
     def _check_sharded(self, layout):
@@ -425,7 +428,8 @@ class _PreparedRun:
                            or vision_language.media_refusal(self.rule, self.top, given))
                 if isinstance(positions, paddle.Tensor):
                     vision_language.position_split_dim(self.rule, positions, batch, seq_len)
-            positions = vision_language.text_positions(positions) if isinstance(positions, paddle.Tensor) else None
+            layout_of = self.rule.positions if self.rule is not None else None
+            positions = vision_language.text_positions(positions, layout_of) if isinstance(positions, paddle.Tensor) else None
             documents = plan.documents_of(positions, doc_ids, given.get(_STARTEND))
             if documents is not None and documents.seq_len != seq_len:
                 raise ValueError(f"the documents given cover {documents.seq_len} tokens, the input sequence {seq_len}: "
@@ -433,6 +437,9 @@ class _PreparedRun:
             split = runtime.installed.vision_splits.get(self.tower) if self.tower is not None else None
             if split is not None and self.merger is not None and split.merger is None:
                 split.merge_with(self.merger)  # the family merges outside its tower (PaddleOCR-VL's projector)
+            if split is not None and not isinstance(given.get("input_ids"), paddle.Tensor):
+                raise ValueError(f"{type(self.top).__name__}'s vision tower is split by images, whose tokens paddle_cp "
+                                 "finds in input_ids: pass input_ids (not inputs_embeds) to the model")
             pieces = vision_split.media_pieces(self.rule, self.top, given) if split and refusal is None else None
             if pieces:  # the vision tower's pieces placed with the language layout, both priced
                 stage = vision_split.joint_stage(pieces, split, self.language, self.sep.layout.links,
@@ -458,8 +465,9 @@ class _PreparedRun:
             groups = vision_split.layout_groups(layout, seq_len)
             ends = documents.end if documents is not None else np.full(seq_len, seq_len)
             placement = stage(groups, tile_counts(groups, ends, layout.ring))
+            embeddings = self.rule.language_model(self.top).get_input_embeddings().weight
             vision = vision_split.vision_layout(pieces, placement, groups, layout.ulysses, seq_len,
-                                                self.sep.groups.sep.index)
+                                                self.sep.groups.sep.index, embeddings.dtype)
         return batch_context.Batch(layout, seq_len, documents, valid, self.sep.groups.sep, self.sep, plan,
                                    vision=vision)
 

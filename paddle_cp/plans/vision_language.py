@@ -178,11 +178,12 @@ def position_split_dim(rule, value, batch, seq_len):
         "the whole batch in that layout (the model's own get_rope_index makes them), or none")
 
 
-def text_positions(position_ids):
-    """The [batch, seq] text positions of rope indices in any layout (documents restart them at 0)."""
+def text_positions(position_ids, layout=None):
+    """The [batch, seq] text positions of rope indices (documents restart them at 0) in `layout` (POSITION_LAYOUTS;
+    None: as their shape tells, a [b, s, 3] batch of 3 or 4 rows read as [3 | 4, b, s])."""
     if position_ids.ndim != 3:
         return position_ids
-    if position_ids.shape[-1] == 3 and position_ids.shape[0] not in (3, 4):
+    if layout == "bs3" or (layout is None and position_ids.shape[-1] == 3 and position_ids.shape[0] not in (3, 4)):
         return position_ids[:, :, 0]  # [b, s, 3]
     return position_ids[0]  # [3 | 4, b, s]: the temporal (or text) row
 

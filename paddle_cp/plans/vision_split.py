@@ -33,6 +33,7 @@ import paddle
 from .. import runtime
 from ..attention.dispatch import batch as batch_context
 from ..comm import autograd as comm_autograd
+from ..params import mark_fetch_unit
 from ..cost.vision_layout import Pieces, StageShape, feature_row_ms, joint_placement, piece_ms, rank_of_positions
 
 TAG = "vision_features"  # the exchange's bytes in paddle_cp.bytes_sent()
@@ -180,6 +181,7 @@ class VisionLayout:
     owner: np.ndarray  # [seq_len] the rank holding each position
     seq_len: int
     index: int
+    dtype: object  # what the features are exchanged in: the language model's embeddings' (the merge's)
     called: set = field(default_factory=set)
     merging: tuple = None  # (kind, this rank's pieces) between a tower call and its merger's (VisionTower.merger)
 
@@ -215,6 +217,9 @@ class VisionSplitRun:
         self.widths = feature_widths(layer) if not tower_spec.merger else None
         self.shape = tower_shape(layer, self.widths) if self.widths else None
         runtime.installed.vision_splits[layer] = self
+        # whether it runs on a rank depends on the batch: sharding level 3 fetches its parameters around the tower
+        # (whose hooks run on every rank), and its gradients are reduced in step(), not during backward
+        mark_fetch_unit(layer)
         layer.forward = self.forward
 
     def merge_with(self, merger):
@@ -264,8 +269,9 @@ class VisionSplitRun:
         if output is not None:
             local = self.spec.features(output)
         else:  # no piece here: nothing to run, but its exchange joins the others' backward as theirs joins its own
-            frozen = all(p.stop_gradient for p in self.layer.parameters())  # then no rank's exchange has a backward
-            local = [paddle.zeros([0, width], dtype=_dtype(self.layer)) for width in self.widths]
+            trained = self.layer.parameters() + (self.merger.parameters() if self.merger is not None else [])
+            frozen = all(p.stop_gradient for p in trained)  # then no rank's exchange has a backward
+            local = [paddle.zeros([0, width], dtype=vision.dtype) for width in self.widths]
             for empty in local:
                 empty.stop_gradient = frozen
         whole = exchanged(local, vision, kind, self.sep.groups.sep)
@@ -295,6 +301,8 @@ def exchanged(local, vision, kind, group):
     are zeros here."""
     widths = [t.shape[1] for t in local]
     packed = paddle.concat(local, axis=1) if len(local) > 1 else local[0]  # [mine, sum of widths]
+    if packed.dtype != vision.dtype:  # one dtype on every rank (autocast's features, a rank with none)
+        packed = packed.astype(vision.dtype)
     destinations, computed_by = vision.destinations(kind), vision.feature_ranks(kind)
     mine = np.flatnonzero(computed_by == vision.index)  # ascending feature order: the tower's output order
     send_to = destinations[mine]
@@ -338,11 +346,11 @@ def joint_stage(pieces, split, language, links, ulysses, seq_len):
     return lambda groups, counts: joint_placement(stacked, groups, counts, ulysses, language, row_ms)
 
 
-def vision_layout(pieces, placement, groups, ulysses, seq_len, index):
+def vision_layout(pieces, placement, groups, ulysses, seq_len, index, dtype):
     """The VisionLayout of `pieces` placed by `placement` (a VisionPlacement, kinds in `pieces`' order) under the
-    language layout whose ring group of each position is `groups`."""
+    language layout whose ring group of each position is `groups`; features exchanged in `dtype`."""
     rank, start = {}, 0
     for kind, kind_pieces in pieces.items():
         rank[kind] = placement.rank[start:start + len(kind_pieces.grids)]
         start += len(kind_pieces.grids)
-    return VisionLayout(pieces, rank, rank_of_positions(groups, ulysses), seq_len, index)
+    return VisionLayout(pieces, rank, rank_of_positions(groups, ulysses), seq_len, index, dtype)

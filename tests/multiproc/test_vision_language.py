@@ -20,7 +20,7 @@ RUNS = {
         "ernie4_5_vl:p2p:images", "ernie4_5_vl:all2all:video",
         # the vision tower split by images too
         "qwen2_5_vl:p2p:split:images", "qwen3_vl:all2all:split:video", "glm_ocr:p2p:split:images",
-        "paddleocr_vl:p2p:split:rows"],
+        "paddleocr_vl:p2p:split:rows", "paddleocr_vl:p2p:split:frozen:packed"],
     4: ["qwen2_5_vl:hybrid:2:packed", "qwen2_5_vl:p2p:video", "qwen3_vl:hybrid:2:images",
         "qwen3_vl_moe:hybrid:2:video", "glm4v_moe:hybrid:2:video", "glm_ocr:hybrid:2:packed",
         "paddleocr_vl:hybrid:2:rows", "paddleocr_vl:p2p:images",
@@ -35,6 +35,7 @@ REFUSALS = {  # bad input or plan -> what its error must say
     "rope_indices_transposed": "[3, batch, seq]",
     "vision_only_plan": "'model.language_model.layers.*.self_attn': pcp.ContextParallel('p2p')",
     "unknown_family": "pcp.register_vision_language",
+    "tower_without_merge": "key pcp.PrepareContextParallel() on the model the tower belongs to",
     "ernie_documents_dropped": "Pass the documents as a dense attention_mask [batch, 1, seq, seq]",
     "ernie_too_few_video_tokens": "grids make 8 features (ceil(t / 2) x h x w / 4, summed)",
     "ernie_keyed_on_decoder": "key PrepareContextParallel on the top model ('') instead",

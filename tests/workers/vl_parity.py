@@ -113,8 +113,9 @@ def vision_facts(model, mesh):
     forward, and the gradients of those it received, backward, unless the tower is frozen)."""
     vision = batch_context.last_split(resolve_group(mesh)).vision
     tower = next(layer for layer in model.sublayers() if layer in runtime.installed.vision_splits)
-    row_bytes = runtime.installed.vision_splits[tower].shape.row_bytes
-    backward = not all(param.stop_gradient for param in tower.parameters())
+    split = runtime.installed.vision_splits[tower]
+    trained = tower.parameters() + (split.merger.parameters() if split.merger is not None else [])
+    row_bytes, backward = split.shape.row_bytes, not all(param.stop_gradient for param in trained)
     facts = {"pieces": [0, 0], "features": [0, 0], "vision_expected": 0}
     for kind, pieces in vision.pieces.items():
         computed, destination = vision.feature_ranks(kind), vision.destinations(kind)
@@ -173,6 +174,8 @@ def refusals(report, mesh):
         def forward(self, input_ids, pixel_values=None, labels=None):
             return self.embed(input_ids)
 
+    report.expect_error("tower_without_merge", lambda: pcp.parallelize(build(family), None, mesh, {"cp_config": {
+        "parallelize_plan": plan_for(family, "p2p", None, key="language", split=True)}}))
     report.expect_error("unknown_family", lambda: pcp.parallelize(UnknownVL(), None, mesh, {"cp_config": {
         "parallelize_plan": {"": pcp.PrepareContextParallel("p2p")}}}))
 
