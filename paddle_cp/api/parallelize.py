@@ -206,8 +206,8 @@ def parallelize_model(model, mesh=None, config=None):
     castable_placeholders(model)
     prepare = tuple((plan, weakref.ref(layer)) for plan, layer, _ in applications
                     if isinstance(plan, PrepareContextParallel))
-    if prepare:  # a rank may hold no labelled token: its loss layers give a zero, not 0/0
-        guard_loss_layers(model)
+    if mesh_lib.dim_size(mesh, "dp") * mesh_lib.dim_size(mesh, "sep") > 1:
+        guard_loss_layers(model)  # a rank may hold no labelled token: its loss layers give a zero, not 0/0
     state = _Parallelized(mesh, level, sharded_over, world, sharding, prepare, loss_factor, buckets)
     for param in model.parameters():
         setattr(param, _STATE_ATTR, state)

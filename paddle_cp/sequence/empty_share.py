@@ -1,15 +1,16 @@
 """The loss of a rank whose part of the batch holds no labelled token.
 
-Under context parallelism each rank's loss is the mean over its own labelled tokens. A rank may hold none: a
-vision-language batch's image and video tokens carry no label, and one rank can hold nothing but a video; a
-packed row's padding too. Its loss layer's token mean is then 0/0, a NaN that `loss_weight`'s weight 0 does not
-take out of the gradients. A library registers its loss layer (`register_loss_layer`); on a model parallelize
-splits the sequence of, each such layer then computes, on a rank holding no labelled token, its loss of
-placeholder labels times 0: a zero with zero gradients, backward still running through the whole model (and its
-collectives, which the other ranks wait on). Elsewhere its labels and result are untouched, bit for bit.
+Under context and data parallelism each rank's loss is the mean over its own labelled tokens. A rank may hold
+none: a vision-language batch's image and video tokens carry no label, and one rank can hold nothing but a video;
+a packed row's padding too, or a data-parallel rank whose samples are all prompt. Its loss layer's token mean is
+then 0/0, a NaN that `loss_weight`'s weight 0 does not take out of the gradients. A library registers its loss
+layer (`register_loss_layer`); on a model parallelize splits the batch of (over dp or sep ranks), each such layer
+then computes, on a rank holding no labelled token (or none a mask it counts tokens by, a loss_mask, keeps), its
+loss of placeholder labels times 0: a zero with zero gradients, backward still running through the whole model
+(and its collectives, which the other ranks wait on). Elsewhere its labels and result are untouched, bit for bit.
 
-Cost per call, on the device: one any() over the labels, a where() over the labels (and each mask the layer
-counts tokens by), one multiply of the result; no host read.
+Cost per call, on the device: one any() over the labels and over each mask the layer counts tokens by, a where()
+over each of them, one multiply of the result; no host read.
 """
 from __future__ import annotations
 
@@ -60,11 +61,13 @@ class _Guard:
             self.held.append(None)
             return None
         held = (labels != getattr(layer, self.kind.ignored, IGNORED_LABEL)).any()  # a device bool
+        masks = {name: bound.arguments[name] for name in self.kind.masks
+                 if isinstance(bound.arguments.get(name), paddle.Tensor)}
+        for mask in masks.values():  # a mask the layer counts by, all false, is a 0/0 as well
+            held = held & mask.astype("bool").any()
         bound.arguments[self.kind.labels] = paddle.where(held, labels, paddle.zeros_like(labels))
-        for name in self.kind.masks:
-            mask = bound.arguments.get(name)
-            if isinstance(mask, paddle.Tensor):
-                bound.arguments[name] = paddle.where(held, mask, paddle.ones_like(mask))
+        for name, mask in masks.items():
+            bound.arguments[name] = paddle.where(held, mask, paddle.ones_like(mask))
         self.held.append(held)
         return bound.args, bound.kwargs
 
@@ -92,3 +95,8 @@ def guard_loss_layers(model):
         layer.register_forward_pre_hook(guard.before, with_kwargs=True)
         layer.register_forward_post_hook(guard.after, always_call=True)
         runtime.installed.guarded_losses[layer] = guard
+
+
+def guards_loss(model):
+    """Whether a loss layer of `model` is guarded (a rank holding no labelled token gets a zero loss)."""
+    return any(layer in runtime.installed.guarded_losses for layer in model.sublayers(include_self=True))

@@ -228,25 +228,28 @@ def test_fleet_only_flags_are_refused_with_the_reason(flag, value):
 
 
 def test_a_share_without_labels_gives_a_zero_loss_and_zero_gradients():
-    """EmptyShare: the model's token mean over no label is 0/0 (NaN, in the gradients too); while active the
-    criterion returns a zero that still depends on the logits: backward runs through the model, grads exactly 0.
-    (Under Ulysses 4 in tests/multiproc/test_paddleformers_cli.py.)"""
+    """PaddleFormers' criterion, guarded as parallelize guards it (sequence/empty_share.py): its token mean over no
+    label is 0/0 (NaN, in the gradients too); guarded it is a zero that still depends on the logits: backward runs
+    through the model, grads exactly 0; with labels its own loss bit for bit. (Under Ulysses 4 in
+    tests/multiproc/test_paddleformers_cli.py.)"""
     import numpy as np
     import paddle
 
-    from paddle_cp.integrations.paddleformers.loss import EmptyShare
+    from paddle_cp import libraries
+    from paddle_cp.sequence.empty_share import guard_loss_layers, guards_loss
 
     model = _model("llama")
     ids = paddle.randint(0, 128, [1, 8])
     no_labels = paddle.full([1, 8], -100, dtype="int64")
     assert np.isnan(float(model(input_ids=ids, labels=no_labels)[0]))
-    share = EmptyShare(model)
-    share.active = True
+    own = float(model(input_ids=ids, labels=ids)[0])
+    libraries.load_integrations(model)
+    guard_loss_layers(model)
+    assert guards_loss(model)
     loss = model(input_ids=ids, labels=no_labels)[0]
     loss.backward()
     assert float(loss) == 0.0
     grads = [p.grad.numpy() for p in model.parameters() if p.grad is not None]
     assert len(grads) == len(model.parameters()) and all((g == 0).all() for g in grads)
-    share.active = False
     model.clear_gradients()
-    assert np.isfinite(float(model(input_ids=ids, labels=ids)[0]))  # inactive: the model's own loss
+    assert float(model(input_ids=ids, labels=ids)[0]) == own

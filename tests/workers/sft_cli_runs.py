@@ -15,7 +15,7 @@ from report import run
 from paddle_cp import PrepareContextParallel
 from paddle_cp.comm import counters
 from paddle_cp.integrations.paddleformers.cli import main
-from paddle_cp.integrations.paddleformers.loss import EmptyShare
+from paddle_cp.integrations.paddleformers import trainer
 
 document_batches = []  # Documents each PrepareContextParallel read off a batch (a test spy, not the package)
 documents_of = PrepareContextParallel.documents_of
@@ -28,16 +28,18 @@ def counted_documents_of(self, *args, **kwargs):
 
 
 PrepareContextParallel.documents_of = counted_documents_of
-empty_shares = []  # forwards whose part of the batch held no label on this rank (EmptyShare.check runs then)
-check_empty_share = EmptyShare.check
+empty_shares = []  # forwards whose part of the batch held no label on this rank (its loss layer's guard zeroes it)
+local_tokens = trainer.local_tokens
 
 
-def counted_check(self, model):
-    empty_shares.append(1)
-    return check_empty_share(self, model)
+def counted_local_tokens(*args, **kwargs):
+    tokens = local_tokens(*args, **kwargs)
+    if tokens == 0:
+        empty_shares.append(1)
+    return tokens
 
 
-EmptyShare.check = counted_check
+trainer.local_tokens = counted_local_tokens
 
 
 def runs(report):

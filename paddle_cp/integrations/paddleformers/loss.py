@@ -51,34 +51,7 @@ class PipelineLoss:
             raise RuntimeError("PipelineLoss.start_step(inputs) must run before the pipelined forward")
         # the schedule hands over labels already split like the inputs (PrepareContextParallel on the model)
         tokens = local_tokens(labels, None, self.ignored_label)
-        if not tokens:  # the criterion's token mean would be 0/0 (EmptyShare below): a zero from the logits
+        if not tokens:  # the criterion's token mean would be 0/0: a zero from the logits
             return output[0].sum() * 0.0
         loss = self.criterion(output[0], labels)[0]
         return loss * (self.micro_batches * tokens * self.per_token)
-
-
-class EmptyShare:
-    """The loss of a rank whose part of the batch holds no label (Ulysses' last chunk of padded rows): the
-    model's token mean is then 0/0, a NaN that weight 0 would not remove from the gradients. While
-    `active`, the model's criterion returns a zero computed from its input instead, so backward still runs
-    through the whole model (and its collectives, which the other ranks wait on) and every gradient is 0."""
-
-    def __init__(self, model):
-        self.criteria = [layer for name, layer in model.named_sublayers(include_self=True)
-                         if name.rpartition(".")[2] == "criterion"]
-        self.active = False
-        for criterion in self.criteria:
-            criterion.register_forward_post_hook(self._zero)
-
-    def check(self, model):
-        if not self.criteria:
-            raise ValueError(f"this rank's part of the batch holds no label and {type(model).__name__} has no "
-                             "`criterion` layer to give it a zero loss: give every rank labels (pad less, or "
-                             "split the sequence over fewer ranks)")
-
-    def _zero(self, layer, inputs, output):
-        if not self.active:
-            return None
-        zero = inputs[0].sum() * 0.0
-        return (zero, *output[1:]) if isinstance(output, (tuple, list)) else zero
-

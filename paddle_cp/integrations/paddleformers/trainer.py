@@ -40,7 +40,8 @@ from paddleformers.utils.log import logger
 import paddle_cp as pcp
 
 from .data import DataParallelBatchSampler
-from .loss import EmptyShare, PipelineLoss, local_tokens
+from ...sequence.empty_share import guards_loss
+from .loss import PipelineLoss, local_tokens
 from .preemption import PreemptionStop
 from .plans import layout_summary, parallelize_config, prepare_plan, with_memory_plans, with_offload_optimizer
 from .training_args import TrainingArguments
@@ -91,7 +92,6 @@ class Trainer(PaddleFormersTrainer):
                                                self._ignored_label())
             pp_config = {**pp_config, "loss_fn": self._pipeline_loss}
             self.paddle_cp_config = {**self.paddle_cp_config, "pp_config": pp_config}
-        self._empty_share = EmptyShare(model)
         self._parallelized = False
         if degrees.parallel:
             self.add_callback(PreemptionStop())
@@ -137,6 +137,13 @@ class Trainer(PaddleFormersTrainer):
             # the Trainer scales every `.grad` by 1/k between the last backward and the step: a bucket reduced
             # during that backward has none to scale (data_parallel/buckets.py)
             self.optimizer.keep_gradients_until_step()
+        degrees = self.args.paddle_cp_degrees
+        # the same on every rank, before a step (a pipeline's stages hold its loss or not; PipelineLoss weighs)
+        pipelined = bool((self.paddle_cp_config or {}).get("pp_config"))
+        if degrees.dp * degrees.sep > 1 and not pipelined and not guards_loss(model):
+            raise ValueError(f"{type(model).__name__}'s loss is no layer paddle_cp guards: a rank whose part of the "
+                             "batch holds no label would train on its 0/0 token mean (NaN gradients). Register its "
+                             "loss layer with pcp.register_loss_layer(pcp.LossLayer(...)) (sequence/empty_share.py)")
         self._parallelized = True
         return model
 
@@ -159,13 +166,7 @@ class Trainer(PaddleFormersTrainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
         weigh = self._parallelized and degrees.dp * degrees.sep > 1 and inputs.get("labels") is not None
         tokens = local_tokens(inputs["labels"], self._prepare_plan, self._ignored_label(), inputs) if weigh else None
-        if weigh and tokens == 0:
-            self._empty_share.check(model)
-        self._empty_share.active = weigh and tokens == 0
-        try:
-            result = super().compute_loss(model, inputs, return_outputs=return_outputs)
-        finally:
-            self._empty_share.active = False
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs)
         if not weigh:
             return result
         weight = pcp.loss_weight(tokens)

@@ -16,9 +16,17 @@ RULE = pcp.VisionLanguage(
     refused={"mm_vocab_size": (0, "its second head scores only the tokens whose label is an image special token, "
                                "their loss a mean of its own added to the text tokens' (a rank holding no text label "
                                "asserts; one count of labelled tokens cannot weigh two means)"),
+             "num_nextn_predict_layers": (0, "its multi-token prediction layers take each row's last tokens, a "
+                                             "rank's last local tokens under context parallelism"),
              "token_balance_loss": (False, "its gradient is each rank's summed token loss over token_balance_seqlen, "
                                            "not the token mean the labelled-token weights make one card's")})
 
 
+# its text loss (one head: mm_vocab_size 0), the token mean over labels that are not `ignored_index`: on a share
+# with none it warns and gives 0 itself; guarded, the placeholder labels' zero without the warning
+LOSS = pcp.LossLayer("paddleformers.transformers.ernie4_5_moe_vl", ("ErniePretrainingCriterion",))
+
+
 def register():
     pcp.register_vision_language(RULE)
+    pcp.register_loss_layer(LOSS)
