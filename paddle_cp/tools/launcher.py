@@ -123,6 +123,23 @@ def launch(args, argv, script):
         return json.loads(result.read_text())
 
 
+def tool_main(argv, parse_args, on_ranks, summarise, table, script):
+    """A launched tool's main(): outside a launch, `script` on args.nproc CPU ranks, then rank 0's result summarised
+    (`summarise(args, result)`) and shown as `table`; on a rank, `on_ranks(args)` measures and the rank returning
+    a result writes it to --result-file."""
+    from .text import show
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "PADDLE_TRAINER_ID" not in os.environ:
+        result = summarise(args, launch(args, argv, script))
+        show(table(result), result, args.json)
+        return
+    measured = on_ranks(args)
+    if measured is not None:
+        Path(args.result_file).write_text(json.dumps(measured))
+
+
 def _follow(proc, log):
     """Echo rank 0's progress lines until the launch ends."""
     seen = 0

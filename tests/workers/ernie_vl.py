@@ -42,7 +42,6 @@ class _Done:
 def _slots(expert_id, num_experts):
     """Each (token, choice) pair's row inside its expert, pairs taken choice-major (k * s + t) as the GPU kernels
     sort them: returns the expert of each pair, its row in that expert, the untruncated count per expert."""
-    import paddle
     import paddle.nn.functional as F
 
     flat = expert_id.transpose([1, 0]).reshape([-1]).astype("int64")  # [k*s], choice-major
@@ -74,7 +73,6 @@ def _moe_gate_dispatch(x, gate_prob, corr_bias, k, capacity, use_pad, name=None)
 
 def _combining(x, combine_weights, scatter_index, hard_gate=False):
     """Stands in for moe_layer.combining (moe_combine and its grad, GPU only): y[t] = sum_k w[t,k] x[idx[t,k]]."""
-    import paddle
 
     s, k = scatter_index.shape
     picked = x.gather(scatter_index.reshape([-1]).astype("int64")).reshape([s, k, x.shape[-1]])

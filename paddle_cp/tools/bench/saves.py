@@ -17,8 +17,6 @@ transfer of copy_bytes (`gpu_copy_ms`: at 25 GB/s, PCIe 4 x16), issued from the 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,9 +24,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by the launch: import the package from its root
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from paddle_cp.integrations import zoo  # noqa: E402
-from paddle_cp.tools.launcher import THREAD_VARS, launch, progress  # noqa: E402
+from paddle_cp.tools.launcher import progress, tool_main  # noqa: E402
 from paddle_cp.tools.ranks import gather, sep_mesh, start_cpu_ranks  # noqa: E402
-from paddle_cp.tools.text import ruled_table, show  # noqa: E402
+from paddle_cp.tools.text import ruled_table  # noqa: E402
 
 VARIANTS = ("plain loop", "Resumable, no saves", "async save every k", "blocking save every k")
 PCIE_BYTES_PER_S = 25e9
@@ -149,16 +147,7 @@ def table(result):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if "PADDLE_TRAINER_ID" not in os.environ:
-        os.environ.update({name: "1" for name in THREAD_VARS})
-        result = summarise(args, launch(args, argv, script=__file__))
-        show(table(result), result, args.json)
-        return
-    measured = run_ranks(args)
-    if measured is not None:
-        Path(args.result_file).write_text(json.dumps(measured))
+    tool_main(argv, parse_args, run_ranks, summarise, table, __file__)
 
 
 if __name__ == "__main__":

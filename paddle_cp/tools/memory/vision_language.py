@@ -22,10 +22,6 @@ grid tensors; it is given the grid as host integers (the same values).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-from pathlib import Path
 
 from paddle_cp.cost.candidate import Layout
 from paddle_cp.cost.memory import memory
@@ -33,7 +29,8 @@ from paddle_cp.cost.model_shape import ModelShape
 from paddle_cp.cost.vision_language import MODES, VisionBatch
 from paddle_cp.cost.vision_shape import VisionShape, media_tokens, video
 from paddle_cp.tools.plan.vision import pixels
-from paddle_cp.tools.text import ruled_table, show
+from paddle_cp.tools.launcher import tool_main
+from paddle_cp.tools.text import ruled_table
 
 PARTS = ("params", "optimizer", "vision", "activations", "peak")
 MIB = 2 ** 20
@@ -215,10 +212,8 @@ def estimate(args, mode):
             "activations": found["activations"] + found["vision_activations"] + found["merge"], "peak": found["peak"]}
 
 
-def collect(args, argv):
-    from paddle_cp.tools.launcher import launch
-
-    rows = launch(argparse.Namespace(nproc=args.nproc), argv, script=__file__)
+def summarise(args, rows):
+    """The ranks' measured rows beside the estimate."""
     for row in rows:
         row["estimate"] = estimate(args, row["mode"])
         row["ratio"] = {p: row["estimate"][p] / row[p] for p in PARTS if row[p]}
@@ -235,15 +230,7 @@ def table(result):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if "PADDLE_TRAINER_ID" not in os.environ:
-        result = collect(args, argv)
-        show(table(result), result, args.json)
-        return
-    rows = run_ranks(args)
-    if rows is not None:
-        Path(args.result_file).write_text(json.dumps(rows))
+    tool_main(argv, parse_args, run_ranks, summarise, table, __file__)
 
 
 if __name__ == "__main__":
