@@ -33,7 +33,7 @@ import paddle
 from .. import runtime
 from ..attention.dispatch import batch as batch_context
 from ..comm import autograd as comm_autograd
-from ..params import mark_fetch_unit
+from ..params import mark_fetch_unit, record_of
 from ..cost.vision_layout import Pieces, StageShape, feature_row_ms, joint_placement, piece_ms, rank_of_positions
 
 TAG = "vision_features"  # the exchange's bytes in paddle_cp.bytes_sent()
@@ -103,16 +103,21 @@ def tower_layers(tower):
     return max(lists, key=len) if lists else []
 
 
+def _matrices(layer):
+    """The one-card shapes of `layer`'s 2-D weights (sharding level 3 leaves placeholders in the layer)."""
+    return [shape for shape in (record_of(p).full_shape for p in layer.parameters()) if len(shape) == 2]
+
+
 def _matmul_flops(layer):
     """Forward + backward FLOPs one token costs `layer`'s 2-D weights (6 x their elements)."""
-    return 6.0 * sum(int(np.prod(p.shape)) for p in layer.parameters() if len(p.shape) == 2)
+    return 6.0 * sum(int(np.prod(shape)) for shape in _matrices(layer))
 
 
 def feature_widths(tower, merger=None):
     """The widths of the features exchanged: the merger's output (its last weight's), else the tower's merged
     features and Qwen3-VL's deepstack ones."""
     if merger is not None:
-        return [[p for p in merger.parameters() if len(p.shape) == 2][-1].shape[1]]
+        return [_matrices(merger)[-1][1]]
     config = tower.config
     return [config.out_hidden_size] * (1 + len(getattr(config, "deepstack_visual_indexes", None) or []))
 

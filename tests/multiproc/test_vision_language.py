@@ -26,7 +26,8 @@ RUNS = {
         "paddleocr_vl:hybrid:2:rows", "paddleocr_vl:p2p:images",
         "ernie4_5_vl:hybrid:2:images", "ernie4_5_vl:p2p:video",
         "qwen2_5_vl:p2p:split:video", "qwen3_vl_moe:hybrid:2:split:images", "glm4v_moe:p2p:split:video",
-        "glm_ocr:all2all:split:packed", "paddleocr_vl:hybrid:2:split:packed", "qwen3_vl:p2p:split:frozen:images"],
+        "glm_ocr:all2all:split:packed", "paddleocr_vl:hybrid:2:split:packed", "qwen3_vl:p2p:split:frozen:images",
+        "paddleocr_vl:p2p:split:l3:packed"],  # sharding level 3: the tower fetched on a rank running no piece too
 }
 REFUSALS = {  # bad input or plan -> what its error must say
     "too_few_image_tokens": "give each image as many placeholder tokens as its grid merges into",
@@ -55,10 +56,12 @@ def test_vision_language_models_train_like_one_card(reports):
         assert not report["values"].get("crash"), report["values"]["crash"]
         assert report["values"]["runs"] == RUNS[world]
         for run in RUNS[world]:
-            for kind in ("loss", "logits", "grad", "param"):
+            sharded = ":l3:" in run  # its gradients are shards: its parameters after the steps say the same
+            for kind in ("loss", "logits", "param") + (() if sharded else ("grad",)):
                 assert report["max_abs"][f"{run}.{kind}"] <= TOL, (report["rank"], run, kind, report["max_abs"])
             values = report["values"]
-            assert values[f"{run}.grads_compared"] == values[f"{run}.params"], run  # every parameter's gradient
+            if not sharded:
+                assert values[f"{run}.grads_compared"] == values[f"{run}.params"], run  # every parameter's gradient
             local, whole = values[f"{run}.tokens"]  # split, and attended across
             assert local < whole and values[f"{run}.bytes_sent"] > 0, (run, local, whole)  # split, and attended across
             losses = values[f"{run}.losses"]

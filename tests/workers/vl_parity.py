@@ -2,11 +2,12 @@
 ({"": PrepareContextParallel, "<language model>.layers.*.self_attn": ContextParallel}, every rank passing the whole
 batch) vs one process on the same batch.
 
-argv: the runs, each "family:backend[:degree][:inner|:language][:split][:frozen]:kind" (kind: images, rows, video, packed, text;
-vl_models.batch_of): lengths 2N does not divide; losses weighted by each rank's labelled tokens (its labels split by
+argv: the runs, each "family:backend[:degree][:inner|:language][:split][:frozen][:l1|:l2|:l3]:kind" (kind: images,
+rows, video, packed, text; vl_models.batch_of): lengths 2N does not divide; losses weighted by each rank's labelled tokens (its labels split by
 shard_sequence after the forward, in the batch's layout). "inner": PrepareContextParallel keyed on the inner model
 that merges (Paddle's spelling), "language": on the language model, the labels split before the forward;
-"split": ContextParallel on the vision tower too (split by images), "frozen": the tower not trained. Then
+"split": ContextParallel on the vision tower too (split by images), "frozen": the tower not trained, "l3": sharding
+level 3 over the sep ranks (the tower's parameters fetched on every rank, a rank with no piece too). Then
 the refusals of bad inputs and plans, each recorded with its message.
 """
 import sys
@@ -70,11 +71,14 @@ def reference(family, kind, world, frozen=False):
     return train(model, adamw(model), steps()), logits[0]
 
 
-def parallel(family, kind, mesh, backend, degree, key="", split=False, frozen=False):
+def parallel(family, kind, mesh, backend, degree, key="", split=False, frozen=False, sharding_level=None):
     model = built(family, frozen)
     batch = batch_of(family, kind, model, mesh.shape[0])
     plan = plan_for(family, backend, degree, key, split)
-    model, opt = pcp.parallelize(model, adamw(model), mesh, {"cp_config": {"parallelize_plan": plan}})
+    config = {"cp_config": {"parallelize_plan": plan}}
+    if sharding_level is not None:
+        config["dp_config"] = {"sharding_level": sharding_level}
+    model, opt = pcp.parallelize(model, adamw(model), mesh, config)
     prepare = next(p for p in plan.values() if isinstance(p, pcp.PrepareContextParallel))
     documents = {"attn_mask_startend_row_indices": batch.get("attn_mask_startend_row_indices")}
     logits, local, labelled = [], [], []
@@ -95,6 +99,9 @@ def parallel(family, kind, mesh, backend, degree, key="", split=False, frozen=Fa
 
     pcp.reset_counters()
     losses, grads, params = train(model, opt, steps())
+    if sharding_level == 3:  # this rank holds a shard of each: the whole parameters gathered, no gradients
+        whole_params = pcp.full_state_dict(model)
+        params, grads = {name: whole_params[name] for name in params}, None
     sent = pcp.bytes_sent()
     whole = pcp.unshard_sequence(logits[0].detach(), backend=prepare, mesh=mesh, **documents)
     facts = {"tokens": local[0], "labelled": labelled[0], "bytes_sent": sum(sent.values()),
@@ -261,10 +268,12 @@ def main(report):
         kind = rest[-1]
         frozen = "frozen" in rest
         want, want_logits = reference(family, kind, mesh.shape[0], frozen)
-        got, got_logits, facts = parallel(family, kind, mesh, backend, degree, key, "split" in rest, frozen)
-        report.training(spec, got, want)
+        level = next((int(x[1:]) for x in rest if x in ("l1", "l2", "l3")), None)
+        got, got_logits, facts = parallel(family, kind, mesh, backend, degree, key, "split" in rest, frozen, level)
+        report.training(spec, got, want if got[1] is not None else (want[0], {}, want[2]))
         report.diff(f"{spec}.logits", got_logits, want_logits)
-        report.value(f"{spec}.grads_compared", len(set(got[1]) & set(want[1])))
+        if got[1] is not None:
+            report.value(f"{spec}.grads_compared", len(set(got[1]) & set(want[1])))
         report.value(f"{spec}.params", len(want[1]))
         facts["tokens"] = [facts["tokens"], want_logits.shape[1]]
         for name, value in facts.items():  # labelled: this rank's labelled tokens (0: its loss layer gives a zero)
