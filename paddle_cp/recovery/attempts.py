@@ -4,21 +4,28 @@ Paddle's elastic launch restarts a failed job up to `--max_restart` times whethe
 step that fails every time (a bad sample, a bug) would burn every restart, each with the same traceback.
 Every attempt of a job appends a line to `<root>/pcp_recovery/attempts.jsonl` (rank 0, at its start); a
 rank whose step raises writes `failure-<attempt>-<rank>.json` (the step and the error) before it exits.
-Steps are numbered from 1 (step n ends with n steps done, the
-state `checkpoint-n` holds). `crash_loop(history, tries)` is the rule: the last `tries` attempts each failed first at the same step. The
-attempt that finds it appends a `stopped` line, so a relaunch after a fix starts a new count.
+Steps are numbered from 1 (step n ends with n steps done, the state `checkpoint-n` holds). `crash_loop(history,
+tries)` is the rule: the last `tries` attempts each failed first at the same step. `enter` applies it as an attempt
+starts (pcp.Resumable, paddle_cp's Trainer): the attempt that finds it appends a `stopped` line, so a relaunch after
+a fix starts a new count, and ends the job on every rank.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
 
+import paddle.distributed as dist
+
+from ..checkpoint.agree import count_failures
+
 FOLDER = "pcp_recovery"
 ATTEMPTS = "attempts.jsonl"
+STOP_FILE_VAR = "PCP_STOP_FILE"  # where a rank writes why it stopped the job (pcp-launch reads it)
 
 
 @dataclass(frozen=True)
@@ -110,3 +117,40 @@ def crash_loop(history, tries):
             f"{last[0].number}-{last[-1].number}, the last resumed after step {last[-1].resumed_step}): stopping "
             f"the job instead of restarting it again. The first error (attempt {last[0].number}, rank "
             f"{first['rank']}): {first['error']}")
+
+
+def enter(root, tries, group):
+    """Every rank, as an attempt starts (before rank 0's `start_attempt`): the attempt's number, read from the
+    history. If the last `tries` attempts each failed first at one step, the job ends here instead (`stop_job`):
+    the ranks agree first (also: none reads the history after rank 0 appends to it)."""
+    history = read_history(root)
+    stop = crash_loop(history, tries)
+    number = history[-1].number + 1 if history else 1
+    if count_failures(group, stop is None, "recovery_start"):
+        stop_job(root, number, stop or "paddle_cp: another rank found the job in a crash loop",
+                 history[-1].resumed_step if history else 0)
+    return number
+
+
+def stop_job(root, number, message, resumed_step):
+    """Attempt `number` ends the job with `message` (rank 0 prints it and records the stop; pcp-launch prints it
+    last): every rank exits 0, whatever the script would do next, since Paddle's launch restarts a job whose rank
+    exits non-zero (and Paddle 3.3.1's CPU teardown now and then kills an exiting rank with a signal:
+    tools/launcher.py)."""
+    rank = dist.get_rank()
+    if rank == 0:
+        print(message, flush=True)
+        start_attempt(root, number, resumed_step, dist.get_world_size())
+        mark_stopped(root, number, "crash loop")
+    stop_file = os.environ.get(STOP_FILE_VAR)
+    if stop_file:
+        with open(f"{stop_file}.{rank}", "w") as f:
+            f.write(message)
+        os.replace(f"{stop_file}.{rank}", stop_file)
+    _exit_cleanly()
+
+
+def _exit_cleanly():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

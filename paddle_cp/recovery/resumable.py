@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import paddle
 import paddle.distributed as dist
@@ -32,7 +31,6 @@ from . import attempts, rank_state, signals
 from .boundary import StepBoundary
 
 PREFIX = "checkpoint-"
-STOP_FILE_VAR = "PCP_STOP_FILE"  # where a rank writes why it stopped the job (pcp-launch reads it)
 
 
 def _check(root, save_every, keep_latest, objects, extra, tries_per_step, async_save, fresh):
@@ -93,12 +91,7 @@ class Resumable:
             if rank == 0:
                 shutil.rmtree(self.root, ignore_errors=True)
             count_failures(self._group, True, "recovery_fresh")  # nobody reads before a fresh root is empty
-        history = attempts.read_history(self.root)
-        stop = attempts.crash_loop(history, self.tries_per_step)
-        self.attempt = history[-1].number + 1 if history else 1
-        stopping = count_failures(self._group, stop is None, "recovery_start")  # also: none reads after rank 0 writes
-        if stopping:
-            self._stop_the_job(stop or "paddle_cp: another rank found the job in a crash loop", history)
+        self.attempt = attempts.enter(self.root, self.tries_per_step, self._group)
         latest = commit.latest_checkpoint(self.root)
         if latest is not None:
             saved = checkpoint.load_checkpoint(latest, self.model, self.optimizer)
@@ -118,23 +111,6 @@ class Resumable:
         signals.note_preemptions()
         self._boundary = StepBoundary(self._group)
         return self
-
-    def _stop_the_job(self, message, history):
-        if dist.get_rank() == 0:
-            print(message, flush=True)
-            attempts.start_attempt(self.root, self.attempt, history[-1].resumed_step if history else 0,
-                                   dist.get_world_size())
-            attempts.mark_stopped(self.root, self.attempt, "crash loop")
-        stop_file = os.environ.get(STOP_FILE_VAR)
-        if stop_file:
-            with open(f"{stop_file}.{dist.get_rank()}", "w") as f:
-                f.write(message)
-            os.replace(f"{stop_file}.{dist.get_rank()}", stop_file)
-        # exit 0, whatever the script would do next: Paddle's launch restarts a job whose rank exits non-zero, and
-        # Paddle 3.3.1's CPU teardown now and then kills an exiting rank with a signal (tools/launcher.py)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def steps(self, total):

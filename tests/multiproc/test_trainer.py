@@ -122,6 +122,22 @@ def test_save_model_loads_with_from_pretrained():
     assert rank0["max_abs"]["dp2_sharding2_cp2.export"] < TOLERANCE
 
 
+def test_a_step_failing_on_every_attempt_stops_the_trainer_job_with_one_message():
+    """Each train() call an attempt of the job in output_dir (as each restart by Paddle's launch is): step 3 raises
+    on every rank in the first two, the second resumed after the step-2 checkpoint; the third stops the job at its
+    start (tries_per_step=2) with the step and the first error instead of training again."""
+    reports = _reports("core")
+    loop = reports[0]["values"]["crash_loop"]
+    assert all(report["values"]["crash_loop"]["outcomes"] == ["BadSample", "BadSample", "JobStopped"]
+               for report in reports), [report["values"]["crash_loop"] for report in reports]
+    assert loop["resumed"] == [0, 2, 2] and loop["stopped"] == [3], loop
+    assert loop["failed_at"] == [[3], [3], []] and loop["failed_ranks"] == [4, 4, 0], loop
+    message = loop["printed"][0]
+    assert message.startswith("paddle_cp: step 3 failed in each of the last 2 attempts (attempts 1-2, the last "
+                              "resumed after step 2)"), message
+    assert "BadSample: a bad sample in step 3" in message, message
+
+
 @pytest.mark.parametrize("case, words", [
     ("degrees_do_not_fit", ["context_parallel_size 3", "must divide the world size"]),
     ("sharding_size", ["sharding_parallel_size 3", "set sharding_parallel_size to 4", "or 2 (the dp ranks only)"]),

@@ -9,6 +9,7 @@ arguments minus the parallel sizes, a per-device batch giving the same global ba
 with the world size hidden, so it runs as one card, and records the differences.
 """
 import contextlib
+import io
 import os
 import sys
 
@@ -72,17 +73,25 @@ def model_of(family, vision=None, **overrides):
     return vl_models.build(vision, **overrides) if vision else build(family, **overrides)
 
 
+class BadSample(ValueError):
+    """A step that fails on every attempt (`fail_at`)."""
+
+
 class LoggedLosses:
     """Collects every logged loss; with `stop_at`, ends training after that step (as if the job died
-    after its checkpoint), keeping the schedule of the full run."""
+    after its checkpoint), keeping the schedule of the full run; with `fail_at`, that step raises on every rank."""
 
-    def __init__(self, stop_at=None):
+    def __init__(self, stop_at=None, fail_at=None):
         from paddleformers.trainer import TrainerCallback
 
         class Collect(TrainerCallback):
             def on_log(cb, args, state, control, logs=None, **kwargs):
                 if logs and "loss" in logs:
                     self.losses.append(logs["loss"])
+
+            def on_step_begin(cb, args, state, control, **kwargs):
+                if fail_at is not None and state.global_step + 1 == fail_at:
+                    raise BadSample(f"a bad sample in step {fail_at}")
 
             def on_step_end(cb, args, state, control, **kwargs):
                 if stop_at is not None and state.global_step >= stop_at:
@@ -104,7 +113,8 @@ def one_card():
         dist.get_world_size, paddle.device.synchronize = real_world, real_sync
 
 
-def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=None, stop_at=None, model=None):
+def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=None, stop_at=None, model=None,
+               fail_at=None):
     args = dict(COMMON, **run_spec.get("args", {}))
     if parallel:
         args.update(run_spec["parallel"])
@@ -116,7 +126,7 @@ def train_with(trainer_cls, args_cls, run_spec, output_dir, parallel, resume=Non
     training_args = args_cls(output_dir=output_dir, **args)
     vision = run_spec.get("vision")
     model = model or model_of(run_spec.get("family", "llama"), vision, **run_spec.get("model", {}))
-    log = LoggedLosses(stop_at)
+    log = LoggedLosses(stop_at, fail_at)
     data = vision_dataset(vision) if vision else dataset(run_spec.get("packed", False), run_spec.get("seq", SEQ))
     trainer = trainer_cls(model=model, args=training_args, train_dataset=data, callbacks=[log.callback],
                           data_collator=vl_models.rows if vision else None)
@@ -343,11 +353,49 @@ def bad_configs(report, root):
                                                            args=args(context_parallel_size=2)))
 
 
+class JobStopped(Exception):
+    """What the crash-loop rule's exit becomes here: the launch's next runs still need these processes."""
+
+
+def crash_loop(report, root):
+    """A step that raises on every attempt of a Trainer job (2 tries a step): the third call of train() stops the job
+    at its start, with the step and the first error; the attempts in between resumed from the last checkpoint."""
+    from paddle_cp.integrations.paddleformers import Trainer, TrainingArguments
+    from paddle_cp.recovery import attempts
+
+    directory = os.path.join(root, "crash_loop")
+    spec = dict(parallel=dict(CP2, per_device_train_batch_size=2), global_batch=4,
+                args=dict(save_steps=2, tries_per_step=2))
+    outcomes, printed = [], io.StringIO()
+
+    def stop():
+        raise JobStopped()
+
+    exit_cleanly, attempts._exit_cleanly = attempts._exit_cleanly, stop
+    try:
+        for _ in range(3):
+            try:
+                with contextlib.redirect_stdout(printed):
+                    train_with(Trainer, TrainingArguments, spec, directory, parallel=True, fail_at=3)
+                outcomes.append("trained")
+            except (BadSample, JobStopped) as exc:
+                outcomes.append(type(exc).__name__)
+    finally:
+        attempts._exit_cleanly = exit_cleanly
+    history = attempts.read_history(directory)
+    report.value("crash_loop", {
+        "outcomes": outcomes, "printed": printed.getvalue().strip().splitlines()[-1:],
+        "resumed": [attempt.resumed_step for attempt in history], "stopped": [a.number for a in history if a.stopped],
+        "failed_at": [sorted({f["step"] for f in attempt.failures}) for attempt in history],
+        "failed_ranks": [len(attempt.failures) for attempt in history]})
+
+
 def main(report):
     root = os.path.join(os.environ["PCP_REPORT_DIR"], "trainer")  # one directory for all ranks: checkpoints are shared
     runs = RUNS[sys.argv[1]]
     if sys.argv[1] == "core":
         bad_configs(report, root)
+        crash_loop(report, root)
     if sys.argv[1] == "memory":
         memory_bad_configs(report, root)
     results = {name: parallel_run(report, name, spec, root) for name, spec in runs.items()}

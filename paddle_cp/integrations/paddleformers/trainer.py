@@ -19,7 +19,10 @@ subclass replaces only what fleet did:
 - `train`: resumes by default from the newest committed checkpoint in `output_dir`
   (unless `overwrite_output_dir`), never from PaddleFormers' `get_last_checkpoint`,
   which takes the highest-numbered folder, complete or not; a SIGTERM or SIGUSR1 to
-  any rank saves and stops every rank at the same step (preemption.py);
+  any rank saves and stops every rank at the same step (preemption.py); each call is an
+  attempt of the job in `output_dir`'s history, a step that raises recorded, and the
+  attempt after `tries_per_step` failed first at one step stops the job instead
+  (recovery/attempts.py, as pcp.Resumable);
 - `train`: `paddle.device.synchronize()` (called with gradient accumulation) has
   nothing to wait for on CPU, where Paddle raises.
 """
@@ -33,12 +36,15 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddleformers.trainer import Trainer as PaddleFormersTrainer
+from paddleformers.trainer import TrainerState
 from paddleformers.trainer.trainer_utils import has_length
 from paddleformers.utils.env import PREFIX_CHECKPOINT_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
 from paddleformers.utils.log import logger
 
 import paddle_cp as pcp
 
+from ... import mesh as mesh_lib
+from ...recovery import attempts, signals
 from .data import DataParallelBatchSampler
 from ...sequence.empty_share import guards_loss
 from .loss import PipelineLoss, local_tokens
@@ -175,10 +181,21 @@ class Trainer(PaddleFormersTrainer):
         return result * weight
 
     def train(self, resume_from_checkpoint=None, ignore_keys_for_eval=None):
-        if self._distributed:
-            resume_from_checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
-        with _no_device_sync_on_cpu():
-            return super().train(resume_from_checkpoint, ignore_keys_for_eval)
+        if not self._distributed:
+            with _no_device_sync_on_cpu():
+                return super().train(resume_from_checkpoint, ignore_keys_for_eval)
+        resume_from_checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
+        root, rank = self.args.output_dir, dist.get_rank()
+        attempt = attempts.enter(root, self.args.tries_per_step, mesh_lib.dims_of(self.args.paddle_cp_mesh).world)
+        if rank == 0:
+            attempts.start_attempt(root, attempt, _global_step(resume_from_checkpoint), dist.get_world_size())
+        try:
+            with _no_device_sync_on_cpu():
+                return super().train(resume_from_checkpoint, ignore_keys_for_eval)
+        except Exception as exc:
+            attempts.record_failure(root, attempt, rank, self.state.global_step + 1, exc)
+            signals.restore_handlers()  # PaddleFormers' on_train_end, which restores them, is not called
+            raise
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _checkpoint_to_resume(self, asked):
@@ -238,6 +255,11 @@ class Trainer(PaddleFormersTrainer):
             for processing in (self.tokenizer, self.processing_class):
                 if processing is not None:
                     processing.save_pretrained(output_dir)
+
+
+def _global_step(checkpoint):
+    """The steps done at `checkpoint` (None: 0), from the Trainer state written into it."""
+    return 0 if checkpoint is None else TrainerState.load(os.path.join(checkpoint, TRAINER_STATE_NAME)).global_step
 
 
 def _rng_state(world_size):

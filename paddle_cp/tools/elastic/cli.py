@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 
-from ...recovery.resumable import STOP_FILE_VAR
+from ...recovery.attempts import STOP_FILE_VAR
 from ..launcher import ROOT
 
 ELASTIC_DEFAULTS = {"--elastic_level": "1", "--max_restart": "100"}
