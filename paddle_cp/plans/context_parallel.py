@@ -390,6 +390,10 @@ class _PreparedRun:
             mark_fetch_unit(self.merger)
         self.language = vision_split.language_shape(rule.language_model(layer)) if merging else None
 
+    def _feature_dtype(self):
+        """What the split tower's features are exchanged in: the language model's embeddings' dtype (the merge's)."""
+        return self.rule.language_model(self.top).get_input_embeddings().weight.dtype
+
     def _check_sharded(self, layout):
         """The model's inputs and what shard_sequence split for this batch (labels) share one layout."""
         shards = batch_context.take_shards(self.sep.groups.sep if self.pool is None else self.pool.groups.sep)
@@ -443,7 +447,7 @@ class _PreparedRun:
             pieces = vision_split.media_pieces(self.rule, self.top, given) if split and refusal is None else None
             if pieces:  # the vision tower's pieces placed with the language layout, both priced
                 stage = vision_split.joint_stage(pieces, split, self.language, self.sep.layout.links,
-                                                 self.sep.layout.ulysses, seq_len)
+                                                 self.sep.layout.ulysses, seq_len, self._feature_dtype())
             if self.pool is None:
                 self.sep.layout.check_length(seq_len, what="input sequence")
                 made = batch_context.split_alike(self.sep.groups.sep, plan, seq_len, documents)
@@ -465,9 +469,8 @@ class _PreparedRun:
             groups = vision_split.layout_groups(layout, seq_len)
             ends = documents.end if documents is not None else np.full(seq_len, seq_len)
             placement = stage(groups, tile_counts(groups, ends, layout.ring))
-            embeddings = self.rule.language_model(self.top).get_input_embeddings().weight
             vision = vision_split.vision_layout(pieces, placement, groups, layout.ulysses, seq_len,
-                                                self.sep.groups.sep.index, embeddings.dtype)
+                                                self.sep.groups.sep.index, self._feature_dtype())
         return batch_context.Batch(layout, seq_len, documents, valid, self.sep.groups.sep, self.sep, plan,
                                    vision=vision)
 

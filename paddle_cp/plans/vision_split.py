@@ -25,7 +25,7 @@ splits them).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import paddle
@@ -122,12 +122,15 @@ def feature_widths(tower, merger=None):
     return [config.out_hidden_size] * (1 + len(getattr(config, "deepstack_visual_indexes", None) or []))
 
 
-def tower_shape(tower, widths):
-    """The tower's StageShape: its blocks, width, matmul FLOPs a patch, and its features' row bytes."""
+def feature_row_bytes(widths, dtype):
+    """The bytes one token's features take in the exchange: every width (feature_widths) in `dtype`."""
+    return sum(widths) * paddle.empty([0], dtype=dtype).element_size()
+
+
+def tower_shape(tower):
+    """The tower's StageShape: its blocks, width and matmul FLOPs a patch."""
     blocks = tower_layers(tower)
-    dtype_bytes = paddle.empty([0], dtype=_dtype(tower)).element_size()
-    return StageShape(len(blocks), tower.config.hidden_size, _matmul_flops(blocks[0]) if len(blocks) else 0.0,
-                      sum(widths) * dtype_bytes)
+    return StageShape(len(blocks), tower.config.hidden_size, _matmul_flops(blocks[0]) if len(blocks) else 0.0)
 
 
 def language_shape(language_model):
@@ -137,10 +140,6 @@ def language_shape(language_model):
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return StageShape(len(layers), heads * head_dim, _matmul_flops(layers[0]) if len(layers) else 0.0)
-
-
-def _dtype(tower):
-    return next(iter(tower.parameters())).dtype
 
 
 @dataclass
@@ -220,7 +219,7 @@ class VisionSplitRun:
         self.merger = None
         self.original, self.signature = layer.forward, inspect.signature(layer.forward)
         self.widths = feature_widths(layer) if not tower_spec.merger else None
-        self.shape = tower_shape(layer, self.widths) if self.widths else None
+        self.shape = tower_shape(layer)
         runtime.installed.vision_splits[layer] = self
         # whether it runs on a rank depends on the batch: sharding level 3 fetches its parameters around the tower
         # (whose hooks run on every rank), and its gradients are reduced in step(), not during backward
@@ -231,7 +230,6 @@ class VisionSplitRun:
         """The family's merger (`VisionTower.merger`), found under the model that merges."""
         self.merger, self.merge_original = merger, merger.forward
         self.widths = feature_widths(self.layer, merger)
-        self.shape = tower_shape(self.layer, self.widths)
         merger.forward = self.merge
 
     def forward(self, *args, **kwargs):
@@ -335,12 +333,12 @@ def layout_groups(layout, seq_len):
     return groups
 
 
-def joint_stage(pieces, split, language, links, ulysses, seq_len):
+def joint_stage(pieces, split, language, links, ulysses, seq_len, dtype):
     """packed_layout.choose's `joint` for a batch's vision `pieces` ({kind: MediaPieces}) of the tower `split` (a
     VisionSplitRun): `(groups, counts)` of a language candidate -> the pieces' VisionPlacement around it
     (cost/vision_layout.py), every kind's pieces in `pieces`' order; `language`: the decoder's StageShape, `links`
-    the ring's LinkCost."""
-    vision = split.shape
+    the ring's LinkCost, `dtype` the features' in the exchange."""
+    vision = replace(split.shape, row_bytes=feature_row_bytes(split.widths, dtype))
     grids = np.concatenate([p.grids for p in pieces.values()])
     costs = np.array([piece_ms(split.spec.documents(split.layer.config, vision.layers, int(h), int(w)), int(h * w),
                                vision) for _, h, w in grids])

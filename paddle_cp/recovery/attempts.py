@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -106,7 +107,10 @@ def record_failure(root, attempt, rank, step, exc):
 
 def crash_loop(history, tries):
     """The message that stops the job, or None: the last `tries` attempts (none of them a stop already) each failed
-    first at the same step (wherever they resumed: a checkpoint committed in between is no way past it)."""
+    first at the same step (wherever they resumed: a checkpoint committed in between is no way past it); `tries` 0:
+    never."""
+    if tries == 0:
+        return None
     last = history[-tries:]
     if len(last) < tries or any(attempt.stopped or attempt.first_failure is None for attempt in last):
         return None
@@ -119,10 +123,15 @@ def crash_loop(history, tries):
             f"{first['rank']}): {first['error']}")
 
 
-def enter(root, tries, group):
+def enter(root, tries, group, forget=False):
     """Every rank, as an attempt starts (before rank 0's `start_attempt`): the attempt's number, read from the
     history. If the last `tries` attempts each failed first at one step, the job ends here instead (`stop_job`):
-    the ranks agree first (also: none reads the history after rank 0 appends to it)."""
+    the ranks agree first (also: none reads the history after rank 0 appends to it). `tries` 0: never;
+    `forget`: a new job in `root` (training from scratch), whose count starts again."""
+    if forget:
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder(root), ignore_errors=True)
+        count_failures(group, True, "recovery_forget")  # nobody reads the history before it is gone
     history = read_history(root)
     stop = crash_loop(history, tries)
     number = history[-1].number + 1 if history else 1

@@ -35,9 +35,9 @@ def write(directory, rank, world, objects):
         pickle.dump(state, f)
 
 
-def restore(checkpoint, rank, world, objects):
-    """This rank's saved state (or rank 0's, on another number of ranks) back into the generators and `objects`;
-    returns the rank whose state it took."""
+def restore(checkpoint, rank, world, objects, optional=()):
+    """This rank's saved state (or rank 0's, on another number of ranks) back into the generators and `objects`
+    (those named in `optional` only where the checkpoint holds theirs); returns the rank whose state it took."""
     source = rank
     with open(_path(checkpoint, 0), "rb") as f:
         state = pickle.load(f)
@@ -46,7 +46,7 @@ def restore(checkpoint, rank, world, objects):
             state = pickle.load(f)
     elif state["world"] != world:
         source = 0
-    missing = sorted(set(objects) - set(state["objects"]))
+    missing = sorted(set(objects) - set(state["objects"]) - set(optional))
     if missing:
         raise ValueError(f"checkpoint {checkpoint} holds no state of {missing} (it has {sorted(state['objects'])}): "
                          "resume with the objects the run saved")
@@ -56,5 +56,6 @@ def restore(checkpoint, rank, world, objects):
     paddle.set_rng_state(generators["paddle"])
     paddle.framework.core.default_cpu_generator().set_state(generators["paddle_cpu"])
     for name, obj in objects.items():
-        obj.set_state_dict(state["objects"][name])
+        if name in state["objects"]:
+            obj.set_state_dict(state["objects"][name])
     return source

@@ -31,12 +31,13 @@ from . import attempts, rank_state, signals
 from .boundary import StepBoundary
 
 PREFIX = "checkpoint-"
+IMPLICIT_SCHEDULER = "optimizer_lr_scheduler"  # the optimizer's LR scheduler, resumed without being named
 
 
 def _check(root, save_every, keep_latest, objects, extra, tries_per_step, async_save, fresh):
     if not isinstance(root, (str, os.PathLike)) or not str(root):
         raise TypeError(f"Resumable(root) takes the folder of the run's checkpoints, got {root!r}")
-    for name, value, least in (("save_every", save_every, 0), ("tries_per_step", tries_per_step, 1)):
+    for name, value, least in (("save_every", save_every, 0), ("tries_per_step", tries_per_step, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"Resumable({name}=...) takes a whole number >= {least}, got {value!r}")
     if keep_latest is not None and (isinstance(keep_latest, bool) or not isinstance(keep_latest, int)
@@ -62,15 +63,16 @@ class Resumable:
         """`root`: this run's checkpoints (`checkpoint-<n>`) and attempt history; `save_every`: steps between
         checkpoints (0: only when preempted and at the end); `keep_latest`: committed checkpoints kept (None: all);
         `objects`: {name: anything with state_dict()/set_state_dict()} resumed per rank (the optimizer's learning
-        rate scheduler is one without being named: a resumed run would start its warm-up again); `extra`: the JSON state
-        the run keeps in `run.extra` (replaced by the checkpoint's when resuming); `tries_per_step`: attempts
-        that may fail at one step before the job stops; `fresh`: remove what `root` holds and start at step 0."""
+        rate scheduler is one without being named: a resumed run would start its warm-up again); `extra`: the JSON
+        state the run keeps in `run.extra` (replaced by the checkpoint's when resuming); `tries_per_step`: attempts
+        that may fail at one step before the job stops (0: any number); `fresh`: remove what `root` holds and start
+        at step 0."""
         objects = {} if objects is None else objects
         extra = {} if extra is None else extra
         _check(root, save_every, keep_latest, objects, extra, tries_per_step, async_save, fresh)
         scheduler = getattr(optimizer, "_learning_rate", None)
         if isinstance(scheduler, paddle.optimizer.lr.LRScheduler) and all(o is not scheduler for o in objects.values()):
-            objects = {**objects, "optimizer_lr_scheduler": scheduler}
+            objects = {**objects, IMPLICIT_SCHEDULER: scheduler}
         self.root, self.model, self.optimizer = str(root), model, optimizer
         self.save_every, self.keep_latest, self.objects = save_every, keep_latest, objects
         self.extra, self.async_save, self.tries_per_step, self.fresh = extra, async_save, tries_per_step, fresh
@@ -100,7 +102,8 @@ class Resumable:
                 raise ValueError(f"{latest} was not saved by pcp.Resumable (no step or rank state in it): give "
                                  "Resumable a root of its own, or fresh=True to start over there")
             self.step, self.extra = saved["step"], saved.get("extra", self.extra)
-            taken = rank_state.restore(latest, rank, world, self.objects)
+            # a checkpoint of a run that named no scheduler before Resumable kept it unasked holds none
+            taken = rank_state.restore(latest, rank, world, self.objects, optional=(IMPLICIT_SCHEDULER,))
             self.resumed_from, self._saved_step = latest, self.step
             if rank == 0:
                 ranks = "each rank its own" if taken == rank else "rank 0's on every rank (another world size)"

@@ -27,21 +27,25 @@ IGNORED_LABEL = -100
 @dataclass(frozen=True)
 class LossLayer:
     """A library's loss layer: `classes` (names under `package`) called with its labels as the parameter
-    `labels`, and `masks`, parameters of bool masks it counts its tokens by (a loss_mask), each optional; its
-    result a token-mean loss, or a tuple of them first; `ignored`: its attribute naming the ignored label."""
+    `labels`, and `masks`, parameters of bool masks it counts its tokens by where given (a loss_mask), each
+    optional; its result a token-mean loss, or a tuple of them first; `ignored`: its attribute naming the ignored
+    label; `masks_off`: its attribute that, true, has it count by its labels alone (PaddleFormers'
+    use_filtered_label_loss)."""
 
     package: str
     classes: tuple
     labels: str = "labels"
     masks: tuple = ()
     ignored: str = "ignored_index"
+    masks_off: str = ""
 
     def claims(self, layer):
         return type(layer).__module__.startswith(self.package) and type(layer).__name__ in self.classes
 
 
 def register_loss_layer(kind):
-    """Guard the loss layers of `kind` (a LossLayer) of models parallelize splits the sequence of."""
+    """Guard the loss layers of `kind` (a LossLayer) of models whose batch parallelize splits (over dp or sep
+    ranks)."""
     if not isinstance(kind, LossLayer):
         raise TypeError(f"register_loss_layer takes a LossLayer, got {type(kind).__name__}")
     if kind not in runtime.installed.loss_layers:
@@ -61,8 +65,9 @@ class _Guard:
             self.held.append(None)
             return None
         held = (labels != getattr(layer, self.kind.ignored, IGNORED_LABEL)).any()  # a device bool
+        counting = not (self.kind.masks_off and getattr(layer, self.kind.masks_off, False))
         masks = {name: bound.arguments[name] for name in self.kind.masks
-                 if isinstance(bound.arguments.get(name), paddle.Tensor)}
+                 if counting and isinstance(bound.arguments.get(name), paddle.Tensor)}
         for mask in masks.values():  # a mask the layer counts by, all false, is a 0/0 as well
             held = held & mask.astype("bool").any()
         bound.arguments[self.kind.labels] = paddle.where(held, labels, paddle.zeros_like(labels))

@@ -14,22 +14,36 @@ class TokenMeanLoss(paddle.nn.Layer):
 
     ignored_index = -100
 
+    def __init__(self, use_filtered_label_loss=False):
+        super().__init__()
+        self.use_filtered_label_loss = use_filtered_label_loss  # count by the labels, whatever loss_mask says
+
     def forward(self, logits, labels, loss_mask=None):
         per_token = paddle.nn.functional.cross_entropy(logits, labels.unsqueeze(-1), reduction="none",
                                                        ignore_index=self.ignored_index).squeeze(-1)
-        counted = (labels != self.ignored_index) if loss_mask is None else loss_mask
+        filtered = loss_mask is None or self.use_filtered_label_loss
+        counted = (labels != self.ignored_index) if filtered else loss_mask
         counted = counted.astype("float32")
         return (per_token * counted).sum() / counted.sum()
 
 
 @pytest.fixture
-def guarded():
-    kind = LossLayer(__name__, ("TokenMeanLoss",), masks=("loss_mask",))
+def kind():
+    kind = LossLayer(__name__, ("TokenMeanLoss",), masks=("loss_mask",), masks_off="use_filtered_label_loss")
     register_loss_layer(kind)
-    layer = TokenMeanLoss()
-    guard_loss_layers(layer)
-    yield layer
+    yield kind
     runtime.installed.loss_layers.remove(kind)
+
+
+def guarded_loss(use_filtered_label_loss=False):
+    layer = TokenMeanLoss(use_filtered_label_loss)
+    guard_loss_layers(layer)
+    return layer
+
+
+@pytest.fixture
+def guarded(kind):
+    return guarded_loss()
 
 
 def loss_and_grad(layer, labels, loss_mask=None):
@@ -58,3 +72,14 @@ def test_a_share_with_counted_tokens_is_untouched(guarded, loss_mask):
     want, want_grad = loss_and_grad(TokenMeanLoss(), labels, loss_mask)
     got, got_grad = loss_and_grad(guarded, labels, loss_mask)
     assert got == want and np.array_equal(got_grad, want_grad)
+
+
+def test_a_loss_counting_by_its_labels_alone_ignores_the_loss_mask(kind):
+    """use_filtered_label_loss: labels held, a loss_mask counting none is no empty share (the loss ignores it)."""
+    labels, loss_mask = [1, 2, 3, -100, 4, 0], [False] * 6
+    want, want_grad = loss_and_grad(TokenMeanLoss(True), labels, loss_mask)
+    got, got_grad = loss_and_grad(guarded_loss(True), labels, loss_mask)
+    assert np.isfinite(want) and want != 0.0
+    assert got == want and np.array_equal(got_grad, want_grad)
+    loss, grad = loss_and_grad(guarded_loss(True), [-100] * 6, [True] * 6)  # no label: empty whatever the mask
+    assert loss == 0.0 and not grad.any()

@@ -81,6 +81,16 @@ def test_the_crash_loop_rule():
     assert attempts.crash_loop([_attempt(1, 4), *loop[1:]], 3) is None  # it got further once
     assert attempts.crash_loop([*loop[:2], _attempt(3)], 3) is None  # the last attempt did not fail
     assert attempts.crash_loop([_attempt(1, 5), _attempt(2, 5, stopped="crash loop"), _attempt(3, 5)], 2) is None
+    assert attempts.crash_loop(loop, 0) is None  # the rule off
+
+
+def test_forgetting_the_history_starts_the_count_again(tmp_path):
+    root = str(tmp_path)
+    for number in (1, 2):
+        attempts.start_attempt(root, number, 0, 1)
+        attempts.record_failure(root, number, 0, 5, ValueError("bad"))
+    assert attempts.crash_loop(attempts.read_history(root), 2) is not None
+    assert attempts.enter(root, 2, None, forget=True) == 1 and attempts.read_history(root) == []
 
 
 def test_pruning_keeps_the_newest_and_any_being_read(tmp_path):
@@ -97,7 +107,7 @@ def test_pruning_keeps_the_newest_and_any_being_read(tmp_path):
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"save_every": -1}, ValueError, "save_every"),
     ({"save_every": 2, "keep_latest": 0}, ValueError, "keep_latest"),
-    ({"save_every": 2, "tries_per_step": 0}, ValueError, "tries_per_step"),
+    ({"save_every": 2, "tries_per_step": -1}, ValueError, "tries_per_step"),
     ({"save_every": 2, "objects": {"lr": object()}}, TypeError, "state_dict() and set_state_dict()"),
     ({"save_every": 2, "extra": {"x": object()}}, TypeError, "JSON-serializable"),
     ({"save_every": 2, "async_save": 1}, TypeError, "async_save"),

@@ -253,3 +253,16 @@ def test_a_share_without_labels_gives_a_zero_loss_and_zero_gradients():
     assert len(grads) == len(model.parameters()) and all((g == 0).all() for g in grads)
     model.clear_gradients()
     assert float(model(input_ids=ids, labels=ids)[0]) == own
+
+
+def test_the_loss_weight_counts_the_tokens_the_criterion_counts():
+    """By the labels, or by a loss_mask the model's criterion divides by (PaddleFormers' sft loss, unless
+    use_filtered_label_loss): one card's denominator, which loss_weight sums over the ranks."""
+    import paddle
+
+    from paddle_cp.integrations.paddleformers.loss import local_tokens
+
+    labels = paddle.to_tensor([[1, -100, 2, 3, -100, 4]])
+    mask = paddle.to_tensor([[True, True, False, False, False, True]])
+    assert local_tokens(labels, None, -100) == 4
+    assert local_tokens(labels, None, -100, mask=mask) == 3

@@ -122,7 +122,8 @@ def vision_facts(model, mesh):
     tower = next(layer for layer in model.sublayers() if layer in runtime.installed.vision_splits)
     split = runtime.installed.vision_splits[tower]
     trained = tower.parameters() + (split.merger.parameters() if split.merger is not None else [])
-    row_bytes, backward = split.shape.row_bytes, not all(param.stop_gradient for param in trained)
+    row_bytes = vision_split.feature_row_bytes(split.widths, vision.dtype)
+    backward = not all(param.stop_gradient for param in trained)
     facts = {"pieces": [0, 0], "features": [0, 0], "vision_expected": 0}
     for kind, pieces in vision.pieces.items():
         computed, destination = vision.feature_ranks(kind), vision.destinations(kind)

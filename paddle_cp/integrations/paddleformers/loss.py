@@ -26,9 +26,11 @@ def local_labels(labels, prepare_plan, inputs):
     return pcp.shard_sequence(labels, backend=prepare_plan, **{key: inputs.get(key) for key in _DOCUMENT_INPUTS})
 
 
-def local_tokens(labels, prepare_plan, ignored_label, inputs=None):
-    """Tokens whose loss this rank computes (one host read); `inputs`: the batch the model gets."""
-    return int((local_labels(labels, prepare_plan, inputs or {}) != ignored_label).astype("int64").sum())
+def local_tokens(labels, prepare_plan, ignored_label, inputs=None, mask=None):
+    """Tokens whose loss this rank computes (one host read): its labelled ones, or where the criterion counts by a
+    `mask` (a loss_mask), that mask's; `inputs`: the batch the model gets."""
+    counted = labels != ignored_label if mask is None else mask.astype("bool")
+    return int(local_labels(counted.astype("int64"), prepare_plan, inputs or {}).sum())
 
 
 class PipelineLoss:

@@ -55,7 +55,8 @@ def fused_weights(model):
 
 
 # its SFT loss: the token mean over labels that are not `ignored_index`, or over a given loss_mask
-CRITERION = pcp.LossLayer("paddleformers.", ("CriterionLayer",), masks=("loss_mask",))
+CRITERION = pcp.LossLayer("paddleformers.", ("CriterionLayer",), masks=("loss_mask",),
+                          masks_off="use_filtered_label_loss")
 
 
 def register():

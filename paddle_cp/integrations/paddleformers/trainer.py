@@ -46,7 +46,7 @@ import paddle_cp as pcp
 from ... import mesh as mesh_lib
 from ...recovery import attempts, signals
 from .data import DataParallelBatchSampler
-from ...sequence.empty_share import guards_loss
+from ...sequence.empty_share import guard_loss_layers, guards_loss
 from .loss import PipelineLoss, local_tokens
 from .preemption import PreemptionStop
 from .plans import layout_summary, parallelize_config, prepare_plan, with_memory_plans, with_offload_optimizer
@@ -146,10 +146,14 @@ class Trainer(PaddleFormersTrainer):
         degrees = self.args.paddle_cp_degrees
         # the same on every rank, before a step (a pipeline's stages hold its loss or not; PipelineLoss weighs)
         pipelined = bool((self.paddle_cp_config or {}).get("pp_config"))
-        if degrees.dp * degrees.sep > 1 and not pipelined and not guards_loss(model):
-            raise ValueError(f"{type(model).__name__}'s loss is no layer paddle_cp guards: a rank whose part of the "
-                             "batch holds no label would train on its 0/0 token mean (NaN gradients). Register its "
-                             "loss layer with pcp.register_loss_layer(pcp.LossLayer(...)) (sequence/empty_share.py)")
+        if degrees.dp * degrees.sep > 1 and not pipelined:
+            if self.criterion is not None:  # the Trainer's own criterion, called on the model's output
+                guard_loss_layers(self.criterion)
+            if not guards_loss(self.criterion if self.criterion is not None else model):
+                raise ValueError(
+                    f"{type(self.criterion or model).__name__}'s loss is no layer paddle_cp guards: a rank whose part "
+                    "of the batch holds no label would train on its 0/0 token mean (NaN gradients). Register its "
+                    "loss layer with pcp.register_loss_layer(pcp.LossLayer(...)) (sequence/empty_share.py)")
         self._parallelized = True
         return model
 
@@ -165,13 +169,22 @@ class Trainer(PaddleFormersTrainer):
     def _ignored_label(self):
         return getattr(getattr(self.model, "config", None), "ignored_index", IGNORED_LABEL)
 
+    def _counted_mask(self, model, inputs):
+        """The batch's loss_mask where the loss counts its tokens by it: the model's own PaddleFormers criterion
+        (the Trainer's `criterion` gets no mask) without use_filtered_label_loss; else None (by the labels)."""
+        criterion = getattr(model, "criterion", None)
+        if self.criterion is not None or criterion is None or getattr(criterion, "use_filtered_label_loss", False):
+            return None
+        return inputs.get("loss_mask")
+
     def compute_loss(self, model, inputs, return_outputs=False):
         degrees = self.args.paddle_cp_degrees
         if self._pipeline_loss is not None and self._parallelized and model.training:
             self._pipeline_loss.start_step(inputs)  # the schedule weighs each micro-batch's loss
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
         weigh = self._parallelized and degrees.dp * degrees.sep > 1 and inputs.get("labels") is not None
-        tokens = local_tokens(inputs["labels"], self._prepare_plan, self._ignored_label(), inputs) if weigh else None
+        tokens = local_tokens(inputs["labels"], self._prepare_plan, self._ignored_label(), inputs,
+                              self._counted_mask(model, inputs)) if weigh else None
         result = super().compute_loss(model, inputs, return_outputs=return_outputs)
         if not weigh:
             return result
@@ -186,14 +199,17 @@ class Trainer(PaddleFormersTrainer):
                 return super().train(resume_from_checkpoint, ignore_keys_for_eval)
         resume_from_checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
         root, rank = self.args.output_dir, dist.get_rank()
-        attempt = attempts.enter(root, self.args.tries_per_step, mesh_lib.dims_of(self.args.paddle_cp_mesh).world)
+        resumed = _global_step(resume_from_checkpoint)  # every rank: a file that fails to load fails on all
+        attempt = attempts.enter(root, self.args.tries_per_step, mesh_lib.dims_of(self.args.paddle_cp_mesh).world,
+                                 forget=self.args.overwrite_output_dir)
         if rank == 0:
-            attempts.start_attempt(root, attempt, _global_step(resume_from_checkpoint), dist.get_world_size())
+            attempts.start_attempt(root, attempt, resumed, dist.get_world_size())
         try:
             with _no_device_sync_on_cpu():
                 return super().train(resume_from_checkpoint, ignore_keys_for_eval)
         except Exception as exc:
-            attempts.record_failure(root, attempt, rank, self.state.global_step + 1, exc)
+            # the step being run (before the state is restored: the one after the checkpoint's)
+            attempts.record_failure(root, attempt, rank, max(self.state.global_step, resumed) + 1, exc)
             signals.restore_handlers()  # PaddleFormers' on_train_end, which restores them, is not called
             raise
 
@@ -258,8 +274,10 @@ class Trainer(PaddleFormersTrainer):
 
 
 def _global_step(checkpoint):
-    """The steps done at `checkpoint` (None: 0), from the Trainer state written into it."""
-    return 0 if checkpoint is None else TrainerState.load(os.path.join(checkpoint, TRAINER_STATE_NAME)).global_step
+    """The steps done at `checkpoint`, from the Trainer state written into it (0: none, or a checkpoint without one,
+    from which PaddleFormers starts at step 0 too)."""
+    path = os.path.join(checkpoint, TRAINER_STATE_NAME) if checkpoint is not None else None
+    return TrainerState.load(path).global_step if path is not None and os.path.isfile(path) else 0
 
 
 def _rng_state(world_size):

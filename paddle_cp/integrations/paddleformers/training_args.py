@@ -83,7 +83,8 @@ class TrainingArguments(PaddleFormersTrainingArguments):
     tries_per_step: int = field(
         default=3, metadata={"help": "Attempts of a parallel run (Paddle's launch restarting it) that may fail first "
                                      "at the same step before the next one stops the job with that step and the "
-                                     "first error instead of training again (paddle_cp's crash-loop rule)."})
+                                     "first error instead of training again (paddle_cp's crash-loop rule; 0: "
+                                     "never). overwrite_output_dir starts the count again."})
 
     def __post_init__(self):
         # everything here is arithmetic on the arguments: a bad combination raises on every rank alike
@@ -93,8 +94,10 @@ class TrainingArguments(PaddleFormersTrainingArguments):
                              "model config's recompute flags with it) or drop offload_recompute_inputs")
         if isinstance(self.mlp_tile_tokens, bool) or not isinstance(self.mlp_tile_tokens, int) or self.mlp_tile_tokens < 0:
             raise ValueError(f"mlp_tile_tokens takes tokens per tile (0: untiled), got {self.mlp_tile_tokens!r}")
-        if isinstance(self.tries_per_step, bool) or not isinstance(self.tries_per_step, int) or self.tries_per_step < 1:
-            raise ValueError(f"tries_per_step takes a whole number >= 1, got {self.tries_per_step!r}")
+        tries = self.tries_per_step
+        if isinstance(tries, bool) or not isinstance(tries, int) or tries < 0:
+            raise ValueError(f"tries_per_step takes a whole number >= 0 (0: no crash-loop rule), got "
+                             f"{self.tries_per_step!r}")
         flags = {name: getattr(self, name) for name in FLEET_FLAGS}
         if self.paddle_cp_config is not None:
             defaults = {f.name: f.default for f in fields(self)}
