@@ -94,8 +94,8 @@ def complete_checkpoints(root):
             continue
         try:
             found.append((read_marker(path)["saved_at"], path))
-        except (ValueError, KeyError):
-            continue  # missing or truncated files: not a checkpoint to resume from
+        except (ValueError, KeyError, OSError):
+            continue  # missing or truncated files, or pruned by rank 0 during the scan: not one to resume from
     return sorted(found)
 
 
