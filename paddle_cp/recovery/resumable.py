@@ -26,7 +26,6 @@ import paddle.distributed as dist
 
 from .. import checkpoint, runtime
 from ..checkpoint import commit, layout
-from ..checkpoint.agree import count_failures
 from . import attempts, rank_state, signals
 from .boundary import StepBoundary
 
@@ -89,11 +88,9 @@ class Resumable:
     def __enter__(self):
         self._group = layout.world_group()
         rank, world = dist.get_rank(), dist.get_world_size()
-        if self.fresh:
-            if rank == 0:
-                shutil.rmtree(self.root, ignore_errors=True)
-            count_failures(self._group, True, "recovery_fresh")  # nobody reads before a fresh root is empty
-        self.attempt = attempts.enter(self.root, self.tries_per_step, self._group)
+        if self.fresh and rank == 0:
+            shutil.rmtree(self.root, ignore_errors=True)  # enter's forget waits for it on every rank
+        self.attempt = attempts.enter(self.root, self.tries_per_step, self._group, forget=self.fresh)
         latest = commit.latest_checkpoint(self.root)
         if latest is not None:
             saved = checkpoint.load_checkpoint(latest, self.model, self.optimizer)
